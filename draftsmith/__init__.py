@@ -1,0 +1,7 @@
+"""draftsmith: train, convert and serve speculative-decoding draft heads.
+
+The import root holds only the CLI; the work lives in `draftsmith.models` (model code shared by training
+and serving), `draftsmith.serve` (the engine), `draftsmith.train` and `draftsmith.convert`.
+"""
+
+__version__ = "0.1.0"

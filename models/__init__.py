@@ -1,0 +1,8 @@
+"""Model code shared by training and serving: target runtime (Llama family) and, later, draft heads."""
+
+from draftsmith.models.config import ARCHITECTURES, TargetConfig
+from draftsmith.models.kv_cache import ForwardBatch, KVCache
+from draftsmith.models.llama import CausalLM, ForwardOutput
+from draftsmith.models.loader import load_target
+
+__all__ = ["ARCHITECTURES", "CausalLM", "ForwardBatch", "ForwardOutput", "KVCache", "TargetConfig", "load_target"]

@@ -1,0 +1,90 @@
+"""Per-slot KV cache and the per-forward attention metadata that addresses it.
+
+Each running sequence owns one slot: a contiguous `[max_len]` strip per layer. A sequence's length lives on
+the host (the scheduler knows it), so dropping rejected speculative tokens is just a smaller length: the
+stale keys past it are never read (the mask stops at each query's position) and get overwritten by the next
+write at those positions. Nothing is copied. One extra *scratch* slot absorbs the writes of padding tokens,
+so padded batches never touch a live sequence. Shapes are static, which is what CUDA graphs need later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    """k[layer], v[layer]: [num_slots + 1, num_kv_heads, max_len, head_dim]; slot `num_slots` is scratch."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
+        # zeros, not empty: a padding query may read never-written keys, and those must be finite.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+@dataclass
+class ForwardBatch:
+    """Where B rows of Q new tokens each sit in the cache; row b has `q_lens[b]` real tokens, rest padding.
+
+    Built on the host from the scheduler's Python lists, then moved to the device in one go, so the forward
+    itself never needs a device-to-host sync.
+    """
+
+    positions: torch.Tensor  # [B, Q] absolute position of each query token (padding clamped into range)
+    read_slots: torch.Tensor  # [B] slot each row attends over
+    write_slots: torch.Tensor  # [B, Q] slot each token's K/V goes to (scratch for padding)
+    write_positions: torch.Tensor  # [B, Q]
+    mask: torch.Tensor  # [B, 1, Q, kv_len] bool, True = may attend
+    kv_len: int  # keys [0, kv_len) are read
+    slot_start: int | None  # rows read slots slot_start.. in order: slice the cache instead of gathering
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], q_lens: list[int], cache: KVCache,
+              sliding_window: int | None = None, device: torch.device | str = "cpu") -> ForwardBatch:
+        num_rows, width = len(slots), max(q_lens)
+        start = torch.tensor(starts, dtype=torch.long)[:, None]
+        offsets = torch.arange(width, dtype=torch.long)[None, :]
+        positions = start + offsets
+        real = offsets < torch.tensor(q_lens, dtype=torch.long)[:, None]
+        kv_len = max(s + q for s, q in zip(starts, q_lens))
+        positions = positions.clamp(max=cache.max_len - 1)
+        read_slots = torch.tensor(slots, dtype=torch.long)
+        write_slots = torch.where(real, read_slots[:, None], torch.full_like(positions, cache.scratch_slot))
+        keys = torch.arange(kv_len, dtype=torch.long)
+        mask = keys[None, None, :] <= positions[:, :, None]
+        if sliding_window is not None:
+            mask &= keys[None, None, :] > positions[:, :, None] - sliding_window
+        contiguous = slots == list(range(slots[0], slots[0] + num_rows))
+        return cls(
+            positions=positions.to(device),
+            read_slots=read_slots.to(device),
+            write_slots=write_slots.to(device),
+            write_positions=positions.to(device),
+            mask=mask[:, None].to(device),
+            kv_len=kv_len,
+            slot_start=slots[0] if contiguous else None,
+        )
+
+    def read(self, layer_cache: torch.Tensor) -> torch.Tensor:
+        """This batch's keys (or values) [B, num_kv_heads, kv_len, head_dim]."""
+        window = layer_cache[:, :, : self.kv_len]
+        if self.slot_start is not None:
+            return window[self.slot_start : self.slot_start + self.read_slots.shape[0]]
+        return window.index_select(0, self.read_slots)
+
+    def write(self, layer_cache: torch.Tensor, new: torch.Tensor) -> None:
+        """new [B, num_kv_heads, Q, head_dim] goes to (write_slots, :, write_positions)."""
+        layer_cache[self.write_slots, :, self.write_positions] = new.transpose(1, 2)

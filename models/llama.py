@@ -1,0 +1,167 @@
+"""Inference implementation of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a per-slot KV cache.
+
+Module names mirror HF's (`model.layers.N.self_attn.q_proj`, ...) so an HF state dict loads without a
+renaming table. Hidden states use HF's `output_hidden_states` indexing: 0 is the embedding output, i in
+1..L-1 the output of decoder layer i-1, and L the final-normed output. EAGLE heads name layers this way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.models.config import TargetConfig
+from draftsmith.models.kv_cache import ForwardBatch, KVCache
+from draftsmith.models.rope import apply_rope, rope_tables
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, cast back before the weight: HF's order, needed for bit-level parity in bf16.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch | None) -> torch.Tensor:
+        rows, width, _ = x.shape
+        q = self.q_proj(x).view(rows, width, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(rows, width, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(rows, width, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, head_dim]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:  # whole sequences at once (training, reference scoring)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k_cache, v_cache = cache
+            batch.write(k_cache, k)
+            batch.write(v_cache, v)
+            out = F.scaled_dot_product_attention(q, batch.read(k_cache), batch.read(v_cache),
+                                                 attn_mask=batch.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [B, n, vocab] at the requested positions, fp32
+    hidden_states: dict[int, torch.Tensor]  # HF hidden_states index -> [B, Q, hidden]
+
+
+class CausalLM(nn.Module):
+    """A Llama-family decoder with an LM head; `forward` runs B rows of new tokens against the cache."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def init_rope(self, max_len: int) -> None:
+        """Builds the fp32 cos/sin tables on the model's device for positions [0, max_len)."""
+        device = self.model.embed_tokens.weight.device
+        self.rope_cos, self.rope_sin = rope_tables(self.config.rope, self.config.head_dim, max_len, device)
+
+    def make_cache(self, num_slots: int, max_len: int) -> KVCache:
+        w = self.model.embed_tokens.weight
+        return KVCache(self.config.num_hidden_layers, num_slots, max_len, self.config.num_key_value_heads,
+                       self.config.head_dim, w.dtype, w.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, batch: ForwardBatch | None = None,
+                hidden_layer_ids: Sequence[int] = (), logits_index: torch.Tensor | None = None,
+                compute_logits: bool = True) -> ForwardOutput:
+        """Runs input_ids [B, Q].
+
+        Args:
+            positions: [B, Q]; defaults to `batch.positions`, or 0..Q-1 without a cache.
+            cache, batch: the KV cache and where these tokens go in it; both None = plain causal forward.
+            hidden_layer_ids: HF `hidden_states` indices to return.
+            logits_index: [B, n] query indices whose logits to compute; None = all Q.
+        """
+        if positions is None:
+            positions = batch.positions if batch is not None else torch.arange(
+                input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        # Tables are sized at load time (the engine passes max_model_len); no host sync on positions here.
+        if self.rope_cos is None or (cache is None and input_ids.shape[1] > self.rope_cos.shape[0]):
+            self.init_rope(max(self.config.max_position_embeddings, input_ids.shape[1]))
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
+        wanted = set(hidden_layer_ids)
+        last = self.config.num_hidden_layers
+        hidden: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
+        for i, layer in enumerate(self.model.layers):
+            layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
+            x = layer(x, cos, sin, layer_cache, batch)
+            if i + 1 in wanted and i + 1 < last:
+                hidden[i + 1] = x
+        x = self.model.norm(x)
+        if last in wanted:
+            hidden[last] = x
+        logits = None
+        if compute_logits:
+            if logits_index is not None:
+                x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
+            logits = self.lm_head(x).float()
+        return ForwardOutput(logits=logits, hidden_states=hidden)

@@ -1,0 +1,181 @@
+"""The engine loop: continuous batching over a per-slot KV cache.
+
+Each `step()` (1) gives free cache slots to waiting requests, (2) runs one chunked, padded prefill forward
+for requests still reading their prompt and samples the first token of those that finish it, and
+(3) runs one decode forward for every request already generating. Requests finish independently and free
+their slot at once, so queued ones join on the next step. The only device-to-host copy per forward is
+the sampled token ids, which stop checks need anyway.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.models.llama import CausalLM
+from draftsmith.serve.request import Request, RequestOutput, Status
+from draftsmith.serve.sampling import SamplingBatch, sample
+from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.stopping import StopChecker
+
+logger = logging.getLogger("draftsmith")
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 16  # cache slots = requests decoding at once
+    max_model_len: int = 2048  # prompt + output tokens per request
+    max_num_batched_tokens: int = 2048  # padded prefill tokens per step
+    seed: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, eos_token_ids: set[int]):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = model.model.embed_tokens.weight.device
+        self.cache = model.make_cache(config.max_num_seqs, config.max_model_len)
+        self.stop_checker = StopChecker(tokenizer, eos_token_ids, config.max_model_len)
+        self.free_slots = list(range(config.max_num_seqs))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self.stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0, "num_forward_passes": 0}
+        logger.info("KV cache: %d slots x %d tokens, %.1f MiB (%s)", config.max_num_seqs, config.max_model_len,
+                    self.cache.nbytes / 2**20, self.cache.k[0].dtype)
+
+    # ----------------------------------------------------------------------------------------- requests
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None) -> Request:
+        if not prompt_token_ids:
+            raise DraftsmithError("prompt is empty: at least one token is needed")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise DraftsmithError(
+                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.config.max_model_len} "
+                "(prompt plus at least one generated token must fit)"
+            )
+        vocab = self.model.config.vocab_size
+        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+            raise DraftsmithError(f"prompt token ids must be in [0, {vocab})")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise DraftsmithError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        request = Request(request_id, list(prompt_token_ids), params, generator, prompt=prompt)
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None or request.status is Status.FINISHED:
+            return
+        if request.status is Status.WAITING:
+            self.waiting.remove(request)
+        request.finish("abort")
+        self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Advances every running request by one forward; returns outputs of requests that moved."""
+        self._admit()
+        moved: list[Request] = []
+        decoding = [r for r in self.running if not r.prefilling]
+        prefilling = [r for r in self.running if r.prefilling]
+        if prefilling:
+            moved += self._prefill(prefilling)
+        if decoding:
+            moved += self._decode(decoding)
+        for request in moved:
+            if request.status is Status.FINISHED:
+                self.stop_checker.finalize_text(request)
+                self._release(request)
+        return [r.to_output() for r in moved]
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            request = self.waiting.popleft()
+            request.slot = self.free_slots.pop(0)
+            request.status = Status.RUNNING
+            self.running.append(request)
+
+    def _release(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+            self.free_slots.append(request.slot)
+            self.free_slots.sort()  # low slots first keeps decode batches contiguous (slice, not gather)
+        self.requests.pop(request.request_id, None)
+
+    def _prefill(self, candidates: list[Request]) -> list[Request]:
+        budget = self.config.max_num_batched_tokens
+        rows: list[Request] = []
+        chunks: list[int] = []
+        for request in candidates:
+            remaining = request.prompt_len - request.num_computed
+            chunk = min(remaining, budget)
+            width = max(chunks + [chunk])
+            if rows and (len(rows) + 1) * width > budget:
+                break
+            rows.append(request)
+            chunks.append(chunk)
+        width = max(chunks)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, (request, chunk) in enumerate(zip(rows, chunks)):
+            start = request.num_computed
+            ids[i, :chunk] = torch.tensor(request.prompt_token_ids[start : start + chunk])
+        batch = ForwardBatch.build([r.slot for r in rows], [r.num_computed for r in rows], chunks, self.cache,
+                                   self.model.config.sliding_window, self.device)
+        last = torch.tensor(chunks, dtype=torch.long)[:, None] - 1
+        out = self._forward(ids, batch, last)
+        for request, chunk in zip(rows, chunks):
+            request.num_computed += chunk
+            self.stats["num_prompt_tokens"] += chunk
+        done = [i for i, r in enumerate(rows) if not r.prefilling]
+        if done:
+            self._sample_and_append([rows[i] for i in done], out[done, 0])
+        return [rows[i] for i in done]
+
+    def _decode(self, rows: list[Request]) -> list[Request]:
+        ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
+        batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], [1] * len(rows),
+                                   self.cache, self.model.config.sliding_window, self.device)
+        out = self._forward(ids, batch, None)
+        for request in rows:
+            request.num_computed += 1
+        self._sample_and_append(rows, out[:, -1])
+        return rows
+
+    def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None) -> torch.Tensor:
+        self.stats["num_forward_passes"] += 1
+        if logits_index is not None:
+            logits_index = logits_index.to(self.device)
+        with torch.inference_mode():
+            return self.model(ids.to(self.device), cache=self.cache, batch=batch, logits_index=logits_index).logits
+
+    def _sample_and_append(self, rows: list[Request], logits: torch.Tensor) -> None:
+        sampling = SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device)
+        with torch.inference_mode():
+            tokens = sample(logits, sampling).tolist()
+        now = time.perf_counter()
+        for request, token in zip(rows, tokens):
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.stats["num_generated_tokens"] += self.stop_checker.append(request, [token])
+
+    def get_metrics(self) -> dict[str, float]:
+        return dict(self.stats)

@@ -1,0 +1,129 @@
+"""The offline API, shaped like vLLM's `LLM`: load once, `generate` many prompts with continuous batching."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.loader import load_target
+from draftsmith.serve.engine import EngineConfig, LLMEngine
+from draftsmith.serve.request import RequestOutput
+from draftsmith.serve.sampling_params import SamplingParams
+
+logger = logging.getLogger("draftsmith")
+
+PromptInput = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": str}
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
+        raise DraftsmithError(f"cannot load a tokenizer from {model_dir}: {exc}") from None
+
+
+def eos_token_ids(model_dir: Path, config_eos: tuple[int, ...], tokenizer) -> set[int]:
+    ids = set(config_eos)
+    gen_config = model_dir / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLM:
+    """A target model plus engine.
+
+    Args:
+        model: HF model directory (config.json, safetensors, tokenizer).
+        dtype: "auto" (fp32 on CPU, the checkpoint's dtype on GPU), "float32", "bfloat16" or "float16".
+        device: "cpu", "cuda" or None (CUDA when available).
+        speculative_config: vLLM-style speculation settings (not available yet).
+        max_num_seqs: requests decoding at once; also the number of KV cache slots.
+        max_model_len: prompt + output tokens per request; defaults to the model's context.
+    """
+
+    def __init__(self, model: str | Path, dtype: str = "auto", device: str | None = None,
+                 speculative_config: dict | str | None = None, max_num_seqs: int = 16,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048, seed: int = 0):
+        if speculative_config:
+            raise DraftsmithError("speculative_config is not available in this build yet")
+        model_dir = Path(model)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise DraftsmithError(f"device {device!r} requested but CUDA is not available")
+        if max_num_seqs < 1:
+            raise DraftsmithError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.model_dir = model_dir
+        self.model = load_target(model_dir, dtype=dtype, device=device, max_len=max_model_len)
+        context = self.model.config.max_position_embeddings
+        max_model_len = max_model_len or context
+        if not 1 < max_model_len <= context:
+            raise DraftsmithError(f"max_model_len must be in [2, {context}] (the model's context), got {max_model_len}")
+        self.tokenizer = load_tokenizer(model_dir)
+        self.engine = LLMEngine(
+            self.model, self.tokenizer,
+            EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                         max_num_batched_tokens=max(max_num_batched_tokens, 1), seed=seed),
+            eos_token_ids(model_dir, self.model.config.eos_token_ids, self.tokenizer),
+        )
+
+    def encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        return self.encode(prompt["prompt"])
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        if not self.tokenizer.chat_template:
+            raise DraftsmithError(f"the tokenizer in {self.model_dir} has no chat template")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja errors on malformed messages
+            raise DraftsmithError(f"chat template failed on messages {messages!r}: {exc}") from None
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion and returns outputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise DraftsmithError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        order: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            text, ids = self.encode(prompt)
+            request = self.engine.add_request(ids, p, prompt=text)
+            order[request.request_id] = i
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        start, generated = time.perf_counter(), 0
+        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        results[order[output.request_id]] = output
+                        generated += len(output.outputs[0].token_ids)
+                        bar.update(1)
+                        bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}")
+        return results  # type: ignore[return-value]
+
+    def chat(self, messages: list[list[dict[str, str]]], sampling_params=None, use_tqdm: bool = True):
+        return self.generate([self.apply_chat_template(m) for m in messages], sampling_params, use_tqdm)
+
+    def get_metrics(self) -> dict[str, float]:
+        return self.engine.get_metrics()

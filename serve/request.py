@@ -1,0 +1,82 @@
+"""One request's state inside the engine, and the outputs handed back to callers (vLLM's shapes)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.serve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, no cache slot yet
+    RUNNING = "running"  # owns a slot; prefilling while num_computed < len(prompt)
+    FINISHED = "finished"
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
+    text: str = ""  # detokenized output, kept current only when stop strings need it
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_token_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(0, self.text, list(self.output_token_ids), self.finish_reason,
+                                      self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
+                             self.status is Status.FINISHED)

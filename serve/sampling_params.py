@@ -1,0 +1,45 @@
+"""Per-request sampling settings, shaped like vLLM's `SamplingParams`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature 0 means greedy (argmax). top_k <= 0 and top_p == 1 disable those filters. A seeded request
+    draws from its own generator, so its output does not depend on what else is in the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        checks = [
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (disabled), 0 (disabled) or positive"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("n", self.n == 1, "only n=1 is supported"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise DraftsmithError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

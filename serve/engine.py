@@ -57,16 +57,7 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None) -> Request:
-        if not prompt_token_ids:
-            raise DraftsmithError("prompt is empty: at least one token is needed")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise DraftsmithError(
-                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.config.max_model_len} "
-                "(prompt plus at least one generated token must fit)"
-            )
-        vocab = self.model.config.vocab_size
-        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
-            raise DraftsmithError(f"prompt token ids must be in [0, {vocab})")
+        self.check_prompt(prompt_token_ids)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise DraftsmithError(f"request id {request_id!r} is already in use")
@@ -77,6 +68,18 @@ class LLMEngine:
         self.requests[request_id] = request
         self.waiting.append(request)
         return request
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise DraftsmithError("prompt is empty: at least one token is needed")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise DraftsmithError(
+                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.config.max_model_len} "
+                "(prompt plus at least one generated token must fit)"
+            )
+        vocab = self.model.config.vocab_size
+        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+            raise DraftsmithError(f"prompt token ids must be in [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)

@@ -105,11 +105,16 @@ class LLM:
         params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise DraftsmithError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Encode and check every prompt before queueing any, so one bad prompt leaves the engine untouched.
+        encoded = [self.encode(prompt) for prompt in prompts]
+        for i, (_, ids) in enumerate(encoded):
+            try:
+                self.engine.check_prompt(ids)
+            except DraftsmithError as exc:
+                raise DraftsmithError(f"prompt {i}: {exc}") from None
         order: dict[str, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            text, ids = self.encode(prompt)
-            request = self.engine.add_request(ids, p, prompt=text)
-            order[request.request_id] = i
+        for i, ((text, ids), p) in enumerate(zip(encoded, params)):
+            order[self.engine.add_request(ids, p, prompt=text).request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         start, generated = time.perf_counter(), 0
         with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:

@@ -1,0 +1,102 @@
+"""The `draftsmith` console script: parses arguments and hands them to library functions.
+
+A `DraftsmithError` (a user mistake) is printed as one line on stderr with exit status 2; anything else
+is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from draftsmith import __version__
+from draftsmith.errors import DraftsmithError
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line naming it (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype; auto = float32 on CPU, the checkpoint's on GPU")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16,
+                   help="requests decoding at once (= KV cache slots)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="prompt + output tokens per request (default: the model's context)")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculation settings as JSON, vLLM keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog="draftsmith", description=(
+        "Speculative decoding end to end: train draft heads, convert checkpoints, serve and measure."))
+    parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
+
+    gen = sub.add_parser("generate", help="offline batched generation from a JSONL prompts file",
+                         description="Generate completions for every line of a JSONL file. Lines are "
+                         '{"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} (chat '
+                         "template applied). Output lines: index, text, token_ids, num_prompt_tokens, "
+                         "finish_reason, in input order.")
+    gen.add_argument("--model", required=True, help="HF model directory (config.json, safetensors, tokenizer)")
+    gen.add_argument("--prompts", required=True, help="input JSONL file")
+    gen.add_argument("--output", required=True, help="output JSONL file")
+    gen.add_argument("--max-tokens", type=_positive_int, required=True, help="new tokens per prompt at most")
+    gen.add_argument("--temperature", type=float, required=True, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
+    gen.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same output")
+    gen.add_argument("--metrics-json", default=None, help="write elapsed_s, tokens_per_s and counters here")
+    _add_engine_args(gen)
+    gen.set_defaults(handler="draftsmith.serve.generate_cli:run")
+
+    bench = sub.add_parser("bench", help="throughput on validation code prompts, side by side in one run",
+                           description="Times HF transformers and our engine on the same validation code "
+                           "prompts and prints tokens/s and their ratio per model.")
+    bench.add_argument("--shared", default="../shared", help="folder holding data/ and models/")
+    bench.add_argument("--models", default="demo-code-7m,house-code-28m", help="comma-separated names under models/")
+    bench.add_argument("--num-prompts", type=_positive_int, default=8)
+    bench.add_argument("--max-tokens", type=_positive_int, default=128)
+    bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    bench.add_argument("--json", default=None, help="also write the results here")
+    bench.set_defaults(handler="draftsmith.serve.bench:run")
+
+    demo = sub.add_parser("demo", help="generate with the embedded demo model and print tokens/s")
+    demo.add_argument("--model", default=None, help="default: assets/demo-code-7m")
+    demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    demo.add_argument("--max-tokens", type=_positive_int, default=64)
+    demo.set_defaults(handler="draftsmith.serve.demo:run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    module_name, function_name = args.handler.split(":")
+    handler = getattr(importlib.import_module(module_name), function_name)  # heavy imports only when used
+    try:
+        return handler(args)
+    except DraftsmithError as exc:
+        print(f"draftsmith {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"draftsmith {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,76 @@
+"""`draftsmith bench`: decode throughput on validation code prompts, side by side in one run.
+
+For each model it times, on the same prompts and greedy settings: HF transformers `generate` one prompt
+at a time (the baseline users know), our engine one prompt at a time, and our engine with all prompts
+batched. Ratios are taken within the run, never against numbers from another machine or day.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.serve.code_prompts import code_prompts
+from draftsmith.serve.llm import LLM
+from draftsmith.serve.sampling_params import SamplingParams
+
+MODELS = ("demo-code-7m", "house-code-28m")
+
+
+def _time_engine(llm: LLM, prompts: list[str], params: SamplingParams, batched: bool) -> tuple[float, int]:
+    start = time.perf_counter()
+    if batched:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tokens, start = 0, time.perf_counter()
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+            tokens += out.shape[1] - ids.shape[1]
+    return time.perf_counter() - start, tokens
+
+
+def run(args: argparse.Namespace) -> int:
+    shared = Path(args.shared)
+    data = shared / "data" / "code-validation.jsonl.xz"
+    if not data.is_file():
+        raise DraftsmithError(f"benchmark data {data} not found; pass --shared DIR (the folder holding data/ and models/)")
+    prompts = code_prompts(data, args.num_prompts)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows = []
+    print(f"{len(prompts)} validation code prompts, greedy, {args.max_tokens} new tokens, fp32, "
+          f"{torch.get_num_threads()} CPU threads")
+    for name in args.models.split(","):
+        model_dir = shared / "models" / name
+        llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(len(prompts), 1))
+        llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        row = {"model": name}
+        secs, toks = _time_engine(llm, prompts, params, batched=False)
+        row["bs1_tokens_per_s"] = toks / secs
+        secs, toks = _time_engine(llm, prompts, params, batched=True)
+        row[f"bs{len(prompts)}_tokens_per_s"] = toks / secs
+        if not args.no_hf:
+            secs, toks = _time_hf(model_dir, llm.tokenizer, prompts, args.max_tokens)
+            row["hf_bs1_tokens_per_s"] = toks / secs
+            row["bs1_speedup_vs_hf"] = row["bs1_tokens_per_s"] / row["hf_bs1_tokens_per_s"]
+        rows.append(row)
+        print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0

@@ -47,7 +47,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch | None) -> torch.Tensor:
+                cache: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch | None,
+                window_mask: torch.Tensor | None = None) -> torch.Tensor:
         rows, width, _ = x.shape
         q = self.q_proj(x).view(rows, width, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(rows, width, self.num_kv_heads, self.head_dim)
@@ -57,7 +58,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, head_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:  # whole sequences at once (training, reference scoring)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask, is_causal=window_mask is None,
+                                                 enable_gqa=True)
         else:
             k_cache, v_cache = cache
             batch.write(k_cache, k)
@@ -86,8 +88,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
+    def forward(self, x, cos, sin, cache, batch, window_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch, window_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -148,12 +150,17 @@ class CausalLM(nn.Module):
             self.init_rope(max(self.config.max_position_embeddings, input_ids.shape[1]))
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
+        window_mask = None
+        if cache is None and self.config.sliding_window is not None:
+            # Without a cache the batch carries no mask; build the causal sliding-window one here.
+            distance = positions[:, :, None] - positions[:, None, :]
+            window_mask = ((distance >= 0) & (distance < self.config.sliding_window))[:, None]
         wanted = set(hidden_layer_ids)
         last = self.config.num_hidden_layers
         hidden: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.model.layers):
             layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = layer(x, cos, sin, layer_cache, batch)
+            x = layer(x, cos, sin, layer_cache, batch, window_mask)
             if i + 1 in wanted and i + 1 < last:
                 hidden[i + 1] = x
         x = self.model.norm(x)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 import safetensors
+import torch
 from safetensors import safe_open
 
 from draftsmith.errors import DraftsmithError

@@ -1,0 +1,103 @@
+"""Our Llama-family runtime against transformers' own models: logits and hidden states, fp32."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models import ForwardBatch, load_target
+from helpers import DEMO_MODEL, TINY_FAMILIES, make_tiny_checkpoint, shared_path
+
+# Same weights and op order as HF; the cached path differs only in SDPA's masked-reduction order.
+ATOL_FULL = 1e-5
+ATOL_CACHED = 1e-4
+
+
+def _compare_full_forward(hf, ours, vocab, num_layers, seq_len=24):
+    ids = torch.randint(0, vocab, (2, seq_len))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        out = ours(ids, hidden_layer_ids=range(num_layers + 1))
+    torch.testing.assert_close(out.logits, ref.logits, atol=ATOL_FULL, rtol=0)
+    for i in range(num_layers + 1):
+        torch.testing.assert_close(out.hidden_states[i], ref.hidden_states[i], atol=ATOL_FULL, rtol=0)
+    return ids, ref.logits
+
+
+def _compare_cached(ours, ids, ref_logits):
+    """Two rows of different lengths: chunked prefill with padding, then one token at a time."""
+    cache = ours.make_cache(num_slots=3, max_len=64)
+    lens = [10, 6]
+    batch = ForwardBatch.build([2, 0], [0, 0], lens, cache, ours.config.sliding_window)
+    prefill = torch.zeros(2, max(lens), dtype=torch.long)
+    for row, n in enumerate(lens):
+        prefill[row, :n] = ids[row, :n]
+    with torch.no_grad():
+        out = ours(prefill, cache=cache, batch=batch)
+    for row, n in enumerate(lens):
+        torch.testing.assert_close(out.logits[row, :n], ref_logits[row, :n], atol=ATOL_CACHED, rtol=0)
+    positions = list(lens)
+    for _ in range(ids.shape[1] - max(lens)):
+        step = torch.tensor([[ids[r, positions[r]]] for r in range(2)])
+        batch = ForwardBatch.build([2, 0], positions, [1, 1], cache, ours.config.sliding_window)
+        with torch.no_grad():
+            out = ours(step, cache=cache, batch=batch)
+        for r in range(2):
+            torch.testing.assert_close(out.logits[r, 0], ref_logits[r, positions[r]], atol=ATOL_CACHED, rtol=0)
+            positions[r] += 1
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_tiny_family_matches_transformers(family, tmp_path):
+    hf = make_tiny_checkpoint(family, tmp_path)
+    ours = load_target(tmp_path, dtype="float32")
+    ids, ref_logits = _compare_full_forward(hf, ours, hf.config.vocab_size, hf.config.num_hidden_layers)
+    _compare_cached(ours, ids, ref_logits)
+
+
+def test_sharded_checkpoint_and_legacy_rope_keys(tmp_path):
+    hf = make_tiny_checkpoint("llama3.1-rope", tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope  # the pre-v5 spelling
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = load_target(tmp_path, dtype="float32")
+    assert ours.config.rope.type == "llama3"
+    _compare_full_forward(hf, ours, hf.config.vocab_size, hf.config.num_hidden_layers)
+
+
+def test_checkpoint_errors(tmp_path):
+    make_tiny_checkpoint("llama", tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(DraftsmithError, match="cannot read"):
+        load_target(tmp_path)
+    weights.unlink()
+    with pytest.raises(DraftsmithError, match="no weights"):
+        load_target(tmp_path)
+    make_tiny_checkpoint("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_hidden_layers"] = 4  # checkpoint has 3
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftsmithError, match="missing"):
+        load_target(tmp_path)
+
+
+def _real_model_parity(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ours = load_target(model_dir, dtype="float32")
+    ids, ref_logits = _compare_full_forward(hf, ours, hf.config.vocab_size, hf.config.num_hidden_layers, 40)
+    _compare_cached(ours, ids, ref_logits)
+
+
+def test_demo_model_matches_transformers():
+    _real_model_parity(DEMO_MODEL)
+
+
+def test_house_model_matches_transformers():
+    _real_model_parity(shared_path("models", "house-code-28m"))

@@ -23,6 +23,9 @@ from draftsmith.models.llama import CausalLM
 from draftsmith.serve.request import Request, RequestOutput, Status
 from draftsmith.serve.sampling import SamplingBatch, sample
 from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.spec.config import SpeculativeConfig
+from draftsmith.serve.spec.registry import resolve_proposer
+from draftsmith.serve.spec.verify import SpecMetrics, pick_sampler, verify
 from draftsmith.serve.stopping import StopChecker
 
 logger = logging.getLogger("draftsmith")
@@ -37,7 +40,8 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, eos_token_ids: set[int]):
+    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, eos_token_ids: set[int],
+                 spec_config: SpeculativeConfig | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -51,6 +55,15 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self.stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0, "num_forward_passes": 0}
+        self.spec_config = spec_config
+        self.proposer = None
+        if spec_config is not None:  # resolved once; the engine never branches on the method name
+            self.proposer = resolve_proposer(spec_config.method)(spec_config, model, config.max_num_seqs,
+                                                                 config.max_model_len)
+            self.rejection_sampler = pick_sampler(self.device)
+            self.spec_metrics = SpecMetrics(spec_config.num_speculative_tokens)
+            logger.info("speculation: %s, k=%d, rejection sampler %s", spec_config.method,
+                        spec_config.num_speculative_tokens, self.rejection_sampler.__name__)
         logger.info("KV cache: %d slots x %d tokens, %.1f MiB (%s)", config.max_num_seqs, config.max_model_len,
                     self.cache.nbytes / 2**20, self.cache.k[0].dtype)
 
@@ -118,6 +131,8 @@ class LLMEngine:
             self.running.append(request)
 
     def _release(self, request: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.release(request)
         if request in self.running:
             self.running.remove(request)
             self.free_slots.append(request.slot)
@@ -154,6 +169,8 @@ class LLMEngine:
         return [rows[i] for i in done]
 
     def _decode(self, rows: list[Request]) -> list[Request]:
+        if self.proposer is not None:
+            return self._speculative_decode(rows)
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], [1] * len(rows),
                                    self.cache, self.model.config.sliding_window, self.device)
@@ -161,6 +178,38 @@ class LLMEngine:
         for request in rows:
             request.num_computed += 1
         self._sample_and_append(rows, out[:, -1])
+        return rows
+
+    def _speculative_decode(self, rows: list[Request]) -> list[Request]:
+        """Draft up to k tokens per row, score [last token, drafts] in one forward, keep what verifies."""
+        k = self.spec_config.num_speculative_tokens
+        limits = []
+        for r in rows:
+            room = self.config.max_model_len - r.num_tokens - 1  # drafts + the new token must fit
+            left = (r.params.max_tokens - len(r.output_token_ids) - 1) if r.params.max_tokens else k
+            limits.append(max(0, min(k, room, left)))
+        drafts = self.proposer.propose(rows, limits)
+        q_lens = [1 + len(d) for d in drafts.tokens]
+        ids = torch.zeros(len(rows), max(q_lens), dtype=torch.long)
+        for i, (request, draft) in enumerate(zip(rows, drafts.tokens)):
+            ids[i, : q_lens[i]] = torch.tensor([request.last_token, *draft])
+        batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], q_lens, self.cache,
+                                   self.model.config.sliding_window, self.device)
+        logits = self._forward(ids, batch, None)
+        sampling = SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device)
+        with torch.inference_mode():
+            kept = verify(logits, drafts, sampling, self.rejection_sampler,
+                          self.spec_config.rejection_sample_method == "probabilistic",
+                          self.spec_config.synthetic_acceptance_rate)
+        now = time.perf_counter()
+        for request, draft, tokens in zip(rows, drafts.tokens, kept):
+            self.spec_metrics.observe(len(draft), len(tokens) - 1)
+            self.stats["num_generated_tokens"] += self.stop_checker.append(request, tokens)
+            # K/V of the last token and the accepted drafts are in the cache; rejected ones are past the
+            # length and get overwritten: nothing to copy.
+            request.num_computed = request.num_tokens - 1
+            if request.first_token_time is None:
+                request.first_token_time = now
         return rows
 
     def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None) -> torch.Tensor:
@@ -180,5 +229,8 @@ class LLMEngine:
                 request.first_token_time = now
             self.stats["num_generated_tokens"] += self.stop_checker.append(request, [token])
 
-    def get_metrics(self) -> dict[str, float]:
-        return dict(self.stats)
+    def get_metrics(self) -> dict:
+        metrics = dict(self.stats)
+        if self.proposer is not None:
+            metrics.update(self.spec_metrics.as_dict())
+        return metrics

@@ -17,6 +17,10 @@ from draftsmith.models.loader import load_target
 from draftsmith.serve.engine import EngineConfig, LLMEngine
 from draftsmith.serve.request import RequestOutput
 from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.spec.config import SpeculativeConfig, from_legacy_kwargs
+
+LEGACY_SPEC_KWARGS = ("speculative_model", "num_speculative_tokens", "ngram_prompt_lookup_max",
+                      "ngram_prompt_lookup_min")
 
 logger = logging.getLogger("draftsmith")
 
@@ -50,16 +54,24 @@ class LLM:
         model: HF model directory (config.json, safetensors, tokenizer).
         dtype: "auto" (fp32 on CPU, the checkpoint's dtype on GPU), "float32", "bfloat16" or "float16".
         device: "cpu", "cuda" or None (CUDA when available).
-        speculative_config: vLLM-style speculation settings (not available yet).
+        speculative_config: vLLM-style speculation settings: a dict, JSON string or `SpeculativeConfig`,
+            e.g. {"method": "ngram", "num_speculative_tokens": 4}. The deprecated keyword forms
+            speculative_model="[ngram]", num_speculative_tokens=, ngram_prompt_lookup_max= still work.
         max_num_seqs: requests decoding at once; also the number of KV cache slots.
         max_model_len: prompt + output tokens per request; defaults to the model's context.
     """
 
     def __init__(self, model: str | Path, dtype: str = "auto", device: str | None = None,
                  speculative_config: dict | str | None = None, max_num_seqs: int = 16,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048, seed: int = 0):
-        if speculative_config:
-            raise DraftsmithError("speculative_config is not available in this build yet")
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048, seed: int = 0,
+                 **legacy_speculation):
+        unknown = set(legacy_speculation) - set(LEGACY_SPEC_KWARGS)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
+        legacy = from_legacy_kwargs(**legacy_speculation)
+        if legacy is not None and speculative_config is not None:
+            raise DraftsmithError("pass speculative_config or the legacy speculative_model=..., not both")
+        spec_config = SpeculativeConfig.parse(legacy or speculative_config)
         model_dir = Path(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -78,6 +90,7 @@ class LLM:
             EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          max_num_batched_tokens=max(max_num_batched_tokens, 1), seed=seed),
             eos_token_ids(model_dir, self.model.config.eos_token_ids, self.tokenizer),
+            spec_config,
         )
 
     def encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:

@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
 
 demo: $(STAMP)
 	$(VENV)/bin/draftsmith demo

@@ -14,6 +14,8 @@ import sys
 from draftsmith import __version__
 from draftsmith.errors import DraftsmithError
 
+DEFAULT_BENCH_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line naming it (no usage dump)."""
@@ -72,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-prompts", type=_positive_int, default=8)
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
     bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    bench.add_argument("--speculative-config", default=DEFAULT_BENCH_SPEC,
+                       help="speculation to compare against no speculation ('' to skip); default: %(default)s")
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(handler="draftsmith.serve.bench:run")
 

@@ -1,8 +1,9 @@
 """`draftsmith bench`: decode throughput on validation code prompts, side by side in one run.
 
 For each model it times, on the same prompts and greedy settings: HF transformers `generate` one prompt
-at a time (the baseline users know), our engine one prompt at a time, and our engine with all prompts
-batched. Ratios are taken within the run, never against numbers from another machine or day.
+at a time (the baseline users know), our engine one prompt at a time without and with speculation, and
+our engine with all prompts batched. Ratios are taken within the run, never against numbers from another
+machine or day. Speculative outputs are also checked token for token against the plain ones.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows = []
     print(f"{len(prompts)} validation code prompts, greedy, {args.max_tokens} new tokens, fp32, "
-          f"{torch.get_num_threads()} CPU threads")
+          f"{torch.get_num_threads()} CPU threads; speculation: {args.speculative_config}")
     for name in args.models.split(","):
         model_dir = shared / "models" / name
         llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(len(prompts), 1))
@@ -69,6 +70,21 @@ def run(args: argparse.Namespace) -> int:
             secs, toks = _time_hf(model_dir, llm.tokenizer, prompts, args.max_tokens)
             row["hf_bs1_tokens_per_s"] = toks / secs
             row["bs1_speedup_vs_hf"] = row["bs1_tokens_per_s"] / row["hf_bs1_tokens_per_s"]
+        if args.speculative_config:
+            spec = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(len(prompts), 1),
+                       speculative_config=args.speculative_config)
+            spec.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+            plain_ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            spec.engine.spec_metrics.__init__(spec.engine.spec_config.num_speculative_tokens)  # drop warm-up
+            start = time.perf_counter()
+            outputs = [spec.generate(p, params, use_tqdm=False)[0] for p in prompts]
+            secs = time.perf_counter() - start
+            row["spec_bs1_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / secs
+            row["spec_speedup"] = row["spec_bs1_tokens_per_s"] / row["bs1_tokens_per_s"]
+            metrics = spec.get_metrics()
+            row["mean_acceptance_length"] = metrics["mean_acceptance_length"]
+            row["accepted_per_position"] = "/".join(str(n) for n in metrics["accepted_per_position"])
+            row["spec_greedy_equal"] = [o.outputs[0].token_ids for o in outputs] == plain_ids
         rows.append(row)
         print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     if args.json:

@@ -1,0 +1,46 @@
+import torch
+
+from draftsmith.serve.request import Request
+from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.spec.config import SpeculativeConfig
+from draftsmith.serve.spec.ngram import NgramProposer, find_continuations
+
+
+def _starts(histories, min_n, max_n):
+    width = max(map(len, histories))
+    tokens = torch.zeros(len(histories), width, dtype=torch.long)
+    for i, h in enumerate(histories):
+        tokens[i, : len(h)] = torch.tensor(h)
+    return find_continuations(tokens, torch.tensor([len(h) for h in histories]), min_n, max_n).tolist()
+
+
+def test_vllm_docstring_example_and_tie_rules():
+    # [1,2,3,4,2,3], min 2, max 3: the 3-gram [4,2,3] has no earlier match, the 2-gram [2,3] does at 1
+    assert _starts([[1, 2, 3, 4, 2, 3]], 2, 3) == [3]
+    # the longest n wins even if a shorter one matches earlier
+    assert _starts([[7, 3, 9, 1, 2, 3, 8, 1, 2, 3]], 1, 3) == [6]
+    # among equal n, the earliest occurrence wins
+    assert _starts([[5, 6, 1, 5, 6, 2, 5, 6]], 2, 2) == [2]
+    # no match, or history too short: -1; rows in one batch are independent
+    assert _starts([[1, 2, 3, 4], [9, 9], [4, 5, 4, 5, 4]], 2, 2) == [-1, -1, 3]
+
+
+def _request(rid, tokens, slot):
+    r = Request(str(rid), tokens, SamplingParams(), torch.Generator())
+    r.slot = slot
+    return r
+
+
+def test_proposer_drafts_follow_the_match_and_respect_limits():
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                                      "prompt_lookup_max": 3})
+    proposer = NgramProposer(config, None, max_num_seqs=3, max_model_len=32)
+    a = _request(0, [1, 2, 3, 4, 5, 6, 1, 2], slot=2)
+    b = _request(1, [9, 8, 7], slot=0)
+    drafts = proposer.propose([a, b], [4, 4])
+    assert drafts.tokens == [[3, 4, 5, 6], []] and drafts.probs is None
+    a.output_token_ids += [3, 4]  # history now ...1 2 3 4: the 3-gram [2,3,4] matched at 1
+    assert proposer.propose([a], [2]).tokens == [[5, 6]]
+    # a new request reusing the slot starts from a clean history
+    c = _request(2, [4, 4, 4], slot=2)
+    assert proposer.propose([c], [4]).tokens == [[4]]  # [4,4] matched at 0, one token follows

@@ -1,0 +1,49 @@
+import json
+import warnings
+
+import pytest
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.serve import LLM
+from draftsmith.serve.spec.config import SpeculativeConfig
+from helpers import DEMO_MODEL
+
+
+def test_vllm_prompt_lookup_defaults_and_mirroring():
+    both_unset = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    assert (both_unset.prompt_lookup_min, both_unset.prompt_lookup_max) == (5, 5)
+    only_max = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+    only_min = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (2, 2)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}, "bogus.*valid keys: method"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "'eagle3' is not available yet; available: ngram"),
+    ({"method": "lookahead", "num_speculative_tokens": 3}, "'lookahead' is unknown; available: ngram"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "greater than"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "only 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}, "synthetic_acceptance_rate"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "fast"}, "rejection_sample_method"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_configs_are_one_clear_error(config, message):
+    with pytest.raises(DraftsmithError, match=message):
+        SpeculativeConfig.parse(config)
+
+
+def test_legacy_keywords_map_with_deprecation_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=64,
+                  speculative_model="[ngram]", num_speculative_tokens=3, ngram_prompt_lookup_max=4)
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    config = llm.engine.spec_config
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (
+        "ngram", 3, 4, 4)
+    with pytest.raises(TypeError, match="speculative_modle"):
+        LLM(DEMO_MODEL, speculative_modle="[ngram]")
+    assert json.loads(config.model_dump_json())["method"] == "ngram"

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                        speculative_config=args.speculative_config)
             spec.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
             plain_ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            spec.engine.spec_metrics.__init__(spec.engine.spec_config.num_speculative_tokens)  # drop warm-up
+            spec.engine.spec_metrics.reset()  # drop the warm-up's counts
             start = time.perf_counter()
             outputs = [spec.generate(p, params, use_tqdm=False)[0] for p in prompts]
             secs = time.perf_counter() - start

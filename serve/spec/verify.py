@@ -34,6 +34,10 @@ class SpecMetrics:
     accepted_per_position: list[int] = field(default_factory=list)
 
     def __post_init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * self.num_speculative_tokens
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:

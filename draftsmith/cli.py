@@ -66,6 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(handler="draftsmith.serve.generate_cli:run")
 
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the speculative engine",
+                         description="Serve MODEL over an OpenAI-compatible API: /v1/completions, "
+                         "/v1/chat/completions (both with stream=true), /v1/models, /health, /version and "
+                         "Prometheus /metrics. Flags are named as in `vllm serve`.")
+    srv.add_argument("model", help="HF model directory")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: MODEL)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--max-queue", type=_positive_int, default=256,
+                     help="waiting requests beyond this get 503 at once instead of queueing")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds SIGTERM waits for in-flight requests before cancelling them")
+    _add_engine_args(srv)
+    srv.set_defaults(handler="draftsmith.serve.serve_cli:run")
+
     bench = sub.add_parser("bench", help="throughput on validation code prompts, side by side in one run",
                            description="Times HF transformers and our engine on the same validation code "
                            "prompts and prints tokens/s and their ratio per model.")

@@ -37,7 +37,8 @@ class NgramProposer(Proposer):
     def propose(self, rows: list[Request], max_drafts: list[int]) -> Drafts:
         for request in rows:
             self._sync(request)
-        starts = find_continuations(self.tokens[[r.slot for r in rows]],
+        width = max(r.num_tokens for r in rows)
+        starts = find_continuations(self.tokens[[r.slot for r in rows], :width],
                                     torch.tensor([r.num_tokens for r in rows]), self.min_n, self.max_n).tolist()
         drafts = []
         for request, start, limit in zip(rows, starts, max_drafts):

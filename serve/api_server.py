@@ -1,0 +1,226 @@
+"""OpenAI-compatible HTTP server (FastAPI) over the shared engine loop. Handlers stay thin: validate the
+body with pydantic, turn it into token ids and `SamplingParams`, and relay the engine's outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from draftsmith import __version__
+from draftsmith.errors import DraftsmithError
+from draftsmith.serve.async_engine import AsyncEngine, QueueFullError
+from draftsmith.serve.detokenizer import IncrementalText
+from draftsmith.serve.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
+    error_body,
+    new_id,
+    usage_chunk,
+)
+from draftsmith.serve.request import RequestOutput
+from draftsmith.serve.server_metrics import ServerMetrics
+
+logger = logging.getLogger("draftsmith")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              metrics: ServerMetrics | None = None, shutdown_timeout: float = 30.0) -> FastAPI:
+    llm = engine.llm
+    max_model_len = llm.engine.config.max_model_len
+    metrics = metrics or ServerMetrics(served_model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        engine.start()
+        yield
+        # uvicorn has stopped taking connections and waited for open ones; finish or cancel the rest.
+        await asyncio.to_thread(engine.shutdown, shutdown_timeout)
+
+    app = FastAPI(title="draftsmith", version=__version__, lifespan=lifespan)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                metrics.request_failure.labels(served_model_name, "401").inc()
+                return _error(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if first.get("type") == "json_invalid":
+            message, param = "request body is not valid JSON", None
+        metrics.request_failure.labels(served_model_name, "400").inc()
+        return _error(400, f"{param}: {message}" if param else message, param)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_request: Request, exc: APIError):
+        metrics.request_failure.labels(served_model_name, str(exc.status)).inc()
+        return _error(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if engine.healthy else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "draftsmith", "root": str(llm.model_dir),
+                                            "max_model_len": max_model_len}]}
+
+    def check_model(name: str) -> None:
+        if name != served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{served_model_name}`",
+                           "model")
+
+    def submit(ids: list[int], body, prompt: str | None):
+        try:
+            params = body.sampling_params(default_max_tokens=max_model_len)
+            return params, engine.submit(ids, params, prompt)
+        except QueueFullError as exc:
+            raise APIError(503, str(exc)) from None
+        except DraftsmithError as exc:
+            raise APIError(400, str(exc), "prompt" if "prompt" in str(exc) else None) from None
+
+    async def collect(raw: Request, outputs: AsyncIterator[RequestOutput], start: float) -> RequestOutput:
+        """Runs a non-streamed request to the end; a client that disconnects cancels it."""
+        async def consume():
+            last, first_at = None, None
+            async for last in outputs:  # noqa: B007
+                if first_at is None and last.outputs[0].token_ids:
+                    first_at = time.perf_counter()
+                    metrics.ttft.labels(served_model_name).observe(first_at - start)
+            return last
+
+        task = asyncio.ensure_future(consume())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await raw.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await outputs.aclose()
+                raise APIError(499, "client disconnected")
+        try:
+            return task.result()
+        except DraftsmithError as exc:
+            raise APIError(503, str(exc)) from None
+        except RuntimeError as exc:
+            raise APIError(500, str(exc)) from None
+
+    def finished(output: RequestOutput, start: float) -> None:
+        metrics.e2e.labels(served_model_name).observe(time.perf_counter() - start)
+        metrics.request_success.labels(served_model_name, output.outputs[0].finish_reason or "stop").inc()
+
+    async def stream_events(outputs, params, start, make_chunk, first_chunks, include_usage, rid, obj, n_prompt):
+        text = IncrementalText(llm.tokenizer, params.stop)
+        last_at, n_tokens = None, 0
+        try:
+            for chunk in first_chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            async for out in outputs:
+                completion = out.outputs[0]
+                now = time.perf_counter()
+                new_tokens = len(completion.token_ids) - n_tokens
+                if new_tokens > 0:
+                    if last_at is None:
+                        metrics.ttft.labels(served_model_name).observe(now - start)
+                    else:
+                        metrics.itl.labels(served_model_name).observe((now - last_at) / new_tokens)
+                    last_at, n_tokens = now, len(completion.token_ids)
+                delta = text.delta(completion.token_ids, out.finished, completion.text if out.finished else None)
+                if delta or out.finished:
+                    yield f"data: {json.dumps(make_chunk(delta, completion.finish_reason if out.finished else None))}\n\n"
+                if out.finished:
+                    finished(out, start)
+                    if include_usage:
+                        yield f"data: {json.dumps(usage_chunk(rid, served_model_name, obj, n_prompt, n_tokens))}\n\n"
+        except (DraftsmithError, RuntimeError) as exc:
+            yield f"data: {json.dumps(error_body(str(exc), 500))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        start = time.perf_counter()
+        check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt, ids = llm.encode(body.prompt)
+        else:
+            prompt, ids = None, list(body.prompt)
+        params, outputs = submit(ids, body, prompt)
+        rid = new_id("cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = stream_events(outputs, params, start,
+                                   lambda d, f: completion_chunk(rid, served_model_name, d, f), [],
+                                   include_usage, rid, "text_completion", len(ids))
+            return StreamingResponse(events, media_type="text/event-stream")
+        out = await collect(raw, outputs, start)
+        finished(out, start)
+        c = out.outputs[0]
+        return completion_body(rid, served_model_name, c.text, c.finish_reason, len(ids), len(c.token_ids))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        start = time.perf_counter()
+        check_model(body.model)
+        try:
+            prompt = llm.apply_chat_template([m.model_dump() for m in body.messages])
+        except DraftsmithError as exc:
+            raise APIError(400, str(exc), "messages") from None
+        _, ids = llm.encode(prompt)
+        params, outputs = submit(ids, body, prompt)
+        rid = new_id("chatcmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            first = [chat_chunk(rid, served_model_name, {"role": "assistant", "content": ""}, None)]
+            events = stream_events(outputs, params, start,
+                                   lambda d, f: chat_chunk(rid, served_model_name, {"content": d} if d else {}, f),
+                                   first, include_usage, rid, "chat.completion.chunk", len(ids))
+            return StreamingResponse(events, media_type="text/event-stream")
+        out = await collect(raw, outputs, start)
+        finished(out, start)
+        c = out.outputs[0]
+        return chat_body(rid, served_model_name, c.text, c.finish_reason, len(ids), len(c.token_ids))
+
+    return app

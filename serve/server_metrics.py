@@ -1,0 +1,74 @@
+"""Prometheus metrics for the server, named like vLLM's with the `draftsmith:` prefix.
+
+Each server owns its CollectorRegistry, so several servers in one process (tests, benchmarks) never
+collide. Engine counters are mirrored by adding the difference since the last step.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# `*_created` timestamp series double the output and no dashboard reads them.
+disable_created_metrics()
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.request_success = Counter("draftsmith:request_success", "Finished requests by finish reason",
+                                       labels + ["finished_reason"], registry=r)
+        self.request_failure = Counter("draftsmith:request_failure", "Requests rejected or failed, by HTTP status",
+                                       labels + ["status"], registry=r)
+        self.prompt_tokens = Counter("draftsmith:prompt_tokens", "Prefilled prompt tokens", labels, registry=r)
+        self.generation_tokens = Counter("draftsmith:generation_tokens", "Generated tokens", labels, registry=r)
+        self.running = Gauge("draftsmith:num_requests_running", "Requests holding a KV slot", labels, registry=r)
+        self.waiting = Gauge("draftsmith:num_requests_waiting", "Requests queued for a slot", labels, registry=r)
+        self.ttft = Histogram("draftsmith:time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("draftsmith:inter_token_latency_seconds", "Time between streamed outputs per token",
+                             labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("draftsmith:e2e_request_latency_seconds", "End-to-end request latency", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.spec_drafts = Counter("draftsmith:spec_decode_num_drafts", "Speculative drafts", labels, registry=r)
+        self.spec_draft_tokens = Counter("draftsmith:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                         labels, registry=r)
+        self.spec_accepted = Counter("draftsmith:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                     labels, registry=r)
+        self.spec_per_pos = Counter("draftsmith:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted draft tokens by position", labels + ["position"], registry=r)
+        self.model_name = model_name
+        for position in range(num_speculative_tokens):  # exported from the start, at 0
+            self.spec_per_pos.labels(model_name, str(position))
+        self._last: dict = {}
+
+    def observe_engine(self, engine) -> None:
+        """Called on the engine thread after each step."""
+        name = self.model_name
+        self.running.labels(name).set(len(engine.running))
+        self.waiting.labels(name).set(len(engine.waiting))
+        now = engine.get_metrics()
+        for key, counter in (("num_prompt_tokens", self.prompt_tokens),
+                             ("num_generated_tokens", self.generation_tokens),
+                             ("num_drafts", self.spec_drafts), ("num_draft_tokens", self.spec_draft_tokens),
+                             ("num_accepted_tokens", self.spec_accepted)):
+            if key in now:
+                counter.labels(name).inc(now[key] - self._last.get(key, 0))
+        for position, count in enumerate(now.get("accepted_per_position", [])):
+            previous = self._last.get("accepted_per_position", [0] * (position + 1))
+            self.spec_per_pos.labels(name, str(position)).inc(count - previous[position])
+        self._last = now
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -26,6 +26,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/draftsmith bench --shared $(SHARED)
+	$(VENV)/bin/draftsmith bench-serve --shared $(SHARED)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

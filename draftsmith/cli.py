@@ -95,7 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(handler="draftsmith.serve.bench:run")
 
-    demo = sub.add_parser("demo", help="generate with the embedded demo model and print tokens/s")
+    load = sub.add_parser("bench-serve", help="HTTP load check: requests/s and latency, without and with speculation",
+                          description="Starts the server on loopback twice (no speculation, then with "
+                          "--speculative-config), sends the same requests at a fixed concurrency with the openai "
+                          "client, and prints requests/s, output tokens/s and p50/p99 latency side by side.")
+    load.add_argument("--shared", default="../shared", help="folder holding data/ and models/")
+    load.add_argument("--models", default="demo-code-7m,house-code-28m", help="comma-separated names under models/")
+    load.add_argument("--concurrency", type=_positive_int, default=8)
+    load.add_argument("--num-requests", type=_positive_int, default=32)
+    load.add_argument("--max-tokens", type=_positive_int, default=64)
+    load.add_argument("--speculative-config", default=DEFAULT_BENCH_SPEC)
+    load.set_defaults(handler="draftsmith.serve.load_bench:run")
+
+    demo = sub.add_parser("demo", help="serve the embedded demo model with n-gram speculation and query it")
     demo.add_argument("--model", default=None, help="default: assets/demo-code-7m")
     demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     demo.add_argument("--max-tokens", type=_positive_int, default=64)
@@ -110,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for chatty in ("httpx", "httpx2", "openai"):  # one line per HTTP call otherwise
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     module_name, function_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), function_name)  # heavy imports only when used
     try:

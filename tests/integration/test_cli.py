@@ -76,4 +76,5 @@ def test_console_script_rejects_unknown_dtype_in_one_line(tmp_path):
 def test_demo_prints_text_and_throughput(capsys):
     assert main(["demo", "--max-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "def fibonacci(n):" in out and "tokens/s" in out
+    assert "def fibonacci(n):" in out and "tokens/s" in out and "mean acceptance length" in out
+    assert "server stopped" in out

@@ -1,0 +1,277 @@
+"""A real uvicorn server on loopback, driven by the official `openai` client."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from draftsmith.cli import main
+from draftsmith.serve import LLM
+from draftsmith.serve.serve_cli import build_server_app, free_port, server_in_thread
+from helpers import DEMO_MODEL
+
+KEY = "test-key"
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa",
+           "class Stack:\n    def push(self, item):\n        self.it", "for i in ra"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=4, max_model_len=256, speculative_config=SPEC)
+    app = build_server_app(llm, "demo", api_key=KEY, max_queue=64)
+    with server_in_thread(app) as url:
+        yield url, llm
+
+
+def _client(url, **kw):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=kw.pop("api_key", KEY), max_retries=0, timeout=120, **kw)
+
+
+def _metrics(url):
+    text = httpx.get(f"{url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return samples
+
+
+def test_completions_and_chat_streamed_equal_non_streamed(server):
+    url, _ = server
+    client = _client(url)
+    for prompt in PROMPTS[:2]:
+        full = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0)
+        chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+        assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens > 0
+        assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+        assert full.choices[0].finish_reason in ("stop", "length")
+    messages = [{"role": "user", "content": "Write a Python function that reverses a list."}]
+    chat = client.chat.completions.create(model="demo", messages=messages, max_tokens=30, temperature=0)
+    streamed = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=30, temperature=0,
+                                                   stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+    assert streamed[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    assert chat.usage.completion_tokens > 0
+
+
+def test_stop_strings_stream_the_same_text(server):
+    url, _ = server
+    client = _client(url)
+    kwargs = dict(model="demo", prompt=PROMPTS[1], max_tokens=60, temperature=0, stop=["\n    ", "):"])
+    full = client.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+    assert streamed == full.choices[0].text and full.choices[0].finish_reason == "stop"
+
+
+def test_greedy_answers_equal_draftsmith_generate(server, tmp_path):
+    url, _ = server
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    assert main(["generate", "--model", str(DEMO_MODEL), "--prompts", str(prompts_file), "--output",
+                 str(tmp_path / "o.jsonl"), "--max-tokens", "32", "--temperature", "0", "--device", "cpu"]) == 0
+    expected = [json.loads(line)["text"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    client = _client(url)
+    got = [client.completions.create(model="demo", prompt=p, max_tokens=32, temperature=0).choices[0].text
+           for p in PROMPTS]
+    assert got == expected
+
+
+def test_32_concurrent_requests_with_cancellations(server):
+    url, llm = server
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
+    before = _metrics(url)
+
+    async def one(i):
+        prompt, n = PROMPTS[i % 4], 8 + (i * 5) % 40
+        extra = {"ignore_eos": True}
+        if i % 8 == 7:  # cancelled midway: read two chunks, then drop the stream
+            stream = await client.completions.create(model="demo", prompt=prompt, max_tokens=200, temperature=0,
+                                                     stream=True, extra_body=extra)
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 2:
+                    break
+            await stream.close()
+            return None
+        if i % 2:
+            stream = await client.completions.create(model="demo", prompt=prompt, max_tokens=n, temperature=0,
+                                                     stream=True, extra_body=extra,
+                                                     stream_options={"include_usage": True})
+            chunks = [c async for c in stream]
+            return i, "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
+        r = await client.completions.create(model="demo", prompt=prompt, max_tokens=n, temperature=0, extra_body=extra)
+        return i, r.choices[0].text, r.usage.completion_tokens
+
+    async def run_all():
+        async with client:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = [r for r in asyncio.run(run_all()) if r is not None]
+    assert len(results) == 28
+    reference = {}
+    for i, text, n_tokens in results:
+        assert n_tokens == 8 + (i * 5) % 40
+        key = (i % 4, n_tokens)
+        reference.setdefault(key, text)
+        assert text == reference[key]  # same prompt and length: same greedy text, streamed or not
+    deadline = time.monotonic() + 10
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not llm.engine.has_unfinished_requests()  # cancelled requests were aborted, slots freed
+    assert sorted(llm.engine.free_slots) == [0, 1, 2, 3]
+    assert httpx.get(f"{url}/health").status_code == 200
+    after = _metrics(url)
+    done = ("draftsmith:request_success_total", (("finished_reason", "length"),))
+    assert after[done] - before.get(done, 0) == 28
+    assert after[("draftsmith:spec_decode_num_drafts_total", ())] > before[("draftsmith:spec_decode_num_drafts_total", ())]
+
+
+def test_non_streamed_client_disconnect_frees_the_request(server):
+    url, llm = server
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 250, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("case,status,needle", [
+    ("unknown_model", 404, "`nope` does not exist"),
+    ("bad_temperature", 400, "temperature"),
+    ("missing_prompt", 400, "prompt"),
+    ("n2", 400, "only n=1"),
+    ("too_long", 400, "max_model_len"),
+    ("bad_json", 400, "not valid JSON"),
+    ("wrong_key", 401, "API key"),
+    ("no_key", 401, "API key"),
+    ("empty_messages", 400, "messages"),
+])
+def test_bad_requests_get_openai_errors(server, case, status, needle):
+    url, _ = server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    path, body = "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 4}
+    if case == "unknown_model":
+        body["model"] = "nope"
+    elif case == "bad_temperature":
+        body["temperature"] = -1
+    elif case == "missing_prompt":
+        del body["prompt"]
+    elif case == "n2":
+        body["n"] = 2
+    elif case == "too_long":
+        body["prompt"] = "x = 1\n" * 200
+    elif case == "wrong_key":
+        headers = {"Authorization": "Bearer nope"}
+    elif case == "no_key":
+        headers = {}
+    elif case == "empty_messages":
+        path, body = "/v1/chat/completions", {"model": "demo", "messages": []}
+    if case == "bad_json":
+        response = httpx.post(f"{url}{path}", content=b"{oops", headers={**headers, "content-type": "application/json"})
+    else:
+        response = httpx.post(f"{url}{path}", json=body, headers=headers)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert needle in error["message"] and error["code"] == status and error["type"]
+
+
+def test_openai_client_sees_typed_errors(server):
+    url, _ = server
+    with pytest.raises(openai.NotFoundError):
+        _client(url).completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        _client(url, api_key="wrong").models.list()
+    assert [m.id for m in _client(url).models.list().data] == ["demo"]
+    assert httpx.get(f"{url}/version").json()["version"]
+
+
+def test_full_queue_answers_503_at_once():
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=512)
+    app = build_server_app(llm, "demo", max_queue=1)
+    with server_in_thread(app) as url:
+        body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        threads = [threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
+                                    kwargs={"json": body, "timeout": 120}) for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)  # the first takes the slot, the second waits
+        deadline = time.monotonic() + 10
+        while len(llm.engine.waiting) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        start = time.monotonic()
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 503 and "queue is full" in response.json()["error"]["message"]
+        assert time.monotonic() - start < 2
+        for t in threads:
+            t.join()
+
+
+def test_metrics_parse_and_move(server):
+    url, _ = server
+    before = _metrics(url)
+    _client(url).completions.create(model="demo", prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    after = _metrics(url)
+    assert after[("draftsmith:generation_tokens_total", ())] - before[("draftsmith:generation_tokens_total", ())] == 16
+    assert after[("draftsmith:e2e_request_latency_seconds_count", ())] == before[
+        ("draftsmith:e2e_request_latency_seconds_count", ())] + 1
+    assert ("draftsmith:time_to_first_token_seconds_count", ()) in after
+    assert ("draftsmith:inter_token_latency_seconds_count", ()) in after
+    per_pos = [after[("draftsmith:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),))]
+               for p in range(3)]
+    assert sum(per_pos) == after[("draftsmith:spec_decode_num_accepted_tokens_total", ())]
+
+
+def test_sigterm_shuts_down_cleanly(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "draftsmith", "serve", str(DEMO_MODEL), "--port", str(port),
+                             "--device", "cpu", "--max-model-len", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        result = {}
+
+        def request():
+            body = {"model": str(DEMO_MODEL), "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0,
+                    "ignore_eos": True}
+            result["r"] = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+
+        t = threading.Thread(target=request)
+        t.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        t.join(timeout=60)
+        # uvicorn re-raises the captured SIGTERM after its graceful shutdown, so the exit status says so.
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        log = proc.stdout.read()
+        assert "Application shutdown complete" in log and "Traceback" not in log, log
+        assert result["r"].status_code == 200  # the in-flight request was finished, not dropped
+        assert result["r"].json()["usage"]["completion_tokens"] == 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()

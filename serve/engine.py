@@ -64,6 +64,8 @@ class LLMEngine:
             self.spec_metrics = SpecMetrics(spec_config.num_speculative_tokens)
             logger.info("speculation: %s, k=%d, rejection sampler %s", spec_config.method,
                         spec_config.num_speculative_tokens, self.rejection_sampler.__name__)
+        # target layers the proposer reads (EAGLE: last, EAGLE-3: three); the proposer says, not the method
+        self.feature_layers = tuple(self.proposer.hidden_layer_ids) if self.proposer is not None else ()
         logger.info("KV cache: %d slots x %d tokens, %.1f MiB (%s)", config.max_num_seqs, config.max_model_len,
                     self.cache.nbytes / 2**20, self.cache.k[0].dtype)
 
@@ -160,6 +162,8 @@ class LLMEngine:
                                    self.model.config.sliding_window, self.device)
         last = torch.tensor(chunks, dtype=torch.long)[:, None] - 1
         out = self._forward(ids, batch, last)
+        self._observe_features(rows, [r.num_computed for r in rows], chunks, out)
+        out = out.logits
         for request, chunk in zip(rows, chunks):
             request.num_computed += chunk
             self.stats["num_prompt_tokens"] += chunk
@@ -174,7 +178,7 @@ class LLMEngine:
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], [1] * len(rows),
                                    self.cache, self.model.config.sliding_window, self.device)
-        out = self._forward(ids, batch, None)
+        out = self._forward(ids, batch, None).logits
         for request in rows:
             request.num_computed += 1
         self._sample_and_append(rows, out[:, -1])
@@ -195,12 +199,15 @@ class LLMEngine:
             ids[i, : q_lens[i]] = torch.tensor([request.last_token, *draft])
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], q_lens, self.cache,
                                    self.model.config.sliding_window, self.device)
-        logits = self._forward(ids, batch, None)
+        out = self._forward(ids, batch, None)
+        logits = out.logits
         sampling = SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device)
         with torch.inference_mode():
             kept = verify(logits, drafts, sampling, self.rejection_sampler,
                           self.spec_config.rejection_sample_method == "probabilistic",
                           self.spec_config.synthetic_acceptance_rate)
+        starts = [r.num_tokens - 1 for r in rows]
+        self._observe_features(rows, starts, [len(t) for t in kept], out)  # last token + accepted drafts
         now = time.perf_counter()
         for request, draft, tokens in zip(rows, drafts.tokens, kept):
             self.spec_metrics.observe(len(draft), len(tokens) - 1)
@@ -212,12 +219,22 @@ class LLMEngine:
                 request.first_token_time = now
         return rows
 
-    def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None):
         self.stats["num_forward_passes"] += 1
         if logits_index is not None:
             logits_index = logits_index.to(self.device)
         with torch.inference_mode():
-            return self.model(ids.to(self.device), cache=self.cache, batch=batch, logits_index=logits_index).logits
+            return self.model(ids.to(self.device), cache=self.cache, batch=batch, logits_index=logits_index,
+                              hidden_layer_ids=self.feature_layers)
+
+    def _observe_features(self, rows: list[Request], starts: list[int], counts: list[int], out) -> None:
+        """Hands the proposer the target features of newly verified positions (EAGLE-style heads)."""
+        if not self.feature_layers:
+            return
+        with torch.inference_mode():
+            features = self.proposer.features(out.hidden_states)
+        for i, (request, start, count) in enumerate(zip(rows, starts, counts)):
+            self.proposer.observe(request, start, features[i, :count])
 
     def _sample_and_append(self, rows: list[Request], logits: torch.Tensor) -> None:
         sampling = SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device)

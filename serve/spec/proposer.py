@@ -30,5 +30,12 @@ class Proposer:
     def propose(self, rows: list[Request], max_drafts: list[int]) -> Drafts:
         raise NotImplementedError
 
+    def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """[B, Q, F] features from a target forward's hidden states (only if `hidden_layer_ids`)."""
+        raise NotImplementedError
+
+    def observe(self, request: Request, start: int, features: torch.Tensor) -> None:
+        """Target features [m, F] of the request's verified positions start..start+m-1."""
+
     def release(self, request: Request) -> None:
         """The request finished or was aborted: drop whatever was kept for it."""

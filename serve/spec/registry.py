@@ -34,4 +34,4 @@ def resolve_proposer(name: str) -> type:
 
 def _import_builtin_proposers() -> None:
     # Registration happens on import; importing here (not at module top) avoids a config <-> proposer cycle.
-    from draftsmith.serve.spec import ngram  # noqa: F401
+    from draftsmith.serve.spec import eagle, ngram  # noqa: F401

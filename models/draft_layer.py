@@ -1,0 +1,94 @@
+"""The one decoder layer EAGLE-style heads are built from, with the two attention patterns they need.
+
+Serving: plain causal attention over the head's own per-slot KV cache (`ForwardBatch`, as the target).
+Training-time test (EAGLE-3 TTT): step 0 is causal over the sequence; at step s a query at position j also
+sees, at its own position only, the keys of steps 1..s (the "diagonal" extension). That is exactly what a
+query sees at serving time when it sits s draft steps past the verified prefix, so one module serves both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.models.llama import MLP, RMSNorm
+from draftsmith.models.rope import apply_rope
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, in_dim: int, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(in_dim, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_dim, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_dim, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None, batch: ForwardBatch | None = None,
+                ttt_history: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        rows, width, _ = x.shape
+        q = self.q_proj(x).view(rows, width, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            batch.write(cache[0], k)
+            batch.write(cache[1], v)
+            out = F.scaled_dot_product_attention(q, batch.read(cache[0]), batch.read(cache[1]),
+                                                 attn_mask=batch.mask, enable_gqa=True)
+        elif not ttt_history:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if ttt_history is not None:
+                ttt_history.append((k, v))
+        else:
+            ttt_history.append((k, v))
+            out = _ttt_attention(q, ttt_history)
+        return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
+
+
+def _ttt_attention(q: torch.Tensor, history: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """q [B, H, T, D]; history[0] = step-0 (k, v) [B, KV, T, D], history[1:] = later steps, this one last."""
+    groups = q.shape[1] // history[0][0].shape[1]
+    expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    k0, v0 = expand(history[0][0]), expand(history[0][1])
+    width = q.shape[2]
+    causal = torch.ones(width, width, dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k0.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~causal, float("-inf"))
+    diagonal = torch.stack([(q * expand(k)).sum(-1) * scale for k, _ in history[1:]], dim=-1)  # [B,H,T,S]
+    weights = torch.cat([scores, diagonal], dim=-1).float().softmax(-1).to(q.dtype)
+    out = weights[..., :width] @ v0
+    for i, (_, v) in enumerate(history[1:]):
+        out = out + weights[..., width + i, None] * expand(v)
+    return out
+
+
+class DraftDecoderLayer(nn.Module):
+    """Llama block whose attention input may be wider than the residual (EAGLE-3 feeds [emb; hidden])."""
+
+    def __init__(self, in_dim: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                 eps: float, input_norms: bool = False):
+        super().__init__()
+        if input_norms:  # EAGLE-3 normalizes the embedding and the hidden input separately
+            self.input_layernorm = RMSNorm(hidden, eps)
+            self.hidden_norm = RMSNorm(hidden, eps)
+        self.self_attn = DraftAttention(in_dim, hidden, heads, kv_heads, head_dim)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = _mlp(hidden, intermediate)
+
+    def forward(self, attn_input, residual, cos, sin, cache=None, batch=None, ttt_history=None):
+        x = residual + self.self_attn(attn_input, cos, sin, cache, batch, ttt_history)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _mlp(hidden: int, intermediate: int) -> MLP:
+    class _Shape:  # MLP reads these three fields only
+        hidden_size, intermediate_size, mlp_bias = hidden, intermediate, False
+
+    return MLP(_Shape)

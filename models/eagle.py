@@ -1,0 +1,33 @@
+"""EAGLE-1/2 head: fc over [embedding of token t+1; target feature at t], one decoder layer, target's LM head.
+
+The feature is the target's final-normed hidden state (HF hidden_states[L]), which is what the frozen LM
+head reads, so the head's output (a predicted next feature) goes straight to that LM head. Key names follow
+the yuhuili checkpoints (`fc`, `layers.0.*`) so conversion is a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from draftsmith.models.draft_layer import DraftDecoderLayer
+from draftsmith.models.heads import DraftHead, DraftHeadConfig, register_head
+
+
+@register_head("eagle")
+class EagleHead(DraftHead):
+    def __init__(self, config: DraftHeadConfig):
+        super().__init__(config)
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layers = nn.ModuleList([DraftDecoderLayer(h, h, config.intermediate_size, config.num_attention_heads,
+                                                       config.num_key_value_heads, config.head_dim,
+                                                       config.rms_norm_eps)])
+
+    def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None):
+        emb = self.target.model.embed_tokens(token_ids).to(hidden.dtype)
+        x = self.fc(torch.cat([emb, hidden], dim=-1))
+        cos, sin = self.rope(positions, x.dtype)
+        layer_cache = (cache.k[0], cache.v[0]) if cache is not None else None
+        out = self.layers[0](x, x, cos, sin, layer_cache, batch, ttt_history)
+        return out, self.target.lm_head(out)

@@ -1,0 +1,51 @@
+"""EAGLE-3 head: fc fuses three target layers, one decoder layer attends over [norm(embedding); norm(hidden)],
+its own final norm and LM head over a reduced draft vocabulary mapped back with `d2t`.
+
+`d2t[i]` is an offset: draft id i is target id `i + d2t[i]`; `t2d[v]` marks target ids in the draft vocab
+(the yuhuili/SpecForge convention, so these buffers convert as they are).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from draftsmith.models.draft_layer import DraftDecoderLayer
+from draftsmith.models.heads import DraftHead, DraftHeadConfig, register_head
+from draftsmith.models.llama import RMSNorm
+
+
+@register_head("eagle3")
+class Eagle3Head(DraftHead):
+    def __init__(self, config: DraftHeadConfig):
+        super().__init__(config)
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=False)
+        self.midlayer = DraftDecoderLayer(2 * h, h, config.intermediate_size, config.num_attention_heads,
+                                          config.num_key_value_heads, config.head_dim, config.rms_norm_eps,
+                                          input_norms=True)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """draft_to_target [draft_vocab] ascending target ids -> the d2t/t2d buffers."""
+        ids = draft_to_target.to(self.d2t.device, torch.long)
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None):
+        if from_target:
+            hidden = self.fc(hidden)
+        emb = self.target.model.embed_tokens(token_ids).to(hidden.dtype)
+        layer = self.midlayer
+        attn_input = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+        cos, sin = self.rope(positions, hidden.dtype)
+        layer_cache = (cache.k[0], cache.v[0]) if cache is not None else None
+        out = layer(attn_input, hidden, cos, sin, layer_cache, batch, ttt_history)
+        return out, self.lm_head(self.norm(out))

@@ -1,0 +1,188 @@
+"""Draft heads: their shared config, native save/load format, and the head-type registry.
+
+Native format (a directory): `config.json` with `draftsmith_head_type`, the target it was trained for
+(`target_model`, `target_num_layers`, `target_hidden_size`, `vocab_size`), the fused target layers in HF
+`hidden_states` indexing (`aux_layer_ids`), `draft_vocab_size`; and `model.safetensors` with the head's own
+weights. Tensors shared with the target (embedding; EAGLE-1's LM head) are not stored: the head is
+attached to its target at load time, as vLLM and SGLang do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.config import RopeConfig, TargetConfig
+from draftsmith.models.kv_cache import KVCache
+from draftsmith.models.rope import rope_tables
+
+HEADS: dict[str, type[DraftHead]] = {}
+
+
+def register_head(name: str) -> Callable[[type], type]:
+    def decorate(cls: type) -> type:
+        if name in HEADS:
+            raise ValueError(f"head type {name!r} is already registered by {HEADS[name].__name__}")
+        cls.head_type = name
+        HEADS[name] = cls
+        return cls
+
+    return decorate
+
+
+@dataclass
+class DraftHeadConfig:
+    head_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    target_num_layers: int
+    aux_layer_ids: tuple[int, ...]  # HF hidden_states indices fed to the head
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 2048
+    target_model: str = ""
+
+    @classmethod
+    def for_target(cls, head_type: str, target: TargetConfig, aux_layer_ids: tuple[int, ...],
+                   draft_vocab_size: int | None = None, target_model: str = "", **overrides) -> DraftHeadConfig:
+        """A head shaped like one layer of `target` (the usual choice), with `overrides` applied."""
+        values = dict(
+            head_type=head_type, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+            num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim, vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size or target.vocab_size, target_hidden_size=target.hidden_size,
+            target_num_layers=target.num_hidden_layers, aux_layer_ids=tuple(aux_layer_ids),
+            rms_norm_eps=target.rms_norm_eps, rope=target.rope,
+            max_position_embeddings=target.max_position_embeddings, target_model=target_model)
+        values.update(overrides)
+        return cls(**values)
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["draftsmith_head_type"] = data.pop("head_type")
+        data["aux_layer_ids"] = list(self.aux_layer_ids)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DraftHeadConfig:
+        data = dict(data)
+        data["head_type"] = data.pop("draftsmith_head_type")
+        data["rope"] = RopeConfig(**data.get("rope", {}))
+        data["aux_layer_ids"] = tuple(data["aux_layer_ids"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise DraftsmithError(f"head config has unknown keys {sorted(unknown)}")
+        return cls(**data)
+
+    def check_target(self, target: TargetConfig) -> None:
+        """A head only works with the target shape it was trained for; say which value differs."""
+        pairs = [("hidden size", self.target_hidden_size, target.hidden_size),
+                 ("vocab size", self.vocab_size, target.vocab_size),
+                 ("layer count", self.target_num_layers, target.num_hidden_layers)]
+        for what, head_value, target_value in pairs:
+            if head_value != target_value:
+                raise DraftsmithError(f"draft head expects target {what} {head_value}, but the target has {target_value}")
+        bad = [i for i in self.aux_layer_ids if not 0 <= i <= target.num_hidden_layers]
+        if bad:
+            raise DraftsmithError(f"aux_layer_ids {bad} out of range for a {target.num_hidden_layers}-layer target")
+
+
+class DraftHead(nn.Module):
+    """Base of EAGLE-style heads: one `step` used by training (with TTT history) and serving (with a cache)."""
+
+    head_type = ""
+
+    def __init__(self, config: DraftHeadConfig):
+        super().__init__()
+        self.config = config
+        self._target: list = []  # not a submodule: the target's weights are neither trained nor saved here
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    # -- wiring ----------------------------------------------------------------------------------------
+    def attach_target(self, target) -> DraftHead:
+        self.config.check_target(target.config)
+        self._target[:] = [target]
+        return self
+
+    @property
+    def target(self):
+        if not self._target:
+            raise RuntimeError("draft head has no target attached (call attach_target)")
+        return self._target[0]
+
+    @property
+    def hidden_layer_ids(self) -> tuple[int, ...]:
+        return self.config.aux_layer_ids
+
+    def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target features this head reads, [B, T, F], from a target forward's hidden states."""
+        return torch.cat([hidden_states[i] for i in self.config.aux_layer_ids], dim=-1)
+
+    def init_rope(self, max_len: int) -> None:
+        device = next(self.parameters()).device
+        self.rope_cos, self.rope_sin = rope_tables(self.config.rope, self.config.head_dim, max_len, device)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rope_cos is None or self.rope_cos.device != positions.device:
+            self.init_rope(max(self.config.max_position_embeddings, 4096))
+        return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
+
+    def make_cache(self, num_slots: int, max_len: int) -> KVCache:
+        w = next(self.parameters())
+        return KVCache(1, num_slots, max_len, self.config.num_key_value_heads, self.config.head_dim, w.dtype, w.device)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    # -- the model ---------------------------------------------------------------------------------------
+    def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, from_target: bool,
+             cache: KVCache | None = None, batch=None, ttt_history=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_ids [B, T] (token t+1), hidden [B, T, F] (feature at t) -> (next hidden [B, T, H],
+        logits [B, T, draft_vocab]). `from_target` says the hidden is a target feature, not a head output."""
+        raise NotImplementedError
+
+    # -- persistence -------------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_head(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise DraftsmithError(f"draft head directory {directory} has no config.json")
+    data = json.loads(config_path.read_text())
+    head_type = data.get("draftsmith_head_type")
+    if head_type not in HEADS:
+        raise DraftsmithError(f"{config_path}: draftsmith_head_type {head_type!r} is not one of {sorted(HEADS)} "
+                              "(convert foreign checkpoints with `draftsmith convert`)")
+    head = HEADS[head_type](DraftHeadConfig.from_json(data))
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        raise DraftsmithError(f"draft head directory {directory} has no model.safetensors")
+    state = load_file(str(weights))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise DraftsmithError(f"{weights} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return head.to(device=device, dtype=dtype).eval()

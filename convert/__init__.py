@@ -1,1 +1,1 @@
-"""Placeholder package; filled by later issues."""
+"""Checkpoint conversion: public draft formats <-> draftsmith's native heads (`draftsmith convert`)."""

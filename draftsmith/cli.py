@@ -14,6 +14,8 @@ import sys
 from draftsmith import __version__
 from draftsmith.errors import DraftsmithError
 
+# Kept in step with draftsmith.convert's registry by a test; listed here so `--help` stays import-light.
+CONVERT_SOURCES = ("native", "eagle", "eagle3", "speculators")
 DEFAULT_BENCH_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 
@@ -82,16 +84,80 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(srv)
     srv.set_defaults(handler="draftsmith.serve.serve_cli:run")
 
+    tr = sub.add_parser("train", help="train an EAGLE / EAGLE-3 head from a recipe (single process)",
+                        description="Train a draft head. For several processes or GPUs use "
+                        "`accelerate launch --config_file recipes/accelerate/ddp.yaml -m draftsmith.train RECIPE`. "
+                        "Rerunning the same command resumes from the newest checkpoint in training.output_dir.")
+    tr.add_argument("recipe", help="recipe YAML (see recipes/)")
+    tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.learning_rate=3e-4")
+    tr.set_defaults(handler="draftsmith.train.cli:run_train")
+
+    cap = sub.add_parser("capture", help="write the target's hidden states for a recipe's data (offline mode)",
+                         description="Run the target over the recipe's training data and store the features its "
+                         "head reads as bf16 safetensors shards plus a manifest. Prints the disk it needs first; "
+                         "rerun to resume. Train on it with data.hidden_states_dir=DIR.")
+    cap.add_argument("recipe")
+    cap.add_argument("overrides", nargs="*")
+    cap.add_argument("--output", default=None, help="default: data.hidden_states_dir of the recipe")
+    cap.add_argument("--samples-per-shard", type=_positive_int, default=64)
+    cap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    cap.set_defaults(handler="draftsmith.train.cli:run_capture")
+
+    dg = sub.add_parser("datagen", help="regenerate training data with the target (self-distillation)",
+                        description="Replay chat records turn by turn, or continue text records, with the target "
+                        "through draftsmith's engine, and write JSONL for training.")
+    dg.add_argument("--model", required=True)
+    dg.add_argument("--input", required=True, help="JSONL (.xz ok) of chat or text records")
+    dg.add_argument("--output", required=True)
+    dg.add_argument("--num-samples", type=_positive_int, default=None)
+    dg.add_argument("--max-tokens", type=_positive_int, default=256)
+    dg.add_argument("--prompt-tokens", type=_positive_int, default=128,
+                    help="text records: prompt length in tokens (the first ones with --cut start, the last ones with block)")
+    dg.add_argument("--cut", choices=["start", "block"], default="start",
+                    help="text records: prompt from the top of the file (start), or ending in the middle of an indented "
+                    "line at a random offset, like a code-completion request (block)")
+    dg.add_argument("--temperature", type=float, default=0.7)
+    dg.add_argument("--top-p", type=float, default=1.0)
+    dg.add_argument("--seed", type=int, default=None)
+    _add_engine_args(dg)
+    dg.set_defaults(handler="draftsmith.train.cli:run_datagen")
+
+    conv = sub.add_parser("convert", help="convert draft checkpoints between public formats and draftsmith's",
+                          description="Read a draft checkpoint (format detected from its config and tensor names, or "
+                          "named with --from), normalize it to draftsmith's native head format, optionally check it "
+                          "against the target, and write it as native or as what vLLM, SGLang or speculators load. "
+                          "Weights load without executing anything (.bin via torch.load(weights_only=True)); OUT "
+                          "appears only when complete.")
+    conv.add_argument("src", help="checkpoint directory (or a single weights file)")
+    conv.add_argument("out", nargs="?", help="output directory (must not exist unless --force)")
+    conv.add_argument("--from", dest="from_format", default=None, metavar="FORMAT",
+                      help=f"source format, default: detected; one of {', '.join(CONVERT_SOURCES)}")
+    conv.add_argument("--to", choices=["native", "vllm", "sglang", "speculators"], default="native",
+                      help="output layout (default: %(default)s)")
+    conv.add_argument("--target", default=None,
+                      help="target model directory: checks hidden/vocab sizes, fused layer ids and tokenizer, and "
+                      "supplies the layer count that yuhuili/SpecForge checkpoints do not record")
+    conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                      help="cast floating tensors (default: keep)")
+    conv.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    conv.add_argument("--inspect", action="store_true",
+                      help="print format, method, tensor count, parameters, dtype and the config it would write; "
+                      "write nothing")
+    conv.set_defaults(handler="draftsmith.convert.cli:run")
+
     bench = sub.add_parser("bench", help="throughput on validation code prompts, side by side in one run",
-                           description="Times HF transformers and our engine on the same validation code "
-                           "prompts and prints tokens/s and their ratio per model.")
+                           description="Times HF transformers and our engine, without and with speculation "
+                           "(n-gram; EAGLE-3 where assets/MODEL-eagle3 exists), on the same validation code "
+                           "prompts and prints tokens/s, speedups and acceptance per model.")
     bench.add_argument("--shared", default="../shared", help="folder holding data/ and models/")
     bench.add_argument("--models", default="demo-code-7m,house-code-28m", help="comma-separated names under models/")
     bench.add_argument("--num-prompts", type=_positive_int, default=8)
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
     bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     bench.add_argument("--speculative-config", default=DEFAULT_BENCH_SPEC,
-                       help="speculation to compare against no speculation ('' to skip); default: %(default)s")
+                       help="n-gram speculation to compare against no speculation ('' to skip); default: %(default)s")
+    bench.add_argument("--eagle-k", type=_positive_int, default=5,
+                       help="draft tokens for the shipped EAGLE-3 heads (assets/MODEL-eagle3)")
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(handler="draftsmith.serve.bench:run")
 
@@ -122,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for chatty in ("httpx", "httpx2", "openai"):  # one line per HTTP call otherwise
+    for chatty in ("httpx", "httpx2", "openai", "accelerate"):  # one line per HTTP call otherwise
         logging.getLogger(chatty).setLevel(logging.WARNING)
     module_name, function_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), function_name)  # heavy imports only when used

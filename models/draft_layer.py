@@ -73,12 +73,12 @@ class DraftDecoderLayer(nn.Module):
     """Llama block whose attention input may be wider than the residual (EAGLE-3 feeds [emb; hidden])."""
 
     def __init__(self, in_dim: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
-                 eps: float, input_norms: bool = False):
+                 eps: float, input_norms: bool = False, attention_bias: bool = False):
         super().__init__()
         if input_norms:  # EAGLE-3 normalizes the embedding and the hidden input separately
             self.input_layernorm = RMSNorm(hidden, eps)
             self.hidden_norm = RMSNorm(hidden, eps)
-        self.self_attn = DraftAttention(in_dim, hidden, heads, kv_heads, head_dim)
+        self.self_attn = DraftAttention(in_dim, hidden, heads, kv_heads, head_dim, bias=attention_bias)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = _mlp(hidden, intermediate)
 

@@ -16,16 +16,18 @@ from draftsmith.models.heads import DraftHead, DraftHeadConfig, register_head
 
 @register_head("eagle")
 class EagleHead(DraftHead):
+    default_fc_bias = True  # yuhuili's constructor default; LLaMA-3 heads were trained without it
+
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
         h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
         self.layers = nn.ModuleList([DraftDecoderLayer(h, h, config.intermediate_size, config.num_attention_heads,
                                                        config.num_key_value_heads, config.head_dim,
-                                                       config.rms_norm_eps)])
+                                                       config.rms_norm_eps, attention_bias=config.attention_bias)])
 
     def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None):
-        emb = self.target.model.embed_tokens(token_ids).to(hidden.dtype)
+        emb = self.embed(token_ids).to(hidden.dtype)
         x = self.fc(torch.cat([emb, hidden], dim=-1))
         cos, sin = self.rope(positions, x.dtype)
         layer_cache = (cache.k[0], cache.v[0]) if cache is not None else None

@@ -20,10 +20,12 @@ class Eagle3Head(DraftHead):
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
         h = config.hidden_size
-        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=False)
+        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=config.fc_bias)
         self.midlayer = DraftDecoderLayer(2 * h, h, config.intermediate_size, config.num_attention_heads,
                                           config.num_key_value_heads, config.head_dim, config.rms_norm_eps,
-                                          input_norms=True)
+                                          input_norms=True, attention_bias=config.attention_bias)
+        if config.own_embedding:
+            self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -42,7 +44,7 @@ class Eagle3Head(DraftHead):
     def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None):
         if from_target:
             hidden = self.fc(hidden)
-        emb = self.target.model.embed_tokens(token_ids).to(hidden.dtype)
+        emb = self.embed(token_ids).to(hidden.dtype)
         layer = self.midlayer
         attn_input = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
         cos, sin = self.rope(positions, hidden.dtype)

@@ -56,6 +56,9 @@ class DraftHeadConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 2048
     target_model: str = ""
+    fc_bias: bool | None = None  # None: the head type's default (EAGLE-1 True, EAGLE-3 False), resolved at build
+    attention_bias: bool = False  # q/k/v biases (EAGLE-1 heads for Qwen2 targets)
+    own_embedding: bool = False  # the head has its own token embedding (EAGLE-3 heads narrower than the target)
 
     @classmethod
     def for_target(cls, head_type: str, target: TargetConfig, aux_layer_ids: tuple[int, ...],
@@ -98,6 +101,9 @@ class DraftHeadConfig:
         for what, head_value, target_value in pairs:
             if head_value != target_value:
                 raise DraftsmithError(f"draft head expects target {what} {head_value}, but the target has {target_value}")
+        if not self.own_embedding and self.hidden_size != target.hidden_size:
+            raise DraftsmithError(f"draft head hidden size {self.hidden_size} differs from the target's "
+                                  f"{target.hidden_size} but the head has no embedding of its own")
         bad = [i for i in self.aux_layer_ids if not 0 <= i <= target.num_hidden_layers]
         if bad:
             raise DraftsmithError(f"aux_layer_ids {bad} out of range for a {target.num_hidden_layers}-layer target")
@@ -107,9 +113,12 @@ class DraftHead(nn.Module):
     """Base of EAGLE-style heads: one `step` used by training (with TTT history) and serving (with a cache)."""
 
     head_type = ""
+    default_fc_bias = False
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__()
+        if config.fc_bias is None:
+            config.fc_bias = self.default_fc_bias
         self.config = config
         self._target: list = []  # not a submodule: the target's weights are neither trained nor saved here
         self.rope_cos: torch.Tensor | None = None
@@ -150,6 +159,10 @@ class DraftHead(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.config.own_embedding else self.target.model.embed_tokens
+        return table(token_ids)
 
     # -- the model ---------------------------------------------------------------------------------------
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, from_target: bool,

@@ -1,9 +1,10 @@
 """`draftsmith bench`: decode throughput on validation code prompts, side by side in one run.
 
 For each model it times, on the same prompts and greedy settings: HF transformers `generate` one prompt
-at a time (the baseline users know), our engine one prompt at a time without and with speculation, and
-our engine with all prompts batched. Ratios are taken within the run, never against numbers from another
-machine or day. Speculative outputs are also checked token for token against the plain ones.
+at a time (the baseline users know), our engine one prompt at a time without speculation and with each
+speculation method (n-gram; EAGLE-3 when a head for the model ships in assets/), and our engine with all
+prompts batched. Ratios are taken within the run, never against numbers from another machine or day.
+Speculative outputs are also checked token for token against the plain ones.
 """
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ from draftsmith.serve.code_prompts import code_prompts
 from draftsmith.serve.llm import LLM
 from draftsmith.serve.sampling_params import SamplingParams
 
-MODELS = ("demo-code-7m", "house-code-28m")
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
-def _time_engine(llm: LLM, prompts: list[str], params: SamplingParams, batched: bool) -> tuple[float, int]:
+def _time_engine(llm: LLM, prompts: list[str], params: SamplingParams, batched: bool):
     start = time.perf_counter()
     if batched:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     else:
         outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
     elapsed = time.perf_counter() - start
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+    return elapsed, outputs
 
 
 def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> tuple[float, int]:
@@ -47,6 +48,20 @@ def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) ->
     return time.perf_counter() - start, tokens
 
 
+def speculation_methods(model_name: str, ngram_config: str | None, k: int) -> dict[str, dict]:
+    methods = {}
+    if ngram_config:
+        methods["ngram"] = json.loads(ngram_config)
+    head = ASSETS / f"{model_name}-eagle3"
+    if head.is_dir():
+        methods["eagle3"] = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    return methods
+
+
+def _count(outputs) -> int:
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
 def run(args: argparse.Namespace) -> int:
     shared = Path(args.shared)
     data = shared / "data" / "code-validation.jsonl.xz"
@@ -54,39 +69,44 @@ def run(args: argparse.Namespace) -> int:
         raise DraftsmithError(f"benchmark data {data} not found; pass --shared DIR (the folder holding data/ and models/)")
     prompts = code_prompts(data, args.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    warm = SamplingParams(temperature=0, max_tokens=8)
     rows = []
     print(f"{len(prompts)} validation code prompts, greedy, {args.max_tokens} new tokens, fp32, "
-          f"{torch.get_num_threads()} CPU threads; speculation: {args.speculative_config}")
+          f"{torch.get_num_threads()} CPU threads")
     for name in args.models.split(","):
         model_dir = shared / "models" / name
         llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(len(prompts), 1))
-        llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-        row = {"model": name}
-        secs, toks = _time_engine(llm, prompts, params, batched=False)
-        row["bs1_tokens_per_s"] = toks / secs
-        secs, toks = _time_engine(llm, prompts, params, batched=True)
-        row[f"bs{len(prompts)}_tokens_per_s"] = toks / secs
+        llm.generate(prompts[0], warm, use_tqdm=False)
+        secs, plain = _time_engine(llm, prompts, params, batched=False)
+        base = {"model": name, "bs1_tokens_per_s": _count(plain) / secs}
+        secs, batched = _time_engine(llm, prompts, params, batched=True)
+        base[f"bs{len(prompts)}_tokens_per_s"] = _count(batched) / secs
         if not args.no_hf:
             secs, toks = _time_hf(model_dir, llm.tokenizer, prompts, args.max_tokens)
-            row["hf_bs1_tokens_per_s"] = toks / secs
-            row["bs1_speedup_vs_hf"] = row["bs1_tokens_per_s"] / row["hf_bs1_tokens_per_s"]
-        if args.speculative_config:
+            base["hf_bs1_tokens_per_s"] = toks / secs
+            base["bs1_speedup_vs_hf"] = base["bs1_tokens_per_s"] / base["hf_bs1_tokens_per_s"]
+        _print(base)
+        rows.append(base)
+        plain_ids = [o.outputs[0].token_ids for o in plain]
+        for method, config in speculation_methods(name, args.speculative_config, args.eagle_k).items():
             spec = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(len(prompts), 1),
-                       speculative_config=args.speculative_config)
-            spec.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-            plain_ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                       speculative_config=config)
+            spec.generate(prompts[0], warm, use_tqdm=False)
             spec.engine.spec_metrics.reset()  # drop the warm-up's counts
-            start = time.perf_counter()
-            outputs = [spec.generate(p, params, use_tqdm=False)[0] for p in prompts]
-            secs = time.perf_counter() - start
-            row["spec_bs1_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / secs
-            row["spec_speedup"] = row["spec_bs1_tokens_per_s"] / row["bs1_tokens_per_s"]
+            secs, outputs = _time_engine(spec, prompts, params, batched=False)
             metrics = spec.get_metrics()
+            row = {"model": name, "method": method, "k": config["num_speculative_tokens"],
+                   "spec_bs1_tokens_per_s": _count(outputs) / secs}
+            row["speedup_vs_no_spec"] = row["spec_bs1_tokens_per_s"] / base["bs1_tokens_per_s"]
             row["mean_acceptance_length"] = metrics["mean_acceptance_length"]
             row["accepted_per_position"] = "/".join(str(n) for n in metrics["accepted_per_position"])
-            row["spec_greedy_equal"] = [o.outputs[0].token_ids for o in outputs] == plain_ids
-        rows.append(row)
-        print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            row["greedy_equal"] = [o.outputs[0].token_ids for o in outputs] == plain_ids
+            _print(row)
+            rows.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+def _print(row: dict) -> None:
+    print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

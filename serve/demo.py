@@ -1,6 +1,6 @@
-"""`draftsmith demo`: start `draftsmith serve` on the embedded demo model with n-gram speculation, talk to
-it with the official `openai` client (one request streamed), print the text and the speculation metrics,
-and stop the server. A newcomer's first minute, end to end."""
+"""`draftsmith demo`: start `draftsmith serve` on the embedded demo model with its shipped EAGLE-3 head
+(n-gram if the head is missing), talk to it with the official `openai` client (one request streamed), print
+the text and the speculation metrics, and stop the server. A newcomer's first minute, end to end."""
 
 from __future__ import annotations
 
@@ -25,12 +25,19 @@ DEMO_PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self.it",
     "def read_json(path):\n    with open(path) as f:\n        return json.lo",
 ]
-DEMO_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+ASSETS = Path(__file__).resolve().parents[1] / "assets"  # an editable install keeps the package beside it
 
 
 def default_demo_model() -> Path:
-    # The repo root holds assets/; an editable install keeps the package beside it.
-    return Path(__file__).resolve().parents[1] / "assets" / "demo-code-7m"
+    return ASSETS / "demo-code-7m"
+
+
+def demo_speculation(model: Path) -> dict:
+    head = model.parent / f"{model.name}-eagle3"
+    if head.is_dir():
+        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": 5}
+    return NGRAM_SPEC
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
@@ -66,9 +73,10 @@ def run(args: argparse.Namespace) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp(prefix="draftsmith-demo-")) / "server.log"
+    spec = demo_speculation(model)
     command = [sys.executable, "-m", "draftsmith", "serve", str(model), "--port", str(port), "--served-model-name",
-               "demo", "--device", args.device, "--speculative-config", json.dumps(DEMO_SPEC)]
-    print("$ draftsmith serve", model, "--port", port, "--speculative-config", f"'{json.dumps(DEMO_SPEC)}'", flush=True)
+               "demo", "--device", args.device, "--speculative-config", json.dumps(spec)]
+    print("$ draftsmith serve", model, "--port", port, "--speculative-config", f"'{json.dumps(spec)}'", flush=True)
     with log.open("w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     try:
@@ -95,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
         drafts = c.get("draftsmith:spec_decode_num_drafts_total", 0)
         accepted = c.get("draftsmith:spec_decode_num_accepted_tokens_total", 0)
         per_pos = [c.get(f"draftsmith:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0) / max(drafts, 1)
-                   for i in range(DEMO_SPEC["num_speculative_tokens"])]
+                   for i in range(spec["num_speculative_tokens"])]
         print(f"{len(DEMO_PROMPTS)} requests, {generated} tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tokens/s "
               "(client side, sequential)")
-        print(f"speculation (n-gram, k={DEMO_SPEC['num_speculative_tokens']}): {drafts:.0f} drafts, "
+        print(f"speculation ({spec['method']}, k={spec['num_speculative_tokens']}): {drafts:.0f} drafts, "
               f"{c.get('draftsmith:spec_decode_num_draft_tokens_total', 0):.0f} draft tokens, {accepted:.0f} accepted; "
               f"mean acceptance length {1 + accepted / max(drafts, 1):.2f}; per position "
               + " / ".join(f"{p:.2f}" for p in per_pos))

@@ -46,3 +46,46 @@ def make_tiny_checkpoint(family: str, directory: Path, max_shard_size: str | Non
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return model
+
+
+def make_tiny_target_with_tokenizer(directory: Path, num_layers: int = 4) -> Path:
+    """A random Llama with the demo model's tokenizer (vocab 8192) and tiny width: a real target for training
+    tests that runs in milliseconds."""
+    import shutil
+
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128,  # demo: 256, 768
+                                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512, tie_word_embeddings=True,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=3)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(DEMO_MODEL / name, directory / name)
+    return directory
+
+
+def write_code_corpus(path: Path, num_records: int = 48) -> Path:
+    """Small, highly regular Python files: learnable in a few steps."""
+    import json
+
+    lines = []
+    for i in range(num_records):
+        body = "".join(f"def function_{i}_{j}(value):\n    return value + {j}\n\n\n" for j in range(6))
+        lines.append(json.dumps({"path": f"f{i}.py", "text": body}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_recipe(target: Path, data: Path, output: Path, head_type: str = "eagle3", **training) -> dict:
+    recipe = {
+        "model": {"target": str(target), "head_type": head_type},
+        "data": {"train_files": [str(data)], "format": "text", "max_length": 64, "eval_fraction": 0.1},
+        "training": {"output_dir": str(output), "epochs": 1, "batch_size": 4, "learning_rate": 3e-3,
+                     "warmup_ratio": 0.0, "ttt_length": 3, "save_every_steps": 1000, "log_every_steps": 1,
+                     "eval_max_k": 4, **training},
+    }
+    if head_type == "eagle3":
+        recipe["model"].update(aux_layer_ids=[1, 2, 3], draft_vocab_size=512)
+    return recipe

@@ -1,0 +1,165 @@
+"""Reading draft checkpoints as they are published: config.json plus safetensors or `.bin`/`.pt` weights,
+single or sharded, without executing anything from them.
+
+`.bin`/`.pt` files load with `torch.load(weights_only=True)` only (plain tensors, no pickled code).
+Sharded checkpoints are read through their index, opening only the shards that hold requested tensors, so
+pulling one MTP layer out of a many-shard target reads that layer's shards and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from draftsmith.errors import DraftsmithError
+
+# In the order a loader should prefer them (yuhuili's `from_pretrained` tries the .bin first, but a
+# directory holding both is always a re-save, and safetensors is the safer read).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _unreadable(path: Path, exc: Exception) -> DraftsmithError:
+    return DraftsmithError(f"{path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                           "the file may be truncated or corrupted")
+
+
+def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError, RuntimeError from the zip reader, EOFError...
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            raise DraftsmithError(f"{path} holds objects other than tensors; only plain tensor state dicts are "
+                                  "loaded (torch.load with weights_only=True), nothing from the file is executed") from None
+        raise _unreadable(path, exc) from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise DraftsmithError(f"{path} is not a state dict of tensors")
+    return dict(state)
+
+
+class _SafetensorsFile:
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                self.shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+                self.dtypes = {name: _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype(), f.get_slice(name).get_dtype())
+                               for name in f.keys()}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise _unreadable(path, exc) from None
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                return {name: f.get_tensor(name) for name in names}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise _unreadable(self.path, exc) from None
+
+
+class _PickleFile:
+    def __init__(self, path: Path):
+        self.path = path
+        self._state = _load_pickle(path)
+        self.shapes = {k: tuple(v.shape) for k, v in self._state.items()}
+        self.dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in self._state.items()}
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return {name: self._state[name] for name in names}
+
+
+def _open_weight_file(path: Path):
+    return _SafetensorsFile(path) if path.suffix == ".safetensors" else _PickleFile(path)
+
+
+class SourceCheckpoint:
+    """A checkpoint directory (or one weights file): its config and a lazy view of its tensors."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.exists():
+            raise DraftsmithError(f"checkpoint {str(path)!r} does not exist")
+        self.path = path
+        self.directory = path if path.is_dir() else path.parent
+        self.config: dict[str, Any] = self._read_config()
+        self.weights_file = self._find_weights(path)
+        self._files: dict[Path, Any] = {}
+        self._where: dict[str, Path] = {}
+        if self.weights_file.name.endswith(".index.json"):
+            try:
+                weight_map = json.loads(self.weights_file.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise DraftsmithError(f"{self.weights_file} is not a valid shard index ({exc})") from None
+            self._where = {name: self.directory / shard for name, shard in weight_map.items()}
+            missing = sorted({str(p.name) for p in self._where.values() if not p.is_file()})
+            if missing:
+                raise DraftsmithError(f"{self.weights_file} names shards that are missing: {', '.join(missing[:5])}")
+            self._shapes: dict[str, tuple[int, ...]] | None = None
+        else:
+            file = self._file(self.weights_file)
+            self._where = dict.fromkeys(file.shapes, self.weights_file)
+            self._shapes = dict(file.shapes)
+
+    def _read_config(self) -> dict[str, Any]:
+        path = self.directory / "config.json"
+        if not path.is_file():
+            return {}
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DraftsmithError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise DraftsmithError(f"{path} does not hold a JSON object")
+        return config
+
+    def _find_weights(self, path: Path) -> Path:
+        if path.is_file():
+            return path
+        for name in WEIGHT_FILES:
+            if (path / name).is_file():
+                return path / name
+        raise DraftsmithError(f"{path} holds none of the weight files draftsmith reads ({', '.join(WEIGHT_FILES)})")
+
+    def _file(self, path: Path):
+        if path not in self._files:
+            self._files[path] = _open_weight_file(path)
+        return self._files[path]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape without loading the tensor (only the shard's header, for safetensors)."""
+        if self._shapes is not None:
+            return self._shapes[name]
+        return self._file(self._where[name]).shapes[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, opening only the files that hold them."""
+        unknown = [n for n in names if n not in self._where]
+        if unknown:
+            raise DraftsmithError(f"{self.path} has no tensor {unknown[0]!r}")
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._where[name], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for file, file_names in by_file.items():
+            out.update(self._file(file).read(file_names))
+        return out
+
+    def dtype(self, name: str) -> str:
+        return self._file(self._where[name]).dtypes[name]

@@ -1,0 +1,185 @@
+"""EAGLE-3 heads with yuhuili's key names (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`): yuhuili's own
+`pytorch_model.bin`, SpecForge's `model.safetensors`, and what vLLM's and SGLang's llama_eagle3 load
+(formats.md sections 2 and 3). draftsmith's native EAGLE-3 layout uses the same names.
+
+Fused target layers are kept internally as HF `hidden_states` indices (hs[k] = input of layer k). Sources
+say them three ways, told apart by where they sit in the config:
+- top-level `eagle_aux_hidden_state_layer_ids`: vLLM's convention, already hs indices;
+- `eagle_config.eagle_aux_hidden_state_layer_ids`: SpecForge/SGLang "output of layer k", i.e. hs[k + 1];
+- absent: the reference default hs[2], hs[L//2], hs[L-3], which needs the target's layer count L.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.convert.checkpoint import SourceCheckpoint
+from draftsmith.convert.eagle import target_layers_from
+from draftsmith.convert.layer_config import layer_fields, llama_layer_config, native_config
+from draftsmith.convert.registry import (
+    Exported,
+    NormalizedHead,
+    ReadContext,
+    provenance,
+    register_exporter,
+    register_source,
+    reject_unknown,
+    take,
+)
+from draftsmith.errors import DraftsmithError
+
+MID = "midlayer."
+MID_KEYS = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")] + [
+    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight"]
+MID_BIAS = [f"self_attn.{p}_proj.bias" for p in "qkv"]
+HEAD_KEYS = ["fc.weight", "norm.weight", "lm_head.weight"]
+OPTIONAL = ["fc.bias", "d2t", "t2d", "embed_tokens.weight"]
+# Variants draftsmith's EAGLE-3 layer does not compute; serving them as plain EAGLE-3 would be silently wrong.
+UNSUPPORTED_FLAGS = {"fc_norm": "per-layer norms before fc", "norm_before_fc": "a norm before fc",
+                     "norm_output": "feeding the post-norm hidden back (EAGLE 3.1)",
+                     "norm_before_residual": "a normed residual"}
+
+
+def default_aux(layers: int) -> tuple[int, int, int]:
+    return (2, layers // 2, layers - 3)
+
+
+def aux_layer_ids(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...], str]:
+    """(hs indices, where they came from)."""
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(int(i) for i in config["eagle_aux_hidden_state_layer_ids"]), "top-level ids, vLLM convention (hs index)"
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested:
+        return tuple(int(i) + 1 for i in nested), "eagle_config ids, SpecForge/SGLang convention (output of layer k = hs[k+1])"
+    if n_aux != 3:
+        raise DraftsmithError(f"fc reads {n_aux} target layers but the config names none (the default is 3)")
+    return default_aux(layers), f"reference default for a {layers}-layer target"
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int) -> None:
+    targets = d2t + torch.arange(len(d2t))
+    if len(t2d) != vocab:
+        raise DraftsmithError(f"t2d has {len(t2d)} entries but the target vocab size is {vocab}")
+    if int(targets.min()) < 0 or int(targets.max()) >= vocab:
+        raise DraftsmithError(f"d2t maps draft ids to target ids {int(targets.min())}..{int(targets.max())}, "
+                              f"outside the target vocab 0..{vocab - 1}")
+    if not torch.equal(torch.nonzero(t2d).flatten(), targets):
+        raise DraftsmithError("d2t and t2d disagree (t2d must mark exactly the ascending target ids d2t maps to)")
+
+
+def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: ReadContext,
+              checkpoint: SourceCheckpoint) -> NormalizedHead:
+    """Shared tail of every EAGLE-3 reader, once tensors carry yuhuili names and `config` is Llama-style."""
+    for flag, what in UNSUPPORTED_FLAGS.items():
+        if config.get(flag):
+            raise DraftsmithError(f"{where}: {flag}=true ({what}) is an EAGLE-3 variant draftsmith does not serve")
+    if int(config.get("num_hidden_layers", 1)) != 1:
+        raise DraftsmithError(f"{where}: multi-layer EAGLE-3 heads (num_hidden_layers="
+                              f"{config['num_hidden_layers']}) are not supported")
+    layer = layer_fields(config, where)
+    h = layer["hidden_size"]
+    fc_out, fc_in = tensors["fc.weight"].shape
+    target_hidden = int(config.get("target_hidden_size") or h)
+    if fc_out != h or fc_in % target_hidden:
+        raise DraftsmithError(f"fc.weight has shape {(fc_out, fc_in)}; expected ({h}, n x {target_hidden}) for "
+                              f"hidden size {h} and target hidden size {target_hidden}")
+    n_aux = fc_in // target_hidden
+    draft_vocab = tensors["lm_head.weight"].shape[0]
+    if config.get("draft_vocab_size") and int(config["draft_vocab_size"]) != draft_vocab:
+        raise DraftsmithError(f"config draft_vocab_size {config['draft_vocab_size']} but lm_head.weight has {draft_vocab} rows")
+    vocab = len(tensors["t2d"]) if "t2d" in tensors else int(config.get("vocab_size") or draft_vocab)
+    notes = []
+    if "d2t" not in tensors:
+        if draft_vocab != vocab:
+            raise DraftsmithError(f"no d2t, so the draft vocab must be the full target vocab, but lm_head has "
+                                  f"{draft_vocab} rows and the target vocab is {vocab}")
+        tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+        notes.append("no d2t/t2d: draft vocab is the full target vocab (identity maps written)")
+    if "t2d" not in tensors:
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[tensors["d2t"].long() + torch.arange(draft_vocab)] = True
+        tensors["t2d"] = t2d
+        notes.append("derived t2d from d2t")
+    tensors["d2t"], tensors["t2d"] = tensors["d2t"].to(torch.long), tensors["t2d"].to(torch.bool)
+    check_vocab_maps(tensors["d2t"], tensors["t2d"], vocab)
+    own_embedding = False
+    if "embed_tokens.weight" in tensors:
+        if h != target_hidden:
+            own_embedding = True
+            notes.append(f"kept the head's own embed_tokens (hidden {h} differs from the target's {target_hidden})")
+        else:
+            del tensors["embed_tokens.weight"]
+            notes.append("dropped embed_tokens.weight (shared with the target at load time)")
+    layers, target_name = target_layers_from(checkpoint, ctx, "EAGLE-3 checkpoints do not record the target's "
+                                             "layer count, which native heads keep to check fused layer ids")
+    aux, source = aux_layer_ids(config, layers, n_aux)
+    if len(aux) != n_aux:
+        raise DraftsmithError(f"fc reads {n_aux} target layers but {len(aux)} fused layer ids are given ({list(aux)})")
+    notes.append(f"fused target layers hs{list(aux)} ({source})")
+    attention_bias = all(MID + k in tensors for k in MID_BIAS)
+    native = native_config("eagle3", layer, vocab_size=vocab, draft_vocab_size=draft_vocab,
+                           target_hidden_size=target_hidden, target_num_layers=layers, aux_layer_ids=aux,
+                           target_model=target_name, fc_bias="fc.bias" in tensors, attention_bias=attention_bias,
+                           own_embedding=own_embedding)
+    return NormalizedHead(native, tensors, notes)
+
+
+@register_source("eagle3", "EAGLE-3 head with yuhuili key names (midlayer.*, d2t/t2d): yuhuili, SpecForge, "
+                 "and the vLLM/SGLang llama_eagle3 layouts")
+class YuhuiliEagle3:
+    @staticmethod
+    def detect(checkpoint: SourceCheckpoint) -> bool:
+        c = checkpoint.config
+        if "speculators_model_type" in c or "draftsmith_head_type" in c:
+            return False
+        return any(n.startswith(MID) for n in checkpoint.names)
+
+    @staticmethod
+    def read(checkpoint: SourceCheckpoint, ctx: ReadContext) -> NormalizedHead:
+        config = checkpoint.config
+        if not config:
+            raise DraftsmithError(f"{checkpoint.directory} has no config.json: EAGLE-3 heads need their layer config")
+        known = {MID + k for k in MID_KEYS + MID_BIAS} | set(HEAD_KEYS) | set(OPTIONAL)
+        dropped = reject_unknown(checkpoint, known, "EAGLE-3", ("rotary_emb.inv_freq",))
+        tensors = take(checkpoint, [MID + k for k in MID_KEYS] + HEAD_KEYS,
+                       optional=tuple(OPTIONAL) + tuple(MID + k for k in MID_BIAS))
+        head = normalize(tensors, config, f"{checkpoint.directory}/config.json", ctx, checkpoint)
+        head.notes[:0] = [f"dropped {name}" for name in dropped]
+        return head
+
+
+def _layer_config(head: NormalizedHead, architectures: list[str]) -> dict:
+    c = head.config
+    config = llama_layer_config(c, architectures, str(head.tensors["fc.weight"].dtype).removeprefix("torch."))
+    config.update(draft_vocab_size=c["draft_vocab_size"], target_hidden_size=c["target_hidden_size"])
+    if c["fc_bias"]:
+        config["bias"] = True
+    if c["attention_bias"]:
+        config["attention_bias"] = True
+    return config
+
+
+@register_exporter("vllm", "eagle3")
+def to_vllm(head: NormalizedHead) -> Exported:
+    config = _layer_config(head, ["LlamaForCausalLMEagle3"])
+    # vLLM reads the top-level ids as hs indices; norm_before_residual is spelled out because vLLM's
+    # speculators path defaults a missing flag to true.
+    config.update(eagle_aux_hidden_state_layer_ids=list(head.config["aux_layer_ids"]), norm_before_residual=False)
+    config.update(provenance(head))
+    return Exported(config, dict(head.tensors))
+
+
+@register_exporter("sglang", "eagle3")
+def to_sglang(head: NormalizedHead) -> Exported:
+    aux = list(head.config["aux_layer_ids"])
+    if min(aux) < 1:
+        raise DraftsmithError(f"fused layer hs[0] (the embeddings) cannot be written in SGLang's output-of-layer ids {aux}")
+    config = _layer_config(head, ["LlamaForCausalLMEagle3"])
+    ids = [i - 1 for i in aux]
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+    config.update(provenance(head))
+    notes = []
+    if ids[0] != 1:
+        notes.append(f"SGLang layer ids {ids} do not start at 1: SGLang releases after PR #25454 add +1 only when the "
+                     "first id is 1, so check which convention your SGLang version applies")
+    return Exported(config, dict(head.tensors), notes=notes)

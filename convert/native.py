@@ -1,0 +1,66 @@
+"""draftsmith's native head format as a conversion source and output, and the atomic directory writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.convert.checkpoint import SourceCheckpoint
+from draftsmith.convert.registry import Exported, NormalizedHead, ReadContext, register_source
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.heads import HEADS, DraftHeadConfig
+
+
+@register_source("native", "draftsmith native head (config.json with draftsmith_head_type + model.safetensors)")
+class Native:
+    @staticmethod
+    def detect(checkpoint: SourceCheckpoint) -> bool:
+        return "draftsmith_head_type" in checkpoint.config
+
+    @staticmethod
+    def read(checkpoint: SourceCheckpoint, ctx: ReadContext) -> NormalizedHead:
+        if "draftsmith_head_type" not in checkpoint.config:
+            raise DraftsmithError(f"{checkpoint.directory}/config.json has no draftsmith_head_type: not a native head")
+        config = dict(checkpoint.config)
+        if config["draftsmith_head_type"] in HEADS:  # fill keys older native configs lack with their defaults
+            parsed = DraftHeadConfig.from_json(config)
+            if parsed.fc_bias is None:
+                parsed.fc_bias = HEADS[parsed.head_type].default_fc_bias
+            config = parsed.to_json()
+        return NormalizedHead(config, checkpoint.read(checkpoint.names))
+
+
+def write_atomically(exported: Exported, out: str | Path, force: bool) -> Path:
+    """Writes config.json + weights into a temporary sibling of `out`, then renames it into place, so a
+    failure never leaves a half-written `out` (and an existing one is replaced only with `force`)."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise DraftsmithError(f"{out} already exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        partial.mkdir()
+        (partial / "config.json").write_text(json.dumps(exported.config, indent=2) + "\n")
+        # safetensors refuses views and shared storage; every tensor gets its own contiguous copy.
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in exported.tensors.items()}
+        if exported.weights_name.endswith(".safetensors"):
+            save_file(tensors, str(partial / exported.weights_name), metadata={"format": "pt"})
+        else:
+            torch.save(tensors, partial / exported.weights_name)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            partial.rename(out)
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        else:
+            partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,178 @@
+"""vllm-project/speculators checkpoints (formats.md section 4): EAGLE-3 (`layers.0.*` names, a nested
+`transformer_layer_config`, ids in vLLM's hs convention) and the legacy EAGLE type (`fusion_fc`,
+`transformer.*`), which vLLM detects by `speculators_model_type` and serves with the verifier it names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from draftsmith import __version__
+from draftsmith.convert import eagle, eagle3
+from draftsmith.convert.checkpoint import SourceCheckpoint
+from draftsmith.convert.layer_config import llama_layer_config
+from draftsmith.convert.registry import (
+    Exported,
+    NormalizedHead,
+    ReadContext,
+    provenance,
+    register_exporter,
+    register_source,
+    reject_unknown,
+    take,
+)
+from draftsmith.errors import DraftsmithError
+
+LAYER = "layers.0."
+LEGACY_LAYER = "transformer."
+IGNORABLE = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight", "rotary_emb.inv_freq")
+LAYER_FLAGS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
+               "norm_before_fc", "fc_norm", "norm_output")
+
+
+def _layer_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise DraftsmithError(f"{where}: transformer_layer_config must be an object")
+    return dict(layer)
+
+
+def _read_eagle3(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str) -> NormalizedHead:
+    config = checkpoint.config
+    layer_config = _layer_config(config, where)
+    for key in LAYER_FLAGS:
+        if config.get(key) is not None:
+            layer_config[key] = config[key]
+    known = {LAYER + k for k in eagle3.MID_KEYS + eagle3.MID_BIAS} | set(eagle3.HEAD_KEYS) | set(eagle3.OPTIONAL)
+    dropped = reject_unknown(checkpoint, known, "speculators EAGLE-3", IGNORABLE)
+    raw = take(checkpoint, [LAYER + k for k in eagle3.MID_KEYS] + eagle3.HEAD_KEYS,
+               optional=tuple(eagle3.OPTIONAL) + tuple(LAYER + k for k in eagle3.MID_BIAS))
+    tensors = {eagle3.MID + k.removeprefix(LAYER) if k.startswith(LAYER) else k: v for k, v in raw.items()}
+    head = eagle3.normalize(tensors, layer_config, where, _with_verifier(ctx, config), checkpoint)
+    head.notes[:0] = [f"dropped {name}" for name in dropped]
+    return head
+
+
+def _read_legacy_eagle(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str) -> NormalizedHead:
+    config = checkpoint.config
+    if config.get("layernorms"):
+        raise DraftsmithError(f"{where}: layernorms=true (HASS-style extra norms) is an EAGLE variant draftsmith does "
+                              "not serve")
+    layer_config = _layer_config(config, where)
+    mapping = {"fusion_fc.weight": "fc.weight", "fusion_fc.bias": "fc.bias"}
+    mapping.update({LEGACY_LAYER + k.removeprefix(eagle.LAYER): k for k in eagle.LAYER_KEYS + eagle.BIAS_KEYS})
+    dropped = reject_unknown(checkpoint, set(mapping), "speculators EAGLE", IGNORABLE)
+    required = [k for k, v in mapping.items() if v in ["fc.weight", *eagle.LAYER_KEYS]]
+    raw = take(checkpoint, required, optional=tuple(k for k in mapping if k not in required))
+    tensors = {mapping[k]: v for k, v in raw.items()}
+    if bool(config.get("fusion_bias")) != ("fc.bias" in tensors):
+        raise DraftsmithError(f"{where}: fusion_bias={config.get('fusion_bias')} but fusion_fc.bias is "
+                              f"{'present' if 'fc.bias' in tensors else 'absent'}")
+    # Reuse the yuhuili reader's shape checks on a view with yuhuili names.
+    view = _Renamed(checkpoint, tensors, layer_config)
+    head = eagle.YuhuiliEagle.read(view, _with_verifier(ctx, config))
+    head.notes[:0] = [f"dropped {name}" for name in dropped]
+    return head
+
+
+class _Renamed:
+    """A SourceCheckpoint look-alike over already-read, renamed tensors."""
+
+    def __init__(self, base: SourceCheckpoint, tensors: dict, config: dict):
+        self.path, self.directory, self.config, self._tensors = base.path, base.directory, config, tensors
+        mark = base.config.get("draftsmith")
+        if mark:
+            self.config = {**config, "draftsmith": mark}
+
+    @property
+    def names(self):
+        return list(self._tensors)
+
+    def has(self, name):
+        return name in self._tensors
+
+    def shape(self, name):
+        return tuple(self._tensors[name].shape)
+
+    def read(self, names):
+        return {n: self._tensors[n] for n in names}
+
+
+def _with_verifier(ctx: ReadContext, config: dict) -> ReadContext:
+    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path", "")
+    return ReadContext(ctx.target, ctx.target_name or verifier)
+
+
+_READERS = {"eagle3": _read_eagle3, "eagle": _read_legacy_eagle}
+
+
+@register_source("speculators", "vllm-project/speculators checkpoint (speculators_model_type eagle3, or legacy eagle)")
+class Speculators:
+    @staticmethod
+    def detect(checkpoint: SourceCheckpoint) -> bool:
+        return "speculators_model_type" in checkpoint.config
+
+    @staticmethod
+    def read(checkpoint: SourceCheckpoint, ctx: ReadContext) -> NormalizedHead:
+        kind = checkpoint.config.get("speculators_model_type")
+        if kind not in _READERS:
+            raise DraftsmithError(f"speculators_model_type {kind!r} is not one draftsmith converts ({', '.join(_READERS)})")
+        return _READERS[kind](checkpoint, ctx, f"{checkpoint.directory}/config.json")
+
+
+def _verifier(head: NormalizedHead) -> dict[str, Any]:
+    name = head.config.get("target_model", "")
+    architectures = ["LlamaForCausalLM"]
+    path = Path(name) / "config.json" if name else None
+    if path is not None and path.is_file():
+        architectures = json.loads(path.read_text()).get("architectures") or architectures
+    return {"name_or_path": name, "architectures": architectures}
+
+
+def _speculators_config(head: NormalizedHead, algorithm: str, tokens: int) -> dict[str, Any]:
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy", "verifier": _verifier(head)}
+
+
+def _dtype(head: NormalizedHead) -> str:
+    return str(head.tensors["fc.weight"].dtype).removeprefix("torch.")
+
+
+@register_exporter("speculators", "eagle3")
+def to_speculators_eagle3(head: NormalizedHead) -> Exported:
+    c = head.config
+    if c["fc_bias"] or c["own_embedding"]:
+        raise DraftsmithError("the speculators EAGLE-3 layout has no fc bias and no separate draft embedding")
+    layer = llama_layer_config(c, ["LlamaForCausalLM"], _dtype(head))
+    if c["attention_bias"]:
+        layer["attention_bias"] = True
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+              "speculators_version": f"draftsmith-{__version__}",
+              "speculators_config": _speculators_config(head, "eagle3", 3), "transformer_layer_config": layer,
+              "draft_vocab_size": c["draft_vocab_size"], "norm_before_residual": False,
+              "target_hidden_size": c["target_hidden_size"] if c["target_hidden_size"] != c["hidden_size"] else None,
+              "eagle_aux_hidden_state_layer_ids": list(c["aux_layer_ids"]), "norm_before_fc": False,
+              "fc_norm": False, "norm_output": False, "embed_requires_grad": False, **provenance(head)}
+    tensors = {LAYER + k.removeprefix(eagle3.MID) if k.startswith(eagle3.MID) else k: v for k, v in head.tensors.items()}
+    if c["draft_vocab_size"] == c["vocab_size"]:  # speculators writes the maps only for a reduced vocab
+        tensors.pop("d2t"), tensors.pop("t2d")
+    return Exported(config, tensors)
+
+
+@register_exporter("speculators", "eagle")
+def to_speculators_eagle(head: NormalizedHead) -> Exported:
+    c = head.config
+    layer = llama_layer_config(c, ["LlamaForCausalLM"], _dtype(head), "qwen2" if c["attention_bias"] else "llama")
+    config = {"architectures": ["EagleSpeculator", "LlamaDecoderLayer"], "speculators_model_type": "eagle",
+              "speculators_version": f"draftsmith-{__version__}",
+              "speculators_config": _speculators_config(head, "eagle", 5),
+              "transformer_layer_architecture": "LlamaDecoderLayer", "transformer_layer_config": layer,
+              "layernorms": False, "fusion_bias": bool(c["fc_bias"]), **provenance(head)}
+    renamed = {"fc.weight": "fusion_fc.weight", "fc.bias": "fusion_fc.bias"}
+    tensors = {renamed.get(k, LEGACY_LAYER + k.removeprefix(eagle.LAYER)): v for k, v in head.tensors.items()}
+    return Exported(config, tensors, notes=["the legacy speculators EAGLE type was removed in speculators PR #672; "
+                                            "current vLLM loads the yuhuili layout (--to vllm) instead"])

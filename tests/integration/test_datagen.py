@@ -1,0 +1,58 @@
+"""`draftsmith datagen` rewrites assistant turns (and text continuations) with the target's own outputs."""
+
+import json
+
+from draftsmith.cli import main
+from draftsmith.serve import LLM, SamplingParams
+from helpers import DEMO_MODEL
+
+
+def test_chat_turns_are_regenerated_by_the_target(tmp_path):
+    source = tmp_path / "chat.jsonl"
+    source.write_text(json.dumps({"conversations": [
+        {"from": "human", "value": "Write a function that adds two numbers."},
+        {"from": "gpt", "value": "someone else's answer"},
+        {"from": "human", "value": "And one that subtracts."},
+        {"from": "gpt", "value": "another foreign answer"}]}) + "\n")
+    out = tmp_path / "regen.jsonl"
+    assert main(["datagen", "--model", str(DEMO_MODEL), "--input", str(source), "--output", str(out),
+                 "--max-tokens", "16", "--temperature", "0", "--device", "cpu"]) == 0
+    messages = json.loads(out.read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1)
+    first = llm.chat([messages[:1]], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert messages[1]["content"] == first.outputs[0].text != "someone else's answer"
+    second = llm.chat([messages[:3]], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert messages[3]["content"] == second.outputs[0].text  # built on the model's own first answer
+
+
+def test_text_records_get_model_continuations(tmp_path):
+    source = tmp_path / "code.jsonl"
+    source.write_text(json.dumps({"text": "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"}) + "\n")
+    out = tmp_path / "regen.jsonl"
+    assert main(["datagen", "--model", str(DEMO_MODEL), "--input", str(source), "--output", str(out),
+                 "--max-tokens", "12", "--prompt-tokens", "8", "--temperature", "0", "--device", "cpu"]) == 0
+    text = json.loads(out.read_text())["text"]
+    assert text.startswith("def add(a, b):") and len(text) > 20
+
+
+def test_block_cut_prompts_end_mid_line_anywhere_in_the_file(tmp_path):
+    import random
+
+    from draftsmith.train.datagen import _opening
+
+    body = "".join(f"def f{i}(x):\n    return x * {i} + {i}\n\n\n" for i in range(12))
+    source = tmp_path / "code.jsonl"
+    source.write_text(json.dumps({"text": body}) + "\n")
+    out = tmp_path / "regen.jsonl"
+    assert main(["datagen", "--model", str(DEMO_MODEL), "--input", str(source), "--output", str(out), "--cut", "block",
+                 "--seed", "3", "--max-tokens", "10", "--prompt-tokens", "6", "--temperature", "0"]) == 0
+    record = json.loads(out.read_text())["text"]
+    opening = _opening(body, "block", random.Random(3))
+    assert body.startswith(opening) and len(opening) < len(body)
+    assert opening.splitlines()[-1].startswith("    ")  # cut inside an indented line, not after a newline
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1)
+    ids = llm.tokenizer(opening, add_special_tokens=False).input_ids
+    continuation = llm.generate({"prompt_token_ids": ids[-6:]}, SamplingParams(temperature=0, max_tokens=10),
+                                use_tqdm=False)[0].outputs[0].text
+    assert record == llm.tokenizer.decode(ids[-6:]) + continuation

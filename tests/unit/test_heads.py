@@ -1,0 +1,99 @@
+"""EAGLE / EAGLE-3 heads: save/reload, serving (cache) path == training (TTT) path, greedy equality."""
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models import HEADS, DraftHeadConfig, ForwardBatch, load_head, load_target
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.train.objectives import unroll
+from helpers import DEMO_MODEL
+
+AUX = {"eagle": (6,), "eagle3": (1, 3, 5)}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(DEMO_MODEL, dtype="float32")
+
+
+def _random_head(kind, target, tmp_path=None):
+    torch.manual_seed(1)
+    config = DraftHeadConfig.for_target(kind, target.config, AUX[kind], 1024 if kind == "eagle3" else None, "demo")
+    head = HEADS[kind](config).attach_target(target)
+    if kind == "eagle3":
+        head.set_vocab(torch.arange(0, 2048, 2))
+    if tmp_path is not None:
+        head.save_pretrained(tmp_path)
+    return head
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_saved_head_reloads_bit_exactly(kind, target, tmp_path):
+    head = _random_head(kind, target, tmp_path)
+    again = load_head(tmp_path).attach_target(target)
+    assert head.config == again.config
+    for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert "embed_tokens" not in str(list(again.state_dict()))  # shared with the target, not stored
+    if kind == "eagle3":
+        ids = torch.tensor([0, 5, 511])
+        assert again.to_target_ids(ids).tolist() == [0, 10, 1022]
+        assert again.t2d.sum() == 1024
+
+
+def test_head_rejects_a_different_target(target, tmp_path):
+    _random_head("eagle3", target, tmp_path)
+    config = target.config.__class__(**{**target.config.__dict__, "hidden_size": 512})
+    other = type("T", (), {"config": config})()
+    with pytest.raises(DraftsmithError, match="hidden size 256, but the target has 512"):
+        load_head(tmp_path).attach_target(other)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_cached_drafting_matches_training_time_test(kind, target):
+    """Catching up on a prefix through the cache, then drafting 3 steps, equals TTT steps 0..3 at that spot."""
+    head = _random_head(kind, target)
+    ids = torch.randint(0, 8192, (1, 20))
+    feats = head.features(target(ids, hidden_layer_ids=head.hidden_layer_ids).hidden_states)
+    ttt = [logits for _, logits in unroll(head, ids, feats, 4)]
+    p = 12  # last verified position: the head has seen features 0..p with tokens 1..p+1
+    cache = head.make_cache(2, 64)
+    batch = ForwardBatch.build([1], [0], [p + 1], cache)
+    with torch.no_grad():
+        out, logits = head.step(ids[:, 1 : p + 2], feats[:, : p + 1], batch.positions, True, cache, batch)
+        torch.testing.assert_close(logits[0, p], ttt[0][0, p], atol=1e-4, rtol=0)
+        state = out[:, p : p + 1]
+        for s in range(1, 4):  # feed teacher-forced tokens, as TTT does, at positions p + s
+            batch = ForwardBatch.build([1], [p + s], [1], cache)
+            state, logits = head.step(ids[:, p + 1 + s : p + 2 + s], state, batch.positions, False, cache, batch)
+            torch.testing.assert_close(logits[0, 0], ttt[s][0, p], atol=1e-4, rtol=0)
+
+
+PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa",
+           "for i in ra", "class A:\n    def __init__(self):\n        self.x = 1\n        self.y"]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference():
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40),
+                                                           use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_greedy_equality_with_random_head(kind, target, tmp_path, greedy_reference):
+    _random_head(kind, target, tmp_path)
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
+              speculative_config={"method": kind, "model": str(tmp_path), "num_speculative_tokens": 3})
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_method_and_head_must_agree(target, tmp_path):
+    _random_head("eagle", target, tmp_path)
+    with pytest.raises(DraftsmithError, match="holds an 'eagle' head but the speculative config says method 'eagle3'"):
+        LLM(DEMO_MODEL, speculative_config={"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 2})
+    with pytest.raises(DraftsmithError, match="needs \"model\""):
+        LLM(DEMO_MODEL, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})

@@ -1,0 +1,45 @@
+"""Training data: assistant-only loss masks through the target's chat template, draft vocabulary choice."""
+
+import pytest
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.serve.llm import load_tokenizer
+from draftsmith.train.data import check_tokenizer, draft_vocab_from_frequencies, to_messages, tokenize_chat
+from helpers import DEMO_MODEL
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(DEMO_MODEL)
+
+
+def test_loss_mask_covers_assistant_turns_only(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add two numbers."},
+                {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+                {"role": "user", "content": "Now subtract."}, {"role": "assistant", "content": "def sub(a, b): ..."}]
+    out = tokenize_chat(messages, tokenizer, 512)
+    masked = tokenizer.decode([t for t, m in zip(out["input_ids"], out["loss_mask"]) if m])
+    unmasked = tokenizer.decode([t for t, m in zip(out["input_ids"], out["loss_mask"]) if not m])
+    assert "def add(a, b):\n    return a + b" in masked and "def sub(a, b): ..." in masked
+    assert "Add two numbers" in unmasked and "Be brief" in unmasked and "Now subtract" in unmasked
+    assert "Add two" not in masked and "<|im_start|>assistant" in unmasked
+
+
+def test_sharegpt_roles_map_and_unknown_roles_fail():
+    record = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    assert to_messages(record) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    with pytest.raises(DraftsmithError, match="'robot'"):
+        to_messages({"conversations": [{"from": "robot", "value": "x"}]})
+
+
+def test_draft_vocab_takes_most_frequent_masked_tokens():
+    records = [{"input_ids": [5, 5, 5, 7, 7, 9, 1], "loss_mask": [1, 1, 1, 1, 1, 1, 0]},
+               {"input_ids": [9, 2, 2], "loss_mask": [1, 0, 0]}]
+    # 5 (3x), 7 (2x), 9 (2x) ... tokens 1 and 2 only appear unmasked
+    assert draft_vocab_from_frequencies(records, 12, 3).tolist() == [5, 7, 9]
+    assert draft_vocab_from_frequencies(records, 12, 5).tolist() == [0, 1, 5, 7, 9]  # padded with lowest ids
+
+
+def test_tokenizer_larger_than_target_vocab_is_rejected(tokenizer):
+    with pytest.raises(DraftsmithError, match="8192 tokens but the target's vocab_size is 128"):
+        check_tokenizer(tokenizer, 128)

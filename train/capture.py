@@ -1,0 +1,120 @@
+"""Offline hidden states: `draftsmith capture` writes target features as safetensors shards + a manifest.
+
+Each shard holds a run of samples concatenated along tokens: `input_ids`, `loss_mask`, `offsets` (sample
+boundaries), `features` (the head's aux layers) and `last` (final normed hidden; omitted when it equals
+`features`, as for EAGLE). A shard is written to a temporary name and renamed when complete, and the
+manifest lists finished shards, so a killed capture resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.train.objectives import target_features
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def bytes_needed(num_tokens: int, feature_dim: int, hidden: int, store_last: bool, dtype: str) -> int:
+    per_token = (feature_dim + (hidden if store_last else 0)) * DTYPES[dtype].itemsize + 5  # + ids, mask
+    return num_tokens * per_token
+
+
+def capture(target, aux_layer_ids: tuple[int, ...], tokenized, out_dir: str | Path, dtype: str = "bfloat16",
+            samples_per_shard: int = 64, meta: dict | None = None) -> Path:
+    """Runs the target over `tokenized` (input_ids, loss_mask records) and writes shards to out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = out_dir / "manifest.json"
+    store_last = tuple(aux_layer_ids) != (target.config.num_hidden_layers,)
+    config = {"aux_layer_ids": list(aux_layer_ids), "dtype": dtype, "num_samples": len(tokenized),
+              "samples_per_shard": samples_per_shard, "store_last": store_last, **(meta or {})}
+    manifest = {"config": config, "shards": []}
+    if manifest_path.is_file():
+        previous = json.loads(manifest_path.read_text())
+        if previous["config"] != config:
+            raise DraftsmithError(f"{out_dir} holds a capture with different settings; use another directory")
+        manifest = previous
+    done = {s["file"] for s in manifest["shards"]}
+    total_tokens = sum(len(r) for r in tokenized["input_ids"])
+    feature_dim = len(aux_layer_ids) * target.config.hidden_size
+    need = bytes_needed(total_tokens, feature_dim, target.config.hidden_size, store_last, dtype)
+    print(f"capture: {len(tokenized)} samples, {total_tokens} tokens -> about {need / 2**20:.1f} MiB in {out_dir}"
+          + (f" ({len(done)} shards already done)" if done else ""), flush=True)
+    device = target.model.embed_tokens.weight.device
+    shard_starts = range(0, len(tokenized), samples_per_shard)
+    for shard_index, first in enumerate(tqdm(shard_starts, desc="capture", unit="shard")):
+        name = f"shard_{shard_index:05d}.safetensors"
+        if name in done:
+            continue
+        records = tokenized.select(range(first, min(first + samples_per_shard, len(tokenized))))
+        pieces = {"input_ids": [], "loss_mask": [], "features": [], "last": []}
+        for record in records:
+            # one sample per forward: captured values must not depend on what was batched beside them
+            ids = torch.tensor(record["input_ids"], device=device)[None]
+            feats = target_features(target, tuple(aux_layer_ids), ids, DTYPES[dtype])
+            pieces["input_ids"].append(ids[0].to(torch.int32).cpu())
+            pieces["loss_mask"].append(torch.tensor(record["loss_mask"], dtype=torch.uint8))
+            pieces["features"].append(feats["features"][0].cpu())
+            pieces["last"].append(feats["last"][0].cpu())
+        lengths = torch.tensor([0] + [len(x) for x in pieces["input_ids"]])
+        tensors = {k: torch.cat(v) for k, v in pieces.items() if k != "last" or store_last}
+        tensors["offsets"] = lengths.cumsum(0)
+        tmp = out_dir / (name + ".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, out_dir / name)
+        manifest["shards"].append({"file": name, "first_sample": first, "num_samples": len(records)})
+        tmp_manifest = manifest_path.with_suffix(".tmp")
+        tmp_manifest.write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp_manifest, manifest_path)
+    return out_dir
+
+
+class CapturedDataset(torch.utils.data.Dataset):
+    """Reads `capture` output back as {input_ids, loss_mask, features, last} per sample."""
+
+    def __init__(self, directory: str | Path, aux_layer_ids: tuple[int, ...]):
+        directory = Path(directory)
+        manifest_path = directory / "manifest.json"
+        if not manifest_path.is_file():
+            raise DraftsmithError(f"{directory} has no manifest.json: run `draftsmith capture` first")
+        manifest = json.loads(manifest_path.read_text())
+        config = manifest["config"]
+        if tuple(config["aux_layer_ids"]) != tuple(aux_layer_ids):
+            raise DraftsmithError(f"{directory} captured layers {config['aux_layer_ids']}, the head reads "
+                                  f"{list(aux_layer_ids)}")
+        covered = sum(s["num_samples"] for s in manifest["shards"])
+        if covered != config["num_samples"]:
+            raise DraftsmithError(f"{directory} is incomplete ({covered}/{config['num_samples']} samples): "
+                                  "rerun `draftsmith capture` to resume it")
+        self.store_last = config["store_last"]
+        self.index = []  # sample -> (file, position in shard)
+        for shard in sorted(manifest["shards"], key=lambda s: s["first_sample"]):
+            self.index += [(directory / shard["file"], i) for i in range(shard["num_samples"])]
+        self._open: dict[Path, dict[str, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _shard(self, path: Path) -> dict[str, torch.Tensor]:
+        if path not in self._open:
+            with safe_open(str(path), framework="pt") as f:
+                self._open = {path: {k: f.get_tensor(k) for k in f.keys()}}  # keep one shard in memory
+        return self._open[path]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        path, j = self.index[i]
+        shard = self._shard(path)
+        lo, hi = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
+        item = {"input_ids": shard["input_ids"][lo:hi].long().tolist(),
+                "loss_mask": shard["loss_mask"][lo:hi].long().tolist(), "features": shard["features"][lo:hi]}
+        item["last"] = shard["last"][lo:hi] if self.store_last else item["features"]
+        return item

@@ -1,0 +1,60 @@
+"""Entry points for `draftsmith train`, `draftsmith capture`, `draftsmith datagen` and `-m draftsmith.train`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from draftsmith.train.recipe import load_recipe
+    from draftsmith.train.trainer import train
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    train(recipe, ["draftsmith", "train", args.recipe, *args.overrides])
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """`python -m draftsmith.train RECIPE [overrides]` (what `accelerate launch -m` runs on every rank)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__ + "\nusage: accelerate launch -m draftsmith.train RECIPE.yaml [section.key=value ...]")
+        return 0 if argv else 2
+    try:
+        return run_train(argparse.Namespace(recipe=argv[0], overrides=argv[1:]))
+    except DraftsmithError as exc:
+        print(f"draftsmith train: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    from draftsmith.models.loader import load_target
+    from draftsmith.serve.llm import load_tokenizer
+    from draftsmith.train.capture import capture
+    from draftsmith.train.data import load_records, tokenize_dataset
+    from draftsmith.train.recipe import load_recipe
+    from draftsmith.train.trainer import default_aux_layers
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    out = args.output or recipe.data.hidden_states_dir
+    if not out:
+        raise DraftsmithError("say where to write: --output DIR or data.hidden_states_dir in the recipe")
+    target = load_target(recipe.model.target, dtype="float32", device=args.device)
+    tokenizer = load_tokenizer(Path(recipe.model.target))
+    d = recipe.data
+    tokenized = tokenize_dataset(load_records(d.train_files, d.max_train_samples), tokenizer, d.max_length, d.format)
+    aux = tuple(recipe.model.aux_layer_ids or default_aux_layers(recipe.model.head_type, target.config.num_hidden_layers))
+    capture(target, aux, tokenized, out, d.hidden_states_dtype, args.samples_per_shard,
+            meta={"target": recipe.model.target, "train_files": d.train_files, "max_length": d.max_length})
+    print(f"captured hidden states in {out}")
+    return 0
+
+
+def run_datagen(args: argparse.Namespace) -> int:
+    from draftsmith.train.datagen import regenerate
+
+    regenerate(args)
+    return 0

@@ -1,0 +1,128 @@
+"""Training data: HF `datasets` loading of chat or plain-text JSONL, chat templating, assistant-only masks.
+
+Chat records: `{"messages": [{"role", "content"}, ...]}` (OpenAI) or `{"conversations": [{"from", "value"}]}`
+(ShareGPT; human/gpt/system map to user/assistant/system). Text records: `{"text": ...}` (code files).
+A token's loss mask is 1 where the head should learn to predict it: every token of plain text, and only
+the assistant turns (content and end-of-turn marker) of chat data, found through the tokenizer's offsets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "chatgpt": "assistant", "bing": "assistant"}
+
+
+def load_records(files: list[str], max_samples: int | None = None):
+    import datasets
+
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise DraftsmithError(f"data files not found: {', '.join(missing)}")
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset("json", data_files=list(files), split="train")
+    except Exception as exc:  # datasets wraps parse errors in several types
+        raise DraftsmithError(f"cannot read {files}: {exc}") from None
+    if max_samples is not None:
+        ds = ds.select(range(min(max_samples, len(ds))))
+    return ds
+
+
+def detect_format(columns: list[str]) -> str:
+    if "messages" in columns or "conversations" in columns:
+        return "chat"
+    if "text" in columns:
+        return "text"
+    raise DraftsmithError(f"records have columns {columns}; expected 'messages', 'conversations' or 'text'")
+
+
+def to_messages(record: dict[str, Any]) -> list[dict[str, str]]:
+    if record.get("messages"):
+        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    turns = record.get("conversations") or []
+    try:
+        return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+    except KeyError as exc:
+        raise DraftsmithError(f"ShareGPT turn with unknown role {exc.args[0]!r}") from None
+
+
+def tokenize_text(text: str, tokenizer, max_length: int) -> dict[str, list[int]]:
+    ids = tokenizer(text, add_special_tokens=False, truncation=True, max_length=max_length).input_ids
+    return {"input_ids": ids, "loss_mask": [1] * len(ids)}
+
+
+def tokenize_chat(messages: list[dict[str, str]], tokenizer, max_length: int) -> dict[str, list[int]]:
+    """Renders with the target's chat template; masks in the assistant spans found by re-rendering prefixes."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not text.startswith(through) or not through.startswith(before):
+            raise DraftsmithError("the chat template does not render conversations prefix by prefix; "
+                                  "cannot locate assistant turns")
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=True,
+                        max_length=max_length)
+    mask = [int(any(lo <= start and end <= hi for lo, hi in spans)) for start, end in encoded.offset_mapping]
+    return {"input_ids": encoded.input_ids, "loss_mask": mask}
+
+
+def tokenize_dataset(ds, tokenizer, max_length: int, data_format: str = "auto"):
+    data_format = detect_format(ds.column_names) if data_format == "auto" else data_format
+
+    def encode(record):
+        if data_format == "chat":
+            return tokenize_chat(to_messages(record), tokenizer, max_length)
+        return tokenize_text(record["text"], tokenizer, max_length)
+
+    ds = ds.map(encode, remove_columns=ds.column_names, desc="tokenizing")
+    return ds.filter(lambda r: len(r["input_ids"]) > 2 and sum(r["loss_mask"]) > 0)
+
+
+def check_tokenizer(tokenizer, vocab_size: int, reference_tokenizer=None) -> None:
+    """The data must be tokenized the way the target reads it."""
+    if len(tokenizer) > vocab_size:
+        raise DraftsmithError(f"tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}")
+    if reference_tokenizer is not None and tokenizer.get_vocab() != reference_tokenizer.get_vocab():
+        raise DraftsmithError("the data tokenizer differs from the target's tokenizer")
+
+
+def collate(records: list[dict[str, Any]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded batch; padding has loss mask 0 and sits after every real token (causal attention)."""
+    width = max(len(r["input_ids"]) for r in records)
+    ids = torch.full((len(records), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(records), width, dtype=torch.long)
+    for i, r in enumerate(records):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.tensor(r["input_ids"])
+        mask[i, :n] = torch.tensor(r["loss_mask"])
+    batch = {"input_ids": ids, "loss_mask": mask}
+    for key in ("features", "last"):  # offline (captured) hidden states, padded like the ids
+        if key in records[0]:
+            dim = records[0][key].shape[-1]
+            padded = torch.zeros(len(records), width, dim, dtype=records[0][key].dtype)
+            for i, r in enumerate(records):
+                padded[i, : len(r[key])] = r[key]
+            batch[key] = padded
+    return batch
+
+
+def draft_vocab_from_frequencies(ds, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """The `draft_vocab_size` most frequent loss-masked target ids, ascending (EAGLE-3's d2t/t2d source).
+    Ties break toward lower ids; fewer distinct tokens than needed are padded with the lowest unused ids."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for record in ds:
+        ids = torch.tensor(record["input_ids"])
+        counts += torch.bincount(ids[torch.tensor(record["loss_mask"], dtype=torch.bool)], minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[:draft_vocab_size]), dtype=torch.long)

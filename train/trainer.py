@@ -1,0 +1,291 @@
+"""The draft-head trainer on accelerate: one script for `accelerate launch -m draftsmith.train RECIPE.yaml`
+and `draftsmith train RECIPE.yaml`.
+
+Checkpoints are `accelerator.save_state` directories (model, optimizer, scheduler, RNG states and our
+progress counters) written under a temporary name and renamed, with the resolved recipe and command line
+beside them; a rerun of the same command resumes from the newest one and skips the batches already
+consumed, so a killed run loses only the step in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.heads import HEADS, DraftHeadConfig, load_head
+from draftsmith.models.loader import load_target
+from draftsmith.serve.llm import load_tokenizer
+from draftsmith.train.capture import CapturedDataset
+from draftsmith.train.data import (
+    check_tokenizer,
+    collate,
+    draft_vocab_from_frequencies,
+    load_records,
+    tokenize_dataset,
+)
+from draftsmith.train.objectives import OBJECTIVES, acceptance_report, simulated_acceptance, target_features
+from draftsmith.train.recipe import Recipe, dump_recipe
+
+FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def default_aux_layers(head_type: str, num_layers: int) -> tuple[int, ...]:
+    if head_type == "eagle":
+        return (num_layers,)
+    return (2, num_layers // 2, num_layers - 3)  # EAGLE-3's choice, in HF hidden_states indexing
+
+
+class HeadWithObjective(nn.Module):
+    """The trained module: the head plus its objective as `forward`, so DDP/FSDP wrappers see the call."""
+
+    def __init__(self, head, target, cfg, feature_dtype):
+        super().__init__()
+        self.head = head
+        self._target = [target]  # frozen, not a submodule
+        self.cfg = cfg
+        self.feature_dtype = feature_dtype
+
+    def features(self, batch):
+        if "features" in batch:  # offline
+            return {"features": batch["features"], "last": batch["last"]}
+        return target_features(self._target[0], self.head.config.aux_layer_ids, batch["input_ids"], self.feature_dtype)
+
+    def forward(self, batch):
+        feats = self.features(batch)
+        return OBJECTIVES[self.head.head_type](self.head, self._target[0], batch, feats, self.cfg)
+
+
+@dataclass
+class Progress:
+    """Counters saved with every checkpoint (registered with accelerate)."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batches_in_epoch: int = 0  # micro-batches of `epoch` already consumed
+
+    def state_dict(self):
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state):
+        self.__dict__.update(state)
+
+
+def build_head(recipe: Recipe, target, train_ds):
+    m = recipe.model
+    if m.init_from:
+        head = load_head(m.init_from)
+        if head.head_type != m.head_type:
+            raise DraftsmithError(f"model.init_from holds an {head.head_type!r} head, the recipe trains {m.head_type!r}")
+        return head.attach_target(target)
+    layers = target.config.num_hidden_layers
+    aux = tuple(m.aux_layer_ids) if m.aux_layer_ids else default_aux_layers(m.head_type, layers)
+    overrides = {"intermediate_size": m.intermediate_size} if m.intermediate_size else {}
+    config = DraftHeadConfig.for_target(m.head_type, target.config, aux, m.draft_vocab_size, m.target, **overrides)
+    config.check_target(target.config)
+    head = HEADS[m.head_type](config).attach_target(target)
+    if m.head_type == "eagle3":
+        vocab = draft_vocab_from_frequencies(train_ds, config.vocab_size, config.draft_vocab_size)
+        head.set_vocab(vocab)
+        with torch.no_grad():  # start the draft LM head from the target's rows (faster convergence)
+            head.lm_head.weight.copy_(target.lm_head.weight[vocab].float())
+            head.norm.weight.copy_(target.model.norm.weight.float())
+    return head
+
+
+def prepare_datasets(recipe: Recipe, tokenizer, aux_layer_ids):
+    d = recipe.data
+    if d.hidden_states_dir:
+        full = CapturedDataset(d.hidden_states_dir, aux_layer_ids)
+        n_eval = max(1, int(len(full) * d.eval_fraction)) if d.eval_fraction else 0
+        n_eval = min(n_eval, d.max_eval_samples or n_eval)
+        train = torch.utils.data.Subset(full, range(n_eval, len(full)))
+        evaluation = torch.utils.data.Subset(full, range(n_eval)) if n_eval else None
+        return train, evaluation
+    train = tokenize_dataset(load_records(d.train_files, d.max_train_samples), tokenizer, d.max_length, d.format)
+    if d.eval_files:
+        evaluation = tokenize_dataset(load_records(d.eval_files, d.max_eval_samples), tokenizer, d.max_length,
+                                      d.format)
+    elif d.eval_fraction > 0:
+        n_eval = min(max(1, int(len(train) * d.eval_fraction)), d.max_eval_samples or len(train))
+        evaluation, train = train.select(range(n_eval)), train.select(range(n_eval, len(train)))
+    else:
+        evaluation = None
+    return train, evaluation
+
+
+def _save_checkpoint(accelerator, recipe: Recipe, output: Path, progress: Progress, argv: list[str]) -> None:
+    checkpoints = output / "checkpoints"
+    final = checkpoints / f"step_{progress.step:08d}"
+    tmp = checkpoints / f".tmp_step_{progress.step:08d}"
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
+        (tmp / "command.txt").write_text(" ".join(argv) + "\n")
+        os.replace(tmp, final)  # a kill before this line leaves only a .tmp directory, ignored on resume
+        kept = sorted(checkpoints.glob("step_*"))
+        for old in kept[: -recipe.training.keep_checkpoints]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def latest_checkpoint(output: Path) -> Path | None:
+    found = sorted((output / "checkpoints").glob("step_*"))
+    return found[-1] if found else None
+
+
+def evaluate(accelerator, trainee, loader, max_k: int) -> dict[str, float]:
+    module = accelerator.unwrap_model(trainee)
+    module.head.eval()
+    counts, starts = torch.zeros(max_k, dtype=torch.long), 0
+    for batch in loader:
+        c, n = simulated_acceptance(module.head, module._target[0], batch, module.features(batch), max_k)
+        counts, starts = counts + c, starts + n
+    counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
+    starts = int(accelerator.reduce(torch.tensor(starts, device=accelerator.device), reduction="sum"))
+    module.head.train()
+    return acceptance_report(counts, starts)
+
+
+def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
+    """Runs (or resumes) the recipe; returns the directory of the final head."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+    t = recipe.training
+    output = Path(t.output_dir)
+    log_with = "tensorboard" if _has_tensorboard() else None
+    accelerator = Accelerator(gradient_accumulation_steps=t.gradient_accumulation_steps,
+                              mixed_precision=t.mixed_precision, log_with=log_with, project_dir=str(output),
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    set_seed(t.seed)
+    argv = argv or sys.argv
+    if accelerator.is_main_process:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "recipe.yaml").write_text(dump_recipe(recipe))
+    target = load_target(recipe.model.target, dtype="float32" if accelerator.device.type == "cpu" else "bfloat16",
+                         device=accelerator.device)
+    tokenizer = load_tokenizer(Path(recipe.model.target))
+    check_tokenizer(tokenizer, target.config.vocab_size)
+    with accelerator.main_process_first():  # datasets caches the tokenization once
+        probe_aux = tuple(recipe.model.aux_layer_ids or default_aux_layers(recipe.model.head_type,
+                                                                           target.config.num_hidden_layers))
+        train_ds, eval_ds = prepare_datasets(recipe, tokenizer, probe_aux)
+    if len(train_ds) == 0:
+        raise DraftsmithError("no training samples left after tokenization and filtering")
+    head = build_head(recipe, target, train_ds if not recipe.data.hidden_states_dir else _token_view(train_ds))
+    trainee = HeadWithObjective(head, target, t, FEATURE_DTYPES[recipe.data.hidden_states_dtype])
+    pad = tokenizer.pad_token_id or 0
+    train_loader = torch.utils.data.DataLoader(train_ds, batch_size=t.batch_size, shuffle=True,
+                                               collate_fn=lambda r: collate(r, pad), num_workers=t.num_workers)
+    eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=t.batch_size, collate_fn=lambda r: collate(r, pad)) \
+        if eval_ds is not None and len(eval_ds) else None
+    optimizer = torch.optim.AdamW(head.parameters(), lr=t.learning_rate, betas=(0.9, 0.95), weight_decay=t.weight_decay)
+    trainee, optimizer, train_loader = accelerator.prepare(trainee, optimizer, train_loader)
+    steps_per_epoch = math.ceil(len(train_loader) / t.gradient_accumulation_steps)  # per process
+    total_steps = min(t.epochs * steps_per_epoch, t.max_steps or t.epochs * steps_per_epoch)
+    from transformers import get_cosine_schedule_with_warmup
+
+    # accelerate steps a prepared scheduler once per process per optimizer step
+    scale = accelerator.num_processes
+    scheduler = accelerator.prepare(get_cosine_schedule_with_warmup(
+        optimizer, int(t.warmup_ratio * total_steps) * scale, total_steps * scale))
+    if eval_loader is not None:
+        eval_loader = accelerator.prepare(eval_loader)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    resume = latest_checkpoint(output)
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        accelerator.print(f"resumed from {resume} (step {progress.step}, epoch {progress.epoch})")
+    if log_with:
+        accelerator.init_trackers("draftsmith", config={"head_type": recipe.model.head_type})
+    accelerator.print(f"training {recipe.model.head_type} head: {sum(p.numel() for p in head.parameters()):,} "
+                      f"parameters, {len(train_ds)} samples, {total_steps} optimizer steps")
+    bar = tqdm(total=total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process)
+    while progress.epoch < t.epochs and progress.step < total_steps:
+        train_loader.set_epoch(progress.epoch)
+        loader = accelerator.skip_first_batches(train_loader, progress.batches_in_epoch) \
+            if progress.batches_in_epoch else train_loader
+        for batch in loader:
+            with accelerator.accumulate(trainee):
+                loss, logs = trainee(batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(trainee.parameters(), t.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            progress.batches_in_epoch += 1
+            if accelerator.sync_gradients:
+                progress.step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+                if progress.step % t.log_every_steps == 0:
+                    record = {"step": progress.step, "loss": loss.item(), "lr": scheduler.get_last_lr()[0], **logs}
+                    accelerator.log(record, step=progress.step)
+                    if accelerator.is_main_process:  # a plain-text twin of the TensorBoard scalars
+                        with (output / "train_log.jsonl").open("a") as f:
+                            f.write(json.dumps(record) + "\n")
+                if progress.step % t.save_every_steps == 0:
+                    _save_checkpoint(accelerator, recipe, output, progress, argv)
+                if progress.step >= total_steps:
+                    break
+        if progress.batches_in_epoch < len(train_loader):
+            break  # max_steps reached inside the epoch
+        progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
+        if eval_loader is not None:
+            _report(accelerator, output, f"epoch{progress.epoch}",
+                    evaluate(accelerator, trainee, eval_loader, t.eval_max_k), progress.step)
+    bar.close()
+    if progress.batches_in_epoch and eval_loader is not None:  # stopped mid-epoch by max_steps
+        _report(accelerator, output, "final", evaluate(accelerator, trainee, eval_loader, t.eval_max_k), progress.step)
+    if not (output / "checkpoints" / f"step_{progress.step:08d}").exists():
+        _save_checkpoint(accelerator, recipe, output, progress, argv)
+    final = output / "head"
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(trainee).head.save_pretrained(final)
+        (final / "recipe.yaml").write_text(dump_recipe(recipe))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    accelerator.print(f"saved head to {final}")
+    return final
+
+
+def _report(accelerator, output: Path, name: str, report: dict[str, float], step: int) -> None:
+    accelerator.log(report, step=step)
+    if accelerator.is_main_process:
+        (output / f"eval_{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    ks = [k for k in report if k.startswith("sim_mean_acceptance_length_k")]
+    accelerator.print(f"eval {name}: simulated mean acceptance length " +
+                      ", ".join(f"k={k.rsplit('k', 1)[1]}: {report[k]:.2f}" for k in ks))
+
+
+def _token_view(ds):
+    """Captured datasets expose tokens for the draft-vocabulary count without loading features."""
+    class View:
+        def __iter__(self):
+            for i in range(len(ds)):
+                item = ds[i]
+                yield {"input_ids": item["input_ids"], "loss_mask": item["loss_mask"]}
+    return View()
+
+
+def _has_tensorboard() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True

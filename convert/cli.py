@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 # Importing the format modules registers them.
-from draftsmith.convert import eagle, eagle3, speculators  # noqa: F401
+from draftsmith.convert import eagle, eagle3, medusa, mlp_speculator, mtp, speculators  # noqa: F401
 from draftsmith.convert import native as native_format
 from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.convert.registry import (
@@ -22,6 +22,7 @@ from draftsmith.convert.registry import (
 )
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.config import TargetConfig
+from draftsmith.models.head_configs import CONVERT_ONLY_CONFIGS
 from draftsmith.models.heads import HEADS, DraftHeadConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,6 +36,8 @@ def validate_against_target(head: NormalizedHead, target_dir: Path, source_dir: 
     target = TargetConfig.from_model_dir(target_dir)
     if head.head_type in HEADS:
         DraftHeadConfig.from_json(head.config).check_target(target)
+    else:
+        CONVERT_ONLY_CONFIGS[head.head_type].from_json(head.config).check_target(target.hidden_size, target.vocab_size)
     vocab = head.config.get("vocab_size")
     tokenizer = load_tokenizer(target_dir)
     if vocab is not None and len(tokenizer) > vocab:

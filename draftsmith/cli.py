@@ -15,7 +15,7 @@ from draftsmith import __version__
 from draftsmith.errors import DraftsmithError
 
 # Kept in step with draftsmith.convert's registry by a test; listed here so `--help` stays import-light.
-CONVERT_SOURCES = ("native", "eagle", "eagle3", "speculators")
+CONVERT_SOURCES = ("native", "eagle", "eagle3", "speculators", "mlp_speculator", "medusa", "mtp")
 DEFAULT_BENCH_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 

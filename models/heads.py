@@ -187,6 +187,11 @@ def load_head(directory: str | Path, dtype: torch.dtype = torch.float32, device:
         raise DraftsmithError(f"draft head directory {directory} has no config.json")
     data = json.loads(config_path.read_text())
     head_type = data.get("draftsmith_head_type")
+    from draftsmith.models.head_configs import CONVERT_ONLY_CONFIGS
+
+    if head_type in CONVERT_ONLY_CONFIGS:
+        raise DraftsmithError(f"{config_path}: {head_type} heads convert to and from draftsmith's format, but the engine "
+                              "cannot serve them yet (eagle and eagle3 heads it can)")
     if head_type not in HEADS:
         raise DraftsmithError(f"{config_path}: draftsmith_head_type {head_type!r} is not one of {sorted(HEADS)} "
                               "(convert foreign checkpoints with `draftsmith convert`)")

@@ -153,3 +153,124 @@ def speculators_legacy_eagle(directory: Path, fusion_bias: bool = True) -> Path:
               "transformer_layer_architecture": "LlamaDecoderLayer", "transformer_layer_config": LLAMA_LAYER_CONFIG,
               "layernorms": False, "fusion_bias": fusion_bias}
     return _write(directory, config, t, "model.safetensors")
+
+
+def mlp_speculator(directory: Path, n_predict: int = 3, inner: int = 192, tied: bool = False, all_names: bool = True,
+                   scale_input: bool = False) -> Path:
+    """IBM/fms MLP speculator as HF saves it: `speculator.`-prefixed stages (section 5)."""
+    torch.manual_seed(17)
+    stages = range(n_predict)
+    t = {}
+    for i in stages:
+        t[f"speculator.emb.{i}.weight"] = _w(V, inner)
+        t[f"speculator.proj.{i}.weight"] = _w(inner, H if i == 0 else inner)
+        t[f"speculator.head.{i}.weight"] = _w(V, inner)
+        t[f"speculator.ln.{i}.weight"] = _norm(inner)
+        t[f"speculator.ln.{i}.bias"] = _w(inner)
+    if tied:  # every stage shares stage 0's emb/head/ln; proj.i (i >= 2) shares proj.1
+        for name in list(t):
+            kind, index = name.split(".")[1], int(name.split(".")[2])
+            shared = 1 if kind == "proj" and index >= 1 else 0
+            if index != shared:
+                if all_names:
+                    t[name] = t[name.replace(f".{index}.", f".{shared}.", 1)].clone()
+                else:
+                    del t[name]
+    config = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator", "vocab_size": V,
+              "emb_dim": H, "inner_dim": inner, "n_predict": n_predict, "top_k_tokens_per_head": [5, 4, 3][:n_predict],
+              "n_candidates": 5, "tie_weights": tied, "scale_input": scale_input}
+    return _write(directory, config, t, "model.safetensors")
+
+
+def medusa(directory: Path, heads: int = 3, layers: int = 1, lm_heads: bool = True,
+           weights: str = "medusa_lm_head.pt") -> Path:
+    """FasterDecoding Medusa: `{h}.{j}.linear.*` ResBlocks (one module repeated L times) and `{h}.{L}.weight`;
+    the config's head count is the uploaded '5' that disagrees with the weights (section 6)."""
+    torch.manual_seed(18)
+    t = {}
+    for h in range(heads):
+        block_w, block_b = _w(H, H), _w(H)
+        for j in range(layers):  # [ResBlock(H)] * L: the same tensors under every j
+            t[f"{h}.{j}.linear.weight"], t[f"{h}.{j}.linear.bias"] = block_w, block_b
+        if lm_heads:
+            t[f"{h}.{layers}.weight"] = _w(V, H)
+    if weights.endswith(".safetensors"):
+        t = {k: v.clone() for k, v in t.items()}
+    config = {"medusa_num_heads": 5, "medusa_num_layers": layers, "base_model_name_or_path": "org/demo-code-7m",
+              "version": "2"}
+    return _write(directory, config, t, weights)
+
+
+def _shard(directory: Path, config: dict, shards: dict[str, dict]) -> Path:
+    """A sharded HF checkpoint: model-0000i-of-N.safetensors plus model.safetensors.index.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    weight_map = {}
+    for file, tensors in shards.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / file))
+        weight_map |= dict.fromkeys(tensors, file)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+MTP_H, MTP_V = 64, 128
+
+
+def _block(prefix: str, moe: bool) -> dict:
+    t = {f"{prefix}input_layernorm.weight": _norm(MTP_H), f"{prefix}post_attention_layernorm.weight": _norm(MTP_H),
+         f"{prefix}self_attn.q_proj.weight": _w(MTP_H, MTP_H), f"{prefix}self_attn.o_proj.weight": _w(MTP_H, MTP_H)}
+    if moe:  # FP8 expert weights with their block scales, as DeepSeek-V3 ships them
+        t[f"{prefix}mlp.experts.0.gate_proj.weight"] = _w(32, MTP_H).to(torch.float8_e4m3fn)
+        t[f"{prefix}mlp.experts.0.gate_proj.weight_scale_inv"] = torch.rand(1, 1)
+        t[f"{prefix}mlp.gate.weight"] = _w(4, MTP_H)
+    else:
+        t[f"{prefix}mlp.gate_proj.weight"] = _w(32, MTP_H)
+    return t
+
+
+def _main_model(layers: int) -> dict:
+    t = {"model.embed_tokens.weight": _w(MTP_V, MTP_H), "model.norm.weight": _norm(MTP_H), "lm_head.weight": _w(MTP_V, MTP_H)}
+    for i in range(layers):
+        t |= _block(f"model.layers.{i}.", moe=False)
+    return t
+
+
+def deepseek_target_with_mtp(directory: Path, layers: int = 2, mtp_layers: int = 1) -> Path:
+    """DeepSeek-V3 layout: MTP layer(s) at model.layers.{L+k} with enorm/hnorm/eh_proj/shared_head, their own
+    stored embed/head copies, in a shard of their own (section 7.1)."""
+    torch.manual_seed(19)
+    mtp = {}
+    for k in range(mtp_layers):
+        p = f"model.layers.{layers + k}."
+        mtp |= {f"{p}enorm.weight": _norm(MTP_H), f"{p}hnorm.weight": _norm(MTP_H), f"{p}eh_proj.weight": _w(MTP_H, 2 * MTP_H),
+                f"{p}shared_head.norm.weight": _norm(MTP_H), f"{p}shared_head.head.weight": _w(MTP_V, MTP_H),
+                f"{p}embed_tokens.weight": _w(MTP_V, MTP_H), **_block(p, moe=True)}
+    main = _main_model(layers)
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": MTP_H,
+              "vocab_size": MTP_V, "num_hidden_layers": layers, "num_nextn_predict_layers": mtp_layers,
+              "n_routed_experts": 4}
+    head = {k: main.pop(k) for k in ("lm_head.weight", "model.norm.weight")}
+    return _shard(directory, config, {"model-00001-of-00003.safetensors": main, "model-00002-of-00003.safetensors": mtp,
+                                      "model-00003-of-00003.safetensors": head})
+
+
+def qwen3_next_target_with_mtp(directory: Path, layers: int = 2) -> Path:
+    """Qwen3-Next: mtp.fc / mtp.pre_fc_norm_* / mtp.norm shared, blocks at mtp.layers.{k} (section 7.2)."""
+    torch.manual_seed(20)
+    mtp = {"mtp.fc.weight": _w(MTP_H, 2 * MTP_H), "mtp.pre_fc_norm_embedding.weight": _norm(MTP_H),
+           "mtp.pre_fc_norm_hidden.weight": _norm(MTP_H), "mtp.norm.weight": _norm(MTP_H), **_block("mtp.layers.0.", moe=True)}
+    config = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": MTP_H,
+              "vocab_size": MTP_V, "num_hidden_layers": layers, "num_nextn_predict_layers": 1}
+    return _shard(directory, config, {"model-00001-of-00002.safetensors": _main_model(layers),
+                                      "model-00002-of-00002.safetensors": mtp})
+
+
+def mimo_target_with_mtp(directory: Path, layers: int = 2) -> Path:
+    """MiMo: model.mtp_layers.{k}.{token_layernorm,hidden_layernorm,input_proj,final_layernorm} (section 7.3)."""
+    torch.manual_seed(21)
+    p = "model.mtp_layers.0."
+    mtp = {f"{p}token_layernorm.weight": _norm(MTP_H), f"{p}hidden_layernorm.weight": _norm(MTP_H),
+           f"{p}input_proj.weight": _w(MTP_H, 2 * MTP_H), f"{p}final_layernorm.weight": _norm(MTP_H), **_block(p, moe=False)}
+    config = {"architectures": ["MiMoForCausalLM"], "model_type": "mimo", "hidden_size": MTP_H, "vocab_size": MTP_V,
+              "num_hidden_layers": layers, "num_nextn_predict_layers": 1}
+    return _write(directory, config, _main_model(layers) | mtp, "model.safetensors")

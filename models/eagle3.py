@@ -17,6 +17,8 @@ from draftsmith.models.llama import RMSNorm
 
 @register_head("eagle3")
 class Eagle3Head(DraftHead):
+    has_draft_vocab = True
+
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
         h = config.hidden_size
@@ -37,6 +39,13 @@ class Eagle3Head(DraftHead):
         self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
+
+    @torch.no_grad()
+    def init_draft_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """Sets the vocab maps and starts the LM head and final norm from the target's (faster convergence)."""
+        self.set_vocab(draft_to_target)
+        self.lm_head.weight.copy_(self.target.lm_head.weight[draft_to_target].float())
+        self.norm.weight.copy_(self.target.model.norm.weight.float())
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -114,6 +114,7 @@ class DraftHead(nn.Module):
 
     head_type = ""
     default_fc_bias = False
+    has_draft_vocab = False  # an own LM head over a token subset (EAGLE-3), chosen from training data
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__()

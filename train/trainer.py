@@ -93,12 +93,8 @@ def build_head(recipe: Recipe, target, train_ds):
     config = DraftHeadConfig.for_target(m.head_type, target.config, aux, m.draft_vocab_size, m.target, **overrides)
     config.check_target(target.config)
     head = HEADS[m.head_type](config).attach_target(target)
-    if m.head_type == "eagle3":
-        vocab = draft_vocab_from_frequencies(train_ds, config.vocab_size, config.draft_vocab_size)
-        head.set_vocab(vocab)
-        with torch.no_grad():  # start the draft LM head from the target's rows (faster convergence)
-            head.lm_head.weight.copy_(target.lm_head.weight[vocab].float())
-            head.norm.weight.copy_(target.model.norm.weight.float())
+    if head.has_draft_vocab:
+        head.init_draft_vocab(draft_vocab_from_frequencies(train_ds, config.vocab_size, config.draft_vocab_size))
     return head
 
 

@@ -20,6 +20,27 @@ LLAMA_LAYER_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llam
                       "tie_word_embeddings": False}
 
 
+def convert(*args) -> int:
+    """`draftsmith convert ARGS` through the console entry point; returns its exit status."""
+    from draftsmith.cli import main
+
+    return main(["convert", *map(str, args)])
+
+
+def read_native(out: Path):
+    """(config dict, tensors) of a native head directory."""
+    from safetensors.torch import load_file
+
+    return json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+
+
+def source_tensors(directory: Path) -> dict:
+    from draftsmith.convert.checkpoint import SourceCheckpoint
+
+    checkpoint = SourceCheckpoint(directory)
+    return checkpoint.read(checkpoint.names)
+
+
 def _w(*shape, dtype=torch.float32):
     return (torch.randn(*shape) * 0.05).to(dtype)
 

@@ -9,25 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 import public_checkpoints as pub
-from draftsmith.cli import CONVERT_SOURCES, main
+from draftsmith.cli import CONVERT_SOURCES
 from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.convert.cli import run  # noqa: F401  (registers every format)
 from draftsmith.convert.registry import SOURCES, detect_source
 from draftsmith.serve import LLM, SamplingParams
 from helpers import DEMO_MODEL
 
-
-def convert(*args):
-    return main(["convert", *map(str, args)])
-
-
-def native(out):
-    return json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
-
-
-def source_tensors(directory):
-    checkpoint = SourceCheckpoint(directory)
-    return checkpoint.read(checkpoint.names)
+convert, native, source_tensors = pub.convert, pub.read_native, pub.source_tensors
 
 
 def test_cli_lists_every_registered_source():

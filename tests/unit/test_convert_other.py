@@ -8,7 +8,6 @@ import torch
 from safetensors.torch import load_file
 
 import public_checkpoints as pub
-from draftsmith.cli import main
 from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.convert.cli import run  # noqa: F401  (registers every format)
 from draftsmith.convert.registry import detect_source
@@ -16,18 +15,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models import load_head
 from helpers import DEMO_MODEL
 
-
-def convert(*args):
-    return main(["convert", *map(str, args)])
-
-
-def native(out):
-    return json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
-
-
-def source_tensors(directory):
-    checkpoint = SourceCheckpoint(directory)
-    return checkpoint.read(checkpoint.names)
+convert, native, source_tensors = pub.convert, pub.read_native, pub.source_tensors
 
 
 def assert_round_trip(tmp_path, to):

@@ -23,11 +23,6 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-
 def _unreadable(path: Path, exc: Exception) -> DraftsmithError:
     return DraftsmithError(f"{path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                            "the file may be truncated or corrupted")
@@ -54,8 +49,6 @@ class _SafetensorsFile:
         try:
             with safe_open(str(path), framework="pt") as f:
                 self.shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-                self.dtypes = {name: _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype(), f.get_slice(name).get_dtype())
-                               for name in f.keys()}
         except (SafetensorError, OSError, ValueError) as exc:
             raise _unreadable(path, exc) from None
 
@@ -72,7 +65,6 @@ class _PickleFile:
         self.path = path
         self._state = _load_pickle(path)
         self.shapes = {k: tuple(v.shape) for k, v in self._state.items()}
-        self.dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in self._state.items()}
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         return {name: self._state[name] for name in names}
@@ -160,6 +152,3 @@ class SourceCheckpoint:
         for file, file_names in by_file.items():
             out.update(self._file(file).read(file_names))
         return out
-
-    def dtype(self, name: str) -> str:
-        return self._file(self._where[name]).dtypes[name]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.convert.checkpoint import SourceCheckpoint
-from draftsmith.convert.eagle import target_layers_from
+from draftsmith.convert.eagle import head_dtype, target_layers_from
 from draftsmith.convert.layer_config import layer_fields, llama_layer_config, native_config
 from draftsmith.convert.registry import (
     Exported,
@@ -150,7 +150,7 @@ class YuhuiliEagle3:
 
 def _layer_config(head: NormalizedHead, architectures: list[str]) -> dict:
     c = head.config
-    config = llama_layer_config(c, architectures, str(head.tensors["fc.weight"].dtype).removeprefix("torch."))
+    config = llama_layer_config(c, architectures, head_dtype(head.tensors))
     config.update(draft_vocab_size=c["draft_vocab_size"], target_hidden_size=c["target_hidden_size"])
     if c["fc_bias"]:
         config["bias"] = True

@@ -138,16 +138,12 @@ def _speculators_config(head: NormalizedHead, algorithm: str, tokens: int) -> di
             "default_proposal_method": "greedy", "verifier": _verifier(head)}
 
 
-def _dtype(head: NormalizedHead) -> str:
-    return str(head.tensors["fc.weight"].dtype).removeprefix("torch.")
-
-
 @register_exporter("speculators", "eagle3")
 def to_speculators_eagle3(head: NormalizedHead) -> Exported:
     c = head.config
     if c["fc_bias"] or c["own_embedding"]:
         raise DraftsmithError("the speculators EAGLE-3 layout has no fc bias and no separate draft embedding")
-    layer = llama_layer_config(c, ["LlamaForCausalLM"], _dtype(head))
+    layer = llama_layer_config(c, ["LlamaForCausalLM"], eagle.head_dtype(head.tensors))
     if c["attention_bias"]:
         layer["attention_bias"] = True
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -166,7 +162,7 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
 @register_exporter("speculators", "eagle")
 def to_speculators_eagle(head: NormalizedHead) -> Exported:
     c = head.config
-    layer = llama_layer_config(c, ["LlamaForCausalLM"], _dtype(head), "qwen2" if c["attention_bias"] else "llama")
+    layer = llama_layer_config(c, ["LlamaForCausalLM"], eagle.head_dtype(head.tensors), "qwen2" if c["attention_bias"] else "llama")
     config = {"architectures": ["EagleSpeculator", "LlamaDecoderLayer"], "speculators_model_type": "eagle",
               "speculators_version": f"draftsmith-{__version__}",
               "speculators_config": _speculators_config(head, "eagle", 5),

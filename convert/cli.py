@@ -6,38 +6,30 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
-# Importing the format modules registers them.
-from draftsmith.convert import eagle, eagle3, medusa, mlp_speculator, mtp, speculators  # noqa: F401
 from draftsmith.convert import native as native_format
 from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.convert.registry import (
-    SOURCES,
     Exported,
     NormalizedHead,
     ReadContext,
     detect_source,
     exporter,
+    load_formats,
 )
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods import head_method, read_head_config, servable
 from draftsmith.models.config import TargetConfig
-from draftsmith.models.head_configs import CONVERT_ONLY_CONFIGS
-from draftsmith.models.heads import HEADS, DraftHeadConfig
+from draftsmith.models.dtypes import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def validate_against_target(head: NormalizedHead, target_dir: Path, source_dir: Path) -> None:
     """Shapes, vocab, fused layer ids and tokenizer of the head against the target; errors name both values."""
-    from draftsmith.serve.llm import load_tokenizer
+    from draftsmith.models.tokenizer import load_tokenizer
 
     target = TargetConfig.from_model_dir(target_dir)
-    if head.head_type in HEADS:
-        DraftHeadConfig.from_json(head.config).check_target(target)
-    else:
-        CONVERT_ONLY_CONFIGS[head.head_type].from_json(head.config).check_target(target.hidden_size, target.vocab_size)
+    read_head_config(head.config).check_target(target)
     vocab = head.config.get("vocab_size")
     tokenizer = load_tokenizer(target_dir)
     if vocab is not None and len(tokenizer) > vocab:
@@ -75,10 +67,11 @@ def run(args: argparse.Namespace) -> int:
     if out is not None and out.exists() and not args.force:
         raise DraftsmithError(f"{out} already exists; pass --force to replace it")
     checkpoint = SourceCheckpoint(args.src)
+    sources = load_formats()
     if args.from_format:
-        if args.from_format not in SOURCES:
-            raise DraftsmithError(f"--from {args.from_format!r} is not a known format; one of: {', '.join(SOURCES)}")
-        source = SOURCES[args.from_format]
+        if args.from_format not in sources:
+            raise DraftsmithError(f"--from {args.from_format!r} is not a known format; one of: {', '.join(sources)}")
+        source = sources[args.from_format]
         if not source.detect(checkpoint):
             print(f"warning: {args.src} does not look like {source.name}; reading it as that because of --from")
     else:
@@ -98,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  note: {note}")
     native_format.write_atomically(exported, out, args.force)
     print(f"wrote {out} ({args.to} {head.head_type} head, {len(exported.tensors)} tensors)")
-    if args.to == "native" and head.head_type in HEADS:
+    if args.to == "native" and servable(head_method(head.head_type)):
         print(f"serve it: draftsmith serve TARGET --speculative-config "
               f"'{{\"method\": \"{head.head_type}\", \"model\": \"{out}\", \"num_speculative_tokens\": 5}}'")
     return 0

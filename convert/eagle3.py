@@ -27,6 +27,7 @@ from draftsmith.convert.registry import (
     take,
 )
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods.eagle3 import Eagle3Method
 
 MID = "midlayer."
 MID_KEYS = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")] + [
@@ -40,10 +41,6 @@ UNSUPPORTED_FLAGS = {"fc_norm": "per-layer norms before fc", "norm_before_fc": "
                      "norm_before_residual": "a normed residual"}
 
 
-def default_aux(layers: int) -> tuple[int, int, int]:
-    return (2, layers // 2, layers - 3)
-
-
 def aux_layer_ids(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...], str]:
     """(hs indices, where they came from)."""
     if config.get("eagle_aux_hidden_state_layer_ids"):
@@ -53,7 +50,7 @@ def aux_layer_ids(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...
         return tuple(int(i) + 1 for i in nested), "eagle_config ids, SpecForge/SGLang convention (output of layer k = hs[k+1])"
     if n_aux != 3:
         raise DraftsmithError(f"fc reads {n_aux} target layers but the config names none (the default is 3)")
-    return default_aux(layers), f"reference default for a {layers}-layer target"
+    return Eagle3Method.default_aux_layers(layers), f"reference default for a {layers}-layer target"
 
 
 def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int) -> None:

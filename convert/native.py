@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.convert.registry import Exported, NormalizedHead, ReadContext, register_source
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.heads import HEADS, DraftHeadConfig
+from draftsmith.methods import head_method, read_head_config
 
 
 @register_source("native", "draftsmith native head (config.json with draftsmith_head_type + model.safetensors)")
@@ -26,12 +26,12 @@ class Native:
     def read(checkpoint: SourceCheckpoint, ctx: ReadContext) -> NormalizedHead:
         if "draftsmith_head_type" not in checkpoint.config:
             raise DraftsmithError(f"{checkpoint.directory}/config.json has no draftsmith_head_type: not a native head")
-        config = dict(checkpoint.config)
-        if config["draftsmith_head_type"] in HEADS:  # fill keys older native configs lack with their defaults
-            parsed = DraftHeadConfig.from_json(config)
-            if parsed.fc_bias is None:
-                parsed.fc_bias = HEADS[parsed.head_type].default_fc_bias
-            config = parsed.to_json()
+        # round-trip through the typed config: checks the keys and fills what older native configs lack
+        parsed = read_head_config(checkpoint.config, checkpoint.directory / "config.json")
+        head_class = head_method(parsed.head_type).head_class()
+        if getattr(parsed, "fc_bias", False) is None and head_class is not None:
+            parsed.fc_bias = head_class.default_fc_bias
+        config = parsed.to_json()
         return NormalizedHead(config, checkpoint.read(checkpoint.names))
 
 

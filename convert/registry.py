@@ -68,6 +68,20 @@ EXPORTERS: dict[tuple[str, str], Callable[[NormalizedHead], Exported]] = {}
 OUTPUTS = ("native", "vllm", "sglang", "speculators")
 
 
+def load_formats() -> dict[str, SourceFormat]:
+    """Imports the native format and every registered method's converter modules (which register their
+    sources and exporters); the formats a user can name are exactly what the methods bring."""
+    import importlib
+
+    from draftsmith.methods import METHODS
+
+    importlib.import_module("draftsmith.convert.native")
+    for method in METHODS.values():
+        for module in method.converter_modules():
+            importlib.import_module(module)
+    return SOURCES
+
+
 def register_source(name: str, description: str):
     def decorate(cls):
         if name in SOURCES:
@@ -89,7 +103,7 @@ def register_exporter(output: str, head_type: str):
 
 
 def detect_source(checkpoint: SourceCheckpoint) -> SourceFormat:
-    matches = [fmt for fmt in SOURCES.values() if fmt.detect(checkpoint)]
+    matches = [fmt for fmt in load_formats().values() if fmt.detect(checkpoint)]
     if len(matches) == 1:
         return matches[0]
     if not matches:

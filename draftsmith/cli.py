@@ -14,8 +14,6 @@ import sys
 from draftsmith import __version__
 from draftsmith.errors import DraftsmithError
 
-# Kept in step with draftsmith.convert's registry by a test; listed here so `--help` stays import-light.
-CONVERT_SOURCES = ("native", "eagle", "eagle3", "speculators", "mlp_speculator", "medusa", "mtp")
 DEFAULT_BENCH_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 
@@ -33,7 +31,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, methods: list[str]) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype; auto = float32 on CPU, the checkpoint's on GPU")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
@@ -42,10 +40,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="prompt + output tokens per request (default: the model's context)")
     p.add_argument("--speculative-config", default=None,
-                   help='speculation settings as JSON, vLLM keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+                   help='speculation settings as JSON, vLLM keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+                   f"methods: {', '.join(methods)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Every list of methods and formats below comes from the registries, so a new method shows up here by
+    # registering (these imports cost what torch costs; every subcommand needs torch anyway).
+    from draftsmith.convert.registry import OUTPUTS, load_formats
+    from draftsmith.methods import method_names, servable, trainable
+
+    served, trained, sources = method_names(servable), method_names(trainable), list(load_formats())
     parser = OneLineErrorParser(prog="draftsmith", description=(
         "Speculative decoding end to end: train draft heads, convert checkpoints, serve and measure."))
     parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
@@ -65,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
     gen.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same output")
     gen.add_argument("--metrics-json", default=None, help="write elapsed_s, tokens_per_s and counters here")
-    _add_engine_args(gen)
+    _add_engine_args(gen, served)
     gen.set_defaults(handler="draftsmith.serve.generate_cli:run")
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the speculative engine",
@@ -81,10 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="waiting requests beyond this get 503 at once instead of queueing")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for in-flight requests before cancelling them")
-    _add_engine_args(srv)
+    _add_engine_args(srv, served)
     srv.set_defaults(handler="draftsmith.serve.serve_cli:run")
 
-    tr = sub.add_parser("train", help="train an EAGLE / EAGLE-3 head from a recipe (single process)",
+    tr = sub.add_parser("train", help=f"train a draft head ({', '.join(trained)}) from a recipe (single process)",
                         description="Train a draft head. For several processes or GPUs use "
                         "`accelerate launch --config_file recipes/accelerate/ddp.yaml -m draftsmith.train RECIPE`. "
                         "Rerunning the same command resumes from the newest checkpoint in training.output_dir.")
@@ -119,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--temperature", type=float, default=0.7)
     dg.add_argument("--top-p", type=float, default=1.0)
     dg.add_argument("--seed", type=int, default=None)
-    _add_engine_args(dg)
-    dg.set_defaults(handler="draftsmith.train.cli:run_datagen")
+    _add_engine_args(dg, served)
+    dg.set_defaults(handler="draftsmith.serve.datagen:run")
 
     conv = sub.add_parser("convert", help="convert draft checkpoints between public formats and draftsmith's",
                           description="Read a draft checkpoint (format detected from its config and tensor names, or "
@@ -131,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="checkpoint directory (or a single weights file)")
     conv.add_argument("out", nargs="?", help="output directory (must not exist unless --force)")
     conv.add_argument("--from", dest="from_format", default=None, metavar="FORMAT",
-                      help=f"source format, default: detected; one of {', '.join(CONVERT_SOURCES)}")
-    conv.add_argument("--to", choices=["native", "vllm", "sglang", "speculators"], default="native",
+                      help=f"source format, default: detected; one of {', '.join(sources)}")
+    conv.add_argument("--to", choices=OUTPUTS, default="native",
                       help="output layout (default: %(default)s)")
     conv.add_argument("--target", default=None,
                       help="target model directory: checks hidden/vocab sizes, fused layer ids and tokenizer, and "
@@ -173,7 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--speculative-config", default=DEFAULT_BENCH_SPEC)
     load.set_defaults(handler="draftsmith.serve.load_bench:run")
 
-    demo = sub.add_parser("demo", help="serve the embedded demo model with n-gram speculation and query it")
+    demo = sub.add_parser("demo", help="serve the embedded demo model with its shipped EAGLE-3 head and query it",
+                          description="Start `draftsmith serve` on the embedded demo model with speculation by its "
+                          "shipped EAGLE-3 head (n-gram when the head is missing), send four code completions through "
+                          "the openai client (one streamed), print the text, tokens/s and acceptance, and stop.")
     demo.add_argument("--model", default=None, help="default: assets/demo-code-7m")
     demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     demo.add_argument("--max-tokens", type=_positive_int, default=64)

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from draftsmith.models.draft_layer import DraftDecoderLayer
-from draftsmith.models.heads import DraftHead, DraftHeadConfig, register_head
+from draftsmith.models.heads import DraftHead, DraftHeadConfig
 
 
-@register_head("eagle")
 class EagleHead(DraftHead):
+    head_type = "eagle"
     default_fc_bias = True  # yuhuili's constructor default; LLaMA-3 heads were trained without it
 
     def __init__(self, config: DraftHeadConfig):

@@ -11,13 +11,12 @@ import torch
 from torch import nn
 
 from draftsmith.models.draft_layer import DraftDecoderLayer
-from draftsmith.models.heads import DraftHead, DraftHeadConfig, register_head
+from draftsmith.models.heads import DraftHead, DraftHeadConfig
 from draftsmith.models.llama import RMSNorm
 
 
-@register_head("eagle3")
 class Eagle3Head(DraftHead):
-    has_draft_vocab = True
+    head_type = "eagle3"
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)

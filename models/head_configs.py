@@ -1,40 +1,74 @@
-"""Native configs of the head types draftsmith converts but does not serve yet (MLP speculator, Medusa, MTP).
+"""Native head configs: one `HeadConfig` base whose `draftsmith_head_type` key is the discriminator, and the
+configs of the head formats draftsmith converts but does not run yet (MLP speculator, Medusa, MTP).
 
-Their native directories use the same shape as EAGLE heads (`config.json` with `draftsmith_head_type`,
-one `model.safetensors`), so a later serving or training issue reads what `draftsmith convert` writes.
+Every native head directory has the same shape (`config.json` with `draftsmith_head_type`, one
+`model.safetensors`); which subclass reads a config.json is decided by the method registry
+(`draftsmith.methods.read_head_config`), never by a table kept here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.config import TargetConfig
+
+HEAD_TYPE_KEY = "draftsmith_head_type"
 
 
-class _JsonConfig:
-    head_type = ""
+class HeadConfig:
+    """Base of native head configs (dataclasses). `head_type` is the discriminator written to config.json;
+    a subclass serving several head types (the EAGLE family) declares it as a dataclass field instead."""
+
+    # no value here: the EAGLE family's dataclass field of the same name must not inherit it as a default
+    head_type: ClassVar[str]
 
     def to_json(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        return {"draftsmith_head_type": self.head_type, **{k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}}
+        data = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        data.pop("head_type", None)
+        return {HEAD_TYPE_KEY: self.head_type, **data}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]):
-        data = {k: v for k, v in data.items() if k != "draftsmith_head_type"}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
+        data = dict(data)
+        head_type = data.pop(HEAD_TYPE_KEY, None)
+        names = {f.name for f in dataclasses.fields(cls)}
+        if "head_type" in names:
+            data["head_type"] = head_type
+        elif head_type not in (None, cls.head_type):
+            raise DraftsmithError(f"{cls.__name__} reads {cls.head_type!r} heads, not {head_type!r}")
+        unknown = set(data) - names
         if unknown:
-            raise DraftsmithError(f"{cls.head_type} config has unknown keys {sorted(unknown)}")
-        return cls(**data)
+            raise DraftsmithError(f"{head_type or cls.head_type} head config has unknown keys {sorted(unknown)}")
+        try:
+            return cls(**cls._parse_fields(data))
+        except TypeError as exc:  # a missing required key
+            raise DraftsmithError(f"{head_type or cls.head_type} head config: {exc}") from None
+
+    @classmethod
+    def _parse_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Turns JSON values into field types (nested dataclasses, tuples); plain by default."""
+        return data
+
+    def check_target(self, target: TargetConfig) -> None:
+        """Raises a DraftsmithError naming both values when the head does not fit `target`."""
+        raise NotImplementedError
+
+
+def check_sizes(what: str, hidden: int, vocab: int, target: TargetConfig) -> None:
+    if hidden != target.hidden_size:
+        raise DraftsmithError(f"{what} hidden size {hidden}, but the target hidden size is {target.hidden_size}")
+    if vocab != target.vocab_size:
+        raise DraftsmithError(f"{what} vocab size {vocab}, but the target has {target.vocab_size}")
 
 
 @dataclass
-class MLPSpeculatorConfig(_JsonConfig):
+class MLPSpeculatorConfig(HeadConfig):
     """IBM/fms MLP speculator: n_predict stages over the target's final normed hidden state."""
 
-    head_type = "mlp_speculator"
+    head_type: ClassVar[str] = "mlp_speculator"
     emb_dim: int  # the target's hidden size
     inner_dim: int
     vocab_size: int
@@ -45,19 +79,16 @@ class MLPSpeculatorConfig(_JsonConfig):
     n_candidates: int = 5
     target_model: str = ""
 
-    def check_target(self, hidden_size: int, vocab_size: int) -> None:
-        if self.emb_dim != hidden_size:
-            raise DraftsmithError(f"MLP speculator emb_dim {self.emb_dim}, but the target hidden size is {hidden_size}")
-        if self.vocab_size != vocab_size:
-            raise DraftsmithError(f"MLP speculator vocab size {self.vocab_size}, but the target has {vocab_size}")
+    def check_target(self, target: TargetConfig) -> None:
+        check_sizes("MLP speculator", self.emb_dim, self.vocab_size, target)
 
 
 @dataclass
-class MedusaConfig(_JsonConfig):
+class MedusaConfig(HeadConfig):
     """Medusa: num_heads heads of num_layers ResBlocks (x + SiLU(Wx + b)) over the final normed hidden state,
     each with its own LM head, or the target's (`own_lm_heads` false, Medusa-2 style)."""
 
-    head_type = "medusa"
+    head_type: ClassVar[str] = "medusa"
     hidden_size: int
     vocab_size: int
     num_heads: int
@@ -65,20 +96,17 @@ class MedusaConfig(_JsonConfig):
     own_lm_heads: bool = True
     target_model: str = ""
 
-    def check_target(self, hidden_size: int, vocab_size: int) -> None:
-        if self.hidden_size != hidden_size:
-            raise DraftsmithError(f"Medusa hidden size {self.hidden_size}, but the target hidden size is {hidden_size}")
-        if self.vocab_size != vocab_size:
-            raise DraftsmithError(f"Medusa vocab size {self.vocab_size}, but the target has {vocab_size}")
+    def check_target(self, target: TargetConfig) -> None:
+        check_sizes("Medusa", self.hidden_size, self.vocab_size, target)
 
 
 @dataclass
-class MTPConfig(_JsonConfig):
+class MTPConfig(HeadConfig):
     """Multi-token-prediction layers taken out of a target checkpoint. Per layer k: token_norm(embedding) and
     hidden_norm(previous hidden) concatenated in `concat_order`, input_proj, a decoder block of the target's
     own kind (kept under its source names, described by `source_config`), final_norm, the shared LM head."""
 
-    head_type = "mtp"
+    head_type: ClassVar[str] = "mtp"
     layout: str  # deepseek | qwen3_next | mimo: how the layers sit in the target checkpoint
     num_layers: int
     hidden_size: int
@@ -89,11 +117,5 @@ class MTPConfig(_JsonConfig):
     target_model: str = ""
     source_config: dict[str, Any] = field(default_factory=dict)
 
-    def check_target(self, hidden_size: int, vocab_size: int) -> None:
-        if self.hidden_size != hidden_size:
-            raise DraftsmithError(f"MTP hidden size {self.hidden_size}, but the target hidden size is {hidden_size}")
-        if self.vocab_size != vocab_size:
-            raise DraftsmithError(f"MTP vocab size {self.vocab_size}, but the target has {vocab_size}")
-
-
-CONVERT_ONLY_CONFIGS = {c.head_type: c for c in (MLPSpeculatorConfig, MedusaConfig, MTPConfig)}
+    def check_target(self, target: TargetConfig) -> None:
+        check_sizes("MTP", self.hidden_size, self.vocab_size, target)

@@ -1,4 +1,4 @@
-"""Draft heads: their shared config, native save/load format, and the head-type registry.
+"""EAGLE-style draft heads: their shared config, the module base, and the native save/load format.
 
 Native format (a directory): `config.json` with `draftsmith_head_type`, the target it was trained for
 (`target_model`, `target_num_layers`, `target_hidden_size`, `vocab_size`), the fused target layers in HF
@@ -9,9 +9,7 @@ attached to its target at load time, as vLLM and SGLang do.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,25 +20,13 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.config import RopeConfig, TargetConfig
+from draftsmith.models.head_configs import HeadConfig
 from draftsmith.models.kv_cache import KVCache
 from draftsmith.models.rope import rope_tables
 
-HEADS: dict[str, type[DraftHead]] = {}
-
-
-def register_head(name: str) -> Callable[[type], type]:
-    def decorate(cls: type) -> type:
-        if name in HEADS:
-            raise ValueError(f"head type {name!r} is already registered by {HEADS[name].__name__}")
-        cls.head_type = name
-        HEADS[name] = cls
-        return cls
-
-    return decorate
-
 
 @dataclass
-class DraftHeadConfig:
+class DraftHeadConfig(HeadConfig):
     head_type: str
     hidden_size: int
     intermediate_size: int
@@ -75,23 +61,9 @@ class DraftHeadConfig:
         values.update(overrides)
         return cls(**values)
 
-    def to_json(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["draftsmith_head_type"] = data.pop("head_type")
-        data["aux_layer_ids"] = list(self.aux_layer_ids)
-        return data
-
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> DraftHeadConfig:
-        data = dict(data)
-        data["head_type"] = data.pop("draftsmith_head_type")
-        data["rope"] = RopeConfig(**data.get("rope", {}))
-        data["aux_layer_ids"] = tuple(data["aux_layer_ids"])
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise DraftsmithError(f"head config has unknown keys {sorted(unknown)}")
-        return cls(**data)
+    def _parse_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+        return {**data, "rope": RopeConfig(**data.get("rope", {})), "aux_layer_ids": tuple(data["aux_layer_ids"])}
 
     def check_target(self, target: TargetConfig) -> None:
         """A head only works with the target shape it was trained for; say which value differs."""
@@ -114,7 +86,6 @@ class DraftHead(nn.Module):
 
     head_type = ""
     default_fc_bias = False
-    has_draft_vocab = False  # an own LM head over a token subset (EAGLE-3), chosen from training data
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__()
@@ -181,27 +152,12 @@ class DraftHead(nn.Module):
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def load_head(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
-    directory = Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise DraftsmithError(f"draft head directory {directory} has no config.json")
-    data = json.loads(config_path.read_text())
-    head_type = data.get("draftsmith_head_type")
-    from draftsmith.models.head_configs import CONVERT_ONLY_CONFIGS
-
-    if head_type in CONVERT_ONLY_CONFIGS:
-        raise DraftsmithError(f"{config_path}: {head_type} heads convert to and from draftsmith's format, but the engine "
-                              "cannot serve them yet (eagle and eagle3 heads it can)")
-    if head_type not in HEADS:
-        raise DraftsmithError(f"{config_path}: draftsmith_head_type {head_type!r} is not one of {sorted(HEADS)} "
-                              "(convert foreign checkpoints with `draftsmith convert`)")
-    head = HEADS[head_type](DraftHeadConfig.from_json(data))
-    weights = directory / "model.safetensors"
+def load_head_weights(head: nn.Module, directory: str | Path) -> nn.Module:
+    """Fills a freshly built head from `directory/model.safetensors`; every tensor must match its config."""
+    weights = Path(directory) / "model.safetensors"
     if not weights.is_file():
         raise DraftsmithError(f"draft head directory {directory} has no model.safetensors")
-    state = load_file(str(weights))
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing, unexpected = head.load_state_dict(load_file(str(weights)), strict=False)
     if missing or unexpected:
         raise DraftsmithError(f"{weights} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return head.to(device=device, dtype=dtype).eval()
+    return head

@@ -11,9 +11,9 @@ from safetensors import safe_open
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.config import TargetConfig
+from draftsmith.models.dtypes import DTYPES
 from draftsmith.models.llama import CausalLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Buffers some exporters save that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Older safetensors releases have no exported error class; their errors are OSError/RuntimeError.

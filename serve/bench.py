@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.corpus import code_prompts
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.code_prompts import code_prompts
 from draftsmith.serve.llm import LLM
 from draftsmith.serve.sampling_params import SamplingParams
 

@@ -18,14 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods import SpeculativeConfig, resolve_method
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.llama import CausalLM
 from draftsmith.serve.request import Request, RequestOutput, Status
 from draftsmith.serve.sampling import SamplingBatch, sample
 from draftsmith.serve.sampling_params import SamplingParams
-from draftsmith.serve.spec.config import SpeculativeConfig
-from draftsmith.serve.spec.registry import resolve_proposer
-from draftsmith.serve.spec.verify import SpecMetrics, pick_sampler, verify
+from draftsmith.serve.spec_decode.verify import SpecMetrics, pick_sampler, verify
 from draftsmith.serve.stopping import StopChecker
 
 logger = logging.getLogger("draftsmith")
@@ -58,12 +57,14 @@ class LLMEngine:
         self.spec_config = spec_config
         self.proposer = None
         if spec_config is not None:  # resolved once; the engine never branches on the method name
-            self.proposer = resolve_proposer(spec_config.method)(spec_config, model, config.max_num_seqs,
-                                                                 config.max_model_len)
+            method = resolve_method(spec_config.method)
+            self.proposer = method.proposer_class()(spec_config, model, config.max_num_seqs, config.max_model_len)
             self.rejection_sampler = pick_sampler(self.device)
             self.spec_metrics = SpecMetrics(spec_config.num_speculative_tokens)
-            logger.info("speculation: %s, k=%d, rejection sampler %s", spec_config.method,
-                        spec_config.num_speculative_tokens, self.rejection_sampler.__name__)
+            self.sample_drafts = spec_config.draft_sample_method == "probabilistic"
+            logger.info("speculation: %s, k=%d, %s drafts, rejection sampler %s", spec_config.method,
+                        spec_config.num_speculative_tokens, spec_config.draft_sample_method,
+                        self.rejection_sampler.__name__)
         # target layers the proposer reads (EAGLE: last, EAGLE-3: three); the proposer says, not the method
         self.feature_layers = tuple(self.proposer.hidden_layer_ids) if self.proposer is not None else ()
         logger.info("KV cache: %d slots x %d tokens, %.1f MiB (%s)", config.max_num_seqs, config.max_model_len,
@@ -192,26 +193,28 @@ class LLMEngine:
             room = self.config.max_model_len - r.num_tokens - 1  # drafts + the new token must fit
             left = (r.params.max_tokens - len(r.output_token_ids) - 1) if r.params.max_tokens else k
             limits.append(max(0, min(k, room, left)))
-        drafts = self.proposer.propose(rows, limits)
-        q_lens = [1 + len(d) for d in drafts.tokens]
-        ids = torch.zeros(len(rows), max(q_lens), dtype=torch.long)
-        for i, (request, draft) in enumerate(zip(rows, drafts.tokens)):
-            ids[i, : q_lens[i]] = torch.tensor([request.last_token, *draft])
+        sampling = SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device)
+        drafts = self.proposer.propose(rows, limits, sampling if self.sample_drafts else None)
+        num_draft = drafts.counts.tolist()  # sizes the forward: the host needs it anyway
+        width = 1 + max(num_draft)
+        ids = torch.empty(len(rows), width, dtype=torch.long, device=self.device)
+        ids[:, 0] = torch.tensor([r.last_token for r in rows], device=self.device)
+        ids[:, 1:] = drafts.tokens[:, : width - 1].clamp(min=0)  # -1 padding becomes token 0 in padding slots
+        q_lens = [1 + n for n in num_draft]
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], q_lens, self.cache,
                                    self.model.config.sliding_window, self.device)
         out = self._forward(ids, batch, None)
-        logits = out.logits
-        sampling = SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device)
         with torch.inference_mode():
-            kept = verify(logits, drafts, sampling, self.rejection_sampler,
-                          self.spec_config.rejection_sample_method == "probabilistic",
-                          self.spec_config.synthetic_acceptance_rate)
+            tokens, counts = verify(out.logits, drafts, num_draft, sampling, self.rejection_sampler,
+                                    self.spec_config.synthetic_acceptance_rate)
+        tokens, counts = tokens.tolist(), counts.tolist()  # the step's one device-to-host copy
+        kept = [row[:n] for row, n in zip(tokens, counts)]
         starts = [r.num_tokens - 1 for r in rows]
-        self._observe_features(rows, starts, [len(t) for t in kept], out)  # last token + accepted drafts
+        self._observe_features(rows, starts, counts, out)  # last token + accepted drafts
         now = time.perf_counter()
-        for request, draft, tokens in zip(rows, drafts.tokens, kept):
-            self.spec_metrics.observe(len(draft), len(tokens) - 1)
-            self.stats["num_generated_tokens"] += self.stop_checker.append(request, tokens)
+        for request, n_draft, new_tokens in zip(rows, num_draft, kept):
+            self.spec_metrics.observe(n_draft, len(new_tokens) - 1)
+            self.stats["num_generated_tokens"] += self.stop_checker.append(request, new_tokens)
             # K/V of the last token and the accepted drafts are in the cache; rejected ones are past the
             # length and get overwritten: nothing to copy.
             request.num_computed = request.num_tokens - 1
@@ -232,9 +235,7 @@ class LLMEngine:
         if not self.feature_layers:
             return
         with torch.inference_mode():
-            features = self.proposer.features(out.hidden_states)
-        for i, (request, start, count) in enumerate(zip(rows, starts, counts)):
-            self.proposer.observe(request, start, features[i, :count])
+            self.proposer.observe(rows, starts, counts, self.proposer.features(out.hidden_states))
 
     def _sample_and_append(self, rows: list[Request], logits: torch.Tensor) -> None:
         sampling = SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -14,10 +13,11 @@ from tqdm.auto import tqdm
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.loader import load_target
+from draftsmith.models.tokenizer import eos_token_ids, load_tokenizer
 from draftsmith.serve.engine import EngineConfig, LLMEngine
 from draftsmith.serve.request import RequestOutput
 from draftsmith.serve.sampling_params import SamplingParams
-from draftsmith.serve.spec.config import SpeculativeConfig, from_legacy_kwargs
+from draftsmith.serve.spec_decode.config import from_legacy_kwargs, parse_speculative_config
 
 LEGACY_SPEC_KWARGS = ("speculative_model", "num_speculative_tokens", "ngram_prompt_lookup_max",
                       "ngram_prompt_lookup_min")
@@ -25,26 +25,6 @@ LEGACY_SPEC_KWARGS = ("speculative_model", "num_speculative_tokens", "ngram_prom
 logger = logging.getLogger("draftsmith")
 
 PromptInput = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": str}
-
-
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
-        raise DraftsmithError(f"cannot load a tokenizer from {model_dir}: {exc}") from None
-
-
-def eos_token_ids(model_dir: Path, config_eos: tuple[int, ...], tokenizer) -> set[int]:
-    ids = set(config_eos)
-    gen_config = model_dir / "generation_config.json"
-    if gen_config.is_file():
-        eos = json.loads(gen_config.read_text()).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 class LLM:
@@ -71,7 +51,7 @@ class LLM:
         legacy = from_legacy_kwargs(**legacy_speculation)
         if legacy is not None and speculative_config is not None:
             raise DraftsmithError("pass speculative_config or the legacy speculative_model=..., not both")
-        spec_config = SpeculativeConfig.parse(legacy or speculative_config)
+        spec_config = parse_speculative_config(legacy or speculative_config)
         model_dir = Path(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():

@@ -8,8 +8,8 @@ import statistics
 import time
 from pathlib import Path
 
+from draftsmith.corpus import code_prompts
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.code_prompts import code_prompts
 from draftsmith.serve.llm import LLM
 from draftsmith.serve.serve_cli import build_server_app, server_in_thread
 

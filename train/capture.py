@@ -18,9 +18,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.dtypes import DTYPES
 from draftsmith.train.objectives import target_features
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def bytes_needed(num_tokens: int, feature_dim: int, hidden: int, store_last: bool, dtype: str) -> int:

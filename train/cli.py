@@ -1,4 +1,4 @@
-"""Entry points for `draftsmith train`, `draftsmith capture`, `draftsmith datagen` and `-m draftsmith.train`."""
+"""Entry points for `draftsmith train`, `draftsmith capture`, `-m draftsmith.train`."""
 
 from __future__ import annotations
 
@@ -31,12 +31,13 @@ def main(argv: list[str]) -> int:
 
 
 def run_capture(args: argparse.Namespace) -> int:
+    from draftsmith.corpus import load_records
     from draftsmith.models.loader import load_target
-    from draftsmith.serve.llm import load_tokenizer
+    from draftsmith.models.tokenizer import load_tokenizer
     from draftsmith.train.capture import capture
-    from draftsmith.train.data import load_records, tokenize_dataset
+    from draftsmith.train.data import tokenize_dataset
     from draftsmith.train.recipe import load_recipe
-    from draftsmith.train.trainer import default_aux_layers
+    from draftsmith.train.trainer import aux_layers
 
     recipe = load_recipe(args.recipe, args.overrides)
     out = args.output or recipe.data.hidden_states_dir
@@ -46,15 +47,8 @@ def run_capture(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(Path(recipe.model.target))
     d = recipe.data
     tokenized = tokenize_dataset(load_records(d.train_files, d.max_train_samples), tokenizer, d.max_length, d.format)
-    aux = tuple(recipe.model.aux_layer_ids or default_aux_layers(recipe.model.head_type, target.config.num_hidden_layers))
+    aux = aux_layers(recipe, target.config.num_hidden_layers)
     capture(target, aux, tokenized, out, d.hidden_states_dtype, args.samples_per_shard,
             meta={"target": recipe.model.target, "train_files": d.train_files, "max_length": d.max_length})
     print(f"captured hidden states in {out}")
-    return 0
-
-
-def run_datagen(args: argparse.Namespace) -> int:
-    from draftsmith.train.datagen import regenerate
-
-    regenerate(args)
     return 0

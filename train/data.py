@@ -8,49 +8,12 @@ the assistant turns (content and end-of-turn marker) of chat data, found through
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from draftsmith.corpus import detect_format, to_messages
 from draftsmith.errors import DraftsmithError
-
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "chatgpt": "assistant", "bing": "assistant"}
-
-
-def load_records(files: list[str], max_samples: int | None = None):
-    import datasets
-
-    missing = [f for f in files if not Path(f).is_file()]
-    if missing:
-        raise DraftsmithError(f"data files not found: {', '.join(missing)}")
-    datasets.disable_progress_bars()
-    try:
-        ds = datasets.load_dataset("json", data_files=list(files), split="train")
-    except Exception as exc:  # datasets wraps parse errors in several types
-        raise DraftsmithError(f"cannot read {files}: {exc}") from None
-    if max_samples is not None:
-        ds = ds.select(range(min(max_samples, len(ds))))
-    return ds
-
-
-def detect_format(columns: list[str]) -> str:
-    if "messages" in columns or "conversations" in columns:
-        return "chat"
-    if "text" in columns:
-        return "text"
-    raise DraftsmithError(f"records have columns {columns}; expected 'messages', 'conversations' or 'text'")
-
-
-def to_messages(record: dict[str, Any]) -> list[dict[str, str]]:
-    if record.get("messages"):
-        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-    turns = record.get("conversations") or []
-    try:
-        return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
-    except KeyError as exc:
-        raise DraftsmithError(f"ShareGPT turn with unknown role {exc.args[0]!r}") from None
 
 
 def tokenize_text(text: str, tokenizer, max_length: int) -> dict[str, list[int]]:

@@ -1,19 +1,11 @@
-"""Training objectives for EAGLE-style heads, and the simulated-acceptance eval they share.
+"""What the training objectives of EAGLE-style heads share, and the simulated-acceptance eval.
 
-Alignment (both heads): at position t the head reads the target feature at t and the token t+1, and
-predicts token t+2, whose target distribution is softmax(lm_head(final hidden at t+1)).
-
-EAGLE (-1/2): one step; loss = feature_w * SmoothL1(pred, final hidden at t+1) + token_w * soft CE against
-the target's distribution; uniform noise on the input features.
-EAGLE-3: training-time test unrolled `ttt_length` steps; step s feeds the head its own step s-1 output and
-the teacher-forced token t+1+s at rope position t+s, with the diagonal attention of `draft_layer`; loss at
-each step is soft CE against the target distribution restricted (and renormalized) to the draft vocab,
-skipping positions whose target argmax is outside it; steps are weighted decay**s.
+Alignment (every such head): at position t the head reads the target feature at t and the token t+1, and
+predicts token t+2, whose target distribution is softmax(lm_head(final hidden at t+1)). Each method's own
+loss lives in its folder (`draftsmith/methods/<name>/objective.py`) and is built from these pieces.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +24,7 @@ def target_features(target, aux_layer_ids: tuple[int, ...], input_ids: torch.Ten
     return {"features": features, "last": out.hidden_states[last_id].to(dtype)}
 
 
-def _shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
+def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
     """x[:, s:] left-aligned, padded with `fill` to the same width."""
     if s == 0:
         return x
@@ -47,64 +39,24 @@ def unroll(head: DraftHead, input_ids: torch.Tensor, features: torch.Tensor, ste
     positions = torch.arange(width, device=input_ids.device).expand(input_ids.shape[0], width)
     history: list = []
     for s in range(steps):
-        tokens = _shift(input_ids[:, 1:], s)
+        tokens = shift(input_ids[:, 1:], s)
         hidden, logits = head.step(tokens, hidden, positions + s, from_target=(s == 0), ttt_history=history)
         yield s, logits
 
 
-def _soft_ce(logits: torch.Tensor, teacher_p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def soft_ce(logits: torch.Tensor, teacher_p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     ce = -(teacher_p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
     return (ce * mask).sum() / mask.sum().clamp(min=1)
 
 
 @torch.no_grad()
-def _top1_agreement(logits: torch.Tensor, teacher_p: torch.Tensor, mask: torch.Tensor) -> float:
+def top1_agreement(logits: torch.Tensor, teacher_p: torch.Tensor, mask: torch.Tensor) -> float:
     """Share of masked positions where the head's argmax is the teacher's: the number acceptance follows,
     which the loss hides when the teacher is high-entropy."""
     hits = (logits.argmax(-1) == teacher_p.argmax(-1)).float()
     return ((hits * mask).sum() / mask.sum().clamp(min=1)).item()
 
 
-def eagle3_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-    width = input_ids.shape[1] - 1
-    with torch.no_grad():
-        teacher = target.lm_head(feats["last"][:, 1:].to(target.lm_head.weight.dtype)).float()  # [B, T-1, V]
-        in_vocab = head.t2d[teacher.argmax(-1)]
-        teacher_p = teacher[..., head.t2d].softmax(-1)  # draft ids ascend like target ids: same order
-    valid = torch.arange(width, device=input_ids.device)[None, :]
-    total, logs = 0.0, {}
-    for s, logits in unroll(head, input_ids, feats["features"], cfg.ttt_length):
-        mask = (_shift(loss_mask[:, 1:], s) * _shift(in_vocab, s, False) * (valid < width - s)).float()
-        loss = _soft_ce(logits, _shift(teacher_p, s), mask)
-        total = total + cfg.ttt_step_decay**s * loss
-        logs[f"loss_step{s}"] = loss.item()
-        logs[f"acc_step{s}"] = _top1_agreement(logits, _shift(teacher_p, s), mask)
-    return total, logs
-
-
-def eagle_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-    width = input_ids.shape[1] - 1
-    dtype = next(head.parameters()).dtype
-    last = feats["last"].to(dtype)
-    inputs = last[:, :width]
-    if cfg.noise_std > 0:  # EAGLE's uniform feature noise, on inputs only
-        inputs = inputs + (torch.rand_like(inputs) - 0.5) * cfg.noise_std
-    positions = torch.arange(width, device=input_ids.device).expand(input_ids.shape[0], width)
-    pred, logits = head.step(input_ids[:, 1:], inputs, positions, from_target=True)
-    goal = last[:, 1:]
-    mask = loss_mask[:, 1:].float()
-    feature_loss = (F.smooth_l1_loss(pred.float(), goal.float(), reduction="none").mean(-1) * mask).sum() / mask.sum().clamp(min=1)
-    with torch.no_grad():
-        teacher_p = target.lm_head(goal.to(target.lm_head.weight.dtype)).float().softmax(-1)
-    token_loss = _soft_ce(logits, teacher_p, mask)
-    total = cfg.feature_loss_weight * feature_loss + cfg.token_loss_weight * token_loss
-    return total, {"feature_loss": feature_loss.item(), "token_loss": token_loss.item(),
-                   "acc_step0": _top1_agreement(logits, teacher_p, mask)}
-
-
-OBJECTIVES: dict[str, Callable] = {"eagle": eagle_objective, "eagle3": eagle3_objective}
 
 
 @torch.no_grad()
@@ -120,7 +72,7 @@ def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.
     counts = torch.zeros(max_k, dtype=torch.long)
     for s, logits in unroll(head, input_ids, feats["features"], max_k):
         drafted = head.to_target_ids(logits.argmax(-1))
-        alive &= drafted == _shift(target_next, s, -1)
+        alive &= drafted == shift(target_next, s, -1)
         counts[s] = alive.sum()
     return counts, int(starts.sum())
 

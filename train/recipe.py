@@ -1,28 +1,24 @@
-"""Training recipes: YAML validated by pydantic (`extra="forbid"`), with `section.key=value` overrides."""
+"""Training recipes: YAML validated by pydantic (`extra="forbid"`), with `section.key=value` overrides.
+
+The `model:` section belongs to the method that trains the head (`model.head_type`): each trainable
+method declares its own section, so method-specific keys (EAGLE-3's `draft_vocab_size`) are valid exactly
+where they apply."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, create_model
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, format_validation_error
+from draftsmith.methods import METHODS, RecipeModelSection, trainable
+from draftsmith.methods.registry import registry_version, unknown_method_message
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class ModelSection(_Section):
-    target: str = Field(description="HF directory of the frozen target model")
-    head_type: Literal["eagle", "eagle3"]
-    # HF hidden_states indices the head reads; default: EAGLE [L] (final normed), EAGLE-3 [2, L//2, L-3]
-    aux_layer_ids: list[int] | None = None
-    draft_vocab_size: int | None = Field(default=None, gt=0, description="EAGLE-3 only; default: target vocab")
-    intermediate_size: int | None = Field(default=None, gt=0, description="default: the target's")
-    init_from: str | None = Field(default=None, description="start from this saved head instead of random")
 
 
 class DataSection(_Section):
@@ -62,15 +58,24 @@ class TrainingSection(_Section):
 
 
 class Recipe(_Section):
-    model: ModelSection
+    # `model` is one trainable method's section (its `head_type` picks which); see `recipe_schema`.
+    model: SerializeAsAny[RecipeModelSection]
     data: DataSection
     training: TrainingSection
 
-    @model_validator(mode="after")
-    def _method_fields(self) -> Recipe:
-        if self.model.head_type == "eagle" and self.model.draft_vocab_size is not None:
-            raise ValueError("model.draft_vocab_size applies to eagle3 heads only")
-        return self
+
+_schema: tuple[int, type[Recipe]] | None = None
+
+
+def recipe_schema() -> type[Recipe]:
+    """`Recipe` whose `model` section is the union of the trainable methods' sections, discriminated by
+    `head_type`; rebuilt when a method registers."""
+    global _schema
+    if _schema is None or _schema[0] != registry_version():
+        sections = tuple(m.recipe_section for m in METHODS.values() if trainable(m))
+        union = Annotated[Union[sections], Field(discriminator="head_type")] if len(sections) > 1 else sections[0]  # noqa: UP007
+        _schema = (registry_version(), create_model("Recipe", __base__=Recipe, model=(union, ...)))
+    return _schema[1]
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -98,12 +103,17 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     except yaml.YAMLError as exc:
         raise DraftsmithError(f"recipe {path} is not valid YAML: {exc}") from None
     data = apply_overrides(data, overrides or [])
+    return validate_recipe(data, str(path))
+
+
+def validate_recipe(data: dict[str, Any], where: str = "recipe") -> Recipe:
+    head_type = (data.get("model") or {}).get("head_type") if isinstance(data.get("model"), dict) else None
+    if head_type is not None and (head_type not in METHODS or not trainable(METHODS[head_type])):
+        raise DraftsmithError(f"recipe {where}: model.head_type: {unknown_method_message(head_type, 'trained')}")
     try:
-        return Recipe(**data)
+        return recipe_schema()(**data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
-                             for e in exc.errors())
-        raise DraftsmithError(f"recipe {path}: {problems}") from None
+        raise DraftsmithError(f"recipe {where}: {format_validation_error(exc)}") from None
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -21,36 +21,31 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from draftsmith.corpus import load_records
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.heads import HEADS, DraftHeadConfig, load_head
+from draftsmith.methods import load_head, resolve_method
+from draftsmith.models.dtypes import DTYPES
 from draftsmith.models.loader import load_target
-from draftsmith.serve.llm import load_tokenizer
+from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.train.capture import CapturedDataset
-from draftsmith.train.data import (
-    check_tokenizer,
-    collate,
-    draft_vocab_from_frequencies,
-    load_records,
-    tokenize_dataset,
-)
-from draftsmith.train.objectives import OBJECTIVES, acceptance_report, simulated_acceptance, target_features
+from draftsmith.train.data import check_tokenizer, collate, tokenize_dataset
+from draftsmith.train.objectives import acceptance_report, simulated_acceptance, target_features
 from draftsmith.train.recipe import Recipe, dump_recipe
 
-FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
-
-def default_aux_layers(head_type: str, num_layers: int) -> tuple[int, ...]:
-    if head_type == "eagle":
-        return (num_layers,)
-    return (2, num_layers // 2, num_layers - 3)  # EAGLE-3's choice, in HF hidden_states indexing
+def aux_layers(recipe: Recipe, num_layers: int) -> tuple[int, ...]:
+    """The target layers the head reads: the recipe's, else its method's default."""
+    m = recipe.model
+    return tuple(m.aux_layer_ids) if m.aux_layer_ids else resolve_method(m.head_type).default_aux_layers(num_layers)
 
 
 class HeadWithObjective(nn.Module):
     """The trained module: the head plus its objective as `forward`, so DDP/FSDP wrappers see the call."""
 
-    def __init__(self, head, target, cfg, feature_dtype):
+    def __init__(self, head, target, objective, cfg, feature_dtype):
         super().__init__()
         self.head = head
+        self.objective = objective
         self._target = [target]  # frozen, not a submodule
         self.cfg = cfg
         self.feature_dtype = feature_dtype
@@ -62,7 +57,7 @@ class HeadWithObjective(nn.Module):
 
     def forward(self, batch):
         feats = self.features(batch)
-        return OBJECTIVES[self.head.head_type](self.head, self._target[0], batch, feats, self.cfg)
+        return self.objective(self.head, self._target[0], batch, feats, self.cfg)
 
 
 @dataclass
@@ -87,15 +82,8 @@ def build_head(recipe: Recipe, target, train_ds):
         if head.head_type != m.head_type:
             raise DraftsmithError(f"model.init_from holds an {head.head_type!r} head, the recipe trains {m.head_type!r}")
         return head.attach_target(target)
-    layers = target.config.num_hidden_layers
-    aux = tuple(m.aux_layer_ids) if m.aux_layer_ids else default_aux_layers(m.head_type, layers)
-    overrides = {"intermediate_size": m.intermediate_size} if m.intermediate_size else {}
-    config = DraftHeadConfig.for_target(m.head_type, target.config, aux, m.draft_vocab_size, m.target, **overrides)
-    config.check_target(target.config)
-    head = HEADS[m.head_type](config).attach_target(target)
-    if head.has_draft_vocab:
-        head.init_draft_vocab(draft_vocab_from_frequencies(train_ds, config.vocab_size, config.draft_vocab_size))
-    return head
+    aux = aux_layers(recipe, target.config.num_hidden_layers)
+    return resolve_method(m.head_type).build_head(m, target, aux, train_ds)
 
 
 def prepare_datasets(recipe: Recipe, tokenizer, aux_layer_ids):
@@ -176,13 +164,12 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     tokenizer = load_tokenizer(Path(recipe.model.target))
     check_tokenizer(tokenizer, target.config.vocab_size)
     with accelerator.main_process_first():  # datasets caches the tokenization once
-        probe_aux = tuple(recipe.model.aux_layer_ids or default_aux_layers(recipe.model.head_type,
-                                                                           target.config.num_hidden_layers))
-        train_ds, eval_ds = prepare_datasets(recipe, tokenizer, probe_aux)
+        train_ds, eval_ds = prepare_datasets(recipe, tokenizer, aux_layers(recipe, target.config.num_hidden_layers))
     if len(train_ds) == 0:
         raise DraftsmithError("no training samples left after tokenization and filtering")
     head = build_head(recipe, target, train_ds if not recipe.data.hidden_states_dir else _token_view(train_ds))
-    trainee = HeadWithObjective(head, target, t, FEATURE_DTYPES[recipe.data.hidden_states_dtype])
+    objective = resolve_method(recipe.model.head_type).objective()
+    trainee = HeadWithObjective(head, target, objective, t, DTYPES[recipe.data.hidden_states_dtype])
     pad = tokenizer.pad_token_id or 0
     train_loader = torch.utils.data.DataLoader(train_ds, batch_size=t.batch_size, shuffle=True,
                                                collate_fn=lambda r: collate(r, pad), num_workers=t.num_workers)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draftsmith.cli import main
-from draftsmith.serve.code_prompts import code_prompts
+from draftsmith.corpus import code_prompts
 from helpers import DEMO_MODEL, shared_path
 
 MAX_TOKENS = 48

@@ -13,11 +13,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from draftsmith.models import load_head, load_target
-from draftsmith.serve.llm import load_tokenizer
+from draftsmith.corpus import load_records
+from draftsmith.methods import load_head, resolve_method
+from draftsmith.models import load_target
+from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.train.capture import CapturedDataset, capture
-from draftsmith.train.data import collate, load_records, tokenize_dataset
-from draftsmith.train.recipe import Recipe
+from draftsmith.train.data import collate, tokenize_dataset
+from draftsmith.train.recipe import validate_recipe
 from draftsmith.train.trainer import HeadWithObjective, build_head, train
 from helpers import REPO, make_tiny_target_with_tokenizer, tiny_recipe, write_code_corpus
 
@@ -42,7 +44,7 @@ def _mean(xs):
 def test_loss_falls_and_head_is_saved(workspace, head_type):
     root, target, data = workspace
     out = root / f"run-{head_type}"
-    recipe = Recipe(**tiny_recipe(target, data, out, head_type, epochs=3))
+    recipe = validate_recipe(tiny_recipe(target, data, out, head_type, epochs=3))
     final = train(recipe, ["test"])
     losses, agreement = _log(out, "loss"), _log(out, "acc_step0")
     assert len(losses) >= 20
@@ -62,7 +64,7 @@ def test_loss_falls_and_head_is_saved(workspace, head_type):
 
 def test_online_and_offline_give_the_same_loss(workspace, tmp_path):
     root, target_dir, data = workspace
-    recipe = Recipe(**tiny_recipe(target_dir, data, tmp_path / "o"))
+    recipe = validate_recipe(tiny_recipe(target_dir, data, tmp_path / "o"))
     target = load_target(target_dir)
     tokenizer = load_tokenizer(target_dir)
     tokenized = tokenize_dataset(load_records([str(data)], 8), tokenizer, 64)
@@ -70,7 +72,7 @@ def test_online_and_offline_give_the_same_loss(workspace, tmp_path):
     aux = head.config.aux_layer_ids
     capture(target, aux, tokenized, tmp_path / "hs", samples_per_shard=3)
     captured = CapturedDataset(tmp_path / "hs", aux)
-    trainee = HeadWithObjective(head, target, recipe.training, torch.bfloat16)
+    trainee = HeadWithObjective(head, target, resolve_method("eagle3").objective(), recipe.training, torch.bfloat16)
     online = collate([tokenized[i] for i in range(4)])
     offline = collate([captured[i] for i in range(4)])
     assert torch.equal(online["input_ids"], offline["input_ids"]) and torch.equal(online["loss_mask"], offline["loss_mask"])

@@ -12,7 +12,7 @@ from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.convert.cli import run  # noqa: F401  (registers every format)
 from draftsmith.convert.registry import detect_source
 from draftsmith.errors import DraftsmithError
-from draftsmith.models import load_head
+from draftsmith.methods import load_head
 from helpers import DEMO_MODEL
 
 convert, native, source_tensors = pub.convert, pub.read_native, pub.source_tensors

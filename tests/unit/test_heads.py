@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models import HEADS, DraftHeadConfig, ForwardBatch, load_head, load_target
+from draftsmith.methods import load_head, resolve_method
+from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.train.objectives import unroll
 from helpers import DEMO_MODEL
@@ -20,7 +21,7 @@ def target():
 def _random_head(kind, target, tmp_path=None):
     torch.manual_seed(1)
     config = DraftHeadConfig.for_target(kind, target.config, AUX[kind], 1024 if kind == "eagle3" else None, "demo")
-    head = HEADS[kind](config).attach_target(target)
+    head = resolve_method(kind).head_class()(config).attach_target(target)
     if kind == "eagle3":
         head.set_vocab(torch.arange(0, 2048, 2))
     if tmp_path is not None:

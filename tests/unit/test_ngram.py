@@ -1,9 +1,9 @@
 import torch
 
+from draftsmith.methods.ngram.proposer import NgramProposer, find_continuations
 from draftsmith.serve.request import Request
 from draftsmith.serve.sampling_params import SamplingParams
-from draftsmith.serve.spec.config import SpeculativeConfig
-from draftsmith.serve.spec.ngram import NgramProposer, find_continuations
+from draftsmith.serve.spec_decode.config import parse_speculative_config
 
 
 def _starts(histories, min_n, max_n):
@@ -32,15 +32,25 @@ def _request(rid, tokens, slot):
 
 
 def test_proposer_drafts_follow_the_match_and_respect_limits():
-    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+    config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                                       "prompt_lookup_max": 3})
     proposer = NgramProposer(config, None, max_num_seqs=3, max_model_len=32)
     a = _request(0, [1, 2, 3, 4, 5, 6, 1, 2], slot=2)
     b = _request(1, [9, 8, 7], slot=0)
     drafts = proposer.propose([a, b], [4, 4])
-    assert drafts.tokens == [[3, 4, 5, 6], []] and drafts.probs is None
+    assert _rows(drafts) == [[3, 4, 5, 6], []] and drafts.probs is None
+    assert drafts.tokens[1].tolist() == [-1] * 4  # padding past the count
     a.output_token_ids += [3, 4]  # history now ...1 2 3 4: the 3-gram [2,3,4] matched at 1
-    assert proposer.propose([a], [2]).tokens == [[5, 6]]
+    assert _rows(proposer.propose([a], [2])) == [[5, 6]]
     # a new request reusing the slot starts from a clean history
     c = _request(2, [4, 4, 4], slot=2)
-    assert proposer.propose([c], [4]).tokens == [[4]]  # [4,4] matched at 0, one token follows
+    assert _rows(proposer.propose([c], [4])) == [[4]]  # [4,4] matched at 0, one token follows
+
+
+def _rows(drafts):
+    """A DraftBatch as per-row lists, checking its -1 padding on the way."""
+    rows = []
+    for tokens, count in zip(drafts.tokens.tolist(), drafts.counts.tolist()):
+        assert all(t == -1 for t in tokens[count:])
+        rows.append(tokens[:count])
+    return rows

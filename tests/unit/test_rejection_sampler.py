@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from draftsmith.serve.spec.rejection_reference import rejection_sample_reference
+from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
 
 # Both implementations compute identical fp32 expressions; the outputs are integer tokens, so exact.
 triton_interpreted = pytest.mark.skipif(
@@ -37,7 +37,7 @@ def _case(rows, k, vocab, seed, with_q, greedy_rows=(), num_draft=None):
     (2, 1, 8192, True, None),  # the demo model's vocabulary
 ])
 def test_triton_kernel_equals_reference(rows, k, vocab, with_q, synthetic):
-    from draftsmith.serve.spec.rejection_triton import rejection_sample_triton
+    from draftsmith.serve.spec_decode.rejection_triton import rejection_sample_triton
 
     for seed in range(3):
         args = _case(rows, k, vocab, seed, with_q, greedy_rows=[0],

@@ -5,16 +5,16 @@ import pytest
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM
-from draftsmith.serve.spec.config import SpeculativeConfig
+from draftsmith.serve.spec_decode.config import parse_speculative_config
 from helpers import DEMO_MODEL
 
 
 def test_vllm_prompt_lookup_defaults_and_mirroring():
-    both_unset = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    both_unset = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
     assert (both_unset.prompt_lookup_min, both_unset.prompt_lookup_max) == (5, 5)
-    only_max = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    only_max = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
-    only_min = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    only_min = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
     assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (2, 2)
 
 
@@ -32,7 +32,7 @@ def test_vllm_prompt_lookup_defaults_and_mirroring():
 ])
 def test_bad_configs_are_one_clear_error(config, message):
     with pytest.raises(DraftsmithError, match=message):
-        SpeculativeConfig.parse(config)
+        parse_speculative_config(config)
 
 
 def test_legacy_keywords_map_with_deprecation_warning():

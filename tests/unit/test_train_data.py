@@ -2,9 +2,10 @@
 
 import pytest
 
+from draftsmith.corpus import to_messages
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.llm import load_tokenizer
-from draftsmith.train.data import check_tokenizer, draft_vocab_from_frequencies, to_messages, tokenize_chat
+from draftsmith.models.tokenizer import load_tokenizer
+from draftsmith.train.data import check_tokenizer, draft_vocab_from_frequencies, tokenize_chat
 from helpers import DEMO_MODEL
 
 

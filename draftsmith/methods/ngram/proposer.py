@@ -3,50 +3,62 @@
 For each row, find the longest suffix n-gram (prompt_lookup_min <= n <= prompt_lookup_max) that occurred
 earlier in prompt + output; on ties the earliest occurrence wins (vLLM's rule); propose the tokens that
 followed it. Token histories live in one `[slots, max_model_len]` buffer, appended to incrementally, so a
-step costs a few tensor compares, not a Python scan of every history.
+step costs a few tensor compares, not a Python scan of every history; drafts are gathered from it with
+one indexed read into the persistent draft buffer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from draftsmith.serve.request import Request
-from draftsmith.serve.spec.proposer import Drafts, Proposer
-from draftsmith.serve.spec.registry import register_proposer
+from draftsmith.methods.base import DraftBatch, Proposer, RowState
 
 
-@register_proposer("ngram")
 class NgramProposer(Proposer):
     def __init__(self, config, target, max_num_seqs: int, max_model_len: int):
         super().__init__(config, target, max_num_seqs, max_model_len)
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.k = config.num_speculative_tokens
         self.tokens = torch.zeros(max_num_seqs, max_model_len, dtype=torch.long)
         self.synced = [0] * max_num_seqs  # tokens of the slot's request already in the buffer
         self.owner: list[str | None] = [None] * max_num_seqs
+        self.draft_tokens = torch.full((max_num_seqs, self.k), -1, dtype=torch.long)
+        self.draft_counts = torch.zeros(max_num_seqs, dtype=torch.long)
 
-    def _sync(self, request: Request) -> None:
+    def _sync(self, request: RowState) -> None:
         slot = request.slot
         if self.owner[slot] != request.request_id:
             self.owner[slot], self.synced[slot] = request.request_id, 0
+        prompt_len = len(request.prompt_token_ids)
         history = request.all_token_ids() if self.synced[slot] == 0 else request.output_token_ids[
-            self.synced[slot] - request.prompt_len:]
+            self.synced[slot] - prompt_len:]
         if history:
             self.tokens[slot, self.synced[slot] : request.num_tokens] = torch.tensor(history, dtype=torch.long)
         self.synced[slot] = request.num_tokens
 
-    def propose(self, rows: list[Request], max_drafts: list[int]) -> Drafts:
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling=None) -> DraftBatch:
         for request in rows:
             self._sync(request)
-        width = max(r.num_tokens for r in rows)
-        starts = find_continuations(self.tokens[[r.slot for r in rows], :width],
-                                    torch.tensor([r.num_tokens for r in rows]), self.min_n, self.max_n).tolist()
-        drafts = []
-        for request, start, limit in zip(rows, starts, max_drafts):
-            end = min(start + limit, request.num_tokens)
-            drafts.append(self.tokens[request.slot, start:end].tolist() if start >= 0 and limit > 0 else [])
-        return Drafts(drafts)
+        rows_n = len(rows)
+        slots = torch.tensor([r.slot for r in rows])
+        lengths = torch.tensor([r.num_tokens for r in rows])
+        width = int(lengths.max())
+        starts = find_continuations(self.tokens[slots, :width], lengths, self.min_n, self.max_n)  # [B]
+        limits = torch.tensor(max_drafts, dtype=torch.long)
+        # a continuation may run up to the end of the history (it may overlap the suffix itself)
+        counts = torch.where(starts >= 0, torch.minimum(limits, lengths - starts), torch.zeros_like(limits))
+        counts = counts.clamp(min=0)
+        offsets = torch.arange(self.k)
+        index = (starts.clamp(min=0)[:, None] + offsets[None, :]).clamp(max=self.tokens.shape[1] - 1)
+        drafted = self.tokens[slots[:, None], index]
+        tokens, out_counts = self.draft_tokens[:rows_n], self.draft_counts[:rows_n]
+        tokens.copy_(torch.where(offsets[None, :] < counts[:, None], drafted, torch.full_like(drafted, -1)))
+        out_counts.copy_(counts)
+        return DraftBatch(tokens, out_counts)
 
-    def release(self, request: Request) -> None:
+    def release(self, request: RowState) -> None:
         if request.slot is not None and self.owner[request.slot] == request.request_id:
             self.owner[request.slot] = None
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.methods.base import DraftBatch
 from draftsmith.serve.sampling import SamplingBatch, exponential_noise, logits_to_probs
-from draftsmith.serve.spec.proposer import Drafts
-from draftsmith.serve.spec.rejection_reference import rejection_sample_reference
-from draftsmith.serve.spec.rejection_triton import rejection_sample_triton, triton
+from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
+from draftsmith.serve.spec_decode.rejection_triton import rejection_sample_triton, triton
 
 SAMPLERS: dict[str, Callable] = {"torch": rejection_sample_reference, "triton": rejection_sample_triton}
 
@@ -60,22 +60,22 @@ class SpecMetrics:
         }
 
 
-def verify(logits: torch.Tensor, drafts: Drafts, sampling: SamplingBatch, sampler: Callable,
-           probabilistic: bool, synthetic_rate: float | None) -> list[list[int]]:
-    """logits [B, Q, V] for [last token, drafts...] -> per row the accepted drafts plus one new token."""
+def verify(logits: torch.Tensor, drafts: DraftBatch, num_draft: list[int], sampling: SamplingBatch,
+           sampler: Callable, synthetic_rate: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, Q, V] for [last token, drafts...] -> (tokens [B, K + 1], count [B]): per row the accepted
+    drafts plus one new token, -1 after them. `num_draft` is `drafts.counts` as the host already holds it
+    (it sized the forward); the draft tensors themselves are consumed on the device as they are."""
     device = logits.device
     rows, vocab = logits.shape[0], logits.shape[-1]
-    k = max(1, max(len(d) for d in drafts.tokens))
+    k = max(1, max(num_draft))
     logits = logits[:, : k + 1]
     if logits.shape[1] < k + 1:  # every row drafted fewer than the padded width
         logits = torch.nn.functional.pad(logits, (0, 0, 0, k + 1 - logits.shape[1]))
-    draft_tokens = torch.full((rows, k), -1, dtype=torch.long)
-    for row, tokens in enumerate(drafts.tokens):
-        draft_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    num_draft = torch.tensor([len(t) for t in drafts.tokens], dtype=torch.long, device=device)
-    draft_tokens = draft_tokens.to(device)
+    draft_tokens = _width(drafts.tokens, k, -1).to(device)
+    counts = drafts.counts.to(device)
     target_argmax = logits.argmax(dim=-1)
     is_greedy = sampling.temperature == 0
+    draft_probs = None
     if sampling.all_greedy and synthetic_rate is None:
         probs = logits  # greedy rows read only target_argmax; skip the softmax
         uniforms = torch.zeros(rows, k, device=device)
@@ -84,12 +84,18 @@ def verify(logits: torch.Tensor, drafts: Drafts, sampling: SamplingBatch, sample
         probs = logits_to_probs(logits, sampling)
         # Each row draws from its own generator, and only as much as it drafted: seeded runs repeat.
         uniforms = torch.zeros(rows, k, device=device)
-        for row, (g, tokens) in enumerate(zip(sampling.generators, drafts.tokens)):
-            if tokens:
-                uniforms[row, : len(tokens)] = torch.rand(len(tokens), generator=g, device=device)
+        for row, (g, n) in enumerate(zip(sampling.generators, num_draft)):
+            if n:
+                uniforms[row, :n] = torch.rand(n, generator=g, device=device)
         noise = exponential_noise((vocab,), sampling, device)
-    draft_probs = drafts.probs if probabilistic else None
-    out, num_out = sampler(probs, target_argmax, draft_tokens, num_draft, draft_probs, uniforms, noise,
-                           is_greedy, synthetic_rate)
-    out, num_out = out.tolist(), num_out.tolist()  # the step's one device-to-host copy
-    return [row[:n] for row, n in zip(out, num_out)]
+        if drafts.probs is not None:
+            draft_probs = _width(drafts.probs, k, 0.0).to(device)
+    return sampler(probs, target_argmax, draft_tokens, counts, draft_probs, uniforms, noise, is_greedy, synthetic_rate)
+
+
+def _width(t: torch.Tensor, k: int, fill) -> torch.Tensor:
+    """t [B, K', ...] cut or padded with `fill` to [B, k, ...]."""
+    if t.shape[1] >= k:
+        return t[:, :k]
+    pad = torch.full((t.shape[0], k - t.shape[1], *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=1)

@@ -15,11 +15,15 @@ import json
 import random
 from pathlib import Path
 
+from draftsmith.corpus import cut_inside_block, detect_format, load_records, to_messages
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.code_prompts import cut_inside_block
 from draftsmith.serve.llm import LLM
 from draftsmith.serve.sampling_params import SamplingParams
-from draftsmith.train.data import detect_format, load_records, to_messages
+
+
+def run(args: argparse.Namespace) -> int:
+    regenerate(args)
+    return 0
 
 
 def regenerate(args: argparse.Namespace) -> Path:

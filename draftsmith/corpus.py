@@ -1,0 +1,96 @@
+"""Reading text and chat corpora, shared by training, data generation and benchmarks.
+
+Records are JSONL (optionally .xz/.gz): code files `{"path", "text"}`, OpenAI chats `{"messages": [...]}` or
+ShareGPT chats `{"conversations": [{"from", "value"}]}`. Benchmark prompts are cut from code files in the
+middle of an indented block line: a prompt cut right after a newline often makes these code models end the
+file at once, which measures nothing, while a cut mid-line keeps them writing code.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DraftsmithError(f"data file {path} does not exist")
+    opener = lzma.open if path.suffix == ".xz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DraftsmithError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
+
+
+def cut_inside_block(text: str, min_chars: int) -> str | None:
+    """The text up to the middle of the first indented line starting at or after `min_chars`."""
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        content = line.lstrip(" ")
+        indent = len(line) - len(content)
+        body = content.rstrip("\n")
+        if offset >= min_chars and indent >= 4 and len(body) >= 8:
+            return text[: offset + indent + len(body) // 2]
+        offset += len(line)
+    return None
+
+
+def code_prompts(path: str | Path, num_prompts: int, min_chars: int = 600, max_chars: int = 4000) -> list[str]:
+    """The first `num_prompts` files of the split that yield a cut between min_chars and max_chars."""
+    prompts: list[str] = []
+    for record in read_jsonl(path):
+        prompt = cut_inside_block(record.get("text", ""), min_chars)
+        if prompt is not None and len(prompt) <= max_chars:
+            prompts.append(prompt)
+            if len(prompts) == num_prompts:
+                break
+    if len(prompts) < num_prompts:
+        raise DraftsmithError(f"{path} yields only {len(prompts)} prompts, {num_prompts} requested")
+    return prompts
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "chatgpt": "assistant", "bing": "assistant"}
+
+
+def load_records(files: list[str], max_samples: int | None = None):
+    import datasets
+
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise DraftsmithError(f"data files not found: {', '.join(missing)}")
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset("json", data_files=list(files), split="train")
+    except Exception as exc:  # datasets wraps parse errors in several types
+        raise DraftsmithError(f"cannot read {files}: {exc}") from None
+    if max_samples is not None:
+        ds = ds.select(range(min(max_samples, len(ds))))
+    return ds
+
+
+def detect_format(columns: list[str]) -> str:
+    if "messages" in columns or "conversations" in columns:
+        return "chat"
+    if "text" in columns:
+        return "text"
+    raise DraftsmithError(f"records have columns {columns}; expected 'messages', 'conversations' or 'text'")
+
+
+def to_messages(record: dict[str, Any]) -> list[dict[str, str]]:
+    if record.get("messages"):
+        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    turns = record.get("conversations") or []
+    try:
+        return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+    except KeyError as exc:
+        raise DraftsmithError(f"ShareGPT turn with unknown role {exc.args[0]!r}") from None

@@ -1,0 +1,208 @@
+"""What a speculation method is: the plugin contract between a method's folder and the rest of draftsmith.
+
+A method is one registered `SpecMethod` subclass. Its class body is declarative and cheap to import (a
+pydantic section for `--speculative-config`, a recipe section, its head type, its declared `MethodNeeds`),
+so the registry can list every method without importing the engine or the trainer. The heavy parts it
+owns (its `Proposer`, its training objective, its converter formats) are returned by the class's hooks,
+which import them from the method's own folder only when a layer asks: the engine asks for proposers,
+the trainer for objectives, `draftsmith convert` for formats. `train` and `convert` therefore never load
+serving code, and serving never loads training code.
+
+The engine talks to proposers only through `Proposer` and `DraftBatch` below; they live here, beside the
+method contract, rather than in `serve`, so that a method's folder depends on this module and on
+`draftsmith.models`, never on the engine that consumes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass(frozen=True)
+class MethodNeeds:
+    """What a method asks of the engine. The engine reads these flags; it never branches on method names."""
+
+    hidden_states: bool = False  # needs target features from every forward (EAGLE family, MTP)
+    draft_probs: bool = False  # can sample its drafts and hand back q (draft_sample_method=probabilistic)
+    own_kv_cache: bool = False  # keeps a per-slot cache of its own, in step with the target's
+    head: bool = False  # loads a trained head: the config's "model" key is required
+    tree: bool = False  # drafts trees (DraftBatch.parents), not chains
+    parallel: bool = False  # drafts all k tokens in one pass (PARD, DFlash)
+
+
+class SpeculativeConfig(BaseModel):
+    """The keys every method accepts (vLLM's names). Each method subclasses it with `method: Literal[name]`
+    and its own keys, and the union of those subclasses, discriminated by `method`, is the schema of
+    `--speculative-config` (see `draftsmith.serve.spec_decode.config`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int | None = Field(default=None, gt=0, le=64)
+    draft_tensor_parallel_size: int | None = None
+    # vLLM has spelled exactness two ways: strict|probabilistic (early 2026), then standard plus
+    # draft_sample_method greedy|probabilistic. Both spellings are accepted and folded into the second.
+    rejection_sample_method: Literal["standard", "strict", "probabilistic", "synthetic"] = "standard"
+    draft_sample_method: Literal["greedy", "probabilistic"] | None = None
+    # Benchmarking only: each draft token is accepted with this probability whatever it is, so the
+    # output is NOT the target's distribution. Never serve users with it.
+    synthetic_acceptance_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _common_checks(self) -> SpeculativeConfig:
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"draft_tensor_parallel_size={self.draft_tensor_parallel_size}: only 1 is supported")
+        if self.num_speculative_tokens is None:
+            raise ValueError(f"num_speculative_tokens is required for method {self.method!r}")
+        synthetic = self.rejection_sample_method == "synthetic"
+        if synthetic != (self.synthetic_acceptance_rate is not None):
+            raise ValueError("synthetic_acceptance_rate is required with, and only with, "
+                             "rejection_sample_method='synthetic'")
+        sampling = self.draft_sample_method
+        if self.rejection_sample_method == "probabilistic":
+            if sampling == "greedy":
+                raise ValueError("rejection_sample_method='probabilistic' means sampled drafts; it contradicts "
+                                 "draft_sample_method='greedy'")
+            sampling = "probabilistic"
+        if self.rejection_sample_method in ("strict", "probabilistic"):
+            object.__setattr__(self, "rejection_sample_method", "standard")
+        object.__setattr__(self, "draft_sample_method", sampling or "greedy")
+        return self
+
+
+class RecipeModelSection(BaseModel):
+    """The `model:` section of a training recipe; each trainable method subclasses it with
+    `head_type: Literal[name]` and its own keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field(description="HF directory of the frozen target model")
+    head_type: str
+    # HF hidden_states indices the head reads; default: the method's `default_aux_layers`
+    aux_layer_ids: list[int] | None = None
+    intermediate_size: int | None = Field(default=None, gt=0, description="default: the target's")
+    init_from: str | None = Field(default=None, description="start from this saved head instead of random")
+
+
+@dataclass
+class DraftBatch:
+    """One step's drafts for B rows, as device tensors (usually views of a proposer's persistent buffers,
+    valid until its next `propose`).
+
+    Row b drafted `counts[b]` tokens, `tokens[b, :counts[b]]`; the rest of the row is -1. With `parents`,
+    the drafts of a row form a tree: `parents[b, i]` is the index of draft i's parent, -1 for the token the
+    row last verified; without it they form a chain (parent of i is i - 1).
+    """
+
+    tokens: torch.Tensor  # [B, K] long
+    counts: torch.Tensor  # [B] long
+    probs: torch.Tensor | None = None  # [B, K, V] q over the target vocab, for sampled drafts; None = one-hot
+    parents: torch.Tensor | None = None  # [B, K] long, tree drafts only
+
+    @classmethod
+    def empty(cls, rows: int, device: torch.device | str = "cpu") -> DraftBatch:
+        return cls(torch.full((rows, 0), -1, dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device))
+
+
+class RowState(Protocol):
+    """What a proposer may read of a running request (the engine's `Request` provides it)."""
+
+    request_id: str
+    slot: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def all_token_ids(self) -> list[int]: ...
+
+
+class DraftSampling(Protocol):
+    """Per-row sampling settings a sampling proposer reads (the engine's `SamplingBatch` provides them)."""
+
+    temperature: torch.Tensor  # [B] fp32, 0 = greedy
+    generators: list[torch.Generator]
+    all_greedy: bool
+
+
+class Proposer:
+    """Drafts tokens for the rows being decoded; returned by its method's `proposer_class()`."""
+
+    def __init__(self, config: SpeculativeConfig, target, max_num_seqs: int, max_model_len: int):
+        self.config = config
+        # set by the method from its section: HF hidden_states indices needed from the target's forwards
+        self.hidden_layer_ids: tuple[int, ...] = ()
+
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int],
+                sampling: DraftSampling | None = None) -> DraftBatch:
+        """Up to `max_drafts[b]` tokens for row b. `sampling` is given when drafts should be sampled (the
+        config's draft_sample_method is probabilistic); greedy rows still take the argmax."""
+        raise NotImplementedError
+
+    def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """[B, Q, F] features from a target forward's hidden states (only if `hidden_layer_ids`)."""
+        raise NotImplementedError
+
+    def observe(self, rows: Sequence[RowState], starts: list[int], counts: list[int], features: torch.Tensor) -> None:
+        """Target features [B, Q, F] of the rows' newly verified positions: row b's positions
+        starts[b]..starts[b] + counts[b] - 1 are features[b, :counts[b]]."""
+
+    def release(self, request: RowState) -> None:
+        """The request finished or was aborted: drop whatever was kept for it."""
+
+
+class SpecMethod:
+    """A speculation method: subclass, set the class attributes, register with `@register_method`."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    section: ClassVar[type[SpeculativeConfig]]  # its --speculative-config section, `method: Literal[name]`
+    needs: ClassVar[MethodNeeds] = MethodNeeds()
+    head_type: ClassVar[str | None] = None  # the native head format it serves/trains, if any
+    recipe_section: ClassVar[type[RecipeModelSection] | None] = None  # set when the method trains a head
+
+    @classmethod
+    def head_config_class(cls) -> type | None:
+        """The `HeadConfig` subclass of its native head format, or None for head-less methods."""
+        return None
+
+    @classmethod
+    def head_class(cls) -> type | None:
+        """The `nn.Module` that runs its head (training and serving), or None if the head only converts."""
+        return None
+
+    @classmethod
+    def proposer_class(cls) -> type[Proposer] | None:
+        """The proposer the engine builds, or None when the method cannot be served (yet)."""
+        return None
+
+    @classmethod
+    def objective(cls) -> Callable[..., Any] | None:
+        """`objective(head, target, batch, features, training_cfg) -> (loss, logs)`, or None if untrainable."""
+        return None
+
+    @classmethod
+    def build_head(cls, section: RecipeModelSection, target, aux_layer_ids: tuple[int, ...], token_records):
+        """A freshly initialized head for `target` (the trainer's starting point). `token_records` iterates the
+        training records ({"input_ids", "loss_mask"}) for methods that choose something from the data."""
+        raise DraftsmithError(f"method {cls.name!r} does not train a head")
+
+    @classmethod
+    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+        """HF hidden_states indices its head reads from a `num_layers` target, when a recipe names none."""
+        raise DraftsmithError(f"method {cls.name!r} reads no target layers")
+
+    @classmethod
+    def converter_modules(cls) -> tuple[str, ...]:
+        """Modules that register its `draftsmith convert` formats and exporters (imported by convert)."""
+        return ()

@@ -1,0 +1,81 @@
+"""EAGLE-1/2: a one-layer head over [embedding of token t+1; the target's final hidden state at t] that
+predicts the next feature, read out by the target's own LM head. Trained by feature regression plus
+soft cross-entropy; served by drafting autoregressively from its own outputs (see `proposer.py`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from draftsmith.methods.base import MethodNeeds, RecipeModelSection, SpecMethod, SpeculativeConfig
+from draftsmith.methods.registry import register_method
+from draftsmith.models.eagle import EagleHead
+from draftsmith.models.heads import DraftHeadConfig
+
+EAGLE_FAMILY_NEEDS = MethodNeeds(hidden_states=True, draft_probs=True, own_kv_cache=True, head=True)
+
+
+class EagleConfig(SpeculativeConfig):
+    method: Literal["eagle"]
+
+
+class EagleRecipe(RecipeModelSection):
+    head_type: Literal["eagle"]
+
+
+class EagleFamilyMethod(SpecMethod):
+    """What EAGLE and EAGLE-3 share: a `DraftHeadConfig` head attached to its target."""
+
+    needs = EAGLE_FAMILY_NEEDS
+
+    @classmethod
+    def head_config_class(cls):
+        return DraftHeadConfig
+
+    @classmethod
+    def proposer_class(cls):
+        from draftsmith.methods.eagle.proposer import EagleFamilyProposer
+
+        return EagleFamilyProposer
+
+    @classmethod
+    def new_head_config(cls, section: RecipeModelSection, target, aux_layer_ids: tuple[int, ...]) -> DraftHeadConfig:
+        overrides = {"intermediate_size": section.intermediate_size} if section.intermediate_size else {}
+        return DraftHeadConfig.for_target(cls.head_type, target.config, aux_layer_ids, target_model=section.target,
+                                          **cls.head_config_overrides(section), **overrides)
+
+    @classmethod
+    def head_config_overrides(cls, section: RecipeModelSection) -> dict:
+        return {}
+
+    @classmethod
+    def build_head(cls, section: RecipeModelSection, target, aux_layer_ids: tuple[int, ...], token_records):
+        config = cls.new_head_config(section, target, aux_layer_ids)
+        config.check_target(target.config)
+        return cls.head_class()(config).attach_target(target)
+
+
+@register_method
+class EagleMethod(EagleFamilyMethod):
+    name = "eagle"
+    description = "EAGLE-1/2 head over the target's last hidden state"
+    section = EagleConfig
+    recipe_section = EagleRecipe
+    head_type = "eagle"
+
+    @classmethod
+    def head_class(cls):
+        return EagleHead
+
+    @classmethod
+    def objective(cls):
+        from draftsmith.methods.eagle.objective import eagle_objective
+
+        return eagle_objective
+
+    @classmethod
+    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+        return (num_layers,)  # the final normed hidden state, which the target's LM head reads
+
+    @classmethod
+    def converter_modules(cls) -> tuple[str, ...]:
+        return ("draftsmith.convert.eagle", "draftsmith.convert.speculators")

@@ -1,0 +1,62 @@
+"""EAGLE-3: a one-layer head fusing three target layers, with its own LM head over a draft vocabulary
+chosen by token frequency, trained with training-time test (its own outputs fed back for several steps)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from draftsmith.methods.base import RecipeModelSection, SpeculativeConfig
+from draftsmith.methods.eagle import EagleFamilyMethod
+from draftsmith.methods.registry import register_method
+from draftsmith.models.eagle3 import Eagle3Head
+
+
+class Eagle3Config(SpeculativeConfig):
+    method: Literal["eagle3"]
+
+
+class Eagle3Recipe(RecipeModelSection):
+    head_type: Literal["eagle3"]
+    draft_vocab_size: int | None = Field(default=None, gt=0, description="default: the target's vocab")
+
+
+@register_method
+class Eagle3Method(EagleFamilyMethod):
+    name = "eagle3"
+    description = "EAGLE-3 head fusing three target layers, with a reduced draft vocabulary"
+    section = Eagle3Config
+    recipe_section = Eagle3Recipe
+    head_type = "eagle3"
+
+    @classmethod
+    def head_class(cls):
+        return Eagle3Head
+
+    @classmethod
+    def objective(cls):
+        from draftsmith.methods.eagle3.objective import eagle3_objective
+
+        return eagle3_objective
+
+    @classmethod
+    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+        return (2, num_layers // 2, num_layers - 3)  # the EAGLE-3 reference choice, HF hidden_states indexing
+
+    @classmethod
+    def head_config_overrides(cls, section: Eagle3Recipe) -> dict:
+        return {"draft_vocab_size": section.draft_vocab_size} if section.draft_vocab_size else {}
+
+    @classmethod
+    def build_head(cls, section, target, aux_layer_ids, token_records):
+        from draftsmith.train.data import draft_vocab_from_frequencies
+
+        head = super().build_head(section, target, aux_layer_ids, token_records)
+        c = head.config
+        head.init_draft_vocab(draft_vocab_from_frequencies(token_records, c.vocab_size, c.draft_vocab_size))
+        return head
+
+    @classmethod
+    def converter_modules(cls) -> tuple[str, ...]:
+        return ("draftsmith.convert.eagle3", "draftsmith.convert.speculators")

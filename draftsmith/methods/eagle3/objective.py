@@ -1,0 +1,28 @@
+"""EAGLE-3 objective: training-time test unrolled `ttt_length` steps; step s feeds the head its own step s-1
+output and the teacher-forced token t+1+s at rope position t+s, with the diagonal attention of
+`draft_layer`; loss at each step is soft CE against the target distribution restricted (and renormalized)
+to the draft vocab, skipping positions whose target argmax is outside it; steps are weighted decay**s."""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.train.objectives import shift, soft_ce, top1_agreement, unroll
+
+
+def eagle3_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+    input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    width = input_ids.shape[1] - 1
+    with torch.no_grad():
+        teacher = target.lm_head(feats["last"][:, 1:].to(target.lm_head.weight.dtype)).float()  # [B, T-1, V]
+        in_vocab = head.t2d[teacher.argmax(-1)]
+        teacher_p = teacher[..., head.t2d].softmax(-1)  # draft ids ascend like target ids: same order
+    valid = torch.arange(width, device=input_ids.device)[None, :]
+    total, logs = 0.0, {}
+    for s, logits in unroll(head, input_ids, feats["features"], cfg.ttt_length):
+        mask = (shift(loss_mask[:, 1:], s) * shift(in_vocab, s, False) * (valid < width - s)).float()
+        loss = soft_ce(logits, shift(teacher_p, s), mask)
+        total = total + cfg.ttt_step_decay**s * loss
+        logs[f"loss_step{s}"] = loss.item()
+        logs[f"acc_step{s}"] = top1_agreement(logits, shift(teacher_p, s), mask)
+    return total, logs

@@ -1,0 +1,41 @@
+"""Reading native head directories through the method registry: which config class and which module a
+`draftsmith_head_type` means is asked of the method that owns that head type."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.registry import head_method, method_names
+from draftsmith.models.head_configs import HEAD_TYPE_KEY, HeadConfig
+from draftsmith.models.heads import load_head_weights
+
+
+def read_head_config(data: dict[str, Any], where: str | Path = "") -> HeadConfig:
+    """The typed config of a native `config.json` dict, dispatched on its `draftsmith_head_type`."""
+    method = head_method(data.get(HEAD_TYPE_KEY), where)
+    return method.head_config_class().from_json(data)
+
+
+def load_head(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Builds the head module a native head directory describes and loads its weights."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise DraftsmithError(f"draft head directory {directory} has no config.json")
+    try:
+        data = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DraftsmithError(f"{config_path} is not valid JSON: {exc}") from None
+    method = head_method(data.get(HEAD_TYPE_KEY), config_path)
+    head_class = method.head_class()
+    if head_class is None:
+        runnable = method_names(lambda m: m.head_class() is not None)
+        raise DraftsmithError(f"{config_path}: {method.head_type} heads convert to and from draftsmith's format, but "
+                              f"the engine cannot serve them yet ({', '.join(runnable)} heads it can)")
+    head = head_class(read_head_config(data, config_path))
+    return load_head_weights(head, directory).to(device=device, dtype=dtype).eval()

@@ -1,0 +1,42 @@
+"""N-gram (prompt lookup) speculation: drafts what followed the latest earlier occurrence of the context's
+suffix. Needs no head and no training; deterministic, so its drafts are always greedy (one-hot q)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from draftsmith.methods.base import MethodNeeds, SpecMethod, SpeculativeConfig
+from draftsmith.methods.registry import register_method
+
+
+class NgramConfig(SpeculativeConfig):
+    method: Literal["ngram"]
+    # vLLM: both unset -> 5 and 5; one unset -> mirrors the other; min > max is an error.
+    prompt_lookup_min: int | None = Field(default=None, ge=1)
+    prompt_lookup_max: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _lookup_window(self) -> NgramConfig:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min={lo} is greater than prompt_lookup_max={hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        return self
+
+
+@register_method
+class NgramMethod(SpecMethod):
+    name = "ngram"
+    description = "prompt lookup: copy what followed an earlier occurrence of the context's suffix"
+    section = NgramConfig
+    needs = MethodNeeds()
+
+    @classmethod
+    def proposer_class(cls):
+        from draftsmith.methods.ngram.proposer import NgramProposer
+
+        return NgramProposer

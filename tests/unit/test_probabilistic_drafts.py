@@ -1,0 +1,150 @@
+"""Sampled drafting (draft_sample_method "probabilistic") with real draft probabilities: the EAGLE-3 proposer
+samples its drafts from its own q and hands q to the rejection sampler, and the emitted tokens follow the
+target's distribution, not the draft's."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods import resolve_method
+from draftsmith.models import load_target
+from draftsmith.models.tokenizer import load_tokenizer
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.sampling import SamplingBatch
+from draftsmith.serve.spec_decode.config import parse_speculative_config
+from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
+from draftsmith.serve.spec_decode.verify import verify
+from helpers import DEMO_MODEL, REPO
+
+HEAD = REPO / "assets" / "demo-code-7m-eagle3"
+# A context where the demo model is unsure (top probabilities about 0.41, 0.22, 0.15, 0.06) and where the
+# shipped head disagrees with it (total variation about 0.7): emitting the drafts as they are would be
+# far off, so only a correct use of q passes.
+PROMPT = "import numpy as np\n\n\ndef "
+TRIALS = 2000
+# Sampling noise of a 7-bucket total variation at 2000 trials is about 0.015; the drafts' own distribution
+# is about 0.7 away from the target's.
+TV_TOLERANCE = 0.04
+
+
+@dataclass
+class Row:
+    request_id: str
+    slot: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+def _bucketed_tv(a: torch.Tensor, b: torch.Tensor, top: torch.Tensor) -> float:
+    """Total variation over the target's top tokens plus one bucket for the rest."""
+    bucket = lambda d: torch.cat([d[top], (1 - d[top].sum()).reshape(1)])  # noqa: E731
+    return 0.5 * (bucket(a) - bucket(b)).abs().sum().item()
+
+
+@pytest.fixture(scope="module")
+def sampled_step():
+    """TRIALS identical requests one step after the prompt: the proposer drafts 2 tokens each with its own
+    generator; the target scores them; returns what verification needs."""
+    target = load_target(DEMO_MODEL, dtype="float32")
+    tokenizer_ids = load_tokenizer(DEMO_MODEL)(PROMPT, add_special_tokens=False).input_ids
+    config = parse_speculative_config({"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 2,
+                                       "draft_sample_method": "probabilistic"})
+    proposer = resolve_method("eagle3").proposer_class()(config, target, TRIALS, 64)
+    with torch.inference_mode():
+        out = target(torch.tensor([tokenizer_ids]), hidden_layer_ids=proposer.hidden_layer_ids)
+    first = int(out.logits[0, -1].argmax())  # the token the prefill emitted
+    rows = [Row(str(i), i, list(tokenizer_ids), [first]) for i in range(TRIALS)]
+    length = len(tokenizer_ids)
+    proposer.observe(rows, [0] * TRIALS, [length] * TRIALS, proposer.features(out.hidden_states).expand(TRIALS, -1, -1))
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(TRIALS)]
+    sampling = SamplingBatch.build(params, [torch.Generator().manual_seed(i) for i in range(TRIALS)], "cpu")
+    drafts = proposer.propose(rows, [2] * TRIALS, sampling)
+    ids = torch.cat([torch.tensor(tokenizer_ids + [first]).expand(TRIALS, -1), drafts.tokens], dim=1)
+    with torch.inference_mode():
+        logits = target(ids, logits_index=torch.tensor([length, length + 1, length + 2]).expand(TRIALS, -1)).logits
+    return drafts, logits, sampling, torch.softmax(logits[0, 0], -1)
+
+
+def test_proposer_samples_from_the_q_it_reports(sampled_step):
+    drafts, _, _, p_first = sampled_step
+    assert drafts.probs is not None and drafts.counts.tolist() == [2] * TRIALS
+    q_first = drafts.probs[0, 0]
+    torch.testing.assert_close(drafts.probs.sum(-1), torch.ones(TRIALS, 2))
+    assert torch.equal(drafts.probs[:, 0], q_first.expand(TRIALS, -1))  # same context, same q
+    top = p_first.topk(6).indices
+    drawn = torch.bincount(drafts.tokens[:, 0], minlength=q_first.numel()).float() / TRIALS
+    assert _bucketed_tv(drawn, q_first, q_first.topk(6).indices) < TV_TOLERANCE  # drafts ~ q
+    assert drafts.tokens[:, 0].unique().numel() > 3  # sampled, not the argmax
+    assert _bucketed_tv(q_first, p_first, top) > 0.5  # the head really disagrees with the target here
+
+
+def test_emitted_tokens_follow_the_target_distribution(sampled_step):
+    drafts, logits, sampling, p_first = sampled_step
+    num_draft = drafts.counts.tolist()
+    tokens, counts = verify(logits, drafts, num_draft, sampling, rejection_sample_reference, None)
+    top = p_first.topk(6).indices
+    emitted = torch.bincount(tokens[:, 0], minlength=p_first.numel()).float() / TRIALS
+    assert _bucketed_tv(emitted, p_first, top) < TV_TOLERANCE
+    accepted_first = (counts > 1).float().mean().item()
+    assert 0.05 < accepted_first < 0.95  # both branches (accept, and recover from the residual) ran
+    # the same check catches a verifier that keeps drafts regardless (synthetic acceptance of 1)
+    always, _ = verify(logits, drafts, num_draft, sampling, rejection_sample_reference, 1.0)
+    kept = torch.bincount(always[:, 0], minlength=p_first.numel()).float() / TRIALS
+    assert _bucketed_tv(kept, p_first, top) > 0.3
+
+
+def test_one_hot_treatment_of_sampled_drafts_is_not_what_runs(sampled_step):
+    """The engine passes the proposer's q: verifying the same drafts as if q were one-hot accepts different
+    drafts (p(x) instead of min(1, p(x)/q(x))), which is what `rejection_sample_method: probabilistic`
+    silently did before draft probabilities existed."""
+    drafts, logits, sampling, _ = sampled_step
+    num_draft = drafts.counts.tolist()
+    with_q, n_q = verify(logits, drafts, num_draft, sampling, rejection_sample_reference, None)
+    one_hot, n_one_hot = verify(logits, dataclasses.replace(drafts, probs=None), num_draft, sampling,
+                                rejection_sample_reference, None)
+    assert not torch.equal(n_q, n_one_hot)
+
+
+GREEDY_AND_SAMPLED = ["def add(a, b):\n    return a", "for i in range(10):\n    print(", "class Node:\n    def __init__(self"]
+
+
+def test_eagle3_sampled_drafting_in_the_engine():
+    """Mixed batch: greedy rows stay token-identical to plain greedy decoding, seeded sampled rows repeat
+    alone and batched."""
+    plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    reference = plain.generate(GREEDY_AND_SAMPLED[0], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    spec = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=spec)
+    params = [greedy] + [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24) for s in (1, 2)]
+    batched = [o.outputs[0].token_ids for o in llm.generate(GREEDY_AND_SAMPLED, params, use_tqdm=False)]
+    alone = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(GREEDY_AND_SAMPLED, params)]
+    assert batched[0] == reference
+    assert batched == alone
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def test_draft_sampling_config():
+    old = parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,
+                                    "rejection_sample_method": "probabilistic"})
+    assert (old.rejection_sample_method, old.draft_sample_method) == ("standard", "probabilistic")
+    strict = parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,
+                                       "rejection_sample_method": "strict"})
+    assert (strict.rejection_sample_method, strict.draft_sample_method) == ("standard", "greedy")
+    with pytest.raises(DraftsmithError, match="'ngram' drafts deterministically.*methods that do: eagle, eagle3"):
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})
+    with pytest.raises(DraftsmithError, match="contradicts"):
+        parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,
+                                  "rejection_sample_method": "probabilistic", "draft_sample_method": "greedy"})

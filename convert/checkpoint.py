@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.safetensors_index import read_weight_map
 
 # In the order a loader should prefer them (yuhuili's `from_pretrained` tries the .bin first, but a
 # directory holding both is always a re-save, and safetensors is the safer read).
@@ -88,14 +89,7 @@ class SourceCheckpoint:
         self._files: dict[Path, Any] = {}
         self._where: dict[str, Path] = {}
         if self.weights_file.name.endswith(".index.json"):
-            try:
-                weight_map = json.loads(self.weights_file.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise DraftsmithError(f"{self.weights_file} is not a valid shard index ({exc})") from None
-            self._where = {name: self.directory / shard for name, shard in weight_map.items()}
-            missing = sorted({str(p.name) for p in self._where.values() if not p.is_file()})
-            if missing:
-                raise DraftsmithError(f"{self.weights_file} names shards that are missing: {', '.join(missing[:5])}")
+            self._where = read_weight_map(self.weights_file)
             self._shapes: dict[str, tuple[int, ...]] | None = None
         else:
             file = self._file(self.weights_file)

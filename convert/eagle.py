@@ -1,4 +1,4 @@
-"""EAGLE-1/2 heads in the yuhuili layout (formats.md section 1), which current vLLM and SGLang load as they
+"""EAGLE-1/2 heads in the yuhuili layout, which current vLLM and SGLang load as they
 are, and draftsmith's native layout, which keeps yuhuili's key names.
 
 Read: `pytorch_model.bin` or safetensors; `fc.bias` and Qwen2's q/k/v biases decided from the keys (the

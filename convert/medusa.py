@@ -1,4 +1,4 @@
-"""Medusa heads (formats.md section 6): FasterDecoding's `medusa_lm_head.pt`/`.safetensors` with keys
+"""Medusa heads: FasterDecoding's `medusa_lm_head.pt`/`.safetensors` with keys
 `{h}.{j}.linear.weight/bias` and `{h}.{L}.weight`, or vLLM's `blocks.{h}.layers.{j}`, `lm_heads.{h}`.
 
 The head and layer counts come from the keys: published configs are known to disagree with them.

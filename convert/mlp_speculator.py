@@ -1,4 +1,4 @@
-"""IBM / fms MLP speculators (formats.md section 5): HF-saved keys under `speculator.`, stages
+"""IBM / fms MLP speculators: HF-saved keys under `speculator.`, stages
 `emb.i`, `proj.i`, `head.i`, `ln.i` (weight and bias), optionally tied, optionally with `scale_input`.
 
 Native keys drop the prefix. A tied speculator keeps only the tensors its stages share (emb.0, proj.0,

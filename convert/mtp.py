@@ -1,4 +1,4 @@
-"""Multi-token-prediction layers taken out of a target checkpoint (formats.md section 7): DeepSeek-V3/GLM
+"""Multi-token-prediction layers taken out of a target checkpoint: DeepSeek-V3/GLM
 (`model.layers.{L+k}.{enorm,hnorm,eh_proj,shared_head}`), Qwen3-Next (`mtp.*`), MiMo
 (`model.mtp_layers.{k}.*`). Only the MTP tensors are read, so of a sharded target only their shards open.
 

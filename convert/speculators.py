@@ -1,4 +1,4 @@
-"""vllm-project/speculators checkpoints (formats.md section 4): EAGLE-3 (`layers.0.*` names, a nested
+"""vllm-project/speculators checkpoints: EAGLE-3 (`layers.0.*` names, a nested
 `transformer_layer_config`, ids in vLLM's hs convention) and the legacy EAGLE type (`fusion_fc`,
 `transformer.*`), which vLLM detects by `speculators_model_type` and serves with the verifier it names.
 """

@@ -4,7 +4,9 @@ Each running sequence owns one slot: a contiguous `[max_len]` strip per layer. A
 the host (the scheduler knows it), so dropping rejected speculative tokens is just a smaller length: the
 stale keys past it are never read (the mask stops at each query's position) and get overwritten by the next
 write at those positions. Nothing is copied. One extra *scratch* slot absorbs the writes of padding tokens,
-so padded batches never touch a live sequence. Shapes are static, which is what CUDA graphs need later.
+so padded batches never touch a live sequence. The cache tensors are allocated once and never resized;
+the per-forward metadata below still takes the batch's own widths (rows, query and key lengths), which a
+graph-captured decode would pad to fixed buckets.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ class ForwardBatch:
     positions: torch.Tensor  # [B, Q] absolute position of each query token (padding clamped into range)
     read_slots: torch.Tensor  # [B] slot each row attends over
     write_slots: torch.Tensor  # [B, Q] slot each token's K/V goes to (scratch for padding)
-    write_positions: torch.Tensor  # [B, Q]
     mask: torch.Tensor  # [B, 1, Q, kv_len] bool, True = may attend
     kv_len: int  # keys [0, kv_len) are read
     slot_start: int | None  # rows read slots slot_start.. in order: slice the cache instead of gathering
@@ -72,7 +73,6 @@ class ForwardBatch:
             positions=positions.to(device),
             read_slots=read_slots.to(device),
             write_slots=write_slots.to(device),
-            write_positions=positions.to(device),
             mask=mask[:, None].to(device),
             kv_len=kv_len,
             slot_start=slots[0] if contiguous else None,
@@ -86,5 +86,5 @@ class ForwardBatch:
         return window.index_select(0, self.read_slots)
 
     def write(self, layer_cache: torch.Tensor, new: torch.Tensor) -> None:
-        """new [B, num_kv_heads, Q, head_dim] goes to (write_slots, :, write_positions)."""
-        layer_cache[self.write_slots, :, self.write_positions] = new.transpose(1, 2)
+        """new [B, num_kv_heads, Q, head_dim] goes to (write_slots, :, positions)."""
+        layer_cache[self.write_slots, :, self.positions] = new.transpose(1, 2)

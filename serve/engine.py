@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -211,15 +210,12 @@ class LLMEngine:
         kept = [row[:n] for row, n in zip(tokens, counts)]
         starts = [r.num_tokens - 1 for r in rows]
         self._observe_features(rows, starts, counts, out)  # last token + accepted drafts
-        now = time.perf_counter()
         for request, n_draft, new_tokens in zip(rows, num_draft, kept):
             self.spec_metrics.observe(n_draft, len(new_tokens) - 1)
             self.stats["num_generated_tokens"] += self.stop_checker.append(request, new_tokens)
             # K/V of the last token and the accepted drafts are in the cache; rejected ones are past the
             # length and get overwritten: nothing to copy.
             request.num_computed = request.num_tokens - 1
-            if request.first_token_time is None:
-                request.first_token_time = now
         return rows
 
     def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None):
@@ -241,10 +237,7 @@ class LLMEngine:
         sampling = SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device)
         with torch.inference_mode():
             tokens = sample(logits, sampling).tolist()
-        now = time.perf_counter()
         for request, token in zip(rows, tokens):
-            if request.first_token_time is None:
-                request.first_token_time = now
             self.stats["num_generated_tokens"] += self.stop_checker.append(request, [token])
 
     def get_metrics(self) -> dict:

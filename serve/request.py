@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -49,8 +48,6 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
     text: str = ""  # detokenized output, kept current only when stop strings need it
-    arrival_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -13,6 +13,7 @@ import sys
 
 from draftsmith import __version__
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.dtypes import DTYPES
 
 DEFAULT_BENCH_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
@@ -32,7 +33,7 @@ def _positive_int(text: str) -> int:
 
 
 def _add_engine_args(p: argparse.ArgumentParser, methods: list[str]) -> None:
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="weights and activations dtype; auto = float32 on CPU, the checkpoint's on GPU")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     p.add_argument("--max-num-seqs", type=_positive_int, default=16,
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--target", default=None,
                       help="target model directory: checks hidden/vocab sizes, fused layer ids and tokenizer, and "
                       "supplies the layer count that yuhuili/SpecForge checkpoints do not record")
-    conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+    conv.add_argument("--dtype", choices=list(DTYPES), default=None,
                       help="cast floating tensors (default: keep)")
     conv.add_argument("--force", action="store_true", help="replace OUT if it exists")
     conv.add_argument("--inspect", action="store_true",
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="throughput on validation code prompts, side by side in one run",
                            description="Times HF transformers and our engine, without and with speculation "
-                           "(n-gram; EAGLE-3 where assets/MODEL-eagle3 exists), on the same validation code "
+                           "(--speculative-config, and every head shipped as assets/MODEL-HEADTYPE), on the same validation code "
                            "prompts and prints tokens/s, speedups and acceptance per model.")
     bench.add_argument("--shared", default="../shared", help="folder holding data/ and models/")
     bench.add_argument("--models", default="demo-code-7m,house-code-28m", help="comma-separated names under models/")
@@ -161,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     bench.add_argument("--speculative-config", default=DEFAULT_BENCH_SPEC,
                        help="n-gram speculation to compare against no speculation ('' to skip); default: %(default)s")
-    bench.add_argument("--eagle-k", type=_positive_int, default=5,
-                       help="draft tokens for the shipped EAGLE-3 heads (assets/MODEL-eagle3)")
+    bench.add_argument("--head-k", "--eagle-k", dest="head_k", type=_positive_int, default=5,
+                       help="draft tokens for the shipped heads (assets/MODEL-HEADTYPE, e.g. demo-code-7m-eagle3)")
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(handler="draftsmith.serve.bench:run")
 

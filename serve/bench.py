@@ -2,7 +2,8 @@
 
 For each model it times, on the same prompts and greedy settings: HF transformers `generate` one prompt
 at a time (the baseline users know), our engine one prompt at a time without speculation and with each
-speculation method (n-gram; EAGLE-3 when a head for the model ships in assets/), and our engine with all
+speculation method (the --speculative-config one, n-gram by default, and every head that ships for the
+model in assets/MODEL-HEADTYPE), and our engine with all
 prompts batched. Ratios are taken within the run, never against numbers from another machine or day.
 Speculative outputs are also checked token for token against the plain ones.
 """
@@ -18,6 +19,7 @@ import torch
 
 from draftsmith.corpus import code_prompts
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods import method_names, resolve_method, servable
 from draftsmith.serve.llm import LLM
 from draftsmith.serve.sampling_params import SamplingParams
 
@@ -48,13 +50,23 @@ def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) ->
     return time.perf_counter() - start, tokens
 
 
-def speculation_methods(model_name: str, ngram_config: str | None, k: int) -> dict[str, dict]:
+def shipped_heads(model_name: str) -> dict[str, Path]:
+    """Heads shipped for a model, by method: `assets/MODEL-HEADTYPE` for every servable head-based method."""
+    found = {}
+    for name in method_names(lambda m: servable(m) and m.needs.head):
+        head = ASSETS / f"{model_name}-{resolve_method(name).head_type}"
+        if head.is_dir():
+            found[name] = head
+    return found
+
+
+def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dict[str, dict]:
     methods = {}
-    if ngram_config:
-        methods["ngram"] = json.loads(ngram_config)
-    head = ASSETS / f"{model_name}-eagle3"
-    if head.is_dir():
-        methods["eagle3"] = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    if spec_config:
+        config = json.loads(spec_config)
+        methods[config.get("method", "?")] = config
+    for name, head in shipped_heads(model_name).items():
+        methods[name] = {"method": name, "model": str(head), "num_speculative_tokens": k}
     return methods
 
 
@@ -88,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         _print(base)
         rows.append(base)
         plain_ids = [o.outputs[0].token_ids for o in plain]
-        for method, config in speculation_methods(name, args.speculative_config, args.eagle_k).items():
+        for method, config in speculation_methods(name, args.speculative_config, args.head_k).items():
             spec = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(len(prompts), 1),
                        speculative_config=config)
             spec.generate(prompts[0], warm, use_tqdm=False)

@@ -17,6 +17,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods import method_names, resolve_method, servable
 from draftsmith.serve.serve_cli import free_port
 
 DEMO_PROMPTS = [
@@ -34,9 +35,11 @@ def default_demo_model() -> Path:
 
 
 def demo_speculation(model: Path) -> dict:
-    head = model.parent / f"{model.name}-eagle3"
-    if head.is_dir():
-        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": 5}
+    """The head shipped beside the model (`MODEL-HEADTYPE`, e.g. demo-code-7m-eagle3), else n-gram."""
+    for name in method_names(lambda m: servable(m) and m.needs.head):
+        head = model.parent / f"{model.name}-{resolve_method(name).head_type}"
+        if head.is_dir():
+            return {"method": name, "model": str(head), "num_speculative_tokens": 5}
     return NGRAM_SPEC
 
 

@@ -57,6 +57,8 @@ class LLMEngine:
         self.proposer = None
         if spec_config is not None:  # resolved once; the engine never branches on the method name
             method = resolve_method(spec_config.method)
+            if method.needs.tree:  # DraftBatch.parents would be ignored: refuse rather than verify wrongly
+                raise DraftsmithError(f"method {method.name!r} drafts trees, and this engine verifies chains only")
             self.proposer = method.proposer_class()(spec_config, model, config.max_num_seqs, config.max_model_len)
             self.rejection_sampler = pick_sampler(self.device)
             self.spec_metrics = SpecMetrics(spec_config.num_speculative_tokens)

@@ -5,6 +5,10 @@ Checkpoints are `accelerator.save_state` directories (model, optimizer, schedule
 progress counters) written under a temporary name and renamed, with the resolved recipe and command line
 beside them; a rerun of the same command resumes from the newest one and skips the batches already
 consumed, so a killed run loses only the step in flight.
+
+Under FSDP and DeepSpeed ZeRO-3 each rank holds only shards of the head's parameters, so nothing reads the
+unwrapped head's weights directly: the eval runs through the wrapped module's `forward` (where the wrapper
+gathers them) and the final head is written from `accelerator.get_state_dict`, which every rank joins.
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ def aux_layers(recipe: Recipe, num_layers: int) -> tuple[int, ...]:
 
 
 class HeadWithObjective(nn.Module):
-    """The trained module: the head plus its objective as `forward`, so DDP/FSDP wrappers see the call."""
+    """The trained module: the head plus its objective as `forward`, so DDP/FSDP/DeepSpeed wrappers see the call.
+
+    `forward(batch)` returns the objective's (loss, logs); `forward(batch, acceptance_depth=k)` returns the
+    eval's simulated-acceptance (counts [k], chain starts) instead. Both go through the wrapper's forward,
+    the only place where FSDP and ZeRO-3 have gathered the sharded head parameters."""
 
     def __init__(self, head, target, objective, cfg, feature_dtype):
         super().__init__()
@@ -55,8 +63,10 @@ class HeadWithObjective(nn.Module):
             return {"features": batch["features"], "last": batch["last"]}
         return target_features(self._target[0], self.head.config.aux_layer_ids, batch["input_ids"], self.feature_dtype)
 
-    def forward(self, batch):
+    def forward(self, batch, acceptance_depth: int = 0):
         feats = self.features(batch)
+        if acceptance_depth:
+            return simulated_acceptance(self.head, self._target[0], batch, feats, acceptance_depth)
         return self.objective(self.head, self._target[0], batch, feats, self.cfg)
 
 
@@ -115,6 +125,7 @@ def _save_checkpoint(accelerator, recipe: Recipe, output: Path, progress: Progre
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every rank writes its own files (RNG states; shards under FSDP) first
     if accelerator.is_main_process:
         (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
         (tmp / "command.txt").write_text(" ".join(argv) + "\n")
@@ -131,16 +142,37 @@ def latest_checkpoint(output: Path) -> Path | None:
 
 
 def evaluate(accelerator, trainee, loader, max_k: int) -> dict[str, float]:
-    module = accelerator.unwrap_model(trainee)
-    module.head.eval()
+    """Simulated acceptance over `loader` (sharded across ranks), summed over ranks. Runs through the prepared
+    module's forward so that FSDP/ZeRO-3 gather the parameters; every rank must call it (collectives)."""
+    trainee.eval()
     counts, starts = torch.zeros(max_k, dtype=torch.long), 0
-    for batch in loader:
-        c, n = simulated_acceptance(module.head, module._target[0], batch, module.features(batch), max_k)
-        counts, starts = counts + c, starts + n
+    with torch.no_grad():
+        for batch in loader:
+            c, n = trainee(batch, acceptance_depth=max_k)
+            counts, starts = counts + c.cpu(), starts + int(n)
     counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
     starts = int(accelerator.reduce(torch.tensor(starts, device=accelerator.device), reduction="sum"))
-    module.head.train()
+    trainee.train()
     return acceptance_report(counts, starts)
+
+
+def save_head(accelerator, trainee, directory: Path) -> None:
+    """Writes the trained head in the native format from the full, gathered state dict.
+
+    Every rank must call this: `get_state_dict` gathers FSDP shards (and ZeRO-3 partitions, which needs
+    `stage3_gather_16bit_weights_on_model_save`) and hands the full tensors to the main process, which writes
+    them. The tensors are loaded, by assignment, into a head built on the meta device, so a missing key or a
+    wrong shape (a shard) fails here instead of in a later `load_head`.
+    """
+    state = accelerator.get_state_dict(trainee)
+    if not accelerator.is_main_process:
+        return
+    head = accelerator.unwrap_model(trainee).head
+    weights = {k.removeprefix("head."): v.detach().cpu().contiguous() for k, v in state.items() if k.startswith("head.")}
+    with torch.device("meta"):
+        full = type(head)(head.config)
+    full.load_state_dict(weights, strict=True, assign=True)
+    full.save_pretrained(directory)
 
 
 def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
@@ -159,8 +191,9 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
         (output / "recipe.yaml").write_text(dump_recipe(recipe))
-    target = load_target(recipe.model.target, dtype="float32" if accelerator.device.type == "cpu" else "bfloat16",
-                         device=accelerator.device)
+    on_cpu = accelerator.device.type == "cpu"  # multi-process CPU runs get "cpu:0", which safetensors rejects
+    target = load_target(recipe.model.target, dtype="float32" if on_cpu else "bfloat16",
+                         device="cpu" if on_cpu else accelerator.device)
     tokenizer = load_tokenizer(Path(recipe.model.target))
     check_tokenizer(tokenizer, target.config.vocab_size)
     with accelerator.main_process_first():  # datasets caches the tokenization once
@@ -175,7 +208,13 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
                                                collate_fn=lambda r: collate(r, pad), num_workers=t.num_workers)
     eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=t.batch_size, collate_fn=lambda r: collate(r, pad)) \
         if eval_ds is not None and len(eval_ds) else None
+    num_parameters = sum(p.numel() for p in head.parameters())  # before prepare shards them
     optimizer = torch.optim.AdamW(head.parameters(), lr=t.learning_rate, betas=(0.9, 0.95), weight_decay=t.weight_decay)
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+        # DeepSpeed clips inside its own step (accelerate's clip_grad_norm_ does nothing there) and would
+        # resolve "auto" to 1.0: hand it the recipe's value instead of silently ignoring it
+        plugin.deepspeed_config["gradient_clipping"] = t.max_grad_norm
     trainee, optimizer, train_loader = accelerator.prepare(trainee, optimizer, train_loader)
     steps_per_epoch = math.ceil(len(train_loader) / t.gradient_accumulation_steps)  # per process
     total_steps = min(t.epochs * steps_per_epoch, t.max_steps or t.epochs * steps_per_epoch)
@@ -195,7 +234,7 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
         accelerator.print(f"resumed from {resume} (step {progress.step}, epoch {progress.epoch})")
     if log_with:
         accelerator.init_trackers("draftsmith", config={"head_type": recipe.model.head_type})
-    accelerator.print(f"training {recipe.model.head_type} head: {sum(p.numel() for p in head.parameters()):,} "
+    accelerator.print(f"training {recipe.model.head_type} head: {num_parameters:,} "
                       f"parameters, {len(train_ds)} samples, {total_steps} optimizer steps")
     bar = tqdm(total=total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process)
     while progress.epoch < t.epochs and progress.step < total_steps:
@@ -238,8 +277,8 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     if not (output / "checkpoints" / f"step_{progress.step:08d}").exists():
         _save_checkpoint(accelerator, recipe, output, progress, argv)
     final = output / "head"
+    save_head(accelerator, trainee, final)  # on every rank: it gathers
     if accelerator.is_main_process:
-        accelerator.unwrap_model(trainee).head.save_pretrained(final)
         (final / "recipe.yaml").write_text(dump_recipe(recipe))
     accelerator.wait_for_everyone()
     accelerator.end_training()

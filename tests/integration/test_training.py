@@ -135,12 +135,22 @@ def test_kill_and_resume_matches_an_uninterrupted_run(workspace, tmp_path):
                     reason="accelerate CLI not installed")
 def test_accelerate_launch_ddp_on_two_cpu_processes(workspace, tmp_path):
     _, target, data = workspace
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(tiny_recipe(target, data, tmp_path / "ddp", max_steps=4)))
+    recipe = tiny_recipe(target, data, tmp_path / "ddp", max_steps=4, save_every_steps=2)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    proc = _run_cli(tmp_path / "r.yaml", launcher=[accelerate, "launch", "--cpu", "--num_processes", "2",
-                                                    "--num_machines", "1", "--mixed_precision", "no",
-                                                    "--dynamo_backend", "no", "-m", "draftsmith.train"])
+    # `accelerate launch --cpu --num_processes 2` starts ONE process unless given an mpirun hostfile; torchrun
+    # (the --multi_gpu launcher) with ACCELERATE_USE_CPU starts two that join a gloo group.
+    proc = subprocess.Popen([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                             "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftsmith.train",
+                             str(tmp_path / "r.yaml")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO, env={**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, log
-    assert load_head(tmp_path / "ddp" / "head").head_type == "eagle3"
+    checkpoint = tmp_path / "ddp" / "checkpoints" / "step_00000004"
+    assert (checkpoint / "random_states_1.pkl").is_file(), log  # rank 1 existed and saved its RNG state
+    head = load_head(tmp_path / "ddp" / "head")
+    assert head.head_type == "eagle3"
+    saved = load_file(str(tmp_path / "ddp" / "head" / "model.safetensors"))
+    assert saved.keys() == head.state_dict().keys()
     assert len(_log(tmp_path / "ddp", "loss")) == 4
+    assert (tmp_path / "ddp" / "eval_final.json").is_file()

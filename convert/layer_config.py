@@ -33,15 +33,7 @@ def layer_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def rope_keys(rope: RopeConfig | dict[str, Any]) -> dict[str, Any]:
-    rope = rope if isinstance(rope, RopeConfig) else RopeConfig(**rope)
-    keys: dict[str, Any] = {"rope_theta": rope.theta}
-    if rope.type == "linear":
-        keys["rope_scaling"] = {"rope_type": "linear", "factor": rope.factor}
-    elif rope.type == "llama3":
-        keys["rope_scaling"] = {"rope_type": "llama3", "factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
-                                "high_freq_factor": rope.high_freq_factor,
-                                "original_max_position_embeddings": rope.original_max_position_embeddings}
-    return keys
+    return (rope if isinstance(rope, RopeConfig) else RopeConfig(**rope)).hf_keys()
 
 
 def llama_layer_config(config: dict[str, Any], architectures: list[str], dtype: str,

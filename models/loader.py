@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import safetensors
@@ -13,6 +12,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.dtypes import DTYPES
 from draftsmith.models.llama import CausalLM
+from draftsmith.models.safetensors_index import read_weight_map
 
 # Buffers some exporters save that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -34,15 +34,7 @@ def resolve_dtype(dtype: str | torch.dtype, config: TargetConfig, device: torch.
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise DraftsmithError(f"{index} is not a valid safetensors index: {exc}") from None
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise DraftsmithError(f"{index} names shards that do not exist: {', '.join(missing)}")
-        return files
+        return sorted(set(read_weight_map(index).values()))
     single = model_dir / "model.safetensors"
     if single.is_file():
         return [single]

@@ -2,31 +2,41 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from draftsmith.models.config import RopeConfig
+from draftsmith.errors import UnsupportedModelError
+from draftsmith.models.config import SUPPORTED_ROPE_TYPES, RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Per-pair inverse frequencies [head_dim // 2], fp32, with `linear` or `llama3` scaling applied."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponent)
-    if rope.type == "linear":
-        return inv_freq / rope.factor
-    if rope.type == "llama3":
-        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-        old_len = rope.original_max_position_embeddings
-        low_freq_wavelen = old_len / rope.low_freq_factor
-        high_freq_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    return inv_freq
+    """Per-pair inverse frequencies [head_dim // 2], fp32, from transformers' own init function for the type."""
+    from transformers import LlamaConfig
+
+    if rope.type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope.type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    # The init functions read only head_dim and the rope keys. max_position_embeddings is set to the scaled
+    # context because transformers 5 warns when llama3's original length is not below it.
+    config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
+                         max_position_embeddings=int(rope.original_max_position_embeddings * rope.factor),
+                         **rope.hf_keys())
+    inv_freq, attention_factor = _init_function(rope.type)(config, device=None)  # 4.x requires `device`
+    if attention_factor != 1.0:  # rope_tables has no cos/sin scale; refuse rather than compute wrong tables
+        raise UnsupportedModelError(f"rope type {rope.type!r} scales attention by {attention_factor}; not supported")
+    return inv_freq.float()
+
+
+def _init_function(rope_type: str):
+    """transformers' rope init function: `ROPE_INIT_FUNCTIONS` holds the scaled types (and, in 4.x, `default`);
+    5.x moved `default` onto each model's rotary class."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type in ROPE_INIT_FUNCTIONS:
+        return ROPE_INIT_FUNCTIONS[rope_type]
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding.compute_default_rope_parameters
 
 
 def rope_tables(rope: RopeConfig, head_dim: int, max_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
@@ -18,11 +17,26 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def eos_token_ids(model_dir: str | Path, config_eos: tuple[int, ...], tokenizer) -> set[int]:
+    """Every id that ends generation: config.json's, generation_config.json's and the tokenizer's EOS."""
     ids = set(config_eos)
-    gen_config = Path(model_dir) / "generation_config.json"
-    if gen_config.is_file():
-        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+    generation = generation_config(model_dir)
+    if generation is not None:
+        eos = generation.eos_token_id
         ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def generation_config(model_dir: str | Path):
+    """The directory's `transformers.GenerationConfig`, or None when it has no generation_config.json."""
+    from transformers import GenerationConfig
+    from transformers.utils import GENERATION_CONFIG_NAME
+
+    # Checked first: transformers raises the same OSError for a missing file as for an unreadable one.
+    if not (Path(model_dir) / GENERATION_CONFIG_NAME).is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise DraftsmithError(f"cannot read {GENERATION_CONFIG_NAME} in {model_dir}: {exc}") from None

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftsmith import __version__
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, format_validation_error
 from draftsmith.serve.async_engine import AsyncEngine, QueueFullError
 from draftsmith.serve.detokenizer import IncrementalText
 from draftsmith.serve.openai_protocol import (
@@ -73,13 +73,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        message = format_validation_error(exc, skip_loc=("body",))
         if first.get("type") == "json_invalid":
             message, param = "request body is not valid JSON", None
         metrics.request_failure.labels(served_model_name, "400").inc()
-        return _error(400, f"{param}: {message}" if param else message, param)
+        return _error(400, message, param)
 
     @app.exception_handler(APIError)
     async def on_api_error(_request: Request, exc: APIError):

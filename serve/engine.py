@@ -105,6 +105,7 @@ class LLMEngine:
         if request.status is Status.WAITING:
             self.waiting.remove(request)
         request.finish("abort")
+        self.stop_checker.finalize_text(request)  # also drops its incremental decoder
         self._release(request)
 
     def has_unfinished_requests(self) -> bool:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from draftsmith.serve.request import Request
+from draftsmith.serve.detokenizer import IncrementalDecoder, decode_all
+from draftsmith.serve.request import Request, Status
 
 
 class StopChecker:
-    """Applies EOS, stop token ids, stop strings, max_tokens and the context limit, token by token."""
+    """Applies EOS, stop token ids, stop strings, max_tokens and the context limit, token by token.
+
+    For a request with stop strings, `request.text` is kept current by decoding only the new tokens; the
+    per-request decoders live here, keyed by request id, until `finalize_text`.
+    """
 
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self._decoders: dict[str, tuple[Request, IncrementalDecoder]] = {}
 
     def append(self, request: Request, tokens: list[int]) -> int:
         """Appends tokens until one finishes the request; returns how many were kept."""
@@ -37,11 +43,14 @@ class StopChecker:
         return len(tokens)
 
     def _hit_stop_string(self, request: Request) -> bool:
-        # Re-decoding the whole output keeps multi-byte characters right; outputs here are short enough.
+        decoder = self._decoder(request)
+        piece = decoder.extend(request.output_token_ids[decoder.num_tokens :])
+        if not piece:
+            return False
         previous = len(request.text)
-        request.text = self.decode(request.output_token_ids)
-        longest = max(len(s) for s in request.params.stop)
-        search_from = max(0, previous - longest + 1)
+        request.text += piece
+        # A stop string may have started up to len - 1 characters before the new piece.
+        search_from = max(0, previous - max(len(s) for s in request.params.stop) + 1)
         hits = [(i, s) for s in request.params.stop if (i := request.text.find(s, search_from)) >= 0]
         if hits:
             position, request.stop_reason = min(hits)
@@ -49,9 +58,20 @@ class StopChecker:
             return True
         return False
 
+    def _decoder(self, request: Request) -> IncrementalDecoder:
+        entry = self._decoders.get(request.request_id)
+        if entry is None or entry[0] is not request:
+            # Aborted requests never reach finalize_text; drop their decoders whenever a new one starts.
+            for request_id in [k for k, (r, _) in self._decoders.items() if r.status is Status.FINISHED]:
+                del self._decoders[request_id]
+            entry = self._decoders[request.request_id] = (request, IncrementalDecoder(self.tokenizer))
+        return entry[1]
+
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return decode_all(self.tokenizer, token_ids)
 
     def finalize_text(self, request: Request) -> None:
+        """Sets the final text of a finished request (one decode of the whole output) and drops its decoder."""
+        self._decoders.pop(request.request_id, None)
         if not isinstance(request.stop_reason, str):  # a stop string already cut the text
             request.text = self.decode(request.output_token_ids)

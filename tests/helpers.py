@@ -83,9 +83,10 @@ def tiny_recipe(target: Path, data: Path, output: Path, head_type: str = "eagle3
         "model": {"target": str(target), "head_type": head_type},
         "data": {"train_files": [str(data)], "format": "text", "max_length": 64, "eval_fraction": 0.1},
         "training": {"output_dir": str(output), "epochs": 1, "batch_size": 4, "learning_rate": 3e-3,
-                     "warmup_ratio": 0.0, "ttt_length": 3, "save_every_steps": 1000, "log_every_steps": 1,
+                     "warmup_ratio": 0.0, "save_every_steps": 1000, "log_every_steps": 1,
                      "eval_max_k": 4, **training},
     }
     if head_type == "eagle3":
         recipe["model"].update(aux_layer_ids=[1, 2, 3], draft_vocab_size=512)
+        recipe["training"].setdefault("ttt_length", 3)
     return recipe

@@ -1,20 +1,20 @@
 """Training recipes: YAML validated by pydantic (`extra="forbid"`), with `section.key=value` overrides.
 
-The `model:` section belongs to the method that trains the head (`model.head_type`): each trainable
-method declares its own section, so method-specific keys (EAGLE-3's `draft_vocab_size`) are valid exactly
-where they apply."""
+The `model:` and `training:` sections belong to the method that trains the head (`model.head_type`): each
+trainable method declares its own, so method-specific keys (EAGLE-3's `draft_vocab_size` and `ttt_length`,
+EAGLE's `noise_std`) are valid exactly where they apply."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, create_model
 
 from draftsmith.errors import DraftsmithError, format_validation_error
-from draftsmith.methods import METHODS, RecipeModelSection, trainable
-from draftsmith.methods.registry import registry_version, unknown_method_message
+from draftsmith.methods import METHODS, RecipeModelSection, RecipeTrainingSection, trainable
+from draftsmith.methods.registry import unknown_method_message
 
 
 class _Section(BaseModel):
@@ -33,49 +33,26 @@ class DataSection(_Section):
     hidden_states_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
 
-class TrainingSection(_Section):
-    output_dir: str
-    epochs: int = Field(default=1, gt=0)
-    max_steps: int | None = Field(default=None, gt=0, description="optimizer steps; stops early when reached")
-    batch_size: int = Field(default=4, gt=0, description="per process")
-    gradient_accumulation_steps: int = Field(default=1, gt=0)
-    learning_rate: float = Field(default=1e-4, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    warmup_ratio: float = Field(default=0.015, ge=0, lt=1)
-    max_grad_norm: float = Field(default=0.5, gt=0)
-    mixed_precision: Literal["no", "bf16"] = "no"
-    ttt_length: int = Field(default=7, gt=0, description="EAGLE-3 training-time-test steps")
-    ttt_step_decay: float = Field(default=0.8, gt=0)
-    noise_std: float = Field(default=0.2, ge=0, description="EAGLE: uniform feature noise scale")
-    feature_loss_weight: float = Field(default=1.0, ge=0)
-    token_loss_weight: float = Field(default=0.1, ge=0)
-    eval_max_k: int = Field(default=8, gt=0, description="simulated acceptance reported for k = 1..eval_max_k")
-    save_every_steps: int = Field(default=200, gt=0)
-    keep_checkpoints: int = Field(default=2, gt=0)
-    log_every_steps: int = Field(default=10, gt=0)
-    seed: int = 0
-    num_workers: int = Field(default=0, ge=0)
-
-
 class Recipe(_Section):
-    # `model` is one trainable method's section (its `head_type` picks which); see `recipe_schema`.
+    # `model` and `training` are the sections of the method that trains the head (`model.head_type`
+    # picks it; see `recipe_schema`), so each method's keys are valid exactly in its own recipes.
     model: SerializeAsAny[RecipeModelSection]
     data: DataSection
-    training: TrainingSection
+    training: SerializeAsAny[RecipeTrainingSection]
 
 
-_schema: tuple[int, type[Recipe]] | None = None
+_schemas: dict[str, tuple[type, type[Recipe]]] = {}
 
 
-def recipe_schema() -> type[Recipe]:
-    """`Recipe` whose `model` section is the union of the trainable methods' sections, discriminated by
-    `head_type`; rebuilt when a method registers."""
-    global _schema
-    if _schema is None or _schema[0] != registry_version():
-        sections = tuple(m.recipe_section for m in METHODS.values() if trainable(m))
-        union = Annotated[Union[sections], Field(discriminator="head_type")] if len(sections) > 1 else sections[0]  # noqa: UP007
-        _schema = (registry_version(), create_model("Recipe", __base__=Recipe, model=(union, ...)))
-    return _schema[1]
+def recipe_schema(head_type: str) -> type[Recipe]:
+    """`Recipe` with the `model` and `training` sections of the method registered for `head_type`."""
+    method = METHODS[head_type]
+    cached = _schemas.get(head_type)
+    if cached is None or cached[0] is not method:  # a method re-registered under the name gets a new schema
+        schema = create_model(f"Recipe_{head_type}", __base__=Recipe, model=(method.recipe_section, ...),
+                              training=(method.training_section, ...))
+        _schemas[head_type] = cached = (method, schema)
+    return cached[1]
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -107,11 +84,11 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 
 def validate_recipe(data: dict[str, Any], where: str = "recipe") -> Recipe:
-    head_type = (data.get("model") or {}).get("head_type") if isinstance(data.get("model"), dict) else None
-    if head_type is not None and (head_type not in METHODS or not trainable(METHODS[head_type])):
+    head_type = data["model"].get("head_type") if isinstance(data.get("model"), dict) else None
+    if isinstance(head_type, str) and (head_type not in METHODS or not trainable(METHODS[head_type])):
         raise DraftsmithError(f"recipe {where}: model.head_type: {unknown_method_message(head_type, 'trained')}")
     try:
-        return recipe_schema()(**data)
+        return (recipe_schema(head_type) if isinstance(head_type, str) else Recipe)(**data)
     except ValidationError as exc:
         raise DraftsmithError(f"recipe {where}: {format_validation_error(exc)}") from None
 

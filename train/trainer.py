@@ -33,7 +33,7 @@ from draftsmith.models.loader import load_target
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.train.capture import CapturedDataset
 from draftsmith.train.data import check_tokenizer, collate, tokenize_dataset
-from draftsmith.train.objectives import acceptance_report, simulated_acceptance, target_features
+from draftsmith.train.objectives import acceptance_report, target_features
 from draftsmith.train.recipe import Recipe, dump_recipe
 
 
@@ -50,10 +50,11 @@ class HeadWithObjective(nn.Module):
     eval's simulated-acceptance (counts [k], chain starts) instead. Both go through the wrapper's forward,
     the only place where FSDP and ZeRO-3 have gathered the sharded head parameters."""
 
-    def __init__(self, head, target, objective, cfg, feature_dtype):
+    def __init__(self, head, target, objective, cfg, feature_dtype, acceptance_eval=None):
         super().__init__()
         self.head = head
         self.objective = objective
+        self.acceptance_eval = acceptance_eval
         self._target = [target]  # frozen, not a submodule
         self.cfg = cfg
         self.feature_dtype = feature_dtype
@@ -66,7 +67,7 @@ class HeadWithObjective(nn.Module):
     def forward(self, batch, acceptance_depth: int = 0):
         feats = self.features(batch)
         if acceptance_depth:
-            return simulated_acceptance(self.head, self._target[0], batch, feats, acceptance_depth)
+            return self.acceptance_eval(self.head, self._target[0], batch, feats, acceptance_depth)
         return self.objective(self.head, self._target[0], batch, feats, self.cfg)
 
 
@@ -201,13 +202,14 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     if len(train_ds) == 0:
         raise DraftsmithError("no training samples left after tokenization and filtering")
     head = build_head(recipe, target, train_ds if not recipe.data.hidden_states_dir else _token_view(train_ds))
-    objective = resolve_method(recipe.model.head_type).objective()
-    trainee = HeadWithObjective(head, target, objective, t, DTYPES[recipe.data.hidden_states_dtype])
+    method = resolve_method(recipe.model.head_type)
+    trainee = HeadWithObjective(head, target, method.objective(), t, DTYPES[recipe.data.hidden_states_dtype],
+                                method.acceptance_eval())
     pad = tokenizer.pad_token_id or 0
     train_loader = torch.utils.data.DataLoader(train_ds, batch_size=t.batch_size, shuffle=True,
                                                collate_fn=lambda r: collate(r, pad), num_workers=t.num_workers)
     eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=t.batch_size, collate_fn=lambda r: collate(r, pad)) \
-        if eval_ds is not None and len(eval_ds) else None
+        if eval_ds is not None and len(eval_ds) and trainee.acceptance_eval is not None else None
     num_parameters = sum(p.numel() for p in head.parameters())  # before prepare shards them
     optimizer = torch.optim.AdamW(head.parameters(), lr=t.learning_rate, betas=(0.9, 0.95), weight_decay=t.weight_decay)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)

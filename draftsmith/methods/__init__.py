@@ -8,13 +8,12 @@ Head modules and native configs stay in `draftsmith.models` (model code lives on
 serving); a method points at them. Adding a method is adding a folder and one import line below.
 """
 
-# Importing a built-in method registers it (explicit, in one place: no import-time scanning).
-from draftsmith.methods import eagle, eagle3, medusa, mlp_speculator, mtp, ngram  # noqa: E402, F401, I001
 from draftsmith.methods.base import (
     DraftBatch,
     MethodNeeds,
     Proposer,
     RecipeModelSection,
+    RecipeTrainingSection,
     SpecMethod,
     SpeculativeConfig,
 )
@@ -30,6 +29,10 @@ from draftsmith.methods.registry import (
     unregister_method,
 )
 
-__all__ = ["METHODS", "DraftBatch", "MethodNeeds", "Proposer", "RecipeModelSection", "SpecMethod",
-           "SpeculativeConfig", "head_method", "load_head", "method_names", "read_head_config", "register_method",
-           "resolve_method", "servable", "trainable", "unregister_method"]
+# isort: split
+# Importing a built-in method registers it (explicit, in one place: no import-time scanning).
+from draftsmith.methods import eagle, eagle3, medusa, mlp_speculator, mtp, ngram  # noqa: F401
+
+__all__ = ["METHODS", "DraftBatch", "MethodNeeds", "Proposer", "RecipeModelSection", "RecipeTrainingSection",
+           "SpecMethod", "SpeculativeConfig", "head_method", "load_head", "method_names", "read_head_config",
+           "register_method", "resolve_method", "servable", "trainable", "unregister_method"]

@@ -92,6 +92,30 @@ class RecipeModelSection(BaseModel):
     init_from: str | None = Field(default=None, description="start from this saved head instead of random")
 
 
+class RecipeTrainingSection(BaseModel):
+    """The `training:` section of a recipe: what every method's training shares. A method with knobs of its
+    own (loss weights, unroll depth) subclasses it as its `training_section`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str
+    epochs: int = Field(default=1, gt=0)
+    max_steps: int | None = Field(default=None, gt=0, description="optimizer steps; stops early when reached")
+    batch_size: int = Field(default=4, gt=0, description="per process")
+    gradient_accumulation_steps: int = Field(default=1, gt=0)
+    learning_rate: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_ratio: float = Field(default=0.015, ge=0, lt=1)
+    max_grad_norm: float = Field(default=0.5, gt=0)
+    mixed_precision: Literal["no", "bf16"] = "no"
+    eval_max_k: int = Field(default=8, gt=0, description="simulated acceptance reported for k = 1..eval_max_k")
+    save_every_steps: int = Field(default=200, gt=0)
+    keep_checkpoints: int = Field(default=2, gt=0)
+    log_every_steps: int = Field(default=10, gt=0)
+    seed: int = 0
+    num_workers: int = Field(default=0, ge=0)
+
+
 @dataclass
 class DraftBatch:
     """One step's drafts for B rows, as device tensors (usually views of a proposer's persistent buffers,
@@ -170,6 +194,7 @@ class SpecMethod:
     needs: ClassVar[MethodNeeds] = MethodNeeds()
     head_type: ClassVar[str | None] = None  # the native head format it serves/trains, if any
     recipe_section: ClassVar[type[RecipeModelSection] | None] = None  # set when the method trains a head
+    training_section: ClassVar[type[RecipeTrainingSection]] = RecipeTrainingSection
 
     @classmethod
     def head_config_class(cls) -> type | None:
@@ -189,6 +214,12 @@ class SpecMethod:
     @classmethod
     def objective(cls) -> Callable[..., Any] | None:
         """`objective(head, target, batch, features, training_cfg) -> (loss, logs)`, or None if untrainable."""
+        return None
+
+    @classmethod
+    def acceptance_eval(cls) -> Callable[..., Any] | None:
+        """`evaluate(head, target, batch, features, max_k) -> (accepted chains per depth [max_k], chain
+        starts)`: the trainer's per-epoch simulated acceptance, or None to skip it."""
         return None
 
     @classmethod

@@ -25,6 +25,7 @@ from draftsmith.methods import (
     MethodNeeds,
     Proposer,
     RecipeModelSection,
+    RecipeTrainingSection,
     SpecMethod,
     SpeculativeConfig,
     load_head,
@@ -70,6 +71,10 @@ class ToyRecipe(RecipeModelSection):
     smoothing: float = Field(default=0.0, ge=0)
 
 
+class ToyTraining(RecipeTrainingSection):
+    table_weight_decay: float = Field(default=0.0, ge=0)
+
+
 class ToyProposer(Proposer):
     def __init__(self, config, target, max_num_seqs, max_model_len):
         super().__init__(config, target, max_num_seqs, max_model_len)
@@ -111,6 +116,7 @@ class ToyMethod(SpecMethod):
     description = "bigram-table drafts (test-only)"
     section = ToyConfig
     recipe_section = ToyRecipe
+    training_section = ToyTraining
     needs = MethodNeeds(head=True, draft_probs=True)
     head_type = "toy_bigram"
 
@@ -200,14 +206,17 @@ def test_toy_config_keys_are_its_own(toy_head):
         parse_speculative_config({"method": "toy_bigram", "num_speculative_tokens": 2})
 
 
-def _recipe(head_type, **model):
+def _recipe(head_type, training=None, **model):
     return {"model": {"target": str(DEMO_MODEL), "head_type": head_type, **model},
-            "data": {"train_files": ["x.jsonl"]}, "training": {"output_dir": "out"}}
+            "data": {"train_files": ["x.jsonl"]}, "training": {"output_dir": "out", **(training or {})}}
 
 
 def test_recipe_validator_takes_the_toy_section(toy_head):
-    recipe = validate_recipe(_recipe("toy_bigram", smoothing=0.1))
+    recipe = validate_recipe(_recipe("toy_bigram", {"table_weight_decay": 0.5}, smoothing=0.1))
     assert recipe.model.smoothing == 0.1 and recipe.model.head_type == "toy_bigram"
+    assert recipe.training.table_weight_decay == 0.5
+    with pytest.raises(DraftsmithError, match="training.ttt_length"):  # EAGLE-3's training knob is not the toy's
+        validate_recipe(_recipe("toy_bigram", {"ttt_length": 3}))
     with pytest.raises(DraftsmithError, match="draft_vocab_size"):  # EAGLE-3's key is not the toy's
         validate_recipe(_recipe("toy_bigram", draft_vocab_size=512))
     with pytest.raises(DraftsmithError, match="smoothing"):  # and the toy's key is not EAGLE-3's

@@ -44,3 +44,19 @@ def test_overrides_and_errors(tmp_path):
         load_recipe(RECIPES[0], ["training.batch_size"])
     with pytest.raises(DraftsmithError, match="does not exist"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+def test_method_keys_are_valid_only_for_their_method():
+    """EAGLE-3's unroll depth and vocab size, EAGLE's feature noise: each method's own sections hold them."""
+    eagle3 = REPO / "recipes" / "eagle3-demo.yaml"
+    eagle = REPO / "recipes" / "eagle-house.yaml"
+    assert load_recipe(eagle3, ["training.ttt_length=3"]).training.ttt_length == 3
+    assert load_recipe(eagle, ["training.noise_std=0.1"]).training.noise_std == 0.1
+    with pytest.raises(DraftsmithError, match="training.ttt_length: Extra inputs are not permitted"):
+        load_recipe(eagle, ["training.ttt_length=3"])
+    with pytest.raises(DraftsmithError, match="training.noise_std: Extra inputs are not permitted"):
+        load_recipe(eagle3, ["training.noise_std=0.1"])
+    with pytest.raises(DraftsmithError, match="model.draft_vocab_size: Extra inputs are not permitted"):
+        load_recipe(eagle, ["model.draft_vocab_size=512"])
+    with pytest.raises(DraftsmithError, match="'medusa' is not available yet; available: eagle, eagle3"):
+        load_recipe(eagle, ["model.head_type=medusa"])

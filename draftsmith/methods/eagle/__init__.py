@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from draftsmith.methods.base import MethodNeeds, RecipeModelSection, SpecMethod, SpeculativeConfig
+from pydantic import Field
+
+from draftsmith.methods.base import (
+    MethodNeeds,
+    RecipeModelSection,
+    RecipeTrainingSection,
+    SpecMethod,
+    SpeculativeConfig,
+)
 from draftsmith.methods.registry import register_method
 from draftsmith.models.eagle import EagleHead
 from draftsmith.models.heads import DraftHeadConfig
@@ -20,6 +28,12 @@ class EagleConfig(SpeculativeConfig):
 
 class EagleRecipe(RecipeModelSection):
     head_type: Literal["eagle"]
+
+
+class EagleTraining(RecipeTrainingSection):
+    noise_std: float = Field(default=0.2, ge=0, description="uniform noise on the input features")
+    feature_loss_weight: float = Field(default=1.0, ge=0)
+    token_loss_weight: float = Field(default=0.1, ge=0)
 
 
 class EagleFamilyMethod(SpecMethod):
@@ -36,6 +50,12 @@ class EagleFamilyMethod(SpecMethod):
         from draftsmith.methods.eagle.proposer import EagleFamilyProposer
 
         return EagleFamilyProposer
+
+    @classmethod
+    def acceptance_eval(cls):
+        from draftsmith.train.objectives import simulated_acceptance
+
+        return simulated_acceptance
 
     @classmethod
     def new_head_config(cls, section: RecipeModelSection, target, aux_layer_ids: tuple[int, ...]) -> DraftHeadConfig:
@@ -60,6 +80,7 @@ class EagleMethod(EagleFamilyMethod):
     description = "EAGLE-1/2 head over the target's last hidden state"
     section = EagleConfig
     recipe_section = EagleRecipe
+    training_section = EagleTraining
     head_type = "eagle"
 
     @classmethod

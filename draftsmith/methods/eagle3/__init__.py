@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from draftsmith.methods.base import RecipeModelSection, SpeculativeConfig
+from draftsmith.methods.base import RecipeModelSection, RecipeTrainingSection, SpeculativeConfig
 from draftsmith.methods.eagle import EagleFamilyMethod
 from draftsmith.methods.registry import register_method
 from draftsmith.models.eagle3 import Eagle3Head
@@ -22,12 +22,18 @@ class Eagle3Recipe(RecipeModelSection):
     draft_vocab_size: int | None = Field(default=None, gt=0, description="default: the target's vocab")
 
 
+class Eagle3Training(RecipeTrainingSection):
+    ttt_length: int = Field(default=7, gt=0, description="training-time-test steps unrolled per batch")
+    ttt_step_decay: float = Field(default=0.8, gt=0, description="loss weight of step s is decay**s")
+
+
 @register_method
 class Eagle3Method(EagleFamilyMethod):
     name = "eagle3"
     description = "EAGLE-3 head fusing three target layers, with a reduced draft vocabulary"
     section = Eagle3Config
     recipe_section = Eagle3Recipe
+    training_section = Eagle3Training
     head_type = "eagle3"
 
     @classmethod

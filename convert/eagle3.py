@@ -1,6 +1,6 @@
 """EAGLE-3 heads with yuhuili's key names (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`): yuhuili's own
-`pytorch_model.bin`, SpecForge's `model.safetensors`, and what vLLM's and SGLang's llama_eagle3 load
-. draftsmith's native EAGLE-3 layout uses the same names.
+`pytorch_model.bin`, SpecForge's `model.safetensors`, and what vLLM's and SGLang's llama_eagle3 load.
+draftsmith's native EAGLE-3 layout uses the same names.
 
 Fused target layers are kept internally as HF `hidden_states` indices (hs[k] = input of layer k). Sources
 say them three ways, told apart by where they sit in the config:

@@ -77,7 +77,7 @@ def load_formats() -> dict[str, SourceFormat]:
 
     importlib.import_module("draftsmith.convert.native")
     for method in METHODS.values():
-        for module in method.converter_modules():
+        for module in method.converters:
             importlib.import_module(module)
     return SOURCES
 

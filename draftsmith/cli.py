@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 
 from draftsmith import __version__
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.dtypes import DTYPES
-
-DEFAULT_BENCH_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -50,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     # registering (these imports cost what torch costs; every subcommand needs torch anyway).
     from draftsmith.convert.registry import OUTPUTS, load_formats
     from draftsmith.methods import method_names, servable, trainable
+    from draftsmith.methods.ngram import CODE_DEFAULTS
 
     served, trained, sources = method_names(servable), method_names(trainable), list(load_formats())
     parser = OneLineErrorParser(prog="draftsmith", description=(
@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-prompts", type=_positive_int, default=8)
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
     bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    bench.add_argument("--speculative-config", default=DEFAULT_BENCH_SPEC,
-                       help="n-gram speculation to compare against no speculation ('' to skip); default: %(default)s")
+    bench.add_argument("--speculative-config", default=json.dumps(CODE_DEFAULTS),
+                       help="speculation to compare against no speculation, besides the shipped heads ('' to skip); "
+                       "default: %(default)s")
     bench.add_argument("--head-k", "--eagle-k", dest="head_k", type=_positive_int, default=5,
                        help="draft tokens for the shipped heads (assets/MODEL-HEADTYPE, e.g. demo-code-7m-eagle3)")
     bench.add_argument("--json", default=None, help="also write the results here")
@@ -176,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--concurrency", type=_positive_int, default=8)
     load.add_argument("--num-requests", type=_positive_int, default=32)
     load.add_argument("--max-tokens", type=_positive_int, default=64)
-    load.add_argument("--speculative-config", default=DEFAULT_BENCH_SPEC)
+    load.add_argument("--speculative-config", default=json.dumps(CODE_DEFAULTS))
     load.set_defaults(handler="draftsmith.serve.load_bench:run")
 
     demo = sub.add_parser("demo", help="serve the embedded demo model with its shipped EAGLE-3 head and query it",

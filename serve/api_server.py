@@ -74,7 +74,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def on_validation_error(_request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
         param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        message = format_validation_error(exc, skip_loc=("body",))
+        message = format_validation_error(exc, skip_loc=("body",), whole="")
         if first.get("type") == "json_invalid":
             message, param = "request body is not valid JSON", None
         metrics.request_failure.labels(served_model_name, "400").inc()

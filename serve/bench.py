@@ -66,7 +66,8 @@ def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dic
         config = json.loads(spec_config)
         methods[config.get("method", "?")] = config
     for name, head in shipped_heads(model_name).items():
-        methods[name] = {"method": name, "model": str(head), "num_speculative_tokens": k}
+        if name not in methods:  # the user's own config for a method wins over the shipped head
+            methods[name] = {"method": name, "model": str(head), "num_speculative_tokens": k}
     return methods
 
 

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import method_names, resolve_method, servable
+from draftsmith.methods.ngram import CODE_DEFAULTS
 from draftsmith.serve.serve_cli import free_port
 
 DEMO_PROMPTS = [
@@ -26,7 +27,6 @@ DEMO_PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self.it",
     "def read_json(path):\n    with open(path) as f:\n        return json.lo",
 ]
-NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 ASSETS = Path(__file__).resolve().parents[1] / "assets"  # an editable install keeps the package beside it
 
 
@@ -40,7 +40,7 @@ def demo_speculation(model: Path) -> dict:
         head = model.parent / f"{model.name}-{resolve_method(name).head_type}"
         if head.is_dir():
             return {"method": name, "model": str(head), "num_speculative_tokens": 5}
-    return NGRAM_SPEC
+    return dict(CODE_DEFAULTS)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:

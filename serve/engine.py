@@ -4,7 +4,8 @@ Each `step()` (1) gives free cache slots to waiting requests, (2) runs one chunk
 for requests still reading their prompt and samples the first token of those that finish it, and
 (3) runs one decode forward for every request already generating. Requests finish independently and free
 their slot at once, so queued ones join on the next step. The only device-to-host copy per forward is
-the sampled token ids, which stop checks need anyway.
+the sampled token ids, which stop checks need anyway; a speculative step adds one before its forward, the
+draft counts, because the host sizes the verify batch from them.
 """
 
 from __future__ import annotations
@@ -66,8 +67,13 @@ class LLMEngine:
             logger.info("speculation: %s, k=%d, %s drafts, rejection sampler %s", spec_config.method,
                         spec_config.num_speculative_tokens, spec_config.draft_sample_method,
                         self.rejection_sampler.__name__)
-        # target layers the proposer reads (EAGLE: last, EAGLE-3: three); the proposer says, not the method
-        self.feature_layers = tuple(self.proposer.hidden_layer_ids) if self.proposer is not None else ()
+        # target layers the proposer reads (EAGLE: last, EAGLE-3: three): the method declares that it reads
+        # some, its proposer (from the loaded head) says which
+        self.feature_layers: tuple[int, ...] = ()
+        if self.proposer is not None and method.needs.hidden_states:
+            self.feature_layers = tuple(self.proposer.hidden_layer_ids)
+        elif self.proposer is not None and self.proposer.hidden_layer_ids:
+            raise ValueError(f"{method.__name__} reads target layers but does not declare needs.hidden_states")
         logger.info("KV cache: %d slots x %d tokens, %.1f MiB (%s)", config.max_num_seqs, config.max_model_len,
                     self.cache.nbytes / 2**20, self.cache.k[0].dtype)
 
@@ -209,8 +215,9 @@ class LLMEngine:
         with torch.inference_mode():
             tokens, counts = verify(out.logits, drafts, num_draft, sampling, self.rejection_sampler,
                                     self.spec_config.synthetic_acceptance_rate)
-        tokens, counts = tokens.tolist(), counts.tolist()  # the step's one device-to-host copy
-        kept = [row[:n] for row, n in zip(tokens, counts)]
+        packed = torch.cat([tokens, counts[:, None]], dim=1).tolist()  # one device-to-host copy for both
+        counts = [row[-1] for row in packed]
+        kept = [row[:n] for row, n in zip(packed, counts)]
         starts = [r.num_tokens - 1 for r in rows]
         self._observe_features(rows, starts, counts, out)  # last token + accepted drafts
         for request, n_draft, new_tokens in zip(rows, num_draft, kept):

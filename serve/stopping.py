@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from draftsmith.serve.detokenizer import IncrementalDecoder, decode_all
-from draftsmith.serve.request import Request, Status
+from draftsmith.serve.request import Request
 
 
 class StopChecker:
@@ -60,10 +60,7 @@ class StopChecker:
 
     def _decoder(self, request: Request) -> IncrementalDecoder:
         entry = self._decoders.get(request.request_id)
-        if entry is None or entry[0] is not request:
-            # Aborted requests never reach finalize_text; drop their decoders whenever a new one starts.
-            for request_id in [k for k, (r, _) in self._decoders.items() if r.status is Status.FINISHED]:
-                del self._decoders[request_id]
+        if entry is None or entry[0] is not request:  # finished and aborted requests drop theirs in finalize_text
             entry = self._decoders[request.request_id] = (request, IncrementalDecoder(self.tokenizer))
         return entry[1]
 

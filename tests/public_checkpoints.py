@@ -1,5 +1,5 @@
-"""Tiny checkpoints in the exact public layouts of docs/formats.md (key names, shapes, file types, config
-keys), random values, sized to the demo model (hidden 256, 6 layers, vocab 8192) so converted heads can
+"""Tiny checkpoints in the exact public layouts (key names, shapes, file types, config keys) as the shared
+format notes describe them (../shared/docs/formats.md in CI), random values, sized to the demo model (hidden 256, 6 layers, vocab 8192) so converted heads can
 decode against it. Built here from the format description, never through draftsmith's own exporters.
 """
 

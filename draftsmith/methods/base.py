@@ -27,7 +27,12 @@ from draftsmith.errors import DraftsmithError
 
 @dataclass(frozen=True)
 class MethodNeeds:
-    """What a method asks of the engine. The engine reads these flags; it never branches on method names."""
+    """What a method declares about itself; the engine and config checks read these flags, never method names.
+
+    Read today: `hidden_states` (the engine hands the proposer target features), `draft_probs` (whether
+    draft_sample_method "probabilistic" is allowed), `head` ("model" required), `tree` (refused: the engine
+    verifies chains). `own_kv_cache` and `parallel` are declared for the scheduling and drafting work that
+    will use them; nothing reads them yet."""
 
     hidden_states: bool = False  # needs target features from every forward (EAGLE family, MTP)
     draft_probs: bool = False  # can sample its drafts and hand back q (draft_sample_method=probabilistic)
@@ -131,11 +136,6 @@ class DraftBatch:
     probs: torch.Tensor | None = None  # [B, K, V] q over the target vocab, for sampled drafts; None = one-hot
     parents: torch.Tensor | None = None  # [B, K] long, tree drafts only
 
-    @classmethod
-    def empty(cls, rows: int, device: torch.device | str = "cpu") -> DraftBatch:
-        return cls(torch.full((rows, 0), -1, dtype=torch.long, device=device),
-                   torch.zeros(rows, dtype=torch.long, device=device))
-
 
 class RowState(Protocol):
     """What a proposer may read of a running request (the engine's `Request` provides it)."""
@@ -164,7 +164,8 @@ class Proposer:
 
     def __init__(self, config: SpeculativeConfig, target, max_num_seqs: int, max_model_len: int):
         self.config = config
-        # set by the method from its section: HF hidden_states indices needed from the target's forwards
+        # HF hidden_states indices it needs from every target forward (a head-based proposer takes them from
+        # its loaded head); read only when its method declares needs.hidden_states
         self.hidden_layer_ids: tuple[int, ...] = ()
 
     def propose(self, rows: Sequence[RowState], max_drafts: list[int],
@@ -189,17 +190,14 @@ class SpecMethod:
     """A speculation method: subclass, set the class attributes, register with `@register_method`."""
 
     name: ClassVar[str] = ""
-    description: ClassVar[str] = ""
     section: ClassVar[type[SpeculativeConfig]]  # its --speculative-config section, `method: Literal[name]`
     needs: ClassVar[MethodNeeds] = MethodNeeds()
     head_type: ClassVar[str | None] = None  # the native head format it serves/trains, if any
     recipe_section: ClassVar[type[RecipeModelSection] | None] = None  # set when the method trains a head
     training_section: ClassVar[type[RecipeTrainingSection]] = RecipeTrainingSection
-
-    @classmethod
-    def head_config_class(cls) -> type | None:
-        """The `HeadConfig` subclass of its native head format, or None for head-less methods."""
-        return None
+    head_config: ClassVar[type | None] = None  # the `HeadConfig` subclass of its native head format
+    # modules that register its `draftsmith convert` formats and exporters, imported by `load_formats` only
+    converters: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def head_class(cls) -> type | None:
@@ -233,7 +231,3 @@ class SpecMethod:
         """HF hidden_states indices its head reads from a `num_layers` target, when a recipe names none."""
         raise DraftsmithError(f"method {cls.name!r} reads no target layers")
 
-    @classmethod
-    def converter_modules(cls) -> tuple[str, ...]:
-        """Modules that register its `draftsmith convert` formats and exporters (imported by convert)."""
-        return ()

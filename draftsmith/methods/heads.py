@@ -18,7 +18,7 @@ from draftsmith.models.heads import load_head_weights
 def read_head_config(data: dict[str, Any], where: str | Path = "") -> HeadConfig:
     """The typed config of a native `config.json` dict, dispatched on its `draftsmith_head_type`."""
     method = head_method(data.get(HEAD_TYPE_KEY), where)
-    return method.head_config_class().from_json(data)
+    return method.head_config.from_json(data)
 
 
 def load_head(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

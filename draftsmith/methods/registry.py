@@ -14,9 +14,9 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import SpecMethod
 
 METHODS: dict[str, type[SpecMethod]] = {}
-# Names vLLM's --speculative-config knows that no registered method implements yet: accepted as words,
-# refused with "not available yet" rather than "unknown", so a vLLM user sees it is planned, not a typo.
-VLLM_METHOD_NAMES = ("ngram", "suffix", "medusa", "mlp_speculator", "draft_model", "eagle", "eagle3", "dflash", "mtp")
+# Methods vLLM's --speculative-config knows that draftsmith has not registered yet: refused with "not
+# available yet" rather than "unknown", so a vLLM user sees it is planned, not a typo.
+PLANNED_METHODS = ("suffix", "draft_model", "dflash")
 
 _version = 0  # bumped on every registration, so schemas built from the registry know when to rebuild
 
@@ -32,6 +32,14 @@ def register_method(cls: type[SpecMethod]) -> type[SpecMethod]:
     section_method = cls.section.model_fields["method"].annotation
     if getattr(section_method, "__args__", None) != (name,):
         raise ValueError(f"{cls.__name__}.section must declare method: Literal[{name!r}]")
+    if cls.recipe_section is not None:
+        recipe_head = cls.recipe_section.model_fields["head_type"].annotation
+        if getattr(recipe_head, "__args__", None) != (name,):
+            raise ValueError(f"{cls.__name__}.recipe_section must declare head_type: Literal[{name!r}]")
+    # A native head's `draftsmith_head_type` names the method that runs it: one word for both, so a head
+    # directory, a recipe's head_type and a --speculative-config method always agree.
+    if cls.head_type not in (None, name):
+        raise ValueError(f"{cls.__name__}.head_type must be None or {name!r}, not {cls.head_type!r}")
     METHODS[name] = cls
     _version += 1
     return cls
@@ -57,7 +65,8 @@ def servable(method: type[SpecMethod]) -> bool:
 
 
 def trainable(method: type[SpecMethod]) -> bool:
-    return method.recipe_section is not None and method.objective() is not None
+    # declarative: asking for the objective would import training code into every process that lists methods
+    return method.recipe_section is not None
 
 
 def resolve_method(name: str) -> type[SpecMethod]:
@@ -69,16 +78,16 @@ def resolve_method(name: str) -> type[SpecMethod]:
 def unknown_method_message(name: str, role: str = "") -> str:
     """`name` is not registered (or cannot be `role`: "served", "trained"): say which methods can."""
     able = method_names(servable if role == "served" else trainable if role == "trained" else lambda m: True)
-    if name in METHODS or name in VLLM_METHOD_NAMES:
+    if name in METHODS or name in PLANNED_METHODS:
         return f"method {name!r} is not available yet; available: {', '.join(able)}"
     return f"method {name!r} is unknown; available: {', '.join(able)}"
 
 
 def head_method(head_type: str | None, where: str | Path = "") -> type[SpecMethod]:
     """The method whose native head format is `head_type` (the `draftsmith_head_type` of a config.json)."""
-    for method in METHODS.values():
-        if method.head_type is not None and method.head_type == head_type:
-            return method
+    method = METHODS.get(head_type) if isinstance(head_type, str) else None
+    if method is not None and method.head_type is not None:
+        return method
     known = sorted(m.head_type for m in METHODS.values() if m.head_type)
     prefix = f"{where}: " if where else ""
     raise DraftsmithError(f"{prefix}draftsmith_head_type {head_type!r} is not one of {known} "

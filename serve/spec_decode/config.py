@@ -29,9 +29,12 @@ def speculative_config_schema() -> TypeAdapter:
 
 
 def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
-    """Accepts a config, a dict or a JSON string; a user mistake becomes one `DraftsmithError`."""
-    if value is None or isinstance(value, SpeculativeConfig):
-        return value
+    """Accepts a config, a dict or a JSON string; a user mistake becomes one `DraftsmithError`. A config object
+    goes through the same checks (its method's own section, the method's needs) as the JSON would."""
+    if value is None:
+        return None
+    if isinstance(value, SpeculativeConfig):
+        value = value.model_dump()
     if isinstance(value, str):
         try:
             value = json.loads(value)

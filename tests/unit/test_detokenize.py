@@ -143,11 +143,13 @@ def test_stop_string_in_a_multi_token_step(tokenizer, fast):
 
 def test_finished_requests_drop_their_decoders(tokenizer):
     checker = StopChecker(tokenizer, eos_token_ids={EOS}, max_model_len=10_000)
-    aborted = _request(stop=["z"])
-    checker.append(aborted, _ids(tokenizer, "abc"))
-    aborted.finish("abort")  # the engine aborts without finalize_text
+    first = _request(stop=["z"])
+    checker.append(first, _ids(tokenizer, "abc"))
     other = Request("other", [1], SamplingParams(stop=["z"]), torch.Generator())
     checker.append(other, _ids(tokenizer, "abc"))
+    assert sorted(checker._decoders) == ["other", "r"]
+    first.finish("abort")
+    checker.finalize_text(first)  # what LLMEngine.abort_request and every finished step do
     assert list(checker._decoders) == ["other"]
     other.finish("stop")
     checker.finalize_text(other)

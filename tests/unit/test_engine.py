@@ -97,9 +97,12 @@ def test_bad_prompts_are_rejected_before_anything_runs(demo_llm):
 
 def test_abort_frees_the_slot(demo_llm):
     engine = demo_llm.engine
-    request = engine.add_request(demo_llm.encode(PROMPTS[0])[1], SamplingParams(temperature=0, max_tokens=50))
+    params = SamplingParams(temperature=0, max_tokens=50, stop=["zzz"])  # stop strings keep a decoder per request
+    request = engine.add_request(demo_llm.encode(PROMPTS[0])[1], params)
     engine.step()
-    assert request.slot not in engine.free_slots
+    engine.step()
+    assert request.slot not in engine.free_slots and request.request_id in engine.stop_checker._decoders
     engine.abort_request(request.request_id)
     assert request.finish_reason == "abort" and not engine.has_unfinished_requests()
+    assert request.request_id not in engine.stop_checker._decoders
     assert sorted(engine.free_slots) == list(range(engine.config.max_num_seqs))

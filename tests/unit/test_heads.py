@@ -5,9 +5,9 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head, resolve_method
+from draftsmith.methods.eagle.training import unroll
 from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.train.objectives import unroll
 from helpers import DEMO_MODEL
 
 AUX = {"eagle": (6,), "eagle3": (1, 3, 5)}

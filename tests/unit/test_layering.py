@@ -137,3 +137,25 @@ def test_training_and_conversion_run_without_loading_serving_code():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _layer(module: str) -> str:
+    """Foundation (errors, corpus) < models < methods < train, convert, serve < entry points (the CLI)."""
+    if module in ("draftsmith.cli", "draftsmith.__main__"):
+        return "entry"
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ("models", "methods", "train", "convert", "serve"):
+        return parts[1]
+    return "foundation"
+
+
+def test_layers_form_no_cycle_and_methods_depend_only_on_models():
+    graph = _import_graph()
+    layers: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        layers.setdefault(_layer(name), set()).update(_layer(t) for t in targets if _layer(t) != _layer(name))
+    for layer in ("foundation", "models", "methods", "train", "convert", "serve", "entry"):
+        layers.setdefault(layer, set())
+    assert _cycles(layers) == []
+    assert layers["models"] <= {"foundation"}
+    assert layers["methods"] <= {"foundation", "models"}  # a method's folder never imports the engine or trainer

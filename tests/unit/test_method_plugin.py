@@ -113,16 +113,12 @@ def config_vocab(head) -> int:
 
 class ToyMethod(SpecMethod):
     name = "toy_bigram"
-    description = "bigram-table drafts (test-only)"
     section = ToyConfig
     recipe_section = ToyRecipe
     training_section = ToyTraining
     needs = MethodNeeds(head=True, draft_probs=True)
     head_type = "toy_bigram"
-
-    @classmethod
-    def head_config_class(cls):
-        return BigramHeadConfig
+    head_config = BigramHeadConfig
 
     @classmethod
     def head_class(cls):
@@ -235,4 +231,26 @@ def test_unregistered_toy_is_gone_everywhere(toy_head):
         with pytest.raises(DraftsmithError, match="draftsmith_head_type 'toy_bigram' is not one of"):
             load_head(toy_head)
     finally:
+        register_method(ToyMethod)
+
+
+def test_registration_refuses_inconsistent_methods(toy_head):  # the toy is registered
+    class Misnamed(ToyMethod):
+        name = "toy_other"  # its section still says method "toy_bigram"
+
+    with pytest.raises(ValueError, match="Literal\\['toy_other'\\]"):
+        register_method(Misnamed)
+
+    class OtherConfig(SpeculativeConfig):
+        method: Literal["toy_other"]
+
+    class WrongHead(ToyMethod):
+        name = "toy_other"
+        section = OtherConfig
+        recipe_section = None
+        head_type = "toy_bigram"  # a head type names the method that runs it
+
+    with pytest.raises(ValueError, match="head_type must be None or 'toy_other'"):
+        register_method(WrongHead)
+    with pytest.raises(ValueError, match="already registered"):
         register_method(ToyMethod)

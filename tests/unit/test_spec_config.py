@@ -47,3 +47,44 @@ def test_legacy_keywords_map_with_deprecation_warning():
     with pytest.raises(TypeError, match="speculative_modle"):
         LLM(DEMO_MODEL, speculative_modle="[ngram]")
     assert json.loads(config.model_dump_json())["method"] == "ngram"
+
+
+def test_config_objects_get_the_same_checks_as_json():
+    from draftsmith.methods import SpeculativeConfig
+    from draftsmith.methods.eagle import EagleConfig
+
+    ngram = parse_speculative_config(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    assert (type(ngram).__name__, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("NgramConfig", 5, 5)
+    with pytest.raises(DraftsmithError, match="needs \"model\""):
+        parse_speculative_config(EagleConfig(method="eagle", num_speculative_tokens=3))
+
+
+def test_bench_keeps_the_users_config_for_a_method_that_also_ships_a_head():
+    from draftsmith.serve.bench import speculation_methods
+
+    mine = {"method": "eagle3", "model": "/my/head", "num_speculative_tokens": 2}
+    methods = speculation_methods("demo-code-7m", json.dumps(mine), k=5)
+    assert methods["eagle3"] == mine  # not replaced by assets/demo-code-7m-eagle3
+    assert speculation_methods("demo-code-7m", "", k=5)["eagle3"]["num_speculative_tokens"] == 5
+
+
+def test_validation_errors_format_in_one_line():
+    from pydantic import BaseModel, ConfigDict, ValidationError
+
+    from draftsmith.errors import format_validation_error
+
+    class Body(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        n: int
+
+    try:
+        Body.model_validate([1])
+    except ValidationError as exc:
+        assert format_validation_error(exc).startswith("config: ")
+        assert not format_validation_error(exc, whole="").startswith(":")
+    try:
+        Body.model_validate({"n": "x", "m": 1})
+    except ValidationError as exc:
+        assert format_validation_error(exc, ["n"]) == (
+            "n: Input should be a valid integer, unable to parse string as an integer; "
+            "m: Extra inputs are not permitted (valid keys: n)")

@@ -4,8 +4,9 @@ import pytest
 
 from draftsmith.corpus import to_messages
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods.eagle3.vocab import draft_vocab_from_frequencies
 from draftsmith.models.tokenizer import load_tokenizer
-from draftsmith.train.data import check_tokenizer, draft_vocab_from_frequencies, tokenize_chat
+from draftsmith.train.data import check_tokenizer, tokenize_chat
 from helpers import DEMO_MODEL
 
 

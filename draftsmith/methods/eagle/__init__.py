@@ -40,10 +40,7 @@ class EagleFamilyMethod(SpecMethod):
     """What EAGLE and EAGLE-3 share: a `DraftHeadConfig` head attached to its target."""
 
     needs = EAGLE_FAMILY_NEEDS
-
-    @classmethod
-    def head_config_class(cls):
-        return DraftHeadConfig
+    head_config = DraftHeadConfig
 
     @classmethod
     def proposer_class(cls):
@@ -53,7 +50,7 @@ class EagleFamilyMethod(SpecMethod):
 
     @classmethod
     def acceptance_eval(cls):
-        from draftsmith.train.objectives import simulated_acceptance
+        from draftsmith.methods.eagle.training import simulated_acceptance
 
         return simulated_acceptance
 
@@ -77,11 +74,11 @@ class EagleFamilyMethod(SpecMethod):
 @register_method
 class EagleMethod(EagleFamilyMethod):
     name = "eagle"
-    description = "EAGLE-1/2 head over the target's last hidden state"
     section = EagleConfig
     recipe_section = EagleRecipe
     training_section = EagleTraining
     head_type = "eagle"
+    converters = ("draftsmith.convert.eagle", "draftsmith.convert.speculators")
 
     @classmethod
     def head_class(cls):
@@ -96,7 +93,3 @@ class EagleMethod(EagleFamilyMethod):
     @classmethod
     def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
         return (num_layers,)  # the final normed hidden state, which the target's LM head reads
-
-    @classmethod
-    def converter_modules(cls) -> tuple[str, ...]:
-        return ("draftsmith.convert.eagle", "draftsmith.convert.speculators")

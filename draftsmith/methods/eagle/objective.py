@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.train.objectives import soft_ce, top1_agreement
+from draftsmith.methods.eagle.training import soft_ce, top1_agreement
 
 
 def eagle_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict[str, float]]:

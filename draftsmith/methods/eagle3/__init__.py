@@ -30,11 +30,11 @@ class Eagle3Training(RecipeTrainingSection):
 @register_method
 class Eagle3Method(EagleFamilyMethod):
     name = "eagle3"
-    description = "EAGLE-3 head fusing three target layers, with a reduced draft vocabulary"
     section = Eagle3Config
     recipe_section = Eagle3Recipe
     training_section = Eagle3Training
     head_type = "eagle3"
+    converters = ("draftsmith.convert.eagle3", "draftsmith.convert.speculators")
 
     @classmethod
     def head_class(cls):
@@ -56,13 +56,9 @@ class Eagle3Method(EagleFamilyMethod):
 
     @classmethod
     def build_head(cls, section, target, aux_layer_ids, token_records):
-        from draftsmith.train.data import draft_vocab_from_frequencies
+        from draftsmith.methods.eagle3.vocab import draft_vocab_from_frequencies
 
         head = super().build_head(section, target, aux_layer_ids, token_records)
         c = head.config
         head.init_draft_vocab(draft_vocab_from_frequencies(token_records, c.vocab_size, c.draft_vocab_size))
         return head
-
-    @classmethod
-    def converter_modules(cls) -> tuple[str, ...]:
-        return ("draftsmith.convert.eagle3", "draftsmith.convert.speculators")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.train.objectives import shift, soft_ce, top1_agreement, unroll
+from draftsmith.methods.eagle.training import shift, soft_ce, top1_agreement, unroll
 
 
 def eagle3_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict[str, float]]:

@@ -19,15 +19,8 @@ class MedusaSpecConfig(SpeculativeConfig):
 @register_method
 class MedusaMethod(SpecMethod):
     name = "medusa"
-    description = "Medusa: parallel ResBlock heads over the target's last hidden state"
     section = MedusaSpecConfig
     needs = MethodNeeds(hidden_states=True, head=True)
     head_type = "medusa"
-
-    @classmethod
-    def head_config_class(cls):
-        return MedusaConfig
-
-    @classmethod
-    def converter_modules(cls) -> tuple[str, ...]:
-        return ("draftsmith.convert.medusa",)
+    head_config = MedusaConfig
+    converters = ("draftsmith.convert.medusa",)

@@ -19,15 +19,8 @@ class MLPSpeculatorSpecConfig(SpeculativeConfig):
 @register_method
 class MLPSpeculatorMethod(SpecMethod):
     name = "mlp_speculator"
-    description = "IBM/fms MLP speculator: n_predict MLP stages over the target's last hidden state"
     section = MLPSpeculatorSpecConfig
     needs = MethodNeeds(hidden_states=True, head=True)
     head_type = "mlp_speculator"
-
-    @classmethod
-    def head_config_class(cls):
-        return MLPSpeculatorConfig
-
-    @classmethod
-    def converter_modules(cls) -> tuple[str, ...]:
-        return ("draftsmith.convert.mlp_speculator",)
+    head_config = MLPSpeculatorConfig
+    converters = ("draftsmith.convert.mlp_speculator",)

@@ -19,15 +19,8 @@ class MTPSpecConfig(SpeculativeConfig):
 @register_method
 class MTPMethod(SpecMethod):
     name = "mtp"
-    description = "multi-token-prediction layers shipped inside the target checkpoint (DeepSeek-V3, Qwen3-Next, MiMo)"
     section = MTPSpecConfig
     needs = MethodNeeds(hidden_states=True, head=True)
     head_type = "mtp"
-
-    @classmethod
-    def head_config_class(cls):
-        return MTPConfig
-
-    @classmethod
-    def converter_modules(cls) -> tuple[str, ...]:
-        return ("draftsmith.convert.mtp",)
+    head_config = MTPConfig
+    converters = ("draftsmith.convert.mtp",)

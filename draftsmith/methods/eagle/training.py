@@ -1,0 +1,66 @@
+"""Training pieces the EAGLE family shares: the training-time-test unroll, the soft cross-entropy and top-1
+agreement the losses report, and the teacher-forced simulated acceptance the trainer's eval runs.
+
+Alignment: at position t the head reads the target feature at t and the token t+1, and predicts token
+t+2, whose target distribution is softmax(lm_head(final hidden at t+1)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.models.heads import DraftHead
+
+
+def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
+    """x[:, s:] left-aligned, padded with `fill` to the same width."""
+    if s == 0:
+        return x
+    pad = torch.full_like(x[:, :s], fill)
+    return torch.cat([x[:, s:], pad], dim=1)
+
+
+def unroll(head: DraftHead, input_ids: torch.Tensor, features: torch.Tensor, steps: int):
+    """Yields (step, head logits [B, T-1, Vd]) for TTT steps 0..steps-1 over positions t = 0..T-2."""
+    width = input_ids.shape[1] - 1
+    hidden = features[:, :width].to(next(head.parameters()).dtype)
+    positions = torch.arange(width, device=input_ids.device).expand(input_ids.shape[0], width)
+    history: list = []
+    for s in range(steps):
+        tokens = shift(input_ids[:, 1:], s)
+        hidden, logits = head.step(tokens, hidden, positions + s, from_target=(s == 0), ttt_history=history)
+        yield s, logits
+
+
+def soft_ce(logits: torch.Tensor, teacher_p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    ce = -(teacher_p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+    return (ce * mask).sum() / mask.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def top1_agreement(logits: torch.Tensor, teacher_p: torch.Tensor, mask: torch.Tensor) -> float:
+    """Share of masked positions where the head's argmax is the teacher's: the number acceptance follows,
+    which the loss hides when the teacher is high-entropy."""
+    hits = (logits.argmax(-1) == teacher_p.argmax(-1)).float()
+    return ((hits * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+
+
+@torch.no_grad()
+def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.Tensor, int]:
+    """Teacher-forced greedy chain acceptance: returns accepted-chain counts per depth [max_k] and the
+    number of chain starts. A chain starting at t drafts tokens t+2.. and survives depth s while every
+    draft so far equals the target's argmax."""
+    input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    width = input_ids.shape[1] - 1
+    target_next = target.lm_head(feats["last"][:, 1:].to(target.lm_head.weight.dtype)).argmax(-1)  # [B, T-1]
+    starts = (loss_mask[:, 1:] > 0) & (torch.arange(width, device=input_ids.device)[None, :] < width - max_k)
+    alive = starts.clone()
+    counts = torch.zeros(max_k, dtype=torch.long)
+    for s, logits in unroll(head, input_ids, feats["features"], max_k):
+        drafted = head.to_target_ids(logits.argmax(-1))
+        alive &= drafted == shift(target_next, s, -1)
+        counts[s] = alive.sum()
+    return counts, int(starts.sum())

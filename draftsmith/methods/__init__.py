@@ -5,7 +5,8 @@ subclass (its `--speculative-config` section, recipe section, head type, declare
 layers) and its other modules hold the parts each layer loads on demand: `proposer.py` for the engine,
 `objective.py` for the trainer; converter formats are named by module and loaded by `draftsmith convert`.
 Head modules and native configs stay in `draftsmith.models` (model code lives once, for training and
-serving); a method points at them. Adding a method is adding a folder and one import line below.
+serving); a method points at them. Adding a method is adding a folder, one import line below and its
+package name in pyproject.toml.
 """
 
 from draftsmith.methods.base import (

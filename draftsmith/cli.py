@@ -168,6 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(handler="draftsmith.serve.bench:run")
 
+    prof = sub.add_parser("profile", help="time target forwards by batch shape (the speculation cost model's input)",
+                          description="Time the target's forward for 1..32 rows of 1..8 query tokens against a warm KV "
+                          "cache and print the table (ms, and each shape relative to a one-token decode of the same "
+                          "rows). The table is saved under ~/.cache/draftsmith/profiles (DRAFTSMITH_CACHE_DIR "
+                          "overrides), keyed by model, device, dtype, threads and torch version, and reused.")
+    prof.add_argument("model", help="HF model directory")
+    prof.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    prof.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    prof.add_argument("--max-rows", type=_positive_int, default=32, help="largest batch profiled (1, 2, 4, ... up to it)")
+    prof.add_argument("--context", type=_positive_int, default=256, help="tokens already cached per row")
+    prof.add_argument("--refresh", action="store_true", help="measure again even if a saved table matches")
+    prof.set_defaults(handler="draftsmith.serve.cost_profile:run")
+
     load = sub.add_parser("bench-serve", help="HTTP load check: requests/s and latency, without and with speculation",
                           description="Starts the server on loopback twice (no speculation, then with "
                           "--speculative-config), sends the same requests at a fixed concurrency with the openai "

@@ -1,0 +1,162 @@
+"""How long a target forward takes, by batch shape: the measured input of speculation's cost model.
+
+Verifying k drafts costs one forward of k + 1 query tokens per row instead of 1, and what that costs depends
+on the model, the device, the dtype and the batch: on a small CPU target a 5-token verify costs far less
+than 5 decodes one at a time, but with 16 rows in flight it may cost more than it saves. Rather than guess,
+draftsmith times real forwards over a grid of rows x query tokens against a warm KV cache, once per
+(model, device, dtype, torch version), and keeps the table on disk.
+
+`ForwardCostTable.estimate(rows, query_len)` interpolates between measured points (linear in each axis,
+extended linearly past the grid). `draftsmith profile MODEL` prints the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.kv_cache import ForwardBatch
+
+ROWS = (1, 2, 4, 8, 16, 32)
+QUERY_LENS = (1, 2, 3, 4, 5, 6, 8)
+CONTEXT = 256  # tokens already in the cache per row: keys the forward attends over
+
+
+@dataclass
+class ForwardCostTable:
+    """Median seconds of one target forward, `seconds[i][j]` for `rows[i]` rows of `query_lens[j]` tokens."""
+
+    key: dict
+    rows: list[int]
+    query_lens: list[int]
+    context: int
+    seconds: list[list[float]]
+
+    def estimate(self, rows: int, query_len: int) -> float:
+        """Seconds for a forward of `rows` x `query_len`, interpolated (and extrapolated) linearly per axis."""
+        per_row = [_interpolate(self.query_lens, line, query_len) for line in self.seconds]
+        return max(_interpolate(self.rows, per_row, rows), 0.0)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ForwardCostTable:
+        return cls(**data)
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and xs[i] < x:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def profile_key(model_dir: str | Path, model) -> dict:
+    weight = model.model.embed_tokens.weight
+    return {"model": str(Path(model_dir).resolve()), "config": model.config.__class__.__name__,
+            "hidden_size": model.config.hidden_size, "num_layers": model.config.num_hidden_layers,
+            "device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE_DIR") or Path.home() / ".cache" / "draftsmith") / "profiles"
+
+
+def cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"forward-{digest}.json"
+
+
+def time_forward(model, cache, rows: int, query_len: int, context: int, repeats: int) -> float:
+    """Median wall seconds of `repeats` forwards of rows x query_len tokens at position `context`."""
+    device = model.model.embed_tokens.weight.device
+    batch = ForwardBatch.build(list(range(rows)), [context] * rows, [query_len] * rows, cache,
+                               model.config.sliding_window, device)
+    ids = torch.zeros(rows, query_len, dtype=torch.long, device=device)
+    times = []
+    with torch.inference_mode():
+        for attempt in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(ids, cache=cache, batch=batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if attempt:  # the first run warms caches and allocators
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def profile_forwards(model, key: dict, rows=ROWS, query_lens=QUERY_LENS, context: int = CONTEXT,
+                     repeats: int = 5, progress=None) -> ForwardCostTable:
+    cache = model.make_cache(max(rows), context + max(query_lens))
+    seconds = []
+    for r in rows:
+        seconds.append([time_forward(model, cache, r, q, context, repeats) for q in query_lens])
+        if progress is not None:
+            progress(r)
+    return ForwardCostTable(key, list(rows), list(query_lens), context, seconds)
+
+
+def load_or_profile(model, model_dir: str | Path, refresh: bool = False, progress=None,
+                    **grid) -> tuple[ForwardCostTable, bool]:
+    """(table, whether it came from disk). A cached table is reused only for the same key and grid."""
+    key = profile_key(model_dir, model)
+    path = cache_path(key)
+    if path.is_file() and not refresh:
+        try:
+            table = ForwardCostTable.from_json(json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise DraftsmithError(f"{path} is not a readable profile ({exc}); rerun with --refresh") from None
+        wanted = {"rows": list(grid.get("rows", ROWS)), "query_lens": list(grid.get("query_lens", QUERY_LENS)),
+                  "context": grid.get("context", CONTEXT)}
+        if table.key == key and all(getattr(table, k) == v for k, v in wanted.items()):
+            return table, True
+    table = profile_forwards(model, key, progress=progress, **grid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table.to_json(), indent=1) + "\n")
+    os.replace(tmp, path)
+    return table, False
+
+
+def format_table(table: ForwardCostTable) -> str:
+    """Milliseconds per forward, and each shape's cost relative to one decode token of the same rows."""
+    head = "rows \\ query" + "".join(f"{q:>9}" for q in table.query_lens)
+    lines = [f"target forward, median ms ({table.key['dtype']}, {table.key['device']}, {table.context} cached tokens "
+             "per row; in brackets: x one-token decode of the same rows)", head]
+    for r, line in zip(table.rows, table.seconds):
+        lines.append(f"{r:>12}" + "".join(f"{s * 1e3:>9.2f}" for s in line))
+        lines.append(" " * 12 + "".join(f"{'(' + format(s / line[0], '.2f') + ')':>9}" for s in line))
+    return "\n".join(lines)
+
+
+
+def run(args) -> int:
+    """`draftsmith profile MODEL`: measure (or reuse) the table and print it."""
+    from tqdm.auto import tqdm
+
+    from draftsmith.models.loader import load_target
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_target(args.model, dtype=args.dtype, device=device, max_len=args.context + max(QUERY_LENS))
+    rows = tuple(r for r in ROWS if r <= args.max_rows)
+    with tqdm(total=len(rows), desc="profile", unit="batch size") as bar:
+        table, cached = load_or_profile(model, args.model, refresh=args.refresh, progress=lambda _: bar.update(1),
+                                        rows=rows, context=args.context)
+    print(format_table(table))
+    print(f"{'reused' if cached else 'saved'}: {cache_path(table.key)}")
+    return 0

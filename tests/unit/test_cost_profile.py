@@ -1,0 +1,66 @@
+"""The forward-cost profile: interpolation, the on-disk cache keyed by model/device/dtype, `draftsmith profile`.
+Nothing here asserts how fast anything is; the table's values are whatever this machine measured."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.cli import main
+from draftsmith.models import load_target
+from draftsmith.serve import cost_profile
+from draftsmith.serve.cost_profile import ForwardCostTable, cache_path, load_or_profile, profile_key
+from helpers import DEMO_MODEL
+
+GRID = {"rows": (1, 2), "query_lens": (1, 3), "context": 16}
+
+
+def test_estimate_interpolates_and_extrapolates_linearly():
+    table = ForwardCostTable({}, [1, 4], [1, 3], 0, [[1.0, 2.0], [4.0, 8.0]])
+    assert table.estimate(1, 1) == 1.0 and table.estimate(4, 3) == 8.0  # measured points as they are
+    assert table.estimate(1, 2) == pytest.approx(1.5)
+    assert table.estimate(2, 1) == pytest.approx(2.0)  # a third of the way from 1 to 4 rows
+    assert table.estimate(4, 5) == pytest.approx(12.0)  # past the grid: the last slope continues
+    assert table.estimate(7, 1) == pytest.approx(7.0)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_profile_is_measured_once_then_reused(cache_dir, monkeypatch):
+    model = load_target(DEMO_MODEL, dtype="float32")
+    table, cached = load_or_profile(model, DEMO_MODEL, **GRID)
+    assert not cached and table.rows == [1, 2] and table.query_lens == [1, 3]
+    assert all(s > 0 for line in table.seconds for s in line)
+    path = cache_path(table.key)
+    assert path.parent == cache_dir / "profiles" and json.loads(path.read_text())["seconds"] == table.seconds
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a matching saved profile must be reused, not measured again")
+
+    monkeypatch.setattr(cost_profile, "time_forward", no_timing)
+    again, cached = load_or_profile(model, DEMO_MODEL, **GRID)
+    assert cached and again == table
+    with pytest.raises(AssertionError, match="reused"):  # another grid is measured anew
+        load_or_profile(model, DEMO_MODEL, rows=(1, 2, 4), query_lens=(1, 3), context=16)
+
+
+def test_profiles_are_kept_apart_by_dtype_and_model():
+    model = load_target(DEMO_MODEL, dtype="float32")
+    key = profile_key(DEMO_MODEL, model)
+    assert key["dtype"] == "float32" and key["torch"] == torch.__version__
+    assert cache_path(key) != cache_path({**key, "dtype": "bfloat16"})
+    assert cache_path(key) != cache_path({**key, "model": "/elsewhere"})
+
+
+def test_profile_command_prints_the_table_and_reuses_it(cache_dir, capsys):
+    argv = ["profile", str(DEMO_MODEL), "--max-rows", "2", "--context", "16", "--device", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rows \\ query" in out and "saved:" in out and "(1.00)" in out
+    assert main(argv) == 0
+    assert "reused:" in capsys.readouterr().out
+    assert main(["profile", str(cache_dir / "missing")]) == 2

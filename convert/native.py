@@ -28,7 +28,7 @@ class Native:
             raise DraftsmithError(f"{checkpoint.directory}/config.json has no draftsmith_head_type: not a native head")
         # round-trip through the typed config: checks the keys and fills what older native configs lack
         parsed = read_head_config(checkpoint.config, checkpoint.directory / "config.json")
-        head_class = head_method(parsed.head_type).head_class()
+        head_class = head_method(parsed.head_type).head_module
         if getattr(parsed, "fc_bias", False) is None and head_class is not None:
             parsed.fc_bias = head_class.default_fc_bias
         config = parsed.to_json()

@@ -22,12 +22,10 @@ def decode_all(tokenizer, token_ids: list[int]) -> str:
 def stream_backend(tokenizer):
     """The `tokenizers.Tokenizer` behind a fast tokenizer when `DecodeStream` can drive it, else None."""
     import tokenizers
-    from packaging.version import Version
 
+    # (pyproject requires tokenizers >= 0.21.1: 0.21.0's DecodeStream panics on a character split over tokens)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    # tokenizers 0.21.0's DecodeStream panics on a character split over tokens (vLLM draws the same line).
-    usable = isinstance(backend, tokenizers.Tokenizer) and Version(tokenizers.__version__) >= Version("0.21.1")
-    return backend if usable else None
+    return backend if isinstance(backend, tokenizers.Tokenizer) else None
 
 
 class IncrementalDecoder:

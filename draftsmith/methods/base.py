@@ -196,13 +196,10 @@ class SpecMethod:
     recipe_section: ClassVar[type[RecipeModelSection] | None] = None  # set when the method trains a head
     training_section: ClassVar[type[RecipeTrainingSection]] = RecipeTrainingSection
     head_config: ClassVar[type | None] = None  # the `HeadConfig` subclass of its native head format
+    # the `nn.Module` that runs its head (training and serving); None while the head only converts
+    head_module: ClassVar[type | None] = None
     # modules that register its `draftsmith convert` formats and exporters, imported by `load_formats` only
     converters: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def head_class(cls) -> type | None:
-        """The `nn.Module` that runs its head (training and serving), or None if the head only converts."""
-        return None
 
     @classmethod
     def proposer_class(cls) -> type[Proposer] | None:

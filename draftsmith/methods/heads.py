@@ -32,9 +32,9 @@ def load_head(directory: str | Path, dtype: torch.dtype = torch.float32, device:
     except json.JSONDecodeError as exc:
         raise DraftsmithError(f"{config_path} is not valid JSON: {exc}") from None
     method = head_method(data.get(HEAD_TYPE_KEY), config_path)
-    head_class = method.head_class()
+    head_class = method.head_module
     if head_class is None:
-        runnable = method_names(lambda m: m.head_class() is not None)
+        runnable = method_names(lambda m: m.head_module is not None)
         raise DraftsmithError(f"{config_path}: {method.head_type} heads convert to and from draftsmith's format, but "
                               f"the engine cannot serve them yet ({', '.join(runnable)} heads it can)")
     head = head_class(read_head_config(data, config_path))

@@ -18,12 +18,9 @@ METHODS: dict[str, type[SpecMethod]] = {}
 # available yet" rather than "unknown", so a vLLM user sees it is planned, not a typo.
 PLANNED_METHODS = ("suffix", "draft_model", "dflash")
 
-_version = 0  # bumped on every registration, so schemas built from the registry know when to rebuild
-
 
 def register_method(cls: type[SpecMethod]) -> type[SpecMethod]:
     """Class decorator: registers `cls` under `cls.name`."""
-    global _version
     name = cls.name
     if not name:
         raise ValueError(f"{cls.__name__} has no name")
@@ -41,19 +38,12 @@ def register_method(cls: type[SpecMethod]) -> type[SpecMethod]:
     if cls.head_type not in (None, name):
         raise ValueError(f"{cls.__name__}.head_type must be None or {name!r}, not {cls.head_type!r}")
     METHODS[name] = cls
-    _version += 1
     return cls
 
 
 def unregister_method(name: str) -> None:
     """For tests that register a throw-away method."""
-    global _version
     METHODS.pop(name, None)
-    _version += 1
-
-
-def registry_version() -> int:
-    return _version
 
 
 def method_names(where: Callable[[type[SpecMethod]], bool] = lambda m: True) -> list[str]:

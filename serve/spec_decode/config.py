@@ -11,20 +11,20 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from draftsmith.errors import DraftsmithError, format_validation_error
 from draftsmith.methods import METHODS, SpeculativeConfig, resolve_method, servable
-from draftsmith.methods.registry import registry_version, unknown_method_message
+from draftsmith.methods.registry import unknown_method_message
 
 __all__ = ["SpeculativeConfig", "from_legacy_kwargs", "parse_speculative_config"]
 
-_schema: tuple[int, TypeAdapter] | None = None
+_schema: tuple[tuple, TypeAdapter] | None = None
 
 
 def speculative_config_schema() -> TypeAdapter:
-    """The union of every servable method's section; rebuilt when a method registers."""
+    """The union of every servable method's section; rebuilt when the set of sections changes."""
     global _schema
-    if _schema is None or _schema[0] != registry_version():
-        sections = tuple(m.section for m in METHODS.values() if servable(m))
+    sections = tuple(m.section for m in METHODS.values() if servable(m))
+    if _schema is None or _schema[0] != sections:
         union = Annotated[Union[sections], Field(discriminator="method")] if len(sections) > 1 else sections[0]  # noqa: UP007
-        _schema = (registry_version(), TypeAdapter(union))
+        _schema = (sections, TypeAdapter(union))
     return _schema[1]
 
 

@@ -21,7 +21,7 @@ def target():
 def _random_head(kind, target, tmp_path=None):
     torch.manual_seed(1)
     config = DraftHeadConfig.for_target(kind, target.config, AUX[kind], 1024 if kind == "eagle3" else None, "demo")
-    head = resolve_method(kind).head_class()(config).attach_target(target)
+    head = resolve_method(kind).head_module(config).attach_target(target)
     if kind == "eagle3":
         head.set_vocab(torch.arange(0, 2048, 2))
     if tmp_path is not None:

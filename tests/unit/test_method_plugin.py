@@ -119,10 +119,7 @@ class ToyMethod(SpecMethod):
     needs = MethodNeeds(head=True, draft_probs=True)
     head_type = "toy_bigram"
     head_config = BigramHeadConfig
-
-    @classmethod
-    def head_class(cls):
-        return BigramHead
+    head_module = BigramHead
 
     @classmethod
     def proposer_class(cls):

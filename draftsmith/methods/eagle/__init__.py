@@ -55,20 +55,17 @@ class EagleFamilyMethod(SpecMethod):
         return simulated_acceptance
 
     @classmethod
-    def new_head_config(cls, section: RecipeModelSection, target, aux_layer_ids: tuple[int, ...]) -> DraftHeadConfig:
-        overrides = {"intermediate_size": section.intermediate_size} if section.intermediate_size else {}
-        return DraftHeadConfig.for_target(cls.head_type, target.config, aux_layer_ids, target_model=section.target,
-                                          **cls.head_config_overrides(section), **overrides)
-
-    @classmethod
     def head_config_overrides(cls, section: RecipeModelSection) -> dict:
+        """Recipe keys of its own that shape the head config (EAGLE-3: the draft vocabulary size)."""
         return {}
 
     @classmethod
     def build_head(cls, section: RecipeModelSection, target, aux_layer_ids: tuple[int, ...], token_records):
-        config = cls.new_head_config(section, target, aux_layer_ids)
+        overrides = {"intermediate_size": section.intermediate_size} if section.intermediate_size else {}
+        config = DraftHeadConfig.for_target(cls.head_type, target.config, aux_layer_ids, target_model=section.target,
+                                            **cls.head_config_overrides(section), **overrides)
         config.check_target(target.config)
-        return cls.head_class()(config).attach_target(target)
+        return cls.head_module(config).attach_target(target)
 
 
 @register_method
@@ -78,11 +75,8 @@ class EagleMethod(EagleFamilyMethod):
     recipe_section = EagleRecipe
     training_section = EagleTraining
     head_type = "eagle"
+    head_module = EagleHead
     converters = ("draftsmith.convert.eagle", "draftsmith.convert.speculators")
-
-    @classmethod
-    def head_class(cls):
-        return EagleHead
 
     @classmethod
     def objective(cls):

@@ -39,6 +39,9 @@ class EagleFamilyProposer(Proposer):
         self.device = weight.device
         self.k = config.num_speculative_tokens
         self.vocab_size = target.config.vocab_size
+        # target id of each draft-vocabulary id: where a sampled draft's q lands in the target vocabulary
+        self.draft_to_target = self.head.to_target_ids(torch.arange(self.head.config.draft_vocab_size,
+                                                                    device=self.device))
         self.draft_tokens = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
         self.draft_counts = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
         self.draft_probs: torch.Tensor | None = None  # [max_num_seqs, k, V], allocated on first sampled draft
@@ -75,8 +78,7 @@ class EagleFamilyProposer(Proposer):
                 noise[j].exponential_(generator=sampling.generators[row])
         drawn = torch.where(greedy, argmax, (probs / noise).argmax(-1))
         q = torch.zeros(len(rows), self.vocab_size, dtype=torch.float32, device=logits.device)
-        draft_to_target = self.head.to_target_ids(torch.arange(probs.shape[-1], device=logits.device))
-        q[:, draft_to_target] = probs
+        q[:, self.draft_to_target] = probs
         return self.head.to_target_ids(drawn), q
 
     @torch.inference_mode()

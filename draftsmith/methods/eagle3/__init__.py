@@ -34,11 +34,8 @@ class Eagle3Method(EagleFamilyMethod):
     recipe_section = Eagle3Recipe
     training_section = Eagle3Training
     head_type = "eagle3"
+    head_module = Eagle3Head
     converters = ("draftsmith.convert.eagle3", "draftsmith.convert.speculators")
-
-    @classmethod
-    def head_class(cls):
-        return Eagle3Head
 
     @classmethod
     def objective(cls):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -21,13 +22,20 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.methods import SpeculativeConfig, resolve_method
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.llama import CausalLM
+from draftsmith.serve.cost_profile import ForwardCostTable, profile_forwards
 from draftsmith.serve.request import Request, RequestOutput, Status
 from draftsmith.serve.sampling import SamplingBatch, sample
 from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.spec_decode.adaptive import CostModel, SpeculationPlanner
 from draftsmith.serve.spec_decode.verify import SpecMetrics, pick_sampler, verify
 from draftsmith.serve.stopping import StopChecker
 
 logger = logging.getLogger("draftsmith")
+
+
+# where a decode step's time goes (`draftsmith bench --profile`): drafting, the target forward, sampling or
+# verification, and the host work around them
+STEP_PARTS = ("draft_s", "forward_s", "verify_s", "bookkeeping_s")
 
 
 @dataclass
@@ -40,7 +48,7 @@ class EngineConfig:
 
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, eos_token_ids: set[int],
-                 spec_config: SpeculativeConfig | None = None):
+                 spec_config: SpeculativeConfig | None = None, cost_table: ForwardCostTable | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -54,6 +62,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self.stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0, "num_forward_passes": 0}
+        self.step_profile = dict.fromkeys(STEP_PARTS, 0.0) | {"decode_steps": 0}
         self.spec_config = spec_config
         self.proposer = None
         if spec_config is not None:  # resolved once; the engine never branches on the method name
@@ -64,6 +73,7 @@ class LLMEngine:
             self.rejection_sampler = pick_sampler(self.device)
             self.spec_metrics = SpecMetrics(spec_config.num_speculative_tokens)
             self.sample_drafts = spec_config.draft_sample_method == "probabilistic"
+            self.planner = self._make_planner(spec_config, method, cost_table)
             logger.info("speculation: %s, k=%d, %s drafts, rejection sampler %s", spec_config.method,
                         spec_config.num_speculative_tokens, spec_config.draft_sample_method,
                         self.rejection_sampler.__name__)
@@ -77,6 +87,20 @@ class LLMEngine:
         logger.info("KV cache: %d slots x %d tokens, %.1f MiB (%s)", config.max_num_seqs, config.max_model_len,
                     self.cache.nbytes / 2**20, self.cache.k[0].dtype)
 
+    def _make_planner(self, spec_config: SpeculativeConfig, method, cost_table) -> SpeculationPlanner:
+        adaptive = spec_config.adaptive and spec_config.num_speculative_tokens_per_batch_size is None
+        cost = None
+        if adaptive:
+            if cost_table is None:  # no model folder to key a cached profile by: measure, keep in memory
+                cost_table = profile_forwards(self.model, {"model": "in-memory"})
+            cost = CostModel(cost_table, sequential_drafts=self.proposer.sequential,
+                             drafts_before_plan=self.proposer.propose_first)
+        logger.info("speculation: %s", "adaptive (0..k per step, from the cost model)" if adaptive else
+                    "fixed k" if spec_config.num_speculative_tokens_per_batch_size is None else
+                    "k by batch size (num_speculative_tokens_per_batch_size)")
+        return SpeculationPlanner(spec_config.num_speculative_tokens, self.config.max_num_seqs, cost, adaptive,
+                                  spec_config.num_speculative_tokens_per_batch_size)
+
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None) -> Request:
@@ -87,7 +111,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        request = Request(request_id, list(prompt_token_ids), params, generator, prompt=prompt)
+        request = Request(request_id, list(prompt_token_ids), params, generator, prompt=prompt, seed=seed)
         self.requests[request_id] = request
         self.waiting.append(request)
         return request
@@ -138,6 +162,8 @@ class LLMEngine:
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
             request.slot = self.free_slots.pop(0)
+            if self.proposer is not None:
+                self.planner.acceptance.reset(request.slot)
             request.status = Status.RUNNING
             self.running.append(request)
 
@@ -182,28 +208,63 @@ class LLMEngine:
         return [rows[i] for i in done]
 
     def _decode(self, rows: list[Request]) -> list[Request]:
+        started = time.perf_counter()
         if self.proposer is not None:
-            return self._speculative_decode(rows)
+            self._speculative_decode(rows, started)
+        else:
+            self._plain_decode(rows, started, self._sampling(rows))
+        return rows
+
+    def _plain_decode(self, rows: list[Request], started: float, sampling: SamplingBatch, draft_s: float = 0.0):
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], [1] * len(rows),
                                    self.cache, self.model.config.sliding_window, self.device)
-        out = self._forward(ids, batch, None).logits
+        forward_at = time.perf_counter()
+        out = self._forward(ids, batch, None)
+        sample_at = time.perf_counter()
+        self._observe_features(rows, [r.num_tokens - 1 for r in rows], [1] * len(rows), out)
         for request in rows:
             request.num_computed += 1
-        self._sample_and_append(rows, out[:, -1])
-        return rows
+        with torch.inference_mode():
+            tokens = sample(out.logits[:, -1], sampling).tolist()
+        sampled_at = time.perf_counter()
+        for request, token in zip(rows, tokens):
+            self.stats["num_generated_tokens"] += self.stop_checker.append(request, [token])
+        self._account(rows, 0, started, draft_s, sample_at - forward_at, sampled_at - sample_at)
 
-    def _speculative_decode(self, rows: list[Request]) -> list[Request]:
-        """Draft up to k tokens per row, score [last token, drafts] in one forward, keep what verifies."""
+    def _speculative_decode(self, rows: list[Request], started: float) -> None:
+        """Draft up to w tokens per row (w chosen by the planner), score [last token, drafts] in one forward,
+        keep what verifies. A step the planner sizes at w = 0, or where no row has a draft, decodes plainly."""
         k = self.spec_config.num_speculative_tokens
         limits = []
         for r in rows:
             room = self.config.max_model_len - r.num_tokens - 1  # drafts + the new token must fit
             left = (r.params.max_tokens - len(r.output_token_ids) - 1) if r.params.max_tokens else k
             limits.append(max(0, min(k, room, left)))
-        sampling = SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device)
-        drafts = self.proposer.propose(rows, limits, sampling if self.sample_drafts else None)
-        num_draft = drafts.counts.tolist()  # sizes the forward: the host needs it anyway
+        sampling = self._sampling(rows)
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
+        limit_t = torch.tensor(limits, dtype=torch.long)
+        draft_sampling = sampling if self.sample_drafts else None
+        drafts, draft_s = None, 0.0
+        plan = self.planner.plan(slots, limit_t)
+        if plan.width and self.proposer.propose_first:
+            # drafting is cheap: draft first, then size the step knowing which rows have drafts
+            draft_at = time.perf_counter()
+            drafts = self.proposer.propose(rows, limits, draft_sampling)
+            draft_s = time.perf_counter() - draft_at
+            limit_t = drafts.counts.cpu()
+            plan = self.planner.plan(slots, limit_t)
+            drafts.counts.clamp_(max=plan.width)
+        elif plan.width:
+            self.proposer.stop_below = plan.stop_below
+            draft_at = time.perf_counter()
+            drafts = self.proposer.propose(rows, [min(n, plan.width) for n in limits], draft_sampling)
+            draft_s = time.perf_counter() - draft_at
+        self.planner.record(limit_t, plan.width)
+        num_draft = drafts.counts.tolist() if plan.width else [0] * len(rows)  # sizes the forward
+        if max(num_draft) == 0:
+            self.planner.acceptance.idle(slots)
+            return self._plain_decode(rows, started, sampling, draft_s)
         width = 1 + max(num_draft)
         ids = torch.empty(len(rows), width, dtype=torch.long, device=self.device)
         ids[:, 0] = torch.tensor([r.last_token for r in rows], device=self.device)
@@ -211,22 +272,45 @@ class LLMEngine:
         q_lens = [1 + n for n in num_draft]
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], q_lens, self.cache,
                                    self.model.config.sliding_window, self.device)
+        forward_at = time.perf_counter()
         out = self._forward(ids, batch, None)
+        verify_at = time.perf_counter()
         with torch.inference_mode():
             tokens, counts = verify(out.logits, drafts, num_draft, sampling, self.rejection_sampler,
                                     self.spec_config.synthetic_acceptance_rate)
         packed = torch.cat([tokens, counts[:, None]], dim=1).tolist()  # one device-to-host copy for both
+        verified_at = time.perf_counter()
         counts = [row[-1] for row in packed]
         kept = [row[:n] for row, n in zip(packed, counts)]
         starts = [r.num_tokens - 1 for r in rows]
         self._observe_features(rows, starts, counts, out)  # last token + accepted drafts
+        self.planner.acceptance.observe(slots, torch.tensor(num_draft), torch.tensor(counts) - 1)
         for request, n_draft, new_tokens in zip(rows, num_draft, kept):
             self.spec_metrics.observe(n_draft, len(new_tokens) - 1)
             self.stats["num_generated_tokens"] += self.stop_checker.append(request, new_tokens)
             # K/V of the last token and the accepted drafts are in the cache; rejected ones are past the
             # length and get overwritten: nothing to copy.
             request.num_computed = request.num_tokens - 1
-        return rows
+        self._account(rows, width - 1, started, draft_s, verify_at - forward_at, verified_at - verify_at)
+
+    def _account(self, rows: list[Request], width: int, started: float, draft_s: float, forward_s: float,
+                 verify_s: float) -> None:
+        """Books one decode step's timings into the step profile and the planner's cost model."""
+        total = time.perf_counter() - started
+        host = max(total - draft_s - forward_s, 0.0)
+        profile = self.step_profile
+        profile["decode_steps"] += 1
+        profile["draft_s"] += draft_s
+        profile["forward_s"] += forward_s
+        profile["verify_s"] += verify_s
+        profile["bookkeeping_s"] += host - verify_s
+        cost = self.planner.cost if self.proposer is not None else None
+        if cost is None:
+            return
+        cost.observe_forward(len(rows), width + 1, forward_s)
+        (cost.host_spec if width else cost.host_plain).add(len(rows), host)
+        if draft_s and self.proposer.steps_run:
+            cost.draft_step.add(len(rows), draft_s / self.proposer.steps_run)
 
     def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None):
         self.stats["num_forward_passes"] += 1
@@ -243,8 +327,12 @@ class LLMEngine:
         with torch.inference_mode():
             self.proposer.observe(rows, starts, counts, self.proposer.features(out.hidden_states))
 
+    def _sampling(self, rows: list[Request]) -> SamplingBatch:
+        return SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device,
+                                   seeds=[r.seed for r in rows], positions=[r.num_tokens for r in rows])
+
     def _sample_and_append(self, rows: list[Request], logits: torch.Tensor) -> None:
-        sampling = SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device)
+        sampling = self._sampling(rows)
         with torch.inference_mode():
             tokens = sample(logits, sampling).tolist()
         for request, token in zip(rows, tokens):
@@ -252,6 +340,16 @@ class LLMEngine:
 
     def get_metrics(self) -> dict:
         metrics = dict(self.stats)
+        metrics["step_profile"] = dict(self.step_profile)
         if self.proposer is not None:
             metrics.update(self.spec_metrics.as_dict())
+            metrics.update(self.planner.metrics())
         return metrics
+
+    def reset_metrics(self) -> None:
+        """Zeroes the speculation counters, the chosen-k histogram and the step profile (benchmarks call it
+        after warming up); what the planner has learned is kept."""
+        self.step_profile = dict.fromkeys(STEP_PARTS, 0.0) | {"decode_steps": 0}
+        if self.proposer is not None:
+            self.spec_metrics.reset()
+            self.planner.reset_metrics()

@@ -65,13 +65,26 @@ class LLM:
         if not 1 < max_model_len <= context:
             raise DraftsmithError(f"max_model_len must be in [2, {context}] (the model's context), got {max_model_len}")
         self.tokenizer = load_tokenizer(model_dir)
+        cost_table = None
+        if spec_config is not None and spec_config.adaptive:
+            cost_table = self._forward_costs(model_dir)
         self.engine = LLMEngine(
             self.model, self.tokenizer,
             EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          max_num_batched_tokens=max(max_num_batched_tokens, 1), seed=seed),
             eos_token_ids(model_dir, self.model.config.eos_token_ids, self.tokenizer),
-            spec_config,
+            spec_config, cost_table,
         )
+
+    def _forward_costs(self, model_dir: Path):
+        """The target's forward cost table for adaptive speculation: from the disk cache, or measured now
+        (a few seconds, once per model, device, dtype and torch version)."""
+        from draftsmith.serve.cost_profile import cache_path, load_or_profile
+
+        table, cached = load_or_profile(self.model, model_dir)
+        if not cached:
+            logger.info("profiled target forwards for adaptive speculation; saved to %s", cache_path(table.key))
+        return table
 
     def encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -48,6 +48,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
     text: str = ""  # detokenized output, kept current only when stop strings need it
+    seed: int = 0  # with each token's position, keys its sampling noise
 
     @property
     def prompt_len(self) -> int:

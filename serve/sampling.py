@@ -3,6 +3,13 @@
 Speculative verification calls the same `logits_to_probs`, so the target distribution a request samples
 from is identical with and without speculation. Sampling uses the exponential race
 (argmax p / E, E ~ Exp(1)): no normalization, no `multinomial`, no host sync.
+
+The noise E for the token at sequence position t of a seeded request is drawn from a generator seeded by
+(seed, t), not from one stream: the draw does not depend on how many tokens earlier steps produced. Speculation
+with deterministic drafts verifies by drawing the target's own token at each drafted position with that same
+noise and keeping drafts while they match (accepting x with probability p(x), exactly rejection sampling's
+rate for a one-hot q), so a seeded request samples the same tokens with or without speculation, whatever k
+each step used.
 """
 
 from __future__ import annotations
@@ -24,9 +31,13 @@ class SamplingBatch:
     generators: list[torch.Generator]
     all_greedy: bool
     needs_filter: bool  # any row uses top-k or top-p (host-known, so the sort is skipped otherwise)
+    sampled_rows: list[int]  # rows with temperature > 0, host-known
+    seeds: list[int] | None = None  # per row: with `positions`, keys the noise by sequence position
+    positions: list[int] | None = None  # per row: sequence position of the next token
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator], device) -> SamplingBatch:
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator], device,
+              seeds: list[int] | None = None, positions: list[int] | None = None) -> SamplingBatch:
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device),
@@ -34,6 +45,9 @@ class SamplingBatch:
             generators=generators,
             all_greedy=all(p.greedy for p in params),
             needs_filter=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            sampled_rows=[i for i, p in enumerate(params) if not p.greedy],
+            seeds=seeds,
+            positions=positions,
         )
 
 
@@ -72,11 +86,37 @@ def exponential_noise(shape_per_row: tuple[int, ...], batch: SamplingBatch, devi
     ])
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]: argmax for greedy rows, a draw from the filtered p otherwise."""
+def position_noise(batch: SamplingBatch, num_positions: int, vocab: int, device) -> torch.Tensor:
+    """Exp(1) noise [B, N, V] for the next N positions of each sampled row (greedy rows get 1): from
+    generators seeded by (seed, position) when the batch has seeds, else from each row's own stream."""
+    noise = torch.ones(len(batch.generators), num_positions, vocab, device=device)
+    keyed = torch.Generator(device=device) if batch.seeds is not None else None
+    for row in batch.sampled_rows:
+        for j in range(num_positions):
+            if keyed is not None:
+                keyed.manual_seed(_mix(batch.seeds[row], batch.positions[row] + j))
+            noise[row, j].exponential_(generator=keyed or batch.generators[row])
+    return noise
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (request seed, position); nearby pairs give unrelated streams."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**64
+    x = ((x ^ (x >> 31)) * 0xD6E8FEB86659FD93) % 2**64
+    return (x ^ (x >> 29)) % 2**63
+
+
+def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [B, N, V] for N consecutive positions -> the token each row samples there [B, N]: argmax for
+    greedy rows, the exponential race over the filtered p with position-keyed noise otherwise."""
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
-    probs = logits_to_probs(logits[:, None], batch)[:, 0]
-    drawn = (probs / exponential_noise(probs.shape[1:], batch, probs.device)).argmax(dim=-1)
-    return torch.where(batch.temperature > 0, drawn, greedy)
+    probs = logits_to_probs(logits, batch)
+    drawn = (probs / position_noise(batch, logits.shape[1], logits.shape[-1], probs.device)).argmax(dim=-1)
+    return torch.where(batch.temperature[:, None] > 0, drawn, greedy)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]: argmax for greedy rows, a draw from the filtered p otherwise."""
+    return choose_tokens(logits[:, None], batch)[:, 0]

@@ -60,9 +60,16 @@ class SpeculativeConfig(BaseModel):
     # Benchmarking only: each draft token is accepted with this probability whatever it is, so the
     # output is NOT the target's distribution. Never serve users with it.
     synthetic_acceptance_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    # draftsmith: each step drafts 0..num_speculative_tokens tokens per request, sized by a measured cost
+    # model and the acceptance seen so far; false keeps k fixed
+    adaptive: bool = True
+    # vLLM's manual schedule, rows [batch_lo, batch_hi, k] (inclusive): k by the number of decoding requests
+    # (sizes no row covers use num_speculative_tokens). Setting it replaces the adaptive choice.
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
 
     @model_validator(mode="after")
     def _common_checks(self) -> SpeculativeConfig:
+        self._check_batch_size_table()
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ValueError(f"draft_tensor_parallel_size={self.draft_tensor_parallel_size}: only 1 is supported")
         if self.num_speculative_tokens is None:
@@ -81,6 +88,27 @@ class SpeculativeConfig(BaseModel):
             object.__setattr__(self, "rejection_sample_method", "standard")
         object.__setattr__(self, "draft_sample_method", sampling or "greedy")
         return self
+
+
+    def _check_batch_size_table(self) -> None:
+        table = self.num_speculative_tokens_per_batch_size
+        if table is None:
+            return
+        if "adaptive" in self.model_fields_set and self.adaptive:
+            raise ValueError("num_speculative_tokens_per_batch_size fixes k by batch size; it contradicts "
+                             "adaptive=true (drop one of them)")
+        spans = sorted(table)
+        for lo, hi, k in spans:
+            if not 1 <= lo <= hi:
+                raise ValueError(f"num_speculative_tokens_per_batch_size row [{lo}, {hi}, {k}]: need 1 <= "
+                                 "batch_lo <= batch_hi")
+            if self.num_speculative_tokens is not None and not 0 <= k <= self.num_speculative_tokens:
+                raise ValueError(f"num_speculative_tokens_per_batch_size row [{lo}, {hi}, {k}]: k must be in "
+                                 f"[0, num_speculative_tokens={self.num_speculative_tokens}]")
+        for (_, hi, _), (next_lo, _, _) in zip(spans, spans[1:]):
+            if next_lo <= hi:
+                raise ValueError(f"num_speculative_tokens_per_batch_size rows overlap at batch size {next_lo}")
+        object.__setattr__(self, "adaptive", False)
 
 
 class RecipeModelSection(BaseModel):
@@ -160,13 +188,27 @@ class DraftSampling(Protocol):
 
 
 class Proposer:
-    """Drafts tokens for the rows being decoded; returned by its method's `proposer_class()`."""
+    """Drafts tokens for the rows being decoded; returned by its method's `proposer_class()`.
+
+    The engine's cost model reads three things about drafting: `sequential` (each further draft token
+    costs one more sequential draft forward, as in EAGLE; False when one pass yields them all, as in n-gram
+    lookup or parallel drafting), `propose_first` (drafting is so cheap that the engine drafts before it
+    sizes the step, so it knows which rows have drafts at all), and `steps_run`, the sequential draft
+    forwards the last `propose` ran, which it times. `stop_below` is set by the engine each step: a
+    proposer that knows its confidence stops extending a row once the product of its drafts' probabilities
+    falls below it (0 = draft up to the limit).
+    """
+
+    sequential: ClassVar[bool] = True
+    propose_first: ClassVar[bool] = False
 
     def __init__(self, config: SpeculativeConfig, target, max_num_seqs: int, max_model_len: int):
         self.config = config
         # HF hidden_states indices it needs from every target forward (a head-based proposer takes them from
         # its loaded head); read only when its method declares needs.hidden_states
         self.hidden_layer_ids: tuple[int, ...] = ()
+        self.steps_run = 0
+        self.stop_below = 0.0
 
     def propose(self, rows: Sequence[RowState], max_drafts: list[int],
                 sampling: DraftSampling | None = None) -> DraftBatch:

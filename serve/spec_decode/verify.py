@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.methods.base import DraftBatch
-from draftsmith.serve.sampling import SamplingBatch, exponential_noise, logits_to_probs
+from draftsmith.serve.sampling import SamplingBatch, choose_tokens, exponential_noise, logits_to_probs
 from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
 from draftsmith.serve.spec_decode.rejection_triton import rejection_sample_triton, triton
 
@@ -73,6 +73,8 @@ def verify(logits: torch.Tensor, drafts: DraftBatch, num_draft: list[int], sampl
         logits = torch.nn.functional.pad(logits, (0, 0, 0, k + 1 - logits.shape[1]))
     draft_tokens = _width(drafts.tokens, k, -1).to(device)
     counts = drafts.counts.to(device)
+    if drafts.probs is None and synthetic_rate is None:
+        return keep_matching(choose_tokens(logits, sampling), draft_tokens, counts)
     target_argmax = logits.argmax(dim=-1)
     is_greedy = sampling.temperature == 0
     draft_probs = None
@@ -91,6 +93,21 @@ def verify(logits: torch.Tensor, drafts: DraftBatch, num_draft: list[int], sampl
         if drafts.probs is not None:
             draft_probs = _width(drafts.probs, k, 0.0).to(device)
     return sampler(probs, target_argmax, draft_tokens, counts, draft_probs, uniforms, noise, is_greedy, synthetic_rate)
+
+
+def keep_matching(choice: torch.Tensor, draft_tokens: torch.Tensor, counts: torch.Tensor):
+    """Deterministic drafts: choice [B, K + 1] is the token the target samples at each position (with the
+    noise plain decoding would use there); drafts are kept while they equal it, and the first differing
+    choice, or the one after the last draft, is the new token. Same (tokens, count) shape as the sampler."""
+    k = draft_tokens.shape[1]
+    positions = torch.arange(k, device=choice.device)
+    match = (draft_tokens == choice[:, :k]) & (positions[None, :] < counts[:, None])
+    num_accepted = match.to(torch.long).cumprod(dim=1).sum(dim=1)
+    out = torch.where(positions[None, :] < num_accepted[:, None], draft_tokens, torch.full_like(draft_tokens, -1))
+    out = torch.cat([out, torch.full_like(out[:, :1], -1)], dim=1)
+    rows = torch.arange(choice.shape[0], device=choice.device)
+    out[rows, num_accepted] = choice[rows, num_accepted]
+    return out, num_accepted + 1
 
 
 def _width(t: torch.Tensor, k: int, fill) -> torch.Tensor:

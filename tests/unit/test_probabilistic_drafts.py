@@ -122,11 +122,13 @@ GREEDY_AND_SAMPLED = ["def add(a, b):\n    return a", "for i in range(10):\n    
 
 def test_eagle3_sampled_drafting_in_the_engine():
     """Mixed batch: greedy rows stay token-identical to plain greedy decoding, seeded sampled rows repeat
-    alone and batched."""
+    alone and batched. Sampled drafts make which draws happen depend on each step's k, so the repeat holds
+    for a fixed k (adaptive off); deterministic drafts repeat under adaptive k too (test_spec_engine)."""
     plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
     greedy = SamplingParams(temperature=0, max_tokens=24)
     reference = plain.generate(GREEDY_AND_SAMPLED[0], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    spec = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+    spec = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 3, "draft_sample_method": "probabilistic",
+            "adaptive": False}
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=spec)
     params = [greedy] + [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24) for s in (1, 2)]
     batched = [o.outputs[0].token_ids for o in llm.generate(GREEDY_AND_SAMPLED, params, use_tqdm=False)]

@@ -17,6 +17,9 @@ from draftsmith.methods.base import DraftBatch, Proposer, RowState
 
 
 class NgramProposer(Proposer):
+    sequential = False  # one lookup yields every draft
+    propose_first = True  # and costs little next to a forward: the planner sees which rows matched
+
     def __init__(self, config, target, max_num_seqs: int, max_model_len: int):
         super().__init__(config, target, max_num_seqs, max_model_len)
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
@@ -56,6 +59,7 @@ class NgramProposer(Proposer):
         tokens, out_counts = self.draft_tokens[:rows_n], self.draft_counts[:rows_n]
         tokens.copy_(torch.where(offsets[None, :] < counts[:, None], drafted, torch.full_like(drafted, -1)))
         out_counts.copy_(counts)
+        self.steps_run = 1
         return DraftBatch(tokens, out_counts)
 
     def release(self, request: RowState) -> None:

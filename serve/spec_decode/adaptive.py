@@ -1,0 +1,209 @@
+"""Adaptive speculation: each decode step, how many tokens to draft, chosen to maximise expected tokens/s.
+
+Speculating pays only when the tokens it gains outweigh what it costs, and both sides move: acceptance
+differs by request and by stretch of text, and the cost of verifying k+1 tokens per row grows with the batch
+(on a small CPU target, 5 tokens x 1 row cost 1.1x one decode token but 5 x 32 rows cost 2.4x). So the
+planner models both and picks, per step, the draft width w in 0..k (the config's num_speculative_tokens
+is the cap) that maximises
+
+    expected tokens / expected seconds = sum_rows (1 + sum_{j <= k_row} prod_{m <= j} a_row,m) / T(rows, w)
+
+with k_row = min(w, the row's limit), a_row,m the row's acceptance rate at draft position m given the
+earlier ones were accepted (exponentially decayed counts, shrunk toward the method's running rates,
+which start optimistic so that speculation is tried), and
+
+    T(rows, 0) = F(rows, 1) + host_plain(rows),  T(rows, w) = F(rows, w + 1) + draft(rows, w) + host_spec(rows)
+
+where F is the measured target forward table (`cost_profile`), scaled by what live forwards take, and
+draft and host work are fitted online from the step timings the engine reports. w = 0 is plain decoding.
+
+For proposers that know their confidence, the planner also sets the confidence floor under which a row
+stops drafting: one more sequential draft step costs about `c` seconds and gains the row's chance of
+acceptance `P`, which pays while P exceeds c times the row's expected tokens per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.serve.cost_profile import ForwardCostTable
+
+# Before any evidence: a guess that makes speculation worth trying; real counts outweigh it in a few steps.
+INITIAL_RATE = 0.7
+
+
+class DecayedLine:
+    """y ~ a + b x, fitted by least squares over observations weighted by decay**age."""
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sxx = d * self.n + 1, d * self.sx + x, d * self.sxx + x * x
+        self.sy, self.sxy = d * self.sy + y, d * self.sxy + x * y
+
+    @property
+    def seen(self) -> bool:
+        return self.n > 0.5
+
+    def predict(self, x: float) -> float:
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mean_x * mean_x
+        if var < 1e-9 * max(1.0, mean_x * mean_x):  # one x value seen: no slope to fit
+            return max(mean_y, 0.0)
+        slope = (self.sxy / self.n - mean_x * mean_y) / var
+        return max(mean_y + slope * (x - mean_x), 0.0)
+
+
+class AcceptanceStats:
+    """Per slot and draft position: decayed counts of drafts reached and accepted, and the method's running
+    totals (the prior each slot's counts are shrunk toward)."""
+
+    def __init__(self, num_slots: int, k: int, decay: float = 0.8, prior_weight: float = 2.0,
+                 method_decay: float = 0.99, idle_decay: float = 0.9, initial_weight: float = 4.0):
+        self.k, self.decay, self.prior_weight, self.method_decay = k, decay, prior_weight, method_decay
+        self.idle_decay, self.initial_weight = idle_decay, initial_weight
+        self.reached = torch.zeros(num_slots, k, dtype=torch.float64)
+        self.accepted = torch.zeros(num_slots, k, dtype=torch.float64)
+        self.method_reached = torch.zeros(k, dtype=torch.float64)
+        self.method_accepted = torch.zeros(k, dtype=torch.float64)
+
+    def reset(self, slot: int) -> None:
+        self.reached[slot] = 0
+        self.accepted[slot] = 0
+
+    def rates(self, slots: torch.Tensor) -> torch.Tensor:
+        """[B, k] conditional acceptance rates of the given slots."""
+        w0 = self.initial_weight
+        prior = (self.method_accepted + w0 * INITIAL_RATE) / (self.method_reached + w0)
+        w = self.prior_weight
+        return (self.accepted[slots] + w * prior) / (self.reached[slots] + w)
+
+    def idle(self, slots: torch.Tensor) -> None:
+        """Rows that did not draft this step: old evidence fades, so a request (and the method) that once
+        drafted badly is tried again after a while instead of never."""
+        self.reached[slots] *= self.idle_decay
+        self.accepted[slots] *= self.idle_decay
+        self.method_reached *= self.method_decay
+        self.method_accepted *= self.method_decay
+
+    def observe(self, slots: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Rows that drafted `drafted[b]` tokens and had `accepted[b]` of them accepted. Position j was
+        reached when the j drafts before it were accepted."""
+        position = torch.arange(self.k, dtype=torch.long)[None, :]
+        reached = ((position < drafted[:, None]) & (position <= accepted[:, None])).double()
+        hit = (position < accepted[:, None]).double()
+        spoke = drafted > 0
+        slots, reached, hit = slots[spoke], reached[spoke], hit[spoke]
+        self.reached[slots] = self.decay * self.reached[slots] + reached
+        self.accepted[slots] = self.decay * self.accepted[slots] + hit
+        d = self.method_decay ** len(slots)
+        self.method_reached = d * self.method_reached + reached.sum(0)
+        self.method_accepted = d * self.method_accepted + hit.sum(0)
+
+
+@dataclass
+class StepPlan:
+    width: int  # drafts per row at most this step (0 = plain decode)
+    stop_below: float = 0.0  # confidence floor for proposers that stop early
+    expected_tokens: float = 0.0
+    expected_seconds: float = 0.0
+
+
+@dataclass
+class CostModel:
+    """Seconds of a decode step's parts, from the profile table and live timings."""
+
+    table: ForwardCostTable
+    sequential_drafts: bool  # each draft token is one more draft forward
+    drafts_before_plan: bool  # drafting already happened when the plan is made: its cost is sunk
+    forward_scale: dict[int, float] = field(default_factory=dict)  # live / table, by query length
+    draft_step: DecayedLine = field(default_factory=DecayedLine)  # seconds per draft forward, by rows
+    host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
+    host_spec: DecayedLine = field(default_factory=DecayedLine)
+
+    def forward(self, rows: int, query_len: int) -> float:
+        scale = self.forward_scale.get(query_len) or self.forward_scale.get(1) or 1.0
+        return self.table.estimate(rows, query_len) * scale
+
+    def draft(self, rows: int, width: int) -> float:
+        if width == 0 or self.drafts_before_plan:
+            return 0.0
+        # before any draft was timed: a one-layer head costs about a third of the target's decode
+        step = self.draft_step.predict(rows) if self.draft_step.seen else self.forward(rows, 1) / 3
+        return step * (width if self.sequential_drafts else 1)
+
+    def host(self, rows: int, speculative: bool) -> float:
+        line, other = (self.host_spec, self.host_plain) if speculative else (self.host_plain, self.host_spec)
+        if line.seen:
+            return line.predict(rows)
+        return other.predict(rows) if other.seen else 0.0
+
+    def step_seconds(self, rows: int, width: int) -> float:
+        return self.forward(rows, width + 1) + self.draft(rows, width) + self.host(rows, width > 0)
+
+    def observe_forward(self, rows: int, query_len: int, seconds: float, decay: float = 0.9) -> None:
+        ratio = seconds / max(self.table.estimate(rows, query_len), 1e-9)
+        old = self.forward_scale.get(query_len)
+        self.forward_scale[query_len] = ratio if old is None else decay * old + (1 - decay) * ratio
+
+
+class SpeculationPlanner:
+    """Chooses each step's draft width; `adaptive=False` keeps the config's k, or vLLM's
+    num_speculative_tokens_per_batch_size table when one is given."""
+
+    def __init__(self, k: int, num_slots: int, cost: CostModel | None, adaptive: bool = True,
+                 per_batch_size: list[tuple[int, int, int]] | None = None):
+        self.k, self.cost, self.per_batch_size = k, cost, per_batch_size
+        self.adaptive = adaptive and per_batch_size is None and cost is not None
+        self.acceptance = AcceptanceStats(num_slots, k)
+        self.row_widths = [0] * (k + 1)  # (row, step) pairs by the draft limit they were given
+        self.plain_steps = 0
+
+    def fixed_width(self, rows: int) -> int:
+        for lo, hi, width in self.per_batch_size or ():
+            if lo <= rows <= hi:
+                return width
+        return self.k
+
+    def plan(self, slots: torch.Tensor, limits: torch.Tensor) -> StepPlan:
+        """`limits[b]`: the most row b may draft (room left, max_tokens, or drafts it has)."""
+        if not self.adaptive:
+            return StepPlan(min(self.fixed_width(len(slots)), int(limits.max())))
+        rows = len(slots)
+        rates = self.acceptance.rates(slots)
+        gain = torch.cat([torch.zeros(rows, 1, dtype=rates.dtype), rates.cumprod(1).cumsum(1)], dim=1)
+        widths = torch.arange(self.k + 1)
+        per_row = gain.gather(1, torch.minimum(widths[None, :], limits[:, None].clamp(max=self.k)))
+        tokens = (rows + per_row.sum(0)).tolist()
+        best = StepPlan(0)
+        for width, expected in enumerate(tokens):
+            if width > 0 and tokens[width] <= tokens[width - 1]:
+                break  # no row can use a wider step
+            seconds = max(self.cost.step_seconds(rows, width), 1e-9)
+            if best.expected_seconds == 0.0 or expected / seconds > best.expected_tokens / best.expected_seconds:
+                best = StepPlan(width, 0.0, expected, seconds)
+        if best.width > 0:
+            # one more draft step costs a draft forward plus a wider verify; it pays while the row's chance
+            # of acceptance exceeds that cost times the row's token rate
+            step = (self.cost.draft(rows, 1) if self.cost.sequential_drafts else 0.0) + max(
+                self.cost.forward(rows, best.width + 2) - self.cost.forward(rows, best.width + 1), 0.0)
+            best.stop_below = step * best.expected_tokens / best.expected_seconds / rows
+        return best
+
+    def record(self, limits: torch.Tensor, width: int) -> None:
+        if width == 0:
+            self.plain_steps += 1
+        for given in torch.minimum(limits, torch.tensor(width)).tolist():
+            self.row_widths[given] += 1
+
+    def reset_metrics(self) -> None:
+        self.row_widths = [0] * (self.k + 1)
+        self.plain_steps = 0
+
+    def metrics(self) -> dict:
+        return {"spec_k_histogram": list(self.row_widths), "num_steps_without_speculation": self.plain_steps}

@@ -151,21 +151,39 @@ def build_parser() -> argparse.ArgumentParser:
                       "write nothing")
     conv.set_defaults(handler="draftsmith.convert.cli:run")
 
-    bench = sub.add_parser("bench", help="throughput on validation code prompts, side by side in one run",
-                           description="Times HF transformers and our engine, without and with speculation "
-                           "(--speculative-config, and every head shipped as assets/MODEL-HEADTYPE), on the same validation code "
-                           "prompts and prints tokens/s, speedups and acceptance per model.")
+    bench = sub.add_parser("bench", help="throughput matrix: every speculation method against none, by concurrency",
+                           description="For each model, runs no speculation and every method (--speculative-config "
+                           "and every head shipped as assets/MODEL-HEADTYPE) at each --concurrency level, in one "
+                           "process on the same validation code prompts, greedy. Concurrency c = c requests in "
+                           "flight, the next prompt queued as one finishes; max(c, --num-prompts) prompts per "
+                           "level. Prints tokens/s, the ratio to no speculation at the same level and the mean "
+                           "acceptance length, checks every method's tokens against no speculation's, and writes "
+                           "--json rows and a PNG of speedup against concurrency (one line per method). HF "
+                           "transformers generate is timed at concurrency 1 as a reference.")
     bench.add_argument("--shared", default="../shared", help="folder holding data/ and models/")
     bench.add_argument("--models", default="demo-code-7m,house-code-28m", help="comma-separated names under models/")
-    bench.add_argument("--num-prompts", type=_positive_int, default=8)
+    bench.add_argument("--concurrency", default="1,4,8,16,32",
+                       help="comma-separated requests-in-flight levels (default: %(default)s)")
+    bench.add_argument("--num-prompts", type=_positive_int, default=8,
+                       help="prompts per level at least; a level c above it uses c prompts (default: %(default)s)")
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
+    bench.add_argument("--rounds", type=_positive_int, default=1,
+                       help="time each (method, level) this many times, methods alternating within a round, "
+                       "and report the median (default: %(default)s)")
     bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     bench.add_argument("--speculative-config", default=json.dumps(CODE_DEFAULTS),
                        help="speculation to compare against no speculation, besides the shipped heads ('' to skip); "
                        "default: %(default)s")
     bench.add_argument("--head-k", "--eagle-k", dest="head_k", type=_positive_int, default=5,
                        help="draft tokens for the shipped heads (assets/MODEL-HEADTYPE, e.g. demo-code-7m-eagle3)")
-    bench.add_argument("--json", default=None, help="also write the results here")
+    bench.add_argument("--profile", action="store_true",
+                       help="also print where each decode step's time goes (draft, target forward, verify and "
+                       "sample, bookkeeping) in ms per step and share")
+    bench.add_argument("--json", default=None, help="write the rows (one per model, method and level) here")
+    chart = bench.add_mutually_exclusive_group()
+    chart.add_argument("--plot", default=None,
+                       help="speedup chart PNG (default: --json with .png, else bench.png; needs matplotlib)")
+    chart.add_argument("--no-plot", action="store_true", help="skip the chart")
     bench.set_defaults(handler="draftsmith.serve.bench:run")
 
     prof = sub.add_parser("profile", help="time target forwards by batch shape (the speculation cost model's input)",

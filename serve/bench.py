@@ -1,17 +1,20 @@
-"""`draftsmith bench`: decode throughput on validation code prompts, side by side in one run.
+"""`draftsmith bench`: a side-by-side throughput matrix of speculation methods against no speculation.
 
-For each model it times, on the same prompts and greedy settings: HF transformers `generate` one prompt
-at a time (the baseline users know), our engine one prompt at a time without speculation and with each
-speculation method (the --speculative-config one, n-gram by default, and every head that ships for the
-model in assets/MODEL-HEADTYPE), and our engine with all
-prompts batched. Ratios are taken within the run, never against numbers from another machine or day.
-Speculative outputs are also checked token for token against the plain ones.
+For each model, every method (the --speculative-config one, n-gram by default, and every head shipped as
+assets/MODEL-HEADTYPE) and no speculation run at each concurrency level on the same validation code
+prompts, greedy. Concurrency c means c requests in flight: the bench drives the engine itself and queues the
+next prompt as soon as one finishes, the way a server under steady load sees it. Ratios are taken within
+the run, never against numbers from another machine or day, and each method's tokens are checked against
+no speculation's at the same level. HF transformers `generate`, one prompt at a time, is timed at
+concurrency 1 as the baseline users know.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -20,34 +23,30 @@ import torch
 from draftsmith.corpus import code_prompts
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import method_names, resolve_method, servable
+from draftsmith.models.tokenizer import load_tokenizer
+from draftsmith.serve.bench_plot import plot_speedups, require_matplotlib
 from draftsmith.serve.llm import LLM
 from draftsmith.serve.sampling_params import SamplingParams
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+NO_SPEC = "none"  # the row every ratio divides by
+HF = "hf"  # HF transformers generate, concurrency 1 only
+DRAFT_OVERSHOOT = 16  # cache room past prompt + max_tokens for the drafts a last verify step writes
 
 
-def _time_engine(llm: LLM, prompts: list[str], params: SamplingParams, batched: bool):
-    start = time.perf_counter()
-    if batched:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    else:
-        outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
-    elapsed = time.perf_counter() - start
-    return elapsed, outputs
-
-
-def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> tuple[float, int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    tokens, start = 0, time.perf_counter()
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-            tokens += out.shape[1] - ids.shape[1]
-    return time.perf_counter() - start, tokens
+def parse_concurrency(text: str) -> list[int]:
+    """'1,4,8' -> [1, 4, 8] (sorted, deduplicated); DraftsmithError naming the bad value otherwise."""
+    levels = set()
+    for part in text.split(","):
+        try:
+            level = int(part)
+        except ValueError:
+            raise DraftsmithError(f"--concurrency: {part.strip()!r} is not an integer "
+                                  "(expected comma-separated positive integers, e.g. 1,4,8)") from None
+        if level < 1:
+            raise DraftsmithError(f"--concurrency: levels must be >= 1, got {level}")
+        levels.add(level)
+    return sorted(levels)
 
 
 def shipped_heads(model_name: str) -> dict[str, Path]:
@@ -63,7 +62,10 @@ def shipped_heads(model_name: str) -> dict[str, Path]:
 def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dict[str, dict]:
     methods = {}
     if spec_config:
-        config = json.loads(spec_config)
+        try:
+            config = json.loads(spec_config)
+        except json.JSONDecodeError as exc:
+            raise DraftsmithError(f"--speculative-config is not valid JSON ({exc.msg})") from None
         methods[config.get("method", "?")] = config
     for name, head in shipped_heads(model_name).items():
         if name not in methods:  # the user's own config for a method wins over the shipped head
@@ -71,55 +73,171 @@ def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dic
     return methods
 
 
-def _count(outputs) -> int:
-    return sum(len(o.outputs[0].token_ids) for o in outputs)
+def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency: int):
+    """Runs every prompt with `concurrency` requests in flight; returns (seconds, token ids per prompt)."""
+    engine, outputs, live = llm.engine, [None] * len(prompts), {}
+    queue = iter(enumerate(prompts))
+
+    def add_next() -> None:
+        for index, ids in itertools.islice(queue, 1):
+            live[engine.add_request(ids, params).request_id] = index
+
+    start = time.perf_counter()
+    for _ in range(concurrency):
+        add_next()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[live.pop(output.request_id)] = output.outputs[0].token_ids
+                add_next()
+    return time.perf_counter() - start, outputs
+
+
+def _reset_metrics(llm: LLM) -> None:
+    # drops the warm-up's and the previous run's counts; engines before reset_metrics lack it (and the
+    # histogram and step profile it resets)
+    reset = getattr(llm.engine, "reset_metrics", None)
+    if reset is not None:
+        reset()
+
+
+def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tokens, start = 0, time.perf_counter()
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+            tokens += out.shape[1] - ids.shape[1]
+    return tokens / (time.perf_counter() - start)
+
+
+def _row(model: str, method: str, k: int | None, c: int, speeds: list[float], metrics: dict,
+         equal: bool | None, level: list[dict]) -> dict:
+    """One JSON row; `level` holds the rows already made at this concurrency, no speculation's first."""
+    speed = statistics.median(speeds)
+    return {"model": model, "method": method, "k": k, "concurrency": c, "tokens_per_s": speed,
+            "speedup_vs_no_spec": speed / level[0]["tokens_per_s"] if level else 1.0,
+            "mean_acceptance_length": metrics.get("mean_acceptance_length"), "greedy_equal": equal,
+            "spec_k_histogram": metrics.get("spec_k_histogram"),
+            "num_steps_without_speculation": metrics.get("num_steps_without_speculation"),
+            "step_profile": metrics.get("step_profile")}
+
+
+def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[dict]:
+    """The matrix for one model: a row per (method, concurrency), each printed once measured."""
+    model_dir = Path(args.shared) / "models" / name
+    if not model_dir.is_dir():
+        raise DraftsmithError(f"model {model_dir} not found (--models names folders under SHARED/models)")
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    configs = {NO_SPEC: None, **speculation_methods(name, args.speculative_config, args.head_k)}
+    # one engine per method, reused at every level: loading and cost profiling stay out of the timings
+    llms = {method: LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(levels),
+                        max_model_len=max(map(len, prompts)) + args.max_tokens + DRAFT_OVERSHOOT,
+                        speculative_config=config) for method, config in configs.items()}
+    for llm in llms.values():
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows = []
+    for c in levels:
+        batch = prompts[: max(c, args.num_prompts)]
+        runs = {m: [] for m in llms}  # per method: (tokens/s, token ids) per round
+        level: list[dict] = []  # no speculation's row first: every ratio at this level divides by it
+        # rounds alternate methods (none, m1, m2, none, m1, ...) so drift in machine load hits all alike;
+        # no speculation runs first in the last round, so each method's row can print as soon as it is done
+        for round_, (method, llm) in itertools.product(range(args.rounds), llms.items()):
+            _reset_metrics(llm)
+            secs, outputs = drive(llm, batch, params, c)
+            runs[method].append((sum(map(len, outputs)) / secs, outputs))
+            if round_ == args.rounds - 1:
+                spec = llm.engine.spec_config
+                equal = all(out == runs[NO_SPEC][0][1] for _, out in runs[method])  # every round, too
+                # metrics are the last round's: greedy acceptance is the same in every round
+                level.append(_row(name, method, spec and spec.num_speculative_tokens, c,
+                                  [speed for speed, _ in runs[method]], llm.get_metrics(), equal, level))
+                _print_row(level[-1], args.profile)
+        if c == 1 and not args.no_hf:
+            hf = _time_hf(model_dir, tokenizer, texts[: max(1, args.num_prompts)], args.max_tokens)
+            level.append(_row(name, HF, None, 1, [hf], {}, None, level))
+            _print_row(level[-1], args.profile)
+        rows += level
+    return rows
+
+
+def _label(row: dict) -> str:
+    return row["method"] if row["k"] is None else f"{row['method']} k={row['k']}"
+
+
+def _print_row(row: dict, profile: bool) -> None:
+    line = (f"  {row['model']} c={row['concurrency']} {_label(row)}: {row['tokens_per_s']:.1f} tok/s, "
+            f"{row['speedup_vs_no_spec']:.2f}x")
+    if row["k"] is not None:
+        line += f", acceptance {row['mean_acceptance_length']:.2f}"
+        if row["spec_k_histogram"] is not None:
+            line += ", k chosen " + " ".join(f"{k}:{n}" for k, n in enumerate(row["spec_k_histogram"]) if n)
+        if row["num_steps_without_speculation"] is not None:
+            line += f", {row['num_steps_without_speculation']} steps unspeculated"
+    if row["greedy_equal"] is not None:
+        line += ", greedy equal" if row["greedy_equal"] else ", GREEDY MISMATCH vs no speculation"
+    print(line, flush=True)
+    if profile and row["step_profile"]:
+        print(f"    {_profile_line(row['step_profile'])}", flush=True)
+
+
+def _profile_line(profile: dict) -> str:
+    """ms per decode step of each timed part (every `*_s` key, so a new part shows up unasked) and its share."""
+    steps = profile.get("decode_steps", 0)
+    parts = {key.removesuffix("_s"): secs for key, secs in profile.items() if key.endswith("_s")}
+    total = sum(parts.values())
+    if not steps or not total:
+        return "no decode steps timed"
+    shares = ", ".join(f"{part} {1e3 * secs / steps:.2f} ms ({secs / total:.0%})" for part, secs in parts.items())
+    return f"{steps} decode steps, {1e3 * total / steps:.2f} ms each: {shares}"
+
+
+def _print_table(name: str, rows: list[dict], levels: list[int]) -> None:
+    cells = {(r["method"], r["concurrency"]): r for r in rows}
+    labels = {r["method"]: _label(r) for r in rows}
+    width = max(map(len, labels.values())) + 2
+    print(f"\n{name}: tok/s and speedup vs no speculation; acc = mean acceptance length")
+    print(f"{'method':<{width}}" + "".join(f"{f'c={c}':>17}" for c in levels) + "   acc by c")
+    for method, label in labels.items():
+        line = f"{label:<{width}}"
+        accept = []
+        for c in levels:
+            cell = cells.get((method, c))
+            line += f"{cell['tokens_per_s']:>10.1f} {cell['speedup_vs_no_spec']:>5.2f}x" if cell else " " * 17
+            if cell and cell["mean_acceptance_length"] is not None:
+                accept.append(f"{cell['mean_acceptance_length']:.2f}")
+        print(line + "   " + ("/".join(accept) or "-"), flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
+    levels = parse_concurrency(args.concurrency)
+    if not args.no_plot:
+        require_matplotlib()  # now, not after a run of many minutes
     shared = Path(args.shared)
     data = shared / "data" / "code-validation.jsonl.xz"
     if not data.is_file():
         raise DraftsmithError(f"benchmark data {data} not found; pass --shared DIR (the folder holding data/ and models/)")
-    prompts = code_prompts(data, args.num_prompts)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    warm = SamplingParams(temperature=0, max_tokens=8)
+    texts = code_prompts(data, max(levels[-1], args.num_prompts))
+    print(f"concurrency {','.join(map(str, levels))}: max(c, {args.num_prompts}) validation code prompts per level, "
+          f"greedy, {args.max_tokens} new tokens, fp32, {torch.get_num_threads()} CPU threads, "
+          f"median of {args.rounds} round(s)", flush=True)
     rows = []
-    print(f"{len(prompts)} validation code prompts, greedy, {args.max_tokens} new tokens, fp32, "
-          f"{torch.get_num_threads()} CPU threads")
-    for name in args.models.split(","):
-        model_dir = shared / "models" / name
-        llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(len(prompts), 1))
-        llm.generate(prompts[0], warm, use_tqdm=False)
-        secs, plain = _time_engine(llm, prompts, params, batched=False)
-        base = {"model": name, "bs1_tokens_per_s": _count(plain) / secs}
-        secs, batched = _time_engine(llm, prompts, params, batched=True)
-        base[f"bs{len(prompts)}_tokens_per_s"] = _count(batched) / secs
-        if not args.no_hf:
-            secs, toks = _time_hf(model_dir, llm.tokenizer, prompts, args.max_tokens)
-            base["hf_bs1_tokens_per_s"] = toks / secs
-            base["bs1_speedup_vs_hf"] = base["bs1_tokens_per_s"] / base["hf_bs1_tokens_per_s"]
-        _print(base)
-        rows.append(base)
-        plain_ids = [o.outputs[0].token_ids for o in plain]
-        for method, config in speculation_methods(name, args.speculative_config, args.head_k).items():
-            spec = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(len(prompts), 1),
-                       speculative_config=config)
-            spec.generate(prompts[0], warm, use_tqdm=False)
-            spec.engine.spec_metrics.reset()  # drop the warm-up's counts
-            secs, outputs = _time_engine(spec, prompts, params, batched=False)
-            metrics = spec.get_metrics()
-            row = {"model": name, "method": method, "k": config["num_speculative_tokens"],
-                   "spec_bs1_tokens_per_s": _count(outputs) / secs}
-            row["speedup_vs_no_spec"] = row["spec_bs1_tokens_per_s"] / base["bs1_tokens_per_s"]
-            row["mean_acceptance_length"] = metrics["mean_acceptance_length"]
-            row["accepted_per_position"] = "/".join(str(n) for n in metrics["accepted_per_position"])
-            row["greedy_equal"] = [o.outputs[0].token_ids for o in outputs] == plain_ids
-            _print(row)
-            rows.append(row)
+    for name in filter(None, map(str.strip, args.models.split(","))):
+        model_rows = bench_model(args, name, levels, texts)
+        _print_table(name, model_rows, levels)
+        rows += model_rows
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    if not args.no_plot:
+        plot = Path(args.plot or (Path(args.json).with_suffix(".png") if args.json else "bench.png"))
+        plot_speedups(rows, levels, plot, exclude=(NO_SPEC, HF))
+        print(f"speedup plot: {plot}")
     return 0
-
-
-def _print(row: dict) -> None:
-    print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

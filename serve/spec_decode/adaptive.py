@@ -24,6 +24,7 @@ acceptance `P`, which pays while P exceeds c times the row's expected tokens per
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ from draftsmith.serve.cost_profile import ForwardCostTable
 
 # Before any evidence: a guess that makes speculation worth trying; real counts outweigh it in a few steps.
 INITIAL_RATE = 0.7
+FLOOR_MARGIN = 0.5
 
 
 class DecayedLine:
@@ -121,14 +123,15 @@ class CostModel:
     table: ForwardCostTable
     sequential_drafts: bool  # each draft token is one more draft forward
     drafts_before_plan: bool  # drafting already happened when the plan is made: its cost is sunk
-    forward_scale: dict[int, float] = field(default_factory=dict)  # live / table, by query length
+    # live / table seconds, one factor for every shape: the table gives the shape of the cost, live steps its
+    # level today (context length, other load); a geometric moving average, so one slow step moves it little
+    forward_scale: float = 1.0
     draft_step: DecayedLine = field(default_factory=DecayedLine)  # seconds per draft forward, by rows
     host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
     host_spec: DecayedLine = field(default_factory=DecayedLine)
 
     def forward(self, rows: int, query_len: int) -> float:
-        scale = self.forward_scale.get(query_len) or self.forward_scale.get(1) or 1.0
-        return self.table.estimate(rows, query_len) * scale
+        return self.table.estimate(rows, query_len) * self.forward_scale
 
     def draft(self, rows: int, width: int) -> float:
         if width == 0 or self.drafts_before_plan:
@@ -146,10 +149,9 @@ class CostModel:
     def step_seconds(self, rows: int, width: int) -> float:
         return self.forward(rows, width + 1) + self.draft(rows, width) + self.host(rows, width > 0)
 
-    def observe_forward(self, rows: int, query_len: int, seconds: float, decay: float = 0.9) -> None:
-        ratio = seconds / max(self.table.estimate(rows, query_len), 1e-9)
-        old = self.forward_scale.get(query_len)
-        self.forward_scale[query_len] = ratio if old is None else decay * old + (1 - decay) * ratio
+    def observe_forward(self, rows: int, query_len: int, seconds: float, decay: float = 0.95) -> None:
+        ratio = max(seconds, 1e-9) / max(self.table.estimate(rows, query_len), 1e-9)
+        self.forward_scale = math.exp(decay * math.log(self.forward_scale) + (1 - decay) * math.log(ratio))
 
 
 class SpeculationPlanner:
@@ -160,6 +162,7 @@ class SpeculationPlanner:
                  per_batch_size: list[tuple[int, int, int]] | None = None):
         self.k, self.cost, self.per_batch_size = k, cost, per_batch_size
         self.adaptive = adaptive and per_batch_size is None and cost is not None
+        self.confidence_floor = True  # let confident proposers stop early (tests turn it off to force drafts)
         self.acceptance = AcceptanceStats(num_slots, k)
         self.row_widths = [0] * (k + 1)  # (row, step) pairs by the draft limit they were given
         self.plain_steps = 0
@@ -187,12 +190,13 @@ class SpeculationPlanner:
             seconds = max(self.cost.step_seconds(rows, width), 1e-9)
             if best.expected_seconds == 0.0 or expected / seconds > best.expected_tokens / best.expected_seconds:
                 best = StepPlan(width, 0.0, expected, seconds)
-        if best.width > 0:
+        if best.width > 0 and self.cost.sequential_drafts and self.confidence_floor:
             # one more draft step costs a draft forward plus a wider verify; it pays while the row's chance
-            # of acceptance exceeds that cost times the row's token rate
-            step = (self.cost.draft(rows, 1) if self.cost.sequential_drafts else 0.0) + max(
+            # of acceptance exceeds that cost times the row's token rate. Draft confidences are not calibrated
+            # acceptance rates (a one-layer head tends to be under-confident), hence the margin.
+            step = self.cost.draft(rows, 1) + max(
                 self.cost.forward(rows, best.width + 2) - self.cost.forward(rows, best.width + 1), 0.0)
-            best.stop_below = step * best.expected_tokens / best.expected_seconds / rows
+            best.stop_below = FLOOR_MARGIN * step * best.expected_tokens / best.expected_seconds / rows
         return best
 
     def record(self, limits: torch.Tensor, width: int) -> None:

@@ -1,0 +1,68 @@
+"""`draftsmith bench`: the method x concurrency matrix, its JSON rows, chart and flag errors, on a tiny run."""
+
+import json
+
+import pytest
+
+from draftsmith.cli import build_parser, main
+from draftsmith.models.loader import load_target
+from draftsmith.serve import bench, cost_profile
+from helpers import DEMO_MODEL, shared_path
+
+LEVELS = (1, 2)
+
+
+@pytest.fixture
+def shared_with_demo(tmp_path, monkeypatch):
+    """A shared folder whose only model is the embedded demo one (the prompts still come from ../shared), and
+    a synthetic forward-cost table for it: measuring the real one takes longer than this whole test, and
+    the test checks the matrix, not which k the adaptive planner picks."""
+    root = tmp_path / "shared"
+    (root / "models").mkdir(parents=True)
+    (root / "data").symlink_to(shared_path("data", "code-validation.jsonl.xz").parent)
+    (root / "models" / "demo-code-7m").symlink_to(DEMO_MODEL)
+    monkeypatch.setenv("DRAFTSMITH_CACHE_DIR", str(tmp_path / "cache"))  # keep the table out of other tests
+    target = load_target(DEMO_MODEL, dtype="float32", device="cpu", max_len=64)
+    key = cost_profile.profile_key(DEMO_MODEL, target)
+    # a small CPU target: a verify of q tokens costs far less than q decodes, rows cost less than linear
+    seconds = [[1e-3 * (1 + 0.6 * (r - 1)) * (1 + 0.15 * (q - 1)) for q in cost_profile.QUERY_LENS]
+               for r in cost_profile.ROWS]
+    table = cost_profile.ForwardCostTable(key, list(cost_profile.ROWS), list(cost_profile.QUERY_LENS),
+                                          cost_profile.CONTEXT, seconds)
+    path = cost_profile.cache_path(key)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(table.to_json()))
+    return root
+
+
+def test_bench_writes_a_row_per_method_and_level_and_a_chart(shared_with_demo, tmp_path, capsys):
+    out = tmp_path / "out" / "bench.json"
+    args = build_parser().parse_args([
+        "bench", "--shared", str(shared_with_demo), "--models", "demo-code-7m",
+        "--concurrency", ",".join(map(str, LEVELS)), "--num-prompts", "2", "--max-tokens", "8", "--no-hf",
+        "--profile", "--json", str(out)])
+    assert bench.run(args) == 0
+    rows = json.loads(out.read_text())
+    methods = ["none", *bench.speculation_methods("demo-code-7m", args.speculative_config, args.head_k)]
+    assert len(methods) >= 2  # n-gram by default, plus the shipped EAGLE-3 head
+    assert sorted((r["method"], r["concurrency"]) for r in rows) == sorted(
+        (m, c) for m in methods for c in LEVELS)
+    no_spec = {r["concurrency"]: r for r in rows if r["method"] == "none"}
+    for row in rows:
+        assert row["model"] == "demo-code-7m" and row["tokens_per_s"] > 0
+        assert row["greedy_equal"] is True, row
+        assert row["speedup_vs_no_spec"] == pytest.approx(
+            row["tokens_per_s"] / no_spec[row["concurrency"]]["tokens_per_s"])
+        if row["method"] != "none":
+            assert row["k"] >= 1 and row["mean_acceptance_length"] >= 1.0
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    printed = capsys.readouterr().out
+    assert "demo-code-7m: tok/s and speedup" in printed and "c=2" in printed
+
+
+@pytest.mark.parametrize("levels,expected", [("0", "levels must be >= 1, got 0"), ("a", "'a' is not an integer"),
+                                             ("1,,4", "'' is not an integer")])
+def test_bad_concurrency_is_one_line_naming_the_flag(levels, expected, capsys):
+    assert main(["bench", "--shared", "/nonexistent", "--concurrency", levels, "--no-hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--concurrency" in err[0] and expected in err[0], err

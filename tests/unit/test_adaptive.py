@@ -1,0 +1,209 @@
+"""Adaptive speculation: the planner's k follows the cost model and the acceptance it sees, and speculation
+stays lossless (greedy: token for token; sampled: in distribution) whatever k each step takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.methods import method_names, resolve_method, servable
+from draftsmith.models import load_target
+from draftsmith.models.heads import DraftHeadConfig
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.cost_profile import ForwardCostTable
+from draftsmith.serve.spec_decode.adaptive import AcceptanceStats, CostModel, SpeculationPlanner
+from helpers import DEMO_MODEL, REPO
+
+ROWS, QUERY_LENS = [1, 2, 4, 8], [1, 2, 3, 4, 5, 6, 8]
+PROMPTS = [
+    "x = 1\ny = 2\nz = 3\nx = 1\ny = ",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a",
+    "class Node:\n    def __init__(self, value, children=None):\n        self.value = value\n        self.children = chi",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
+    "import os\nimport sys\nimport os\nimport ",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+def synthetic_table(query_cost: float) -> ForwardCostTable:
+    """1 ms per row for one query token, each further query token adding `query_cost` ms per row:
+    query_cost 1 makes verifying k+1 tokens cost k+1 decodes (speculation can't pay), 0 makes it free."""
+    seconds = [[r * (1 + query_cost * (q - 1)) * 1e-3 for q in QUERY_LENS] for r in ROWS]
+    return ForwardCostTable({"model": "synthetic"}, ROWS, QUERY_LENS, 256, seconds)
+
+
+EXPENSIVE, CHEAP = synthetic_table(1.0), synthetic_table(0.0)
+
+
+def _planner(table, k=4, sequential=False):
+    cost = CostModel(table, sequential_drafts=sequential, drafts_before_plan=not sequential)
+    return SpeculationPlanner(k, num_slots=8, cost=cost)
+
+
+def _feed(planner, slots, accepted_each: int, times: int = 10):
+    slots = torch.tensor(slots)
+    for _ in range(times):
+        planner.acceptance.observe(slots, torch.full((len(slots),), planner.k), torch.full((len(slots),), accepted_each))
+
+
+def test_k_follows_the_cost_of_verification():
+    planner = _planner(EXPENSIVE)
+    _feed(planner, [0, 1], accepted_each=3)  # good drafts
+    slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
+    assert planner.plan(slots, limits).width == 0
+    planner.cost.table = CHEAP
+    assert planner.plan(slots, limits).width == 4
+    planner.cost.table = EXPENSIVE
+    assert planner.plan(slots, limits).width == 0
+
+
+def test_k_follows_acceptance():
+    planner = _planner(synthetic_table(0.15))
+    slots, limits = torch.tensor([0, 1, 2]), torch.tensor([4, 4, 4])
+    _feed(planner, [0, 1, 2], accepted_each=0, times=30)
+    assert planner.plan(slots, limits).width == 0  # nothing gets accepted: don't draft
+    _feed(planner, [0, 1, 2], accepted_each=4, times=30)
+    assert planner.plan(slots, limits).width == 4
+    _feed(planner, [0, 1, 2], accepted_each=1, times=30)  # only the first draft lands
+    assert planner.plan(slots, limits).width == 1
+
+
+def test_rows_limits_cap_the_width():
+    planner = _planner(CHEAP)
+    _feed(planner, [0], accepted_each=4)
+    assert planner.plan(torch.tensor([0]), torch.tensor([2])).width == 2
+    assert planner.plan(torch.tensor([0]), torch.tensor([0])).width == 0
+
+
+def test_sequential_drafting_cost_and_confidence_floor():
+    """A proposer that pays per draft step drafts fewer tokens than a free one, and gets a floor > 0."""
+    free, paid = _planner(synthetic_table(0.05)), _planner(synthetic_table(0.05), sequential=True)
+    paid.cost.draft_step.add(1, 0.6e-3)
+    for planner in (free, paid):
+        _feed(planner, [0], accepted_each=2)  # 0.9-ish at positions 1-2, then 0 at 3
+    plan_free, plan_paid = free.plan(torch.tensor([0]), torch.tensor([4])), paid.plan(torch.tensor([0]), torch.tensor([4]))
+    assert plan_paid.width <= plan_free.width and plan_paid.width >= 1
+    assert plan_free.stop_below == 0.0 < plan_paid.stop_below < 1.0
+
+
+def test_fixed_k_and_vllm_batch_size_table():
+    fixed = SpeculationPlanner(4, 8, cost=None, adaptive=False)
+    assert fixed.plan(torch.tensor([0]), torch.tensor([4])).width == 4
+    table = SpeculationPlanner(4, 8, cost=None, per_batch_size=[(1, 2, 3), (3, 4, 1), (5, 8, 0)])
+    assert not table.adaptive
+    widths = [table.plan(torch.arange(b), torch.full((b,), 4)).width for b in (1, 2, 3, 4, 5, 8)]
+    assert widths == [3, 3, 1, 1, 0, 0]
+
+
+def test_acceptance_counts_each_position_reached():
+    stats = AcceptanceStats(num_slots=3, k=3, decay=1.0)
+    stats.observe(torch.tensor([0, 1, 2]), torch.tensor([3, 2, 0]), torch.tensor([1, 2, 0]))
+    assert stats.reached.tolist() == [[1, 1, 0], [1, 1, 0], [0, 0, 0]]
+    assert stats.accepted.tolist() == [[1, 0, 0], [1, 1, 0], [0, 0, 0]]
+    before = stats.rates(torch.tensor([0]))[0, 1].item()
+    for _ in range(50):
+        stats.idle(torch.tensor([0]))  # old evidence fades back to the method's rate
+    after = stats.rates(torch.tensor([0]))[0, 1].item()
+    assert before < after
+
+
+@pytest.fixture(scope="module")
+def reference_ids():
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_engine_k_falls_to_zero_and_rises_again(reference_ids):
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
+    engine = llm.engine
+    for table, speculates in ((EXPENSIVE, False), (CHEAP, True), (EXPENSIVE, False)):
+        engine.planner.cost.table = table
+        engine.reset_metrics()
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # 5 prompts on 3 slots: mixed batches
+        assert [o.outputs[0].token_ids for o in outputs] == reference_ids
+        m = llm.get_metrics()
+        decode_steps = m["step_profile"]["decode_steps"]
+        if speculates:
+            assert m["num_drafts"] > 0 and sum(m["spec_k_histogram"][1:]) > 0
+            assert m["num_steps_without_speculation"] < decode_steps
+            assert m["num_forward_passes"] < m["num_generated_tokens"]
+        else:
+            assert m["num_drafts"] == 0 and m["num_steps_without_speculation"] == decode_steps
+            assert sum(m["spec_k_histogram"][1:]) == 0
+
+
+def _eagle_head(tmp_path_factory) -> str:
+    """A random EAGLE head for the demo target: drafts are poor, which exercises rejection paths."""
+    target = load_target(DEMO_MODEL, dtype="float32")
+    torch.manual_seed(1)
+    config = DraftHeadConfig.for_target("eagle", target.config, (6,), None, "demo")
+    directory = tmp_path_factory.mktemp("eagle_head")
+    resolve_method("eagle").head_module(config).attach_target(target).save_pretrained(directory)
+    return str(directory)
+
+
+SERVABLE_CONFIGS = {
+    "ngram": lambda _: {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "eagle": lambda factory: {"method": "eagle", "model": _eagle_head(factory)},
+    "eagle3": lambda _: {"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3")},
+}
+
+
+def test_every_servable_method_is_covered():
+    assert set(method_names(servable)) <= set(SERVABLE_CONFIGS)
+
+
+@pytest.mark.parametrize("method", sorted(SERVABLE_CONFIGS))
+def test_greedy_equality_with_adaptive_k(method, reference_ids, tmp_path_factory):
+    config = {**SERVABLE_CONFIGS[method](tmp_path_factory), "num_speculative_tokens": 4}
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
+    # verification made nearly free, so the planner drafts and k varies with what each request accepts
+    llm.engine.planner.cost.table = synthetic_table(0.02)
+    llm.engine.planner.confidence_floor = False  # the random EAGLE head is never confident
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_ids
+    m = llm.get_metrics()
+    assert llm.engine.planner.adaptive and m["num_drafts"] > 0
+
+
+def test_seeded_sampling_is_the_same_with_and_without_adaptive_speculation():
+    """Deterministic drafts are verified against the token plain sampling draws at that position, so a seeded
+    request samples the same text whatever k the planner picks (and with no speculation at all)."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=32) for s in range(len(PROMPTS))]
+    plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
+    spec.engine.planner.cost.table = CHEAP
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params, use_tqdm=False)] == expected
+    assert spec.get_metrics()["num_accepted_tokens"] > 0
+
+
+TRIALS = 1500
+DIST_PROMPT = "import numpy as np\n\n\ndef "
+
+
+def test_sampled_drafts_with_adaptive_k_follow_the_target_distribution():
+    """EAGLE-3 sampled drafting under the planner: the second sampled token, after the most common first
+    one, is distributed as the target says, whichever of plain sampling or verification produced it."""
+    config = {"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"), "num_speculative_tokens": 2,
+              "draft_sample_method": "probabilistic"}
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=8, max_model_len=64, speculative_config=config)
+    llm.engine.planner.cost.table = CHEAP
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(TRIALS)]
+    outputs = [o.outputs[0].token_ids for o in llm.generate([DIST_PROMPT] * TRIALS, params, use_tqdm=False)]
+    m = llm.get_metrics()
+    assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0
+    first = torch.tensor([o[0] for o in outputs])
+    mode = int(first.mode().values)
+    second = torch.tensor([o[1] for o in outputs if o[0] == mode])
+    prompt_ids = llm.encode(DIST_PROMPT)[1] + [mode]
+    with torch.inference_mode():
+        p = torch.softmax(llm.model(torch.tensor([prompt_ids])).logits[0, -1], -1)
+    top = p.topk(6).indices
+    seen = torch.bincount(second, minlength=p.numel()).float() / len(second)
+    bucket = lambda d: torch.cat([d[top], (1 - d[top].sum()).reshape(1)])  # noqa: E731
+    tv = 0.5 * (bucket(seen) - bucket(p)).abs().sum().item()
+    # 7-bucket total variation sampling noise at n samples is about 0.6 / sqrt(n)
+    assert tv < 2.5 * 0.6 / len(second) ** 0.5 + 0.01, (tv, len(second))

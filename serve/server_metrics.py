@@ -48,6 +48,11 @@ class ServerMetrics:
                                      labels, registry=r)
         self.spec_per_pos = Counter("draftsmith:spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted draft tokens by position", labels + ["position"], registry=r)
+        self.spec_chosen_k = Counter("draftsmith:spec_decode_chosen_k",
+                                     "Requests x decode steps by the draft limit the planner gave them", labels + ["k"],
+                                     registry=r)
+        self.spec_plain_steps = Counter("draftsmith:spec_decode_steps_without_speculation",
+                                        "Decode steps the planner ran without drafting", labels, registry=r)
         self.model_name = model_name
         for position in range(num_speculative_tokens):  # exported from the start, at 0
             self.spec_per_pos.labels(model_name, str(position))
@@ -62,12 +67,16 @@ class ServerMetrics:
         for key, counter in (("num_prompt_tokens", self.prompt_tokens),
                              ("num_generated_tokens", self.generation_tokens),
                              ("num_drafts", self.spec_drafts), ("num_draft_tokens", self.spec_draft_tokens),
-                             ("num_accepted_tokens", self.spec_accepted)):
+                             ("num_accepted_tokens", self.spec_accepted),
+                             ("num_steps_without_speculation", self.spec_plain_steps)):
             if key in now:
                 counter.labels(name).inc(now[key] - self._last.get(key, 0))
         for position, count in enumerate(now.get("accepted_per_position", [])):
             previous = self._last.get("accepted_per_position", [0] * (position + 1))
             self.spec_per_pos.labels(name, str(position)).inc(count - previous[position])
+        for k, count in enumerate(now.get("spec_k_histogram", [])):
+            previous = self._last.get("spec_k_histogram", [0] * (k + 1))
+            self.spec_chosen_k.labels(name, str(k)).inc(count - previous[k])
         self._last = now
 
     def render(self) -> bytes:

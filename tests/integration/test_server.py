@@ -236,6 +236,14 @@ def test_metrics_parse_and_move(server):
     per_pos = [after[("draftsmith:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),))]
                for p in range(3)]
     assert sum(per_pos) == after[("draftsmith:spec_decode_num_accepted_tokens_total", ())]
+    # the planner's choices: every decode step of the request counted once, by the draft limit it got
+    chosen = {labels: v for (name, labels), v in after.items() if name == "draftsmith:spec_decode_chosen_k_total"}
+    chosen_before = {labels: v for (name, labels), v in before.items() if name == "draftsmith:spec_decode_chosen_k_total"}
+    steps = sum(chosen.values()) - sum(chosen_before.values())
+    assert 0 < steps < 16  # at most one step per token, and the first token comes from prefill
+    plain = (after[("draftsmith:spec_decode_steps_without_speculation_total", ())]
+             - before.get(("draftsmith:spec_decode_steps_without_speculation_total", ()), 0))
+    assert 0 <= plain <= steps
 
 
 def test_sigterm_shuts_down_cleanly(tmp_path):

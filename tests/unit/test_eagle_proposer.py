@@ -1,0 +1,271 @@
+"""The batched EAGLE-3 proposer against a per-row reference on a tiny random target and head.
+
+The reference is the straightforward algorithm: for one row, a fresh cache, the head over every verified
+position at once, then one draft at a time. The proposer instead keeps pending features per slot, catches
+up incrementally (flushing long pending runs inside `observe`) and drafts all rows at a fixed width, so
+any bookkeeping slip (wrong pairing of feature and token, a lost or leaked pending position, a row's
+output taken past its limit) changes some row's drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from draftsmith.methods import resolve_method
+from draftsmith.methods.eagle import proposer as proposer_module
+from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
+from draftsmith.serve import SamplingParams
+from draftsmith.serve.sampling import SamplingBatch
+from draftsmith.serve.spec_decode.config import parse_speculative_config
+from helpers import make_tiny_checkpoint
+
+K = 4
+MAX_LEN = 96
+# Probabilities of one draft and of the whole chain are compared after different batching (incremental
+# catch-up vs one pass): only float rounding differs.
+PROB_ATOL = 1e-5
+SEED = 100  # row b's generator is seeded SEED + b, in the proposer and in the reference
+
+
+@dataclass
+class Row:
+    request_id: str
+    slot: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target, head directory, head): a tiny Llama and a random EAGLE-3 head with a peaked LM head, so that
+    draft confidences spread over (0, 1) instead of sitting near 1 / vocab."""
+    target_dir, head_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("head")
+    torch.manual_seed(0)
+    make_tiny_checkpoint("llama", target_dir)
+    target = load_target(target_dir, dtype="float32")
+    config = DraftHeadConfig.for_target("eagle3", target.config, (1, 2, 3), 64, "tiny")
+    head = resolve_method("eagle3").head_module(config).attach_target(target)
+    head.set_vocab(torch.arange(0, 128, 2))  # draft id i is target id 2i: the id mapping is exercised
+    with torch.no_grad():
+        head.lm_head.weight.mul_(8)
+    head.save_pretrained(head_dir)
+    return target, head_dir
+
+
+def make_proposer(models, max_num_seqs: int = 4, sampled: bool = False):
+    target, head_dir = models
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": K}
+    if sampled:
+        spec["draft_sample_method"] = "probabilistic"
+    return resolve_method("eagle3").proposer_class()(parse_speculative_config(spec), target, max_num_seqs, MAX_LEN)
+
+
+def features_of(proposer, ids: list[int]) -> torch.Tensor:
+    """[len(ids), F] target features of every position (causal, so earlier ones do not depend on later ids)."""
+    with torch.inference_mode():
+        out = proposer.head.target(torch.tensor([ids]), hidden_layer_ids=proposer.hidden_layer_ids)
+        return proposer.features(out.hidden_states)[0]
+
+
+def observe(proposer, rows: list[Row], counts: list[int], extra: list[list[int]] | None = None,
+            starts: list[int] | None = None) -> None:
+    """The engine's call after a forward: row b verified `counts[b]` positions from starts[b] (default: its
+    last token, or 0 while it has no output), whose ids past the row's end are `extra[b]` (accepted drafts)."""
+    extra = extra or [[] for _ in rows]
+    starts = starts or [r.num_tokens - 1 if r.output_token_ids else 0 for r in rows]
+    feats = torch.zeros(len(rows), max(counts), proposer.head.fc.in_features)
+    for b, (row, start, count) in enumerate(zip(rows, starts, counts)):
+        feats[b, :count] = features_of(proposer, row.all_token_ids() + extra[b])[start : start + count]
+    proposer.observe(rows, starts, counts, feats)
+
+
+@torch.inference_mode()
+def reference(proposer, row: Row, limit: int, temperature: float = 0.0, generator=None):
+    """One row alone, old-style: (target ids, probability of each, q over the draft vocab per draft)."""
+    head, ids = proposer.head, row.all_token_ids()
+    n = len(ids) - 1  # verified positions 0..n-1 pair with tokens 1..n
+    cache = head.make_cache(1, MAX_LEN)
+    batch = ForwardBatch.build([0], [0], [n], cache)
+    out, logits = head.step(torch.tensor([ids[1:]]), features_of(proposer, ids)[None, :n], batch.positions, True,
+                            cache, batch)
+    state, logit = out[:, -1], logits[0, -1]
+    tokens, probs, qs = [], [], []
+    for s in range(limit):
+        if s:
+            batch = ForwardBatch.build([0], [n + s - 1], [1], cache)
+            out, logits = head.step(torch.tensor([[tokens[-1]]]), state[:, None], batch.positions, False, cache, batch)
+            state, logit = out[:, 0], logits[0, 0]
+        q = torch.softmax(logit.float() / (temperature or 1.0), -1)
+        if temperature:
+            draft = int((q / torch.ones_like(q).exponential_(generator=generator)).argmax())
+        else:
+            draft = int(q.argmax())
+        tokens.append(int(head.to_target_ids(torch.tensor(draft))))
+        probs.append(float(q[draft]))
+        qs.append(q)
+    return tokens, probs, qs
+
+
+def check_against_reference(proposer, rows, limits, drafts, sampling=None, temperatures=None):
+    """Each row's drafts, probability products and q equal the reference's; with `sampling`, each row's
+    generator also advanced exactly as far as the reference's copy (one draw per draft, none past it)."""
+    for b, (row, limit) in enumerate(zip(rows, limits)):
+        generator = torch.Generator().manual_seed(SEED + b) if sampling else None
+        tokens, probs, qs = reference(proposer, row, limit, temperatures[b] if sampling else 0.0, generator)
+        assert drafts.counts[b] == limit
+        assert drafts.tokens[b].tolist() == tokens + [-1] * (K - limit), f"row {b}"
+        expected = torch.tensor(probs).cumprod(0) if probs else torch.zeros(0)
+        torch.testing.assert_close(proposer.last_confidence[b, :limit], expected, atol=PROB_ATOL, rtol=0)
+        assert (proposer.last_confidence[b, limit:] == 0).all()
+        if sampling is not None:
+            assert torch.equal(sampling.generators[b].get_state(), generator.get_state()), f"row {b}"
+            for s, q in enumerate(qs):
+                torch.testing.assert_close(drafts.probs[b, s, proposer.draft_to_target], q, atol=PROB_ATOL, rtol=0)
+
+
+def sampling_for(temperatures: list[float]) -> SamplingBatch:
+    generators = [torch.Generator().manual_seed(SEED + b) for b in range(len(temperatures))]
+    return SamplingBatch.build([SamplingParams(temperature=t) for t in temperatures], generators, "cpu")
+
+
+def verify_step(proposer, rows, drafts, gen: torch.Generator) -> None:
+    """Accepts a random prefix of each row's drafts, observes it, then appends it and a new token."""
+    accepted, counts = [], []
+    for b in range(len(rows)):
+        n = int(torch.randint(0, int(drafts.counts[b]) + 1, (1,), generator=gen))
+        accepted.append(drafts.tokens[b, :n].tolist())
+        counts.append(n + 1)
+    observe(proposer, rows, counts, accepted)
+    for row, kept in zip(rows, accepted):
+        row.output_token_ids += kept + [int(torch.randint(0, 128, (1,), generator=gen))]
+
+
+def prefill(proposer, rows: list[Row], gen: torch.Generator) -> None:
+    observe(proposer, rows, [len(r.prompt_token_ids) for r in rows])
+    for row in rows:
+        row.output_token_ids.append(int(torch.randint(0, 128, (1,), generator=gen)))
+
+
+def random_rows(gen, lengths, slots):
+    return [Row(f"r{slot}", slot, torch.randint(0, 128, (n,), generator=gen).tolist()) for n, slot in zip(lengths, slots)]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_mixed_batch_matches_the_per_row_reference(models, sampled, monkeypatch):
+    """Limits 0, 1, k and in between, prompts shorter and longer than the pending buffer (flushed in
+    observe, in several chunks that rows finish at different times), slots out of order, several rounds
+    with random acceptance (pending lengths 1..k+1), and a row whose limit 0 makes its pending accumulate."""
+    monkeypatch.setattr(proposer_module, "FLUSH_TOKENS", 10)
+    gen = torch.Generator().manual_seed(1)
+    proposer = make_proposer(models, sampled=sampled)
+    rows = random_rows(gen, [3, 30, 7, 12], [2, 0, 3, 1])
+    temperatures = [0.0, 0.7, 1.0, 1.3] if sampled else None
+    prefill(proposer, rows, gen)
+    assert proposer.pending_len.tolist() == [1, 1, 3, 1]  # by slot: prompts longer than k+1 were flushed
+    for limits in ([0, 1, K, 2], [K, 0, 3, K], [2, K, 0, 1], [K, K, K, 0]):
+        sampling = sampling_for(temperatures) if sampled else None
+        drafts = proposer.propose(rows, limits, sampling)
+        assert proposer.steps_run == max(limits)
+        check_against_reference(proposer, rows, limits, drafts, sampling, temperatures)
+        verify_step(proposer, rows, drafts, gen)
+
+
+def test_observe_accumulates_until_propose(models, monkeypatch):
+    """Steps that skip speculation keep handing over positions: twice below the buffer width, then a
+    verify step whose accepted drafts overflow a partly filled buffer, then single positions that overflow
+    it again and again (each overflow flushed), and the next propose drafts what the reference drafts."""
+    monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
+    gen = torch.Generator().manual_seed(2)
+    proposer = make_proposer(models)
+    rows = random_rows(gen, [4, K], [0, 1])  # no longer than a verify step: left pending, not flushed
+    prefill(proposer, rows, gen)
+
+    def skipped_step(counts):
+        extra = [torch.randint(0, 128, (n - 1,), generator=gen).tolist() for n in counts]
+        observe(proposer, rows, counts, extra)
+        for row, accepted in zip(rows, extra):
+            row.output_token_ids += accepted + [int(torch.randint(0, 128, (1,), generator=gen))]
+
+    for _ in range(2):
+        skipped_step([1, 1])
+    assert proposer.pending_len[:2].tolist() == [4 + 2, K + 2]  # two observes, one pending run each
+    skipped_step([K + 1, 2])
+    assert proposer.pending_len[:2].tolist() == [K + 1, K + 4]  # row 0 overflowed: flushed, new ones kept
+    for _ in range(3 * proposer.pending_width):
+        skipped_step([1, 1])
+    drafts = proposer.propose(rows, [K, K])
+    check_against_reference(proposer, rows, [K, K], drafts)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_confidence_floor_stops_rows(models, sampled):
+    """With stop_below, a row keeps exactly the leading drafts whose running probability product stays at
+    or above it, and its first draft whatever its confidence (the catch-up made it already); later drafts
+    are -1, last_confidence is 0 past the count, the loop ends once no row extends, and a sampled row stops
+    drawing from its generator once it has stopped."""
+    gen = torch.Generator().manual_seed(3)
+    rows = random_rows(gen, [5, 11, 8, 6], [0, 1, 2, 3])
+    prefill(make_proposer(models), rows, gen)  # only fixes the rows' output tokens
+    limits, temperatures = [K, K, 2, 0], [1.0, 0.0, 0.8, 1.0]
+    free, floored, closed = (make_proposer(models, sampled=sampled) for _ in range(3))
+    for proposer in (free, floored, closed):
+        # the rows already hold the token after their last prompt position: the flush must still leave it
+        observe(proposer, rows, [len(r.prompt_token_ids) for r in rows], starts=[0] * len(rows))
+    sampling = sampling_for(temperatures) if sampled else None
+    full = free.propose(rows, limits, sampling)
+    check_against_reference(free, rows, limits, full, sampling, temperatures)
+    products = free.last_confidence.clone()
+    reached = products[full.tokens >= 0].sort().values
+    middle = len(reached) // 2
+    floor = float(reached[middle - 1] + reached[middle]) / 2  # between two products: no ties
+    floored.stop_below = floor
+    sampling = sampling_for(temperatures) if sampled else None
+    drafts = floored.propose(rows, limits, sampling)
+    confident = ((products >= floor) & (full.tokens >= 0)).sum(-1)  # leading drafts over the floor
+    expected = torch.maximum(confident, full.counts.clamp(max=1))
+    assert (confident == 0).any() and 0 < expected.sum() < full.counts.sum()  # the floor really cut rows short
+    assert drafts.counts.tolist() == expected.tolist()
+    for b, (n, m) in enumerate(zip(expected.tolist(), confident.tolist())):
+        assert drafts.tokens[b].tolist() == full.tokens[b, :n].tolist() + [-1] * (K - n)
+        torch.testing.assert_close(floored.last_confidence[b, :n], products[b, :n], atol=PROB_ATOL, rtol=0)
+        assert (floored.last_confidence[b, n:] == 0).all()
+        if sampled:  # drew for its confident drafts and the one that fell below the floor, if its limit allowed
+            reference_generator = torch.Generator().manual_seed(SEED + b)
+            for _ in range(min(m + 1, limits[b]) if temperatures[b] > 0 else 0):
+                torch.empty(64).exponential_(generator=reference_generator)
+            assert torch.equal(sampling.generators[b].get_state(), reference_generator.get_state()), f"row {b}"
+    assert floored.steps_run == min(max(limits), int(confident.max()) + 1)
+    # a floor above every first draft: each row that may draft keeps its first, and nothing runs past the
+    # catch-up
+    closed.stop_below = float(products[:, 0].max()) * 1.001
+    drafts = closed.propose(rows, limits, sampling_for(temperatures) if sampled else None)
+    assert drafts.counts.tolist() == [min(1, n) for n in limits]
+    assert drafts.tokens[:, 0].tolist() == full.tokens[:, 0].tolist() and (drafts.tokens[:, 1:] == -1).all()
+    assert closed.steps_run == 1 and (closed.last_confidence[:, 1:] == 0).all()
+
+
+def test_released_slot_starts_clean(models):
+    """A slot reused by another request drafts from that request's features only, whether its previous
+    owner left pending positions behind or had them consumed by a propose."""
+    gen = torch.Generator().manual_seed(4)
+    proposer = make_proposer(models)
+    first = random_rows(gen, [9, 6], [0, 1])
+    prefill(proposer, first, gen)
+    proposer.propose(first[:1], [K])  # slot 0 consumed its pending, slot 1 still holds some
+    for row in first:
+        proposer.release(row)
+    second = [Row("new0", 0, torch.randint(0, 128, (5,), generator=gen).tolist()),
+              Row("new1", 1, torch.randint(0, 128, (14,), generator=gen).tolist())]
+    prefill(proposer, second, gen)
+    drafts = proposer.propose(second, [K, 3])
+    check_against_reference(proposer, second, [K, 3], drafts)

@@ -26,10 +26,11 @@ class EagleHead(DraftHead):
                                                        config.num_key_value_heads, config.head_dim,
                                                        config.rms_norm_eps, attention_bias=config.attention_bias)])
 
-    def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None):
+    def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None,
+             logits_at=None):
         emb = self.embed(token_ids).to(hidden.dtype)
         x = self.fc(torch.cat([emb, hidden], dim=-1))
         cos, sin = self.rope(positions, x.dtype)
         layer_cache = (cache.k[0], cache.v[0]) if cache is not None else None
         out = self.layers[0](x, x, cos, sin, layer_cache, batch, ttt_history)
-        return out, self.target.lm_head(out)
+        return out, self.target.lm_head(self._at(out, logits_at))

@@ -49,7 +49,8 @@ class Eagle3Head(DraftHead):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None):
+    def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None,
+             logits_at=None):
         if from_target:
             hidden = self.fc(hidden)
         emb = self.embed(token_ids).to(hidden.dtype)
@@ -58,4 +59,4 @@ class Eagle3Head(DraftHead):
         cos, sin = self.rope(positions, hidden.dtype)
         layer_cache = (cache.k[0], cache.v[0]) if cache is not None else None
         out = layer(attn_input, hidden, cos, sin, layer_cache, batch, ttt_history)
-        return out, self.lm_head(self.norm(out))
+        return out, self.lm_head(self.norm(self._at(out, logits_at)))

@@ -138,10 +138,19 @@ class DraftHead(nn.Module):
 
     # -- the model ---------------------------------------------------------------------------------------
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, from_target: bool,
-             cache: KVCache | None = None, batch=None, ttt_history=None) -> tuple[torch.Tensor, torch.Tensor]:
+             cache: KVCache | None = None, batch=None, ttt_history=None,
+             logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """token_ids [B, T] (token t+1), hidden [B, T, F] (feature at t) -> (next hidden [B, T, H],
-        logits [B, T, draft_vocab]). `from_target` says the hidden is a target feature, not a head output."""
+        logits [B, T, draft_vocab]). `from_target` says the hidden is a target feature, not a head output.
+        With `logits_at` [B], logits are [B, 1, draft_vocab], at that position of each row only (a catch-up
+        over several positions drafts from its last one: the LM head is most of a step's cost)."""
         raise NotImplementedError
+
+    @staticmethod
+    def _at(out: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor:
+        if logits_at is None:
+            return out
+        return out[torch.arange(out.shape[0], device=out.device), logits_at][:, None]
 
     # -- persistence -------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:

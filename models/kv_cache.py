@@ -54,7 +54,10 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], q_lens: list[int], cache: KVCache,
-              sliding_window: int | None = None, device: torch.device | str = "cpu") -> ForwardBatch:
+              sliding_window: int | None = None, device: torch.device | str = "cpu",
+              key_starts: torch.Tensor | None = None) -> ForwardBatch:
+        """`key_starts[b]`: row b attends over keys from this position on (a draft head whose context begins
+        mid-sequence); default 0."""
         num_rows, width = len(slots), max(q_lens)
         start = torch.tensor(starts, dtype=torch.long)[:, None]
         offsets = torch.arange(width, dtype=torch.long)[None, :]
@@ -68,6 +71,8 @@ class ForwardBatch:
         mask = keys[None, None, :] <= positions[:, :, None]
         if sliding_window is not None:
             mask &= keys[None, None, :] > positions[:, :, None] - sliding_window
+        if key_starts is not None:
+            mask &= keys[None, None, :] >= key_starts[:, None, None]
         contiguous = slots == list(range(slots[0], slots[0] + num_rows))
         return cls(
             positions=positions.to(device),

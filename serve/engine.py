@@ -146,7 +146,9 @@ class LLMEngine:
         """Advances every running request by one forward; returns outputs of requests that moved."""
         self._admit()
         moved: list[Request] = []
-        decoding = [r for r in self.running if not r.prefilling]
+        # in slot order: rows holding consecutive slots read the KV cache as one slice; out of order, every
+        # layer of every forward would gather (copy) each row's keys and values first
+        decoding = sorted((r for r in self.running if not r.prefilling), key=lambda r: r.slot)
         prefilling = [r for r in self.running if r.prefilling]
         if prefilling:
             moved += self._prefill(prefilling)
@@ -309,8 +311,8 @@ class LLMEngine:
             return
         cost.observe_forward(len(rows), width + 1, forward_s)
         (cost.host_spec if width else cost.host_plain).add(len(rows), host)
-        if draft_s and self.proposer.steps_run:
-            cost.draft_step.add(len(rows), draft_s / self.proposer.steps_run)
+        if draft_s and self.proposer.steps_run and self.proposer.steady:
+            cost.observe_draft(len(rows), self.proposer.steps_run, draft_s)
 
     def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None):
         self.stats["num_forward_passes"] += 1

@@ -194,9 +194,11 @@ class Proposer:
     costs one more sequential draft forward, as in EAGLE; False when one pass yields them all, as in n-gram
     lookup or parallel drafting), `propose_first` (drafting is so cheap that the engine drafts before it
     sizes the step, so it knows which rows have drafts at all), and `steps_run`, the sequential draft
-    forwards the last `propose` ran, which it times. `stop_below` is set by the engine each step: a
-    proposer that knows its confidence stops extending a row once the product of its drafts' probabilities
-    falls below it (0 = draft up to the limit).
+    forwards the last `propose` ran, which it times unless `steady` is False (that propose did one-off work,
+    such as catching up over a prompt, that says nothing about the next one). `stop_below` is set by the engine each step: a
+    proposer that knows its confidence stops drafting once the batch's mean chance of reaching the next draft
+    (running products of the drafts' probabilities, 0 for rows not drafting) falls below it (0 = draft up to
+    the limits).
     """
 
     sequential: ClassVar[bool] = True
@@ -208,6 +210,7 @@ class Proposer:
         # its loaded head); read only when its method declares needs.hidden_states
         self.hidden_layer_ids: tuple[int, ...] = ()
         self.steps_run = 0
+        self.steady = True
         self.stop_below = 0.0
 
     def propose(self, rows: Sequence[RowState], max_drafts: list[int],

@@ -15,11 +15,14 @@ which start optimistic so that speculation is tried), and
     T(rows, 0) = F(rows, 1) + host_plain(rows),  T(rows, w) = F(rows, w + 1) + draft(rows, w) + host_spec(rows)
 
 where F is the measured target forward table (`cost_profile`), scaled by what live forwards take, and
-draft and host work are fitted online from the step timings the engine reports. w = 0 is plain decoding.
+draft and host work are fitted online from the step timings the engine reports: draft(rows, w) =
+F(rows, 1) (a + b w) for proposers that run one draft forward per token (a: catch-up and setup, b: one
+forward), host work linear in rows. w = 0 is plain decoding.
 
-For proposers that know their confidence, the planner also sets the confidence floor under which a row
-stops drafting: one more sequential draft step costs about `c` seconds and gains the row's chance of
-acceptance `P`, which pays while P exceeds c times the row's expected tokens per second.
+For proposers that know their confidence, the planner also sets the confidence floor under which drafting
+stops: one more sequential draft step costs about `c` seconds for the whole batch and gains each row's
+chance `P` of getting that far, which pays while the rows' mean P exceeds c times a row's expected tokens
+per second.
 """
 
 from __future__ import annotations
@@ -31,16 +34,22 @@ import torch
 
 from draftsmith.serve.cost_profile import ForwardCostTable
 
-# Before any evidence: a guess that makes speculation worth trying; real counts outweigh it in a few steps.
-INITIAL_RATE = 0.7
+# Before any evidence, the chance that draft 1 is accepted, and any later one given those before it were (a
+# stretch that drafts well tends to go on drafting well): a guess that makes speculation worth trying; real
+# counts outweigh it in a few steps.
+INITIAL_RATE, INITIAL_LATER_RATE = 0.7, 0.8
 FLOOR_MARGIN = 0.5
+DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts are timed
+OUTLIER = 3.0  # a draft timing above this many times the prediction counts as this many
 
 
 class DecayedLine:
-    """y ~ a + b x, fitted by least squares over observations weighted by decay**age."""
+    """y ~ a + b x, fitted by least squares over observations weighted by decay**age. With a prior slope, the
+    slope is shrunk toward it by `prior_weight` (in units of x variance), so one x value seen still extrapolates
+    with a plausible slope instead of none."""
 
-    def __init__(self, decay: float = 0.97):
-        self.decay = decay
+    def __init__(self, decay: float = 0.97, prior_slope: float | None = None, prior_weight: float = 0.0):
+        self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
         self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
 
     def add(self, x: float, y: float) -> None:
@@ -54,10 +63,16 @@ class DecayedLine:
 
     def predict(self, x: float) -> float:
         mean_x, mean_y = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mean_x * mean_x
-        if var < 1e-9 * max(1.0, mean_x * mean_x):  # one x value seen: no slope to fit
+        var = max(self.sxx / self.n - mean_x * mean_x, 0.0)
+        covariance = self.sxy / self.n - mean_x * mean_y
+        if self.prior_slope is not None:
+            # ridge toward the prior slope; its weight fades as evidence (n) accumulates
+            weight = self.prior_weight / self.n
+            slope = (covariance + weight * self.prior_slope) / (var + weight)
+        elif var < 1e-9 * max(1.0, mean_x * mean_x):  # one x value seen: no slope to fit
             return max(mean_y, 0.0)
-        slope = (self.sxy / self.n - mean_x * mean_y) / var
+        else:
+            slope = covariance / var
         return max(mean_y + slope * (x - mean_x), 0.0)
 
 
@@ -66,9 +81,12 @@ class AcceptanceStats:
     totals (the prior each slot's counts are shrunk toward)."""
 
     def __init__(self, num_slots: int, k: int, decay: float = 0.8, prior_weight: float = 2.0,
-                 method_decay: float = 0.99, idle_decay: float = 0.9, initial_weight: float = 4.0):
+                 method_decay: float = 0.99, idle_decay: float = 0.85, method_idle_decay: float = 0.97,
+                 initial_weight: float = 4.0):
         self.k, self.decay, self.prior_weight, self.method_decay = k, decay, prior_weight, method_decay
-        self.idle_decay, self.initial_weight = idle_decay, initial_weight
+        self.idle_decay, self.method_idle_decay, self.initial_weight = idle_decay, method_idle_decay, initial_weight
+        self.initial_rates = torch.full((k,), INITIAL_LATER_RATE, dtype=torch.float64)
+        self.initial_rates[:1] = INITIAL_RATE
         self.reached = torch.zeros(num_slots, k, dtype=torch.float64)
         self.accepted = torch.zeros(num_slots, k, dtype=torch.float64)
         self.method_reached = torch.zeros(k, dtype=torch.float64)
@@ -81,7 +99,7 @@ class AcceptanceStats:
     def rates(self, slots: torch.Tensor) -> torch.Tensor:
         """[B, k] conditional acceptance rates of the given slots."""
         w0 = self.initial_weight
-        prior = (self.method_accepted + w0 * INITIAL_RATE) / (self.method_reached + w0)
+        prior = (self.method_accepted + w0 * self.initial_rates) / (self.method_reached + w0)
         w = self.prior_weight
         return (self.accepted[slots] + w * prior) / (self.reached[slots] + w)
 
@@ -90,8 +108,8 @@ class AcceptanceStats:
         drafted badly is tried again after a while instead of never."""
         self.reached[slots] *= self.idle_decay
         self.accepted[slots] *= self.idle_decay
-        self.method_reached *= self.method_decay
-        self.method_accepted *= self.method_decay
+        self.method_reached *= self.method_idle_decay
+        self.method_accepted *= self.method_idle_decay
 
     def observe(self, slots: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """Rows that drafted `drafted[b]` tokens and had `accepted[b]` of them accepted. Position j was
@@ -126,7 +144,12 @@ class CostModel:
     # live / table seconds, one factor for every shape: the table gives the shape of the cost, live steps its
     # level today (context length, other load); a geometric moving average, so one slow step moves it little
     forward_scale: float = 1.0
-    draft_step: DecayedLine = field(default_factory=DecayedLine)  # seconds per draft forward, by rows
+    # drafting seconds / F(rows, 1), by draft forwards run: a fixed part (catch-up, setup) plus a part per
+    # forward; relative to the target's decode cost so that its growth with rows comes from the measured
+    # table, while steps within one call (1..k) identify the two parts. Before evidence: a one-layer head
+    # costs about a third of the target per forward.
+    draft_ratio: DecayedLine = field(default_factory=lambda: DecayedLine(prior_slope=DRAFT_STEP_GUESS,
+                                                                         prior_weight=0.5))
     host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
     host_spec: DecayedLine = field(default_factory=DecayedLine)
 
@@ -136,9 +159,17 @@ class CostModel:
     def draft(self, rows: int, width: int) -> float:
         if width == 0 or self.drafts_before_plan:
             return 0.0
-        # before any draft was timed: a one-layer head costs about a third of the target's decode
-        step = self.draft_step.predict(rows) if self.draft_step.seen else self.forward(rows, 1) / 3
-        return step * (width if self.sequential_drafts else 1)
+        forwards = width if self.sequential_drafts else 1
+        ratio = self.draft_ratio.predict(forwards) if self.draft_ratio.seen else DRAFT_STEP_GUESS * forwards
+        return ratio * self.forward(rows, 1)
+
+    def observe_draft(self, rows: int, forwards: int, seconds: float) -> None:
+        ratio = seconds / max(self.forward(rows, 1), 1e-9)
+        if self.draft_ratio.n > 3:
+            # one stalled step (the OS, a page fault) must not price drafting out for good: it is only
+            # re-measured while the planner drafts
+            ratio = min(ratio, OUTLIER * self.draft_ratio.predict(forwards))
+        self.draft_ratio.add(forwards, ratio)
 
     def host(self, rows: int, speculative: bool) -> float:
         line, other = (self.host_spec, self.host_plain) if speculative else (self.host_plain, self.host_spec)
@@ -194,7 +225,7 @@ class SpeculationPlanner:
             # one more draft step costs a draft forward plus a wider verify; it pays while the row's chance
             # of acceptance exceeds that cost times the row's token rate. Draft confidences are not calibrated
             # acceptance rates (a one-layer head tends to be under-confident), hence the margin.
-            step = self.cost.draft(rows, 1) + max(
+            step = max(self.cost.draft(rows, best.width + 1) - self.cost.draft(rows, best.width), 0.0) + max(
                 self.cost.forward(rows, best.width + 2) - self.cost.forward(rows, best.width + 1), 0.0)
             best.stop_below = FLOOR_MARGIN * step * best.expected_tokens / best.expected_seconds / rows
         return best

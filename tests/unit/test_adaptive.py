@@ -78,12 +78,32 @@ def test_rows_limits_cap_the_width():
 def test_sequential_drafting_cost_and_confidence_floor():
     """A proposer that pays per draft step drafts fewer tokens than a free one, and gets a floor > 0."""
     free, paid = _planner(synthetic_table(0.05)), _planner(synthetic_table(0.05), sequential=True)
-    paid.cost.draft_step.add(1, 0.6e-3)
+    paid.cost.observe_draft(1, 1, 0.6e-3)
     for planner in (free, paid):
         _feed(planner, [0], accepted_each=2)  # 0.9-ish at positions 1-2, then 0 at 3
     plan_free, plan_paid = free.plan(torch.tensor([0]), torch.tensor([4])), paid.plan(torch.tensor([0]), torch.tensor([4]))
     assert plan_paid.width <= plan_free.width and plan_paid.width >= 1
     assert plan_free.stop_below == 0.0 < plan_paid.stop_below < 1.0
+
+
+def test_draft_cost_separates_catch_up_from_each_draft_forward():
+    """Timed proposes of 1..5 forwards at several batch sizes, costing F(rows, 1) x (0.2 + 0.35 per forward):
+    the fit recovers both parts, and predicts a batch size it never saw through the forward table. Before any
+    evidence it guesses a third of a decode per forward; one width seen extrapolates with that slope."""
+    cost = CostModel(synthetic_table(0.1), sequential_drafts=True, drafts_before_plan=False)
+    decode = cost.forward(4, 1)
+    assert cost.draft(4, 3) == pytest.approx(decode)
+    cost.observe_draft(4, 1, 0.55 * decode)
+    assert cost.draft(4, 1) == pytest.approx(0.55 * decode)
+    assert cost.draft(4, 4) == pytest.approx((0.55 + 3 / 3) * decode, rel=0.05)
+    for _ in range(20):
+        for rows in (1, 2, 8):
+            for forwards in range(1, 6):
+                cost.observe_draft(rows, forwards, cost.forward(rows, 1) * (0.2 + 0.35 * forwards))
+    for forwards in (1, 3, 5):
+        assert cost.draft(6, forwards) == pytest.approx(cost.forward(6, 1) * (0.2 + 0.35 * forwards), rel=0.02)
+    assert CostModel(CHEAP, sequential_drafts=False, drafts_before_plan=False).draft(4, 4) == \
+        pytest.approx(CHEAP.estimate(4, 1) / 3)  # one forward drafts every token
 
 
 def test_fixed_k_and_vllm_batch_size_table():

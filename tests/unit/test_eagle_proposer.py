@@ -1,10 +1,10 @@
 """The batched EAGLE-3 proposer against a per-row reference on a tiny random target and head.
 
 The reference is the straightforward algorithm: for one row, a fresh cache, the head over every verified
-position at once, then one draft at a time. The proposer instead keeps pending features per slot, catches
-up incrementally (flushing long pending runs inside `observe`) and drafts all rows at a fixed width, so
-any bookkeeping slip (wrong pairing of feature and token, a lost or leaked pending position, a row's
-output taken past its limit) changes some row's drafts.
+position at once, then one draft at a time. The proposer instead keeps pending features per slot (at most W,
+the head's context then starting at the oldest one kept), catches up incrementally and drafts all rows at a
+fixed width, so any bookkeeping slip (wrong pairing of feature and token, a lost or leaked pending position,
+a context start off by one, a row's output taken past its limit) changes some row's drafts.
 """
 
 from __future__ import annotations
@@ -90,14 +90,17 @@ def observe(proposer, rows: list[Row], counts: list[int], extra: list[list[int]]
 
 
 @torch.inference_mode()
-def reference(proposer, row: Row, limit: int, temperature: float = 0.0, generator=None):
-    """One row alone, old-style: (target ids, probability of each, q over the draft vocab per draft)."""
+def reference(proposer, row: Row, limit: int, temperature: float = 0.0, generator=None, context_start: int = 0):
+    """One row alone, old-style: (target ids, probability of each, q over the draft vocab per draft). The
+    head sees positions from `context_start` on, run from a fresh cache at positions shifted to start at 0:
+    rotary attention depends on position differences only, so no mask is needed to hide what came before."""
     head, ids = proposer.head, row.all_token_ids()
-    n = len(ids) - 1  # verified positions 0..n-1 pair with tokens 1..n
+    c = context_start
+    n = len(ids) - 1 - c  # verified positions c..c+n-1 pair with tokens c+1..c+n
     cache = head.make_cache(1, MAX_LEN)
     batch = ForwardBatch.build([0], [0], [n], cache)
-    out, logits = head.step(torch.tensor([ids[1:]]), features_of(proposer, ids)[None, :n], batch.positions, True,
-                            cache, batch)
+    out, logits = head.step(torch.tensor([ids[c + 1:]]), features_of(proposer, ids)[None, c : c + n],
+                            batch.positions, True, cache, batch)
     state, logit = out[:, -1], logits[0, -1]
     tokens, probs, qs = [], [], []
     for s in range(limit):
@@ -121,7 +124,8 @@ def check_against_reference(proposer, rows, limits, drafts, sampling=None, tempe
     generator also advanced exactly as far as the reference's copy (one draw per draft, none past it)."""
     for b, (row, limit) in enumerate(zip(rows, limits)):
         generator = torch.Generator().manual_seed(SEED + b) if sampling else None
-        tokens, probs, qs = reference(proposer, row, limit, temperatures[b] if sampling else 0.0, generator)
+        tokens, probs, qs = reference(proposer, row, limit, temperatures[b] if sampling else 0.0, generator,
+                                      int(proposer.context_start[row.slot]))
         assert drafts.counts[b] == limit
         assert drafts.tokens[b].tolist() == tokens + [-1] * (K - limit), f"row {b}"
         expected = torch.tensor(probs).cumprod(0) if probs else torch.zeros(0)
@@ -162,16 +166,19 @@ def random_rows(gen, lengths, slots):
 
 @pytest.mark.parametrize("sampled", [False, True])
 def test_mixed_batch_matches_the_per_row_reference(models, sampled, monkeypatch):
-    """Limits 0, 1, k and in between, prompts shorter and longer than the pending buffer (flushed in
-    observe, in several chunks that rows finish at different times), slots out of order, several rounds
-    with random acceptance (pending lengths 1..k+1), and a row whose limit 0 makes its pending accumulate."""
-    monkeypatch.setattr(proposer_module, "FLUSH_TOKENS", 10)
+    """Limits 0, 1, k and in between, prompts shorter and longer than the pending buffer (the head's context
+    then starts at the prompt's last W positions), slots out of order, several rounds with random
+    acceptance (pending lengths 1..k+1), and a row whose limit 0 makes its pending accumulate."""
+    monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
     gen = torch.Generator().manual_seed(1)
     proposer = make_proposer(models, sampled=sampled)
     rows = random_rows(gen, [3, 30, 7, 12], [2, 0, 3, 1])
     temperatures = [0.0, 0.7, 1.0, 1.3] if sampled else None
     prefill(proposer, rows, gen)
-    assert proposer.pending_len.tolist() == [1, 1, 3, 1]  # by slot: prompts longer than k+1 were flushed
+    width = proposer.pending_width
+    assert width == 2 * (K + 1)
+    assert proposer.pending_len.tolist() == [width, width, 3, 7]  # by slot
+    assert proposer.context_start.tolist() == [30 - width, 12 - width, 0, 0]
     for limits in ([0, 1, K, 2], [K, 0, 3, K], [2, K, 0, 1], [K, K, K, 0]):
         sampling = sampling_for(temperatures) if sampled else None
         drafts = proposer.propose(rows, limits, sampling)
@@ -199,73 +206,78 @@ def test_observe_accumulates_until_propose(models, monkeypatch):
     for _ in range(2):
         skipped_step([1, 1])
     assert proposer.pending_len[:2].tolist() == [4 + 2, K + 2]  # two observes, one pending run each
+    width = proposer.pending_width
     skipped_step([K + 1, 2])
-    assert proposer.pending_len[:2].tolist() == [K + 1, K + 4]  # row 0 overflowed: flushed, new ones kept
-    for _ in range(3 * proposer.pending_width):
+    # row 0 overflowed by one: it keeps the newest W positions, and the head's context starts at them
+    assert proposer.pending_len[:2].tolist() == [width, K + 4]
+    assert proposer.context_start[:2].tolist() == [1, 0]
+    for _ in range(3 * width):
         skipped_step([1, 1])
+    assert proposer.pending_len[:2].tolist() == [width, width]
+    # the newest W verified positions are pending: the last one is the row's second-to-last token
+    assert proposer.context_start[:2].tolist() == [r.num_tokens - 1 - width for r in rows]
     drafts = proposer.propose(rows, [K, K])
     check_against_reference(proposer, rows, [K, K], drafts)
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_confidence_floor_stops_rows(models, sampled):
-    """With stop_below, a row keeps exactly the leading drafts whose running probability product stays at
-    or above it, and its first draft whatever its confidence (the catch-up made it already); later drafts
-    are -1, last_confidence is 0 past the count, the loop ends once no row extends, and a sampled row stops
-    drawing from its generator once it has stopped."""
+def test_confidence_floor_stops_the_loop(models, sampled):
+    """With stop_below, the loop goes on while the rows' mean running probability product (0 for a row at its
+    limit) stays at or above it; every row keeps its drafts up to the steps run and its limit (none is cut
+    alone), last_confidence is 0 past them, and a sampled row drew once per draft it kept."""
     gen = torch.Generator().manual_seed(3)
     rows = random_rows(gen, [5, 11, 8, 6], [0, 1, 2, 3])
     prefill(make_proposer(models), rows, gen)  # only fixes the rows' output tokens
     limits, temperatures = [K, K, 2, 0], [1.0, 0.0, 0.8, 1.0]
     free, floored, closed = (make_proposer(models, sampled=sampled) for _ in range(3))
     for proposer in (free, floored, closed):
-        # the rows already hold the token after their last prompt position: the flush must still leave it
         observe(proposer, rows, [len(r.prompt_token_ids) for r in rows], starts=[0] * len(rows))
     sampling = sampling_for(temperatures) if sampled else None
     full = free.propose(rows, limits, sampling)
     check_against_reference(free, rows, limits, full, sampling, temperatures)
     products = free.last_confidence.clone()
-    reached = products[full.tokens >= 0].sort().values
-    middle = len(reached) // 2
-    floor = float(reached[middle - 1] + reached[middle]) / 2  # between two products: no ties
-    floored.stop_below = floor
+    # the mean chance of reaching draft s + 2, which decides whether step s + 2 runs
+    reach = [float(torch.where(torch.tensor(limits) > s + 1, products[:, s], 0.0).mean()) for s in range(K - 1)]
+    assert reach[0] >= reach[1] >= reach[2] > 0, reach
+    floored.stop_below = (reach[1] + reach[2]) / 2  # steps 1-3 run, step 4 does not
     sampling = sampling_for(temperatures) if sampled else None
     drafts = floored.propose(rows, limits, sampling)
-    confident = ((products >= floor) & (full.tokens >= 0)).sum(-1)  # leading drafts over the floor
-    expected = torch.maximum(confident, full.counts.clamp(max=1))
-    assert (confident == 0).any() and 0 < expected.sum() < full.counts.sum()  # the floor really cut rows short
-    assert drafts.counts.tolist() == expected.tolist()
-    for b, (n, m) in enumerate(zip(expected.tolist(), confident.tolist())):
+    assert floored.steps_run == 3, (reach, products)
+    kept = [min(n, 3) for n in limits]
+    assert drafts.counts.tolist() == kept
+    for b, n in enumerate(kept):
         assert drafts.tokens[b].tolist() == full.tokens[b, :n].tolist() + [-1] * (K - n)
         torch.testing.assert_close(floored.last_confidence[b, :n], products[b, :n], atol=PROB_ATOL, rtol=0)
         assert (floored.last_confidence[b, n:] == 0).all()
-        if sampled:  # drew for its confident drafts and the one that fell below the floor, if its limit allowed
+        if sampled:
             reference_generator = torch.Generator().manual_seed(SEED + b)
-            for _ in range(min(m + 1, limits[b]) if temperatures[b] > 0 else 0):
+            for _ in range(n if temperatures[b] > 0 else 0):
                 torch.empty(64).exponential_(generator=reference_generator)
             assert torch.equal(sampling.generators[b].get_state(), reference_generator.get_state()), f"row {b}"
-    assert floored.steps_run == min(max(limits), int(confident.max()) + 1)
-    # a floor above every first draft: each row that may draft keeps its first, and nothing runs past the
-    # catch-up
-    closed.stop_below = float(products[:, 0].max()) * 1.001
+    # a floor above every chance: only the catch-up runs, and each row that may draft keeps its first draft
+    closed.stop_below = reach[0] * 1.001
     drafts = closed.propose(rows, limits, sampling_for(temperatures) if sampled else None)
+    assert closed.steps_run == 1
     assert drafts.counts.tolist() == [min(1, n) for n in limits]
     assert drafts.tokens[:, 0].tolist() == full.tokens[:, 0].tolist() and (drafts.tokens[:, 1:] == -1).all()
-    assert closed.steps_run == 1 and (closed.last_confidence[:, 1:] == 0).all()
 
 
-def test_released_slot_starts_clean(models):
-    """A slot reused by another request drafts from that request's features only, whether its previous
-    owner left pending positions behind or had them consumed by a propose."""
+def test_released_slot_starts_clean(models, monkeypatch):
+    """A slot reused by another request drafts from that request's features only, and over its whole
+    context, whether its previous owner left pending positions behind, had them consumed by a propose, or
+    had a context starting mid-sequence."""
+    monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
     gen = torch.Generator().manual_seed(4)
     proposer = make_proposer(models)
-    first = random_rows(gen, [9, 6], [0, 1])
+    first = random_rows(gen, [14, 6], [0, 1])
     prefill(proposer, first, gen)
+    assert proposer.context_start[:2].tolist() == [14 - proposer.pending_width, 0]
     proposer.propose(first[:1], [K])  # slot 0 consumed its pending, slot 1 still holds some
     for row in first:
         proposer.release(row)
     second = [Row("new0", 0, torch.randint(0, 128, (5,), generator=gen).tolist()),
               Row("new1", 1, torch.randint(0, 128, (14,), generator=gen).tolist())]
     prefill(proposer, second, gen)
+    assert proposer.context_start[:2].tolist() == [0, 14 - proposer.pending_width]
     drafts = proposer.propose(second, [K, 3])
     check_against_reference(proposer, second, [K, 3], drafts)

@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="For each model, runs no speculation and every method (--speculative-config "
                            "and every head shipped as assets/MODEL-HEADTYPE) at each --concurrency level, in one "
                            "process on the same validation code prompts, greedy. Concurrency c = c requests in "
-                           "flight, the next prompt queued as one finishes; max(c, --num-prompts) prompts per "
-                           "level. Prints tokens/s, the ratio to no speculation at the same level and the mean "
+                           "flight, the next prompt queued as one finishes; max(--waves x c, --num-prompts) prompts per "
+                           "level, so that c requests stay in flight for most of the run, as under steady load, "
+                           "rather than one batch draining. Prints tokens/s, the ratio to no speculation at the same level and the mean "
                            "acceptance length, checks every method's tokens against no speculation's, and writes "
                            "--json rows and a PNG of speedup against concurrency (one line per method). HF "
                            "transformers generate is timed at concurrency 1 as a reference.")
@@ -165,7 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", default="1,4,8,16,32",
                        help="comma-separated requests-in-flight levels (default: %(default)s)")
     bench.add_argument("--num-prompts", type=_positive_int, default=8,
-                       help="prompts per level at least; a level c above it uses c prompts (default: %(default)s)")
+                       help="prompts per level at least (default: %(default)s)")
+    bench.add_argument("--waves", type=_positive_int, default=3,
+                       help="a level c runs at least this many times c prompts: with one wave, the run ends in "
+                       "a drain where fewer than c requests are left, which says little about c in flight "
+                       "(default: %(default)s)")
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
     bench.add_argument("--rounds", type=_positive_int, default=1,
                        help="time each (method, level) this many times, methods alternating within a round, "

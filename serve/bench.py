@@ -3,7 +3,8 @@
 For each model, every method (the --speculative-config one, n-gram by default, and every head shipped as
 assets/MODEL-HEADTYPE) and no speculation run at each concurrency level on the same validation code
 prompts, greedy. Concurrency c means c requests in flight: the bench drives the engine itself and queues the
-next prompt as soon as one finishes, the way a server under steady load sees it. Ratios are taken within
+next prompt as soon as one finishes, the way a server under steady load sees it, over several waves of c
+prompts (`--waves`), so that the final drain, with fewer than c left, is a small part of the run. Ratios are taken within
 the run, never against numbers from another machine or day, and each method's tokens are checked against
 no speculation's at the same level. HF transformers `generate`, one prompt at a time, is timed at
 concurrency 1 as the baseline users know.
@@ -47,6 +48,10 @@ def parse_concurrency(text: str) -> list[int]:
             raise DraftsmithError(f"--concurrency: levels must be >= 1, got {level}")
         levels.add(level)
     return sorted(levels)
+
+
+def level_prompts(args, concurrency: int) -> int:
+    return max(args.waves * concurrency, args.num_prompts)
 
 
 def shipped_heads(model_name: str) -> dict[str, Path]:
@@ -144,7 +149,7 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows = []
     for c in levels:
-        batch = prompts[: max(c, args.num_prompts)]
+        batch = prompts[: level_prompts(args, c)]
         runs = {m: [] for m in llms}  # per method: (tokens/s, token ids) per round
         level: list[dict] = []  # no speculation's row first: every ratio at this level divides by it
         # rounds alternate methods (none, m1, m2, none, m1, ...) so drift in machine load hits all alike;
@@ -224,8 +229,9 @@ def run(args: argparse.Namespace) -> int:
     data = shared / "data" / "code-validation.jsonl.xz"
     if not data.is_file():
         raise DraftsmithError(f"benchmark data {data} not found; pass --shared DIR (the folder holding data/ and models/)")
-    texts = code_prompts(data, max(levels[-1], args.num_prompts))
-    print(f"concurrency {','.join(map(str, levels))}: max(c, {args.num_prompts}) validation code prompts per level, "
+    texts = code_prompts(data, level_prompts(args, levels[-1]))
+    print(f"concurrency {','.join(map(str, levels))}: max({args.waves} x c, {args.num_prompts}) validation code "
+          "prompts per level, "
           f"greedy, {args.max_tokens} new tokens, fp32, {torch.get_num_threads()} CPU threads, "
           f"median of {args.rounds} round(s)", flush=True)
     rows = []

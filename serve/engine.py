@@ -210,7 +210,7 @@ class LLMEngine:
         return [rows[i] for i in done]
 
     def _decode(self, rows: list[Request]) -> list[Request]:
-        started = time.perf_counter()
+        started = self._clock()
         if self.proposer is not None:
             self._speculative_decode(rows, started)
         else:
@@ -221,15 +221,15 @@ class LLMEngine:
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], [1] * len(rows),
                                    self.cache, self.model.config.sliding_window, self.device)
-        forward_at = time.perf_counter()
+        forward_at = self._clock()
         out = self._forward(ids, batch, None)
-        sample_at = time.perf_counter()
+        sample_at = self._clock()
         self._observe_features(rows, [r.num_tokens - 1 for r in rows], [1] * len(rows), out)
         for request in rows:
             request.num_computed += 1
         with torch.inference_mode():
             tokens = sample(out.logits[:, -1], sampling).tolist()
-        sampled_at = time.perf_counter()
+        sampled_at = self._clock()
         for request, token in zip(rows, tokens):
             self.stats["num_generated_tokens"] += self.stop_checker.append(request, [token])
         self._account(rows, 0, started, draft_s, sample_at - forward_at, sampled_at - sample_at)
@@ -248,20 +248,20 @@ class LLMEngine:
         limit_t = torch.tensor(limits, dtype=torch.long)
         draft_sampling = sampling if self.sample_drafts else None
         drafts, draft_s = None, 0.0
-        plan = self.planner.plan(slots, limit_t)
+        plan = self.planner.plan(slots, limit_t, self.proposer.catch_up(slots))
         if plan.width and self.proposer.propose_first:
             # drafting is cheap: draft first, then size the step knowing which rows have drafts
-            draft_at = time.perf_counter()
+            draft_at = self._clock()
             drafts = self.proposer.propose(rows, limits, draft_sampling)
-            draft_s = time.perf_counter() - draft_at
+            draft_s = self._clock() - draft_at
             limit_t = drafts.counts.cpu()
             plan = self.planner.plan(slots, limit_t)
             drafts.counts.clamp_(max=plan.width)
         elif plan.width:
             self.proposer.stop_below = plan.stop_below
-            draft_at = time.perf_counter()
+            draft_at = self._clock()
             drafts = self.proposer.propose(rows, [min(n, plan.width) for n in limits], draft_sampling)
-            draft_s = time.perf_counter() - draft_at
+            draft_s = self._clock() - draft_at
         self.planner.record(limit_t, plan.width)
         num_draft = drafts.counts.tolist() if plan.width else [0] * len(rows)  # sizes the forward
         if max(num_draft) == 0:
@@ -274,14 +274,14 @@ class LLMEngine:
         q_lens = [1 + n for n in num_draft]
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], q_lens, self.cache,
                                    self.model.config.sliding_window, self.device)
-        forward_at = time.perf_counter()
+        forward_at = self._clock()
         out = self._forward(ids, batch, None)
-        verify_at = time.perf_counter()
+        verify_at = self._clock()
         with torch.inference_mode():
             tokens, counts = verify(out.logits, drafts, num_draft, sampling, self.rejection_sampler,
                                     self.spec_config.synthetic_acceptance_rate)
         packed = torch.cat([tokens, counts[:, None]], dim=1).tolist()  # one device-to-host copy for both
-        verified_at = time.perf_counter()
+        verified_at = self._clock()
         counts = [row[-1] for row in packed]
         kept = [row[:n] for row, n in zip(packed, counts)]
         starts = [r.num_tokens - 1 for r in rows]
@@ -298,7 +298,7 @@ class LLMEngine:
     def _account(self, rows: list[Request], width: int, started: float, draft_s: float, forward_s: float,
                  verify_s: float) -> None:
         """Books one decode step's timings into the step profile and the planner's cost model."""
-        total = time.perf_counter() - started
+        total = self._clock() - started
         host = max(total - draft_s - forward_s, 0.0)
         profile = self.step_profile
         profile["decode_steps"] += 1
@@ -313,6 +313,13 @@ class LLMEngine:
         (cost.host_spec if width else cost.host_plain).add(len(rows), host)
         if draft_s and self.proposer.steps_run and self.proposer.steady:
             cost.observe_draft(len(rows), self.proposer.steps_run, draft_s)
+
+    def _clock(self) -> float:
+        """Wall seconds for the step profile and the cost model. On CUDA, kernels run behind the host: without
+        a sync here, the time of a forward would be booked to whatever waits on it next."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None):
         self.stats["num_forward_passes"] += 1

@@ -156,12 +156,24 @@ class CostModel:
     def forward(self, rows: int, query_len: int) -> float:
         return self.table.estimate(rows, query_len) * self.forward_scale
 
-    def draft(self, rows: int, width: int) -> float:
+    def draft(self, rows: int, width: int, catch_up: int = 0) -> float:
+        """Drafting seconds for `rows` rows drafting `width` tokens. `catch_up`: the widest run of positions a
+        row must first feed the draft model past what a verify step brings (a row resuming after steps
+        without speculation), priced as that much more of a draft forward's query length."""
         if width == 0 or self.drafts_before_plan:
             return 0.0
         forwards = width if self.sequential_drafts else 1
-        ratio = self.draft_ratio.predict(forwards) if self.draft_ratio.seen else DRAFT_STEP_GUESS * forwards
-        return ratio * self.forward(rows, 1)
+        extra = self._extra_queries(rows, catch_up)
+        if not self.draft_ratio.seen:
+            return DRAFT_STEP_GUESS * (forwards + extra) * self.forward(rows, 1)
+        per_forward = max(self.draft_ratio.predict(2) - self.draft_ratio.predict(1), 0.0)
+        return (self.draft_ratio.predict(forwards) + per_forward * extra) * self.forward(rows, 1)
+
+    def _extra_queries(self, rows: int, catch_up: int) -> float:
+        """A catch-up of `catch_up` more positions per row, in units of one-token forwards of the target."""
+        if catch_up <= 0:
+            return 0.0
+        return max(self.forward(rows, 1 + catch_up) - self.forward(rows, 1), 0.0) / max(self.forward(rows, 1), 1e-9)
 
     def observe_draft(self, rows: int, forwards: int, seconds: float) -> None:
         ratio = seconds / max(self.forward(rows, 1), 1e-9)
@@ -177,8 +189,8 @@ class CostModel:
             return line.predict(rows)
         return other.predict(rows) if other.seen else 0.0
 
-    def step_seconds(self, rows: int, width: int) -> float:
-        return self.forward(rows, width + 1) + self.draft(rows, width) + self.host(rows, width > 0)
+    def step_seconds(self, rows: int, width: int, catch_up: int = 0) -> float:
+        return self.forward(rows, width + 1) + self.draft(rows, width, catch_up) + self.host(rows, width > 0)
 
     def observe_forward(self, rows: int, query_len: int, seconds: float, decay: float = 0.95) -> None:
         ratio = max(seconds, 1e-9) / max(self.table.estimate(rows, query_len), 1e-9)
@@ -204,8 +216,9 @@ class SpeculationPlanner:
                 return width
         return self.k
 
-    def plan(self, slots: torch.Tensor, limits: torch.Tensor) -> StepPlan:
-        """`limits[b]`: the most row b may draft (room left, max_tokens, or drafts it has)."""
+    def plan(self, slots: torch.Tensor, limits: torch.Tensor, catch_up: int = 0) -> StepPlan:
+        """`limits[b]`: the most row b may draft (room left, max_tokens, or drafts it has); `catch_up`: the
+        proposer's extra catch-up this step (`Proposer.catch_up`), so that resuming is priced in."""
         if not self.adaptive:
             return StepPlan(min(self.fixed_width(len(slots)), int(limits.max())))
         rows = len(slots)
@@ -218,7 +231,7 @@ class SpeculationPlanner:
         for width, expected in enumerate(tokens):
             if width > 0 and tokens[width] <= tokens[width - 1]:
                 break  # no row can use a wider step
-            seconds = max(self.cost.step_seconds(rows, width), 1e-9)
+            seconds = max(self.cost.step_seconds(rows, width, catch_up), 1e-9)
             if best.expected_seconds == 0.0 or expected / seconds > best.expected_tokens / best.expected_seconds:
                 best = StepPlan(width, 0.0, expected, seconds)
         if best.width > 0 and self.cost.sequential_drafts and self.confidence_floor:

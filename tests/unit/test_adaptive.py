@@ -106,6 +106,16 @@ def test_draft_cost_separates_catch_up_from_each_draft_forward():
         pytest.approx(CHEAP.estimate(4, 1) / 3)  # one forward drafts every token
 
 
+def test_resuming_after_a_pause_is_priced():
+    """Drafting pays for a row with good acceptance, but not when it must first feed the draft model 60
+    positions it missed while speculation was off."""
+    planner = _planner(synthetic_table(0.3), sequential=True)
+    _feed(planner, [0], accepted_each=4)
+    slots, limits = torch.tensor([0]), torch.tensor([4])
+    assert planner.plan(slots, limits).width == 4
+    assert planner.plan(slots, limits, catch_up=60).width == 0
+
+
 def test_fixed_k_and_vllm_batch_size_table():
     fixed = SpeculationPlanner(4, 8, cost=None, adaptive=False)
     assert fixed.plan(torch.tensor([0]), torch.tensor([4])).width == 4

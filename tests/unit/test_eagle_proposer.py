@@ -216,6 +216,7 @@ def test_observe_accumulates_until_propose(models, monkeypatch):
     assert proposer.pending_len[:2].tolist() == [width, width]
     # the newest W verified positions are pending: the last one is the row's second-to-last token
     assert proposer.context_start[:2].tolist() == [r.num_tokens - 1 - width for r in rows]
+    assert proposer.catch_up(torch.tensor([0, 1])) == width - (K + 1)  # what the planner prices
     drafts = proposer.propose(rows, [K, K])
     check_against_reference(proposer, rows, [K, K], drafts)
 

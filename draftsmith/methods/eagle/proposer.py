@@ -130,6 +130,9 @@ class EagleFamilyProposer(Proposer):
         self.pending_start[slots] = kept_from
         self.pending_len[slots] = end - kept_from
 
+    def catch_up(self, slots: torch.Tensor) -> int:
+        return max(int(self.pending_len[slots].max()) - (self.k + 1), 0) if len(slots) else 0
+
     def release(self, request: RowState) -> None:
         if request.slot is not None:  # a request aborted while waiting never had one
             self.pending_start[request.slot] = -1
@@ -217,7 +220,8 @@ class EagleFamilyProposer(Proposer):
         last one of each row, which yield draft 1."""
         first, held = self.pending_start[slots], self.pending_len[slots]
         width = int(held.max())
-        self.steady = width <= self.k + 1  # longer: a prompt or a pause, which the next propose won't repeat
+        # longer: a prompt or a pause, which the next propose won't repeat (and the planner prices apart)
+        self.steady = width <= self.k + 1
         tokens = _token_ids(rows, first.tolist(), held.tolist(), width)
         ring = (first[:, None] + torch.arange(width)[None, :]) % self.pending_width
         hidden = self.pending[slots[:, None].to(self.device), ring.to(self.device)]

@@ -41,6 +41,7 @@ INITIAL_RATE, INITIAL_LATER_RATE = 0.7, 0.8
 FLOOR_MARGIN = 0.5
 DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts are timed
 OUTLIER = 3.0  # a draft timing above this many times the prediction counts as this many
+CATCH_UP_HORIZON = 8  # steps a resumed row's catch-up is spread over
 
 
 class DecayedLine:
@@ -170,18 +171,23 @@ class CostModel:
         return (self.draft_ratio.predict(forwards) + per_forward * extra) * self.forward(rows, 1)
 
     def _extra_queries(self, rows: int, catch_up: int) -> float:
-        """A catch-up of `catch_up` more positions per row, in units of one-token forwards of the target."""
+        """A catch-up of `catch_up` more positions per row, in units of one-token forwards of the target,
+        spread over the CATCH_UP_HORIZON steps it serves: it is paid once, and the context it restores
+        serves the drafts of the steps after it too (priced whole on one step, a row that has never drafted
+        would never start)."""
         if catch_up <= 0:
             return 0.0
-        return max(self.forward(rows, 1 + catch_up) - self.forward(rows, 1), 0.0) / max(self.forward(rows, 1), 1e-9)
+        extra = max(self.forward(rows, 1 + catch_up) - self.forward(rows, 1), 0.0) / max(self.forward(rows, 1), 1e-9)
+        return extra / CATCH_UP_HORIZON
 
     def observe_draft(self, rows: int, forwards: int, seconds: float) -> None:
         ratio = seconds / max(self.forward(rows, 1), 1e-9)
-        if self.draft_ratio.n > 3:
-            # one stalled step (the OS, a page fault) must not price drafting out for good: it is only
-            # re-measured while the planner drafts
-            ratio = min(ratio, OUTLIER * self.draft_ratio.predict(forwards))
-        self.draft_ratio.add(forwards, ratio)
+        # One stalled step (the OS, a first-touch allocation) must not price drafting out for good: it is only
+        # re-measured while the planner drafts. A cost really that high still gets there, OUTLIER x at a time.
+        expected = DRAFT_STEP_GUESS * forwards
+        if self.draft_ratio.seen:
+            expected = max(expected, self.draft_ratio.predict(forwards))
+        self.draft_ratio.add(forwards, min(ratio, OUTLIER * expected))
 
     def host(self, rows: int, speculative: bool) -> float:
         line, other = (self.host_spec, self.host_plain) if speculative else (self.host_plain, self.host_spec)

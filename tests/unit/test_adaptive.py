@@ -107,13 +107,16 @@ def test_draft_cost_separates_catch_up_from_each_draft_forward():
 
 
 def test_resuming_after_a_pause_is_priced():
-    """Drafting pays for a row with good acceptance, but not when it must first feed the draft model 60
-    positions it missed while speculation was off."""
+    """Drafting pays for a row with good acceptance; a row that must first feed the draft model positions it
+    missed while speculation was off pays for that catch-up (spread over the steps it serves), and does not
+    resume when the catch-up is long enough."""
     planner = _planner(synthetic_table(0.3), sequential=True)
     _feed(planner, [0], accepted_each=4)
     slots, limits = torch.tensor([0]), torch.tensor([4])
-    assert planner.plan(slots, limits).width == 4
-    assert planner.plan(slots, limits, catch_up=60).width == 0
+    steady, resuming = planner.plan(slots, limits), planner.plan(slots, limits, catch_up=60)
+    assert steady.width == resuming.width == 4
+    assert resuming.expected_seconds > steady.expected_seconds
+    assert planner.plan(slots, limits, catch_up=400).width == 0
 
 
 def test_fixed_k_and_vllm_batch_size_table():

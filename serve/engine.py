@@ -333,8 +333,14 @@ class LLMEngine:
         """Hands the proposer the target features of newly verified positions (EAGLE-style heads)."""
         if not self.feature_layers:
             return
+        hidden = out.hidden_states
+        window = self.proposer.observe_window
+        skip = max(min(counts) - window, 0) if window else 0
+        if skip:  # a prompt chunk: the proposer keeps only each row's newest `window`, so build no more
+            hidden = {i: h[:, skip:] for i, h in hidden.items()}
+            starts, counts = [s + skip for s in starts], [n - skip for n in counts]
         with torch.inference_mode():
-            self.proposer.observe(rows, starts, counts, self.proposer.features(out.hidden_states))
+            self.proposer.observe(rows, starts, counts, self.proposer.features(hidden))
 
     def _sampling(self, rows: list[Request]) -> SamplingBatch:
         return SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device,

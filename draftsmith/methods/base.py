@@ -211,6 +211,9 @@ class Proposer:
         self.hidden_layer_ids: tuple[int, ...] = ()
         self.steps_run = 0
         self.steady = True
+        # observe() keeps at most this many newest positions per row (None: all): the engine hands over no
+        # more, instead of building a whole prompt's features
+        self.observe_window: int | None = None
         self.stop_below = 0.0
 
     def propose(self, rows: Sequence[RowState], max_drafts: list[int],

@@ -89,6 +89,7 @@ class EagleFamilyProposer(Proposer):
         self.draft_probs: torch.Tensor | None = None  # [max_num_seqs, k, V], allocated on first sampled draft
         self.max_model_len = max_model_len
         self.pending_width = 0  # W, set with the buffer once the feature width is known
+        self.observe_window = max(MAX_PENDING, 2 * (self.k + 1))  # W is at most this
         self.pending: torch.Tensor | None = None  # [max_num_seqs + 1, W, F] (last row: scratch), on first observe
         # host metadata per slot: the first pending position (-1: slot unused) and how many are pending
         self.pending_start = torch.full((max_num_seqs,), -1, dtype=torch.long)

@@ -142,9 +142,12 @@ class CostModel:
     table: ForwardCostTable
     sequential_drafts: bool  # each draft token is one more draft forward
     drafts_before_plan: bool  # drafting already happened when the plan is made: its cost is sunk
-    # live / table seconds, one factor for every shape: the table gives the shape of the cost, live steps its
-    # level today (context length, other load); a geometric moving average, so one slow step moves it little
+    # live / table seconds: the table gives the shape of the cost, live steps its level today (context length,
+    # other load); a geometric moving average, so one slow step moves it little. Decode and verify forwards
+    # keep a factor each: longer contexts than the table's make a wide verify dearer relative to a decode,
+    # and one shared factor would price plain steps by what verify steps cost.
     forward_scale: float = 1.0
+    verify_scale: float | None = None  # until a verify forward is timed: forward_scale
     # drafting seconds / F(rows, 1), by draft forwards run: a fixed part (catch-up, setup) plus a part per
     # forward; relative to the target's decode cost so that its growth with rows comes from the measured
     # table, while steps within one call (1..k) identify the two parts. Before evidence: a one-layer head
@@ -155,7 +158,8 @@ class CostModel:
     host_spec: DecayedLine = field(default_factory=DecayedLine)
 
     def forward(self, rows: int, query_len: int) -> float:
-        return self.table.estimate(rows, query_len) * self.forward_scale
+        scale = self.forward_scale if query_len == 1 or self.verify_scale is None else self.verify_scale
+        return self.table.estimate(rows, query_len) * scale
 
     def draft(self, rows: int, width: int, catch_up: int = 0) -> float:
         """Drafting seconds for `rows` rows drafting `width` tokens. `catch_up`: the widest run of positions a
@@ -199,8 +203,12 @@ class CostModel:
         return self.forward(rows, width + 1) + self.draft(rows, width, catch_up) + self.host(rows, width > 0)
 
     def observe_forward(self, rows: int, query_len: int, seconds: float, decay: float = 0.95) -> None:
-        ratio = max(seconds, 1e-9) / max(self.table.estimate(rows, query_len), 1e-9)
-        self.forward_scale = math.exp(decay * math.log(self.forward_scale) + (1 - decay) * math.log(ratio))
+        log_ratio = math.log(max(seconds, 1e-9) / max(self.table.estimate(rows, query_len), 1e-9))
+        if query_len == 1:
+            self.forward_scale = math.exp(decay * math.log(self.forward_scale) + (1 - decay) * log_ratio)
+        else:
+            previous = math.log(self.verify_scale if self.verify_scale is not None else self.forward_scale)
+            self.verify_scale = math.exp(decay * previous + (1 - decay) * log_ratio)
 
 
 class SpeculationPlanner:

@@ -42,8 +42,14 @@ class ForwardCostTable:
 
     def estimate(self, rows: int, query_len: int) -> float:
         """Seconds for a forward of `rows` x `query_len`, interpolated (and extrapolated) linearly per axis."""
-        per_row = [_interpolate(self.query_lens, line, query_len) for line in self.seconds]
-        return max(_interpolate(self.rows, per_row, rows), 0.0)
+        cached = self._estimates.get((rows, query_len))
+        if cached is None:  # the planner asks for the same few shapes every step
+            per_row = [_interpolate(self.query_lens, line, query_len) for line in self.seconds]
+            cached = self._estimates[rows, query_len] = max(_interpolate(self.rows, per_row, rows), 0.0)
+        return cached
+
+    def __post_init__(self):
+        self._estimates: dict[tuple[int, int], float] = {}
 
     def to_json(self) -> dict:
         return asdict(self)

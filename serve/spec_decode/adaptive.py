@@ -42,6 +42,7 @@ FLOOR_MARGIN = 0.5
 DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts are timed
 OUTLIER = 3.0  # a draft timing above this many times the prediction counts as this many
 CATCH_UP_HORIZON = 8  # steps a resumed row's catch-up is spread over
+PLAIN_HOLD = 4  # after a plan without speculation, the same rows are re-planned every this many steps
 
 
 class DecayedLine:
@@ -223,6 +224,7 @@ class SpeculationPlanner:
         self.acceptance = AcceptanceStats(num_slots, k)
         self.row_widths = [0] * (k + 1)  # (row, step) pairs by the draft limit they were given
         self.plain_steps = 0
+        self._hold, self._held_slots = 0, None  # plain steps left before re-planning the same rows
 
     def fixed_width(self, rows: int) -> int:
         for lo, hi, width in self.per_batch_size or ():
@@ -235,6 +237,12 @@ class SpeculationPlanner:
         proposer's extra catch-up this step (`Proposer.catch_up`), so that resuming is priced in."""
         if not self.adaptive:
             return StepPlan(min(self.fixed_width(len(slots)), int(limits.max())))
+        if self._hold and torch.equal(slots, self._held_slots):
+            # Speculation did not pay for these rows a step ago, and a step's new evidence is too little to
+            # turn that around: re-plan every PLAIN_HOLD steps (or when rows come or go), not every step,
+            # so that a batch too large to speculate pays almost nothing for the question.
+            self._hold -= 1
+            return StepPlan(0)
         rows = len(slots)
         rates = self.acceptance.rates(slots)
         gain = torch.cat([torch.zeros(rows, 1, dtype=rates.dtype), rates.cumprod(1).cumsum(1)], dim=1)
@@ -255,6 +263,7 @@ class SpeculationPlanner:
             step = max(self.cost.draft(rows, best.width + 1) - self.cost.draft(rows, best.width), 0.0) + max(
                 self.cost.forward(rows, best.width + 2) - self.cost.forward(rows, best.width + 1), 0.0)
             best.stop_below = FLOOR_MARGIN * step * best.expected_tokens / best.expected_seconds / rows
+        self._hold, self._held_slots = (PLAIN_HOLD - 1, slots.clone()) if best.width == 0 else (0, None)
         return best
 
     def record(self, limits: torch.Tensor, width: int) -> None:

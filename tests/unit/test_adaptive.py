@@ -11,7 +11,7 @@ from draftsmith.models import load_target
 from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.cost_profile import ForwardCostTable
-from draftsmith.serve.spec_decode.adaptive import AcceptanceStats, CostModel, SpeculationPlanner
+from draftsmith.serve.spec_decode.adaptive import PLAIN_HOLD, AcceptanceStats, CostModel, SpeculationPlanner
 from helpers import DEMO_MODEL, REPO
 
 ROWS, QUERY_LENS = [1, 2, 4, 8], [1, 2, 3, 4, 5, 6, 8]
@@ -46,13 +46,35 @@ def _feed(planner, slots, accepted_each: int, times: int = 10):
         planner.acceptance.observe(slots, torch.full((len(slots),), planner.k), torch.full((len(slots),), accepted_each))
 
 
+def _settled(planner, slots, limits):
+    """The plan once a change has had its effect: after a plan without speculation the planner holds it
+    for the same rows for PLAIN_HOLD steps before it asks again."""
+    plans = [planner.plan(slots, limits) for _ in range(PLAIN_HOLD)]
+    if plans[0].width == 0:
+        assert all(p.width == 0 for p in plans[:-1])  # held, not re-planned
+    return plans[-1]
+
+
+def test_plain_plans_are_held_for_the_same_rows():
+    planner = _planner(EXPENSIVE)
+    _feed(planner, [0, 1], accepted_each=3)
+    slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
+    assert planner.plan(slots, limits).width == 0
+    planner.cost.table = CHEAP
+    assert [planner.plan(slots, limits).width for _ in range(PLAIN_HOLD)] == [0] * (PLAIN_HOLD - 1) + [4]
+    planner.cost.table = EXPENSIVE
+    assert planner.plan(slots, limits).width == 0
+    planner.cost.table = CHEAP
+    assert planner.plan(torch.tensor([0]), torch.tensor([4])).width == 4  # other rows: planned at once
+
+
 def test_k_follows_the_cost_of_verification():
     planner = _planner(EXPENSIVE)
     _feed(planner, [0, 1], accepted_each=3)  # good drafts
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
     assert planner.plan(slots, limits).width == 0
     planner.cost.table = CHEAP
-    assert planner.plan(slots, limits).width == 4
+    assert _settled(planner, slots, limits).width == 4
     planner.cost.table = EXPENSIVE
     assert planner.plan(slots, limits).width == 0
 
@@ -63,7 +85,7 @@ def test_k_follows_acceptance():
     _feed(planner, [0, 1, 2], accepted_each=0, times=30)
     assert planner.plan(slots, limits).width == 0  # nothing gets accepted: don't draft
     _feed(planner, [0, 1, 2], accepted_each=4, times=30)
-    assert planner.plan(slots, limits).width == 4
+    assert _settled(planner, slots, limits).width == 4
     _feed(planner, [0, 1, 2], accepted_each=1, times=30)  # only the first draft lands
     assert planner.plan(slots, limits).width == 1
 

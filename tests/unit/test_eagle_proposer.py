@@ -177,8 +177,8 @@ def test_mixed_batch_matches_the_per_row_reference(models, sampled, monkeypatch)
     prefill(proposer, rows, gen)
     width = proposer.pending_width
     assert width == 2 * (K + 1)
-    assert proposer.pending_len.tolist() == [width, width, 3, 7]  # by slot
-    assert proposer.context_start.tolist() == [30 - width, 12 - width, 0, 0]
+    assert proposer.pending_len == [width, width, 3, 7]  # by slot
+    assert proposer.context_start == [30 - width, 12 - width, 0, 0]
     for limits in ([0, 1, K, 2], [K, 0, 3, K], [2, K, 0, 1], [K, K, K, 0]):
         sampling = sampling_for(temperatures) if sampled else None
         drafts = proposer.propose(rows, limits, sampling)
@@ -205,17 +205,17 @@ def test_observe_accumulates_until_propose(models, monkeypatch):
 
     for _ in range(2):
         skipped_step([1, 1])
-    assert proposer.pending_len[:2].tolist() == [4 + 2, K + 2]  # two observes, one pending run each
+    assert proposer.pending_len[:2] == [4 + 2, K + 2]  # two observes, one pending run each
     width = proposer.pending_width
     skipped_step([K + 1, 2])
     # row 0 overflowed by one: it keeps the newest W positions, and the head's context starts at them
-    assert proposer.pending_len[:2].tolist() == [width, K + 4]
-    assert proposer.context_start[:2].tolist() == [1, 0]
+    assert proposer.pending_len[:2] == [width, K + 4]
+    assert proposer.context_start[:2] == [1, 0]
     for _ in range(3 * width):
         skipped_step([1, 1])
-    assert proposer.pending_len[:2].tolist() == [width, width]
+    assert proposer.pending_len[:2] == [width, width]
     # the newest W verified positions are pending: the last one is the row's second-to-last token
-    assert proposer.context_start[:2].tolist() == [r.num_tokens - 1 - width for r in rows]
+    assert proposer.context_start[:2] == [r.num_tokens - 1 - width for r in rows]
     assert proposer.catch_up(torch.tensor([0, 1])) == width - (K + 1)  # what the planner prices
     drafts = proposer.propose(rows, [K, K])
     check_against_reference(proposer, rows, [K, K], drafts)
@@ -272,13 +272,13 @@ def test_released_slot_starts_clean(models, monkeypatch):
     proposer = make_proposer(models)
     first = random_rows(gen, [14, 6], [0, 1])
     prefill(proposer, first, gen)
-    assert proposer.context_start[:2].tolist() == [14 - proposer.pending_width, 0]
+    assert proposer.context_start[:2] == [14 - proposer.pending_width, 0]
     proposer.propose(first[:1], [K])  # slot 0 consumed its pending, slot 1 still holds some
     for row in first:
         proposer.release(row)
     second = [Row("new0", 0, torch.randint(0, 128, (5,), generator=gen).tolist()),
               Row("new1", 1, torch.randint(0, 128, (14,), generator=gen).tolist())]
     prefill(proposer, second, gen)
-    assert proposer.context_start[:2].tolist() == [0, 14 - proposer.pending_width]
+    assert proposer.context_start[:2] == [0, 14 - proposer.pending_width]
     drafts = proposer.propose(second, [K, 3])
     check_against_reference(proposer, second, [K, 3], drafts)

@@ -91,10 +91,12 @@ class EagleFamilyProposer(Proposer):
         self.pending_width = 0  # W, set with the buffer once the feature width is known
         self.observe_window = max(MAX_PENDING, 2 * (self.k + 1))  # W is at most this
         self.pending: torch.Tensor | None = None  # [max_num_seqs + 1, W, F] (last row: scratch), on first observe
-        # host metadata per slot: the first pending position (-1: slot unused) and how many are pending
-        self.pending_start = torch.full((max_num_seqs,), -1, dtype=torch.long)
-        self.pending_len = torch.zeros(max_num_seqs, dtype=torch.long)
-        self.context_start = torch.zeros(max_num_seqs, dtype=torch.long)  # the head attends from here on
+        # Host metadata per slot, in Python lists: a decode step updates a handful of ints per row, which
+        # tensor ops would turn into some twenty dispatches per step. The first pending position (-1: slot
+        # unused), how many are pending, and where the head's context starts.
+        self.pending_start = [-1] * max_num_seqs
+        self.pending_len = [0] * max_num_seqs
+        self.context_start = [0] * max_num_seqs
 
     def features(self, hidden_states):
         return self.head.features(hidden_states)
@@ -106,42 +108,45 @@ class EagleFamilyProposer(Proposer):
             fit = PENDING_BYTES // ((self.max_num_seqs + 1) * features.shape[-1] * features.element_size())
             self.pending_width = min(max(min(fit, MAX_PENDING), 2 * (self.k + 1)), self.max_model_len)
             self.pending = features.new_zeros(self.max_num_seqs + 1, self.pending_width, features.shape[-1])
-        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
-        start, count = torch.tensor(starts, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
-        first, held = self.pending_start[slots], self.pending_len[slots]
-        fresh = first < 0
-        if (~fresh & (start != first + held)).any():
-            raise DraftsmithError("observed positions must continue each request's earlier ones")
-        first, end, width = torch.where(fresh, start, first), start + count, self.pending_width
-        # Keep the newest W positions; when older ones fall out, the head's context starts at the first kept:
-        # what it forgets is far back (a prompt's start, or what a long stretch without speculation produced).
-        kept_from = torch.maximum(first, end - width)
-        context = torch.where(fresh, start, self.context_start[slots])
-        self.context_start[slots] = torch.where(kept_from > first, kept_from, context)
-        # One scatter writes each row's newest features into its ring (column = position mod W); columns
-        # outside a row's range go to the scratch row, so nothing depends on the host knowing who has what.
+        width = self.pending_width
+        slots = [r.slot for r in rows]
+        for slot, start, count in zip(slots, starts, counts):
+            first, held = self.pending_start[slot], self.pending_len[slot]
+            if first < 0:
+                first = self.context_start[slot] = start
+            elif start != first + held:
+                raise DraftsmithError("observed positions must continue each request's earlier ones")
+            # Keep the newest W positions; when older ones fall out, the head's context starts at the first
+            # kept: what it forgets is far back (a prompt's start, or a long stretch without speculation).
+            kept = max(first, start + count - width)
+            if kept > first:
+                self.context_start[slot] = kept
+            self.pending_start[slot], self.pending_len[slot] = kept, start + count - kept
+        # One scatter writes each row's newest features into its ring (column = position mod W)
+        slot_t, start_t = torch.tensor(slots, device=self.device), torch.tensor(starts, device=self.device)
+        if max(counts) == 1:  # a decode step: one position per row
+            self.pending[slot_t, start_t % width] = features[:, 0]
+            return
+        # columns outside a row's newest W go to the scratch row
+        count = torch.tensor(counts, device=self.device)
         skip = (count - width).clamp(min=0)
-        lo, hi = int(skip.min()), int(count.max())
-        if hi > lo:
-            cols = torch.arange(lo, hi)[None, :]
-            real = (cols >= skip[:, None]) & (cols < count[:, None])
-            to_slot = torch.where(real, slots[:, None], self.max_num_seqs)
-            to_col = (start[:, None] + cols) % width
-            self.pending[to_slot.to(self.device), to_col.to(self.device)] = features[:, lo:hi]
-        self.pending_start[slots] = kept_from
-        self.pending_len[slots] = end - kept_from
+        lo, hi = max(min(counts) - width, 0), max(counts)
+        cols = torch.arange(lo, hi, device=self.device)[None, :]
+        real = (cols >= skip[:, None]) & (cols < count[:, None])
+        to_slot = torch.where(real, slot_t[:, None], self.max_num_seqs)
+        self.pending[to_slot, (start_t[:, None] + cols) % width] = features[:, lo:hi]
 
     def catch_up(self, slots: torch.Tensor) -> int:
-        return max(int(self.pending_len[slots].max()) - (self.k + 1), 0) if len(slots) else 0
+        return max([self.pending_len[s] - (self.k + 1) for s in slots.tolist()] + [0])
 
     def release(self, request: RowState) -> None:
         if request.slot is not None:  # a request aborted while waiting never had one
             self.pending_start[request.slot] = -1
             self.pending_len[request.slot] = 0
 
-    def _head_batch(self, slots: torch.Tensor, starts, q_lens, tokens, hidden, logits_at):
-        batch = ForwardBatch.build(slots.tolist(), starts, q_lens, self.cache, None, self.device,
-                                   key_starts=self.context_start[slots])
+    def _head_batch(self, slots: list[int], starts, q_lens, tokens, hidden, logits_at):
+        batch = ForwardBatch.build(slots, starts, q_lens, self.cache, None, self.device,
+                                   key_starts=torch.tensor([self.context_start[s] for s in slots]))
         return self.head.step(tokens.to(self.device), hidden, batch.positions, True, self.cache, batch,
                               logits_at=logits_at)
 
@@ -162,16 +167,17 @@ class EagleFamilyProposer(Proposer):
         drawn = torch.where(greedy, argmax, (probs / noise).argmax(-1))
         return self.head.to_target_ids(drawn), probs.gather(1, drawn[:, None])[:, 0], probs
 
-    def _step_batches(self, slots: torch.Tensor, base: torch.Tensor, steps: int) -> list[ForwardBatch]:
+    def _step_batches(self, slots: list[int], base: list[int], steps: int) -> list[ForwardBatch]:
         """One-token batches for draft steps 2..steps+1: step s sits at base + s - 1 in every row's own slot."""
-        positions = (base[:, None] + torch.arange(steps)[None, :]).clamp(max=self.cache.max_len - 1)
+        positions = (torch.tensor(base)[:, None] + torch.arange(steps)[None, :]).clamp(max=self.cache.max_len - 1)
         kv_len = int(positions.max()) + 1
         keys = torch.arange(kv_len)[None, None, :]
-        mask = ((keys <= positions[:, :, None]) & (keys >= self.context_start[slots][:, None, None])).to(self.device)
-        positions, read = positions.to(self.device), slots.to(self.device)
-        listed = slots.tolist()
+        context = torch.tensor([self.context_start[s] for s in slots])
+        mask = ((keys <= positions[:, :, None]) & (keys >= context[:, None, None])).to(self.device)
+        positions, read = positions.to(self.device), torch.tensor(slots, device=self.device)
+        listed = slots
         contiguous = listed == list(range(listed[0], listed[0] + len(listed)))
-        last = base.max().item()
+        last = max(base)
         return [ForwardBatch(positions=positions[:, s : s + 1], read_slots=read, write_slots=read[:, None],
                              mask=mask[:, None, s : s + 1, : min(last + s + 1, kv_len)],
                              kv_len=min(last + s + 1, kv_len), slot_start=listed[0] if contiguous else None)
@@ -190,19 +196,18 @@ class EagleFamilyProposer(Proposer):
         if sampled and self.draft_probs is None:  # columns outside draft_to_target stay 0 for good
             self.draft_probs = torch.zeros(self.draft_tokens.shape + (self.vocab_size,), device=self.device)
         probs_out = self.draft_probs[:n_rows] if sampled else None
-        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
-        limits = torch.tensor(max_drafts, dtype=torch.long)
-        active = ((limits > 0) & (self.pending_len[slots] > 0)).nonzero()[:, 0]
-        if not len(active):
+        host_active = [i for i, (r, n) in enumerate(zip(rows, max_drafts)) if n > 0 and self.pending_len[r.slot] > 0]
+        if not host_active:
             return DraftBatch(tokens_out, counts_out, probs_out)
-        host_active = active.tolist()
+        active = torch.tensor(host_active)
+        limits = torch.tensor(max_drafts, dtype=torch.long)
         temperature, draws = None, []
         if sampled:
             temperature = sampling.temperature.to(self.device)[active.to(self.device)]
             temps = sampling.temperature.tolist()
             draws = [(j, sampling.generators[i]) for j, i in enumerate(host_active) if temps[i] > 0]
-        slots = slots[active]
-        base = self.pending_start[slots] + self.pending_len[slots]  # where draft step 2 sits
+        slots = [rows[i].slot for i in host_active]
+        base = [self.pending_start[s] + self.pending_len[s] for s in slots]  # where draft step 2 sits
         state, logits = self._catch_up([rows[i] for i in host_active], slots)
         act_dev = active.to(self.device)
         q_out = torch.zeros(len(active), self.k, len(self.draft_to_target), device=self.device) if sampled else None
@@ -216,20 +221,21 @@ class EagleFamilyProposer(Proposer):
             probs_out[act_dev[:, None, None], steps[None, :, None], self.draft_to_target[None, None, :]] = q_out
         return DraftBatch(tokens_out, counts_out, probs_out)
 
-    def _catch_up(self, rows: list[RowState], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, rows: list[RowState], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over the rows' pending positions -> (head output [A, H], logits [A, draft_vocab]) at the
         last one of each row, which yield draft 1."""
-        first, held = self.pending_start[slots], self.pending_len[slots]
-        width = int(held.max())
+        first = [self.pending_start[s] for s in slots]
+        held = [self.pending_len[s] for s in slots]
+        width = max(held)
         # longer: a prompt or a pause, which the next propose won't repeat (and the planner prices apart)
         self.steady = width <= self.k + 1
-        tokens = _token_ids(rows, first.tolist(), held.tolist(), width)
-        ring = (first[:, None] + torch.arange(width)[None, :]) % self.pending_width
-        hidden = self.pending[slots[:, None].to(self.device), ring.to(self.device)]
-        last = (held - 1).to(self.device)
-        out, logits = self._head_batch(slots, first.tolist(), held.tolist(), tokens, hidden, last)
-        self.pending_start[slots] = first + held
-        self.pending_len[slots] = 0
+        tokens = _token_ids(rows, first, held, width)
+        ring = (torch.tensor(first)[:, None] + torch.arange(width)[None, :]) % self.pending_width
+        hidden = self.pending[torch.tensor(slots)[:, None].to(self.device), ring.to(self.device)]
+        last = torch.tensor(held, device=self.device) - 1
+        out, logits = self._head_batch(slots, first, held, tokens, hidden, last)
+        for slot, begin, n in zip(slots, first, held):
+            self.pending_start[slot], self.pending_len[slot] = begin + n, 0
         return out[torch.arange(len(rows), device=self.device), last], logits[:, 0]
 
     def _draft(self, state, logits, slots, base, limits, temperature, draws, q_out, batch_rows: int):

@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/draftsmith demo
 
 bench: $(STAMP)
-	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --json build/bench.json
+	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --rounds 3 --json build/bench.json
 	$(VENV)/bin/draftsmith bench-serve --shared $(SHARED)
 
 lint: $(STAMP)

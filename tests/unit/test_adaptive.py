@@ -129,13 +129,13 @@ def test_draft_cost_separates_catch_up_from_each_draft_forward():
 
 
 def test_resuming_after_a_pause_is_priced():
-    """Drafting pays for a row with good acceptance; a row that must first feed the draft model positions it
+    """Drafting pays for a row with good acceptance; a row that must first feed the draft model 30 positions it
     missed while speculation was off pays for that catch-up (spread over the steps it serves), and does not
     resume when the catch-up is long enough."""
     planner = _planner(synthetic_table(0.3), sequential=True)
     _feed(planner, [0], accepted_each=4)
     slots, limits = torch.tensor([0]), torch.tensor([4])
-    steady, resuming = planner.plan(slots, limits), planner.plan(slots, limits, catch_up=60)
+    steady, resuming = planner.plan(slots, limits), planner.plan(slots, limits, catch_up=30)
     assert steady.width == resuming.width == 4
     assert resuming.expected_seconds > steady.expected_seconds
     assert planner.plan(slots, limits, catch_up=400).width == 0

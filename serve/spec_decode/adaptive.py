@@ -149,6 +149,7 @@ class CostModel:
     # and one shared factor would price plain steps by what verify steps cost.
     forward_scale: float = 1.0
     verify_scale: float | None = None  # until a verify forward is timed: forward_scale
+    live_scaling: bool = True  # False: the table alone prices forwards (tests with synthetic tables)
     # drafting seconds / F(rows, 1), by draft forwards run: a fixed part (catch-up, setup) plus a part per
     # forward; relative to the target's decode cost so that its growth with rows comes from the measured
     # table, while steps within one call (1..k) identify the two parts. Before evidence: a one-layer head
@@ -204,6 +205,8 @@ class CostModel:
         return self.forward(rows, width + 1) + self.draft(rows, width, catch_up) + self.host(rows, width > 0)
 
     def observe_forward(self, rows: int, query_len: int, seconds: float, decay: float = 0.95) -> None:
+        if not self.live_scaling:
+            return
         log_ratio = math.log(max(seconds, 1e-9) / max(self.table.estimate(rows, query_len), 1e-9))
         if query_len == 1:
             self.forward_scale = math.exp(decay * math.log(self.forward_scale) + (1 - decay) * log_ratio)

@@ -25,14 +25,15 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
 
-def synthetic_table(query_cost: float) -> ForwardCostTable:
-    """1 ms per row for one query token, each further query token adding `query_cost` ms per row:
-    query_cost 1 makes verifying k+1 tokens cost k+1 decodes (speculation can't pay), 0 makes it free."""
-    seconds = [[r * (1 + query_cost * (q - 1)) * 1e-3 for q in QUERY_LENS] for r in ROWS]
+def synthetic_table(query_cost: float, unit: float = 1e-3) -> ForwardCostTable:
+    """`unit` seconds per row for one query token, each further query token adding `query_cost` units per
+    row: 0 makes verifying free; above 1 each verified token costs more than a decode, so speculation cannot
+    pay even counting the host work a step saves (which is why EXPENSIVE's unit dwarfs this CPU's)."""
+    seconds = [[r * (1 + query_cost * (q - 1)) * unit for q in QUERY_LENS] for r in ROWS]
     return ForwardCostTable({"model": "synthetic"}, ROWS, QUERY_LENS, 256, seconds)
 
 
-EXPENSIVE, CHEAP = synthetic_table(1.0), synthetic_table(0.0)
+EXPENSIVE, CHEAP = synthetic_table(2.0, unit=0.05), synthetic_table(0.0)
 
 
 def _planner(table, k=4, sequential=False):
@@ -172,6 +173,8 @@ def test_engine_k_falls_to_zero_and_rises_again(reference_ids):
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
     engine = llm.engine
+    # the synthetic tables alone price forwards: live timings would correct their shape toward this CPU's
+    engine.planner.cost.live_scaling = False
     for table, speculates in ((EXPENSIVE, False), (CHEAP, True), (EXPENSIVE, False)):
         engine.planner.cost.table = table
         engine.reset_metrics()
@@ -215,6 +218,7 @@ def test_greedy_equality_with_adaptive_k(method, reference_ids, tmp_path_factory
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
     # verification made nearly free, so the planner drafts and k varies with what each request accepts
     llm.engine.planner.cost.table = synthetic_table(0.02)
+    llm.engine.planner.cost.live_scaling = False
     llm.engine.planner.confidence_floor = False  # the random EAGLE head is never confident
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference_ids
@@ -230,6 +234,7 @@ def test_seeded_sampling_is_the_same_with_and_without_adaptive_speculation():
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     spec = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
     spec.engine.planner.cost.table = CHEAP
+    spec.engine.planner.cost.live_scaling = False
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params, use_tqdm=False)] == expected
     assert spec.get_metrics()["num_accepted_tokens"] > 0
@@ -246,6 +251,7 @@ def test_sampled_drafts_with_adaptive_k_follow_the_target_distribution():
               "draft_sample_method": "probabilistic"}
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=8, max_model_len=64, speculative_config=config)
     llm.engine.planner.cost.table = CHEAP
+    llm.engine.planner.cost.live_scaling = False
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(TRIALS)]
     outputs = [o.outputs[0].token_ids for o in llm.generate([DIST_PROMPT] * TRIALS, params, use_tqdm=False)]
     m = llm.get_metrics()

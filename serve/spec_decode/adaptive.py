@@ -41,7 +41,7 @@ INITIAL_RATE, INITIAL_LATER_RATE = 0.7, 0.8
 FLOOR_MARGIN = 0.5
 DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts are timed
 OUTLIER = 3.0  # a draft timing above this many times the prediction counts as this many
-CATCH_UP_HORIZON = 4  # steps a resumed row's catch-up is spread over
+CATCH_UP_HORIZON = 8  # steps a resumed row's catch-up is spread over
 PLAIN_HOLD = 4  # after a plan without speculation, the same rows are re-planned every this many steps
 
 

@@ -98,14 +98,6 @@ def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrenc
     return time.perf_counter() - start, outputs
 
 
-def _reset_metrics(llm: LLM) -> None:
-    # drops the warm-up's and the previous run's counts; engines before reset_metrics lack it (and the
-    # histogram and step profile it resets)
-    reset = getattr(llm.engine, "reset_metrics", None)
-    if reset is not None:
-        reset()
-
-
 def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -155,7 +147,7 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
         # rounds alternate methods (none, m1, m2, none, m1, ...) so drift in machine load hits all alike;
         # no speculation runs first in the last round, so each method's row can print as soon as it is done
         for round_, (method, llm) in itertools.product(range(args.rounds), llms.items()):
-            _reset_metrics(llm)
+            llm.engine.reset_metrics()  # drops the warm-up's and the previous run's counts
             secs, outputs = drive(llm, batch, params, c)
             runs[method].append((sum(map(len, outputs)) / secs, outputs))
             if round_ == args.rounds - 1:

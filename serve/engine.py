@@ -206,7 +206,8 @@ class LLMEngine:
             self.stats["num_prompt_tokens"] += chunk
         done = [i for i, r in enumerate(rows) if not r.prefilling]
         if done:
-            self._sample_and_append([rows[i] for i in done], out[done, 0])
+            finished = [rows[i] for i in done]
+            self._append(finished, self._sample(out[done, 0], self._sampling(finished)))
         return [rows[i] for i in done]
 
     def _decode(self, rows: list[Request]) -> list[Request]:
@@ -227,11 +228,9 @@ class LLMEngine:
         self._observe_features(rows, [r.num_tokens - 1 for r in rows], [1] * len(rows), out)
         for request in rows:
             request.num_computed += 1
-        with torch.inference_mode():
-            tokens = sample(out.logits[:, -1], sampling).tolist()
+        tokens = self._sample(out.logits[:, -1], sampling)
         sampled_at = self._clock()
-        for request, token in zip(rows, tokens):
-            self.stats["num_generated_tokens"] += self.stop_checker.append(request, [token])
+        self._append(rows, tokens)
         self._account(rows, 0, started, draft_s, sample_at - forward_at, sampled_at - sample_at)
 
     def _speculative_decode(self, rows: list[Request], started: float) -> None:
@@ -346,10 +345,12 @@ class LLMEngine:
         return SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device,
                                    seeds=[r.seed for r in rows], positions=[r.num_tokens for r in rows])
 
-    def _sample_and_append(self, rows: list[Request], logits: torch.Tensor) -> None:
-        sampling = self._sampling(rows)
+    def _sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> list[int]:
+        """logits [B, V] -> one token per row, on the host (the stop checks need them there)."""
         with torch.inference_mode():
-            tokens = sample(logits, sampling).tolist()
+            return sample(logits, sampling).tolist()
+
+    def _append(self, rows: list[Request], tokens: list[int]) -> None:
         for request, token in zip(rows, tokens):
             self.stats["num_generated_tokens"] += self.stop_checker.append(request, [token])
 

@@ -170,11 +170,12 @@ class CostModel:
         if width == 0 or self.drafts_before_plan:
             return 0.0
         forwards = width if self.sequential_drafts else 1
-        extra = self._extra_queries(rows, catch_up)
-        if not self.draft_ratio.seen:
-            return DRAFT_STEP_GUESS * (forwards + extra) * self.forward(rows, 1)
-        per_forward = max(self.draft_ratio.predict(2) - self.draft_ratio.predict(1), 0.0)
-        return (self.draft_ratio.predict(forwards) + per_forward * extra) * self.forward(rows, 1)
+        per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), 0.0)
+        return (self._draft_ratio(forwards) + per_forward * self._extra_queries(rows, catch_up)) * self.forward(rows, 1)
+
+    def _draft_ratio(self, forwards: int) -> float:
+        """Drafting seconds / F(rows, 1) for this many draft forwards: the fit, or the guess before any."""
+        return self.draft_ratio.predict(forwards) if self.draft_ratio.seen else DRAFT_STEP_GUESS * forwards
 
     def _extra_queries(self, rows: int, catch_up: int) -> float:
         """A catch-up of `catch_up` more positions per row, in units of one-token forwards of the target,
@@ -190,9 +191,7 @@ class CostModel:
         ratio = seconds / max(self.forward(rows, 1), 1e-9)
         # One stalled step (the OS, a first-touch allocation) must not price drafting out for good: it is only
         # re-measured while the planner drafts. A cost really that high still gets there, OUTLIER x at a time.
-        expected = DRAFT_STEP_GUESS * forwards
-        if self.draft_ratio.seen:
-            expected = max(expected, self.draft_ratio.predict(forwards))
+        expected = max(DRAFT_STEP_GUESS * forwards, self._draft_ratio(forwards))
         self.draft_ratio.add(forwards, min(ratio, OUTLIER * expected))
 
     def host(self, rows: int, speculative: bool) -> float:

@@ -201,7 +201,6 @@ class EagleFamilyProposer(Proposer):
         if not host_active:
             return DraftBatch(tokens_out, counts_out, probs_out)
         active = torch.tensor(host_active)
-        limits = torch.tensor(max_drafts, dtype=torch.long)
         temperature, draws = None, []
         if sampled:
             temperature = sampling.temperature.to(self.device)[active.to(self.device)]
@@ -212,8 +211,8 @@ class EagleFamilyProposer(Proposer):
         state, logits = self._catch_up([rows[i] for i in host_active], slots)
         act_dev = active.to(self.device)
         q_out = torch.zeros(len(active), self.k, len(self.draft_to_target), device=self.device) if sampled else None
-        drafted, confidence = self._draft(state, logits, slots, base, limits[active], temperature, draws, q_out,
-                                          n_rows)
+        drafted, confidence = self._draft(state, logits, slots, base, [max_drafts[i] for i in host_active],
+                                          temperature, draws, q_out, n_rows)
         tokens_out[act_dev] = drafted
         counts_out[act_dev] = (drafted >= 0).sum(-1)
         self.last_confidence[act_dev] = confidence
@@ -239,13 +238,12 @@ class EagleFamilyProposer(Proposer):
             self.pending_start[slot], self.pending_len[slot] = begin + n, 0
         return out[torch.arange(len(rows), device=self.device), last], logits[:, 0]
 
-    def _draft(self, state, logits, slots, base, limits, temperature, draws, q_out, batch_rows: int):
+    def _draft(self, state, logits, slots, base, host_limits: list[int], temperature, draws, q_out, batch_rows: int):
         """Drafts 1..max(limits) for A rows at a fixed width -> (target ids [A, k], -1 past each row's count;
         running probability products [A, k], 0 past it). q_out [A, k, draft_vocab] receives sampled q."""
-        rows, host_limits = len(limits), limits.tolist()
-        steps = max(host_limits)
+        rows, steps = len(host_limits), max(host_limits)
         batches = self._step_batches(slots, base, steps - 1) if steps > 1 else []
-        limits = limits.to(self.device)
+        limits = torch.tensor(host_limits, device=self.device)
         drafted = torch.full((rows, self.k), -1, dtype=torch.long, device=self.device)
         probs = torch.zeros(rows, self.k, device=self.device)
         product = torch.ones(rows, device=self.device)

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.serve.cost_profile import ForwardCostTable
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "assets" / "demo-code-7m"
 SHARED = Path(os.environ.get("DRAFTSMITH_SHARED", REPO.parent / "shared"))
@@ -90,3 +92,21 @@ def tiny_recipe(target: Path, data: Path, output: Path, head_type: str = "eagle3
         recipe["model"].update(aux_layer_ids=[1, 2, 3], draft_vocab_size=512)
         recipe["training"].setdefault("ttt_length", 3)
     return recipe
+
+
+ROWS, QUERY_LENS = [1, 2, 4, 8], [1, 2, 3, 4, 5, 6, 8]
+
+
+def synthetic_table(query_cost: float, unit: float = 1e-3) -> ForwardCostTable:
+    """`unit` seconds per row for one query token, each further query token adding `query_cost` units per
+    row: 0 makes verifying free; above 1 each verified token costs more than a decode, so speculation cannot
+    pay even counting the host work a step saves (which is why EXPENSIVE's unit dwarfs this CPU's)."""
+    seconds = [[r * (1 + query_cost * (q - 1)) * unit for q in QUERY_LENS] for r in ROWS]
+    return ForwardCostTable({"model": "synthetic"}, ROWS, QUERY_LENS, 256, seconds)
+
+
+def make_speculation_pay(llm):
+    """Gives the adaptive planner a forward-cost table where verifying is free, so tests that need drafts to
+    happen (lossless outputs, metrics that move) do not depend on how fast the machine running them is."""
+    llm.engine.planner.cost.table = synthetic_table(0.0)
+    llm.engine.planner.cost.live_scaling = False

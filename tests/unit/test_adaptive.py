@@ -10,11 +10,9 @@ from draftsmith.methods import method_names, resolve_method, servable
 from draftsmith.models import load_target
 from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.cost_profile import ForwardCostTable
 from draftsmith.serve.spec_decode.adaptive import PLAIN_HOLD, AcceptanceStats, CostModel, SpeculationPlanner
-from helpers import DEMO_MODEL, REPO
+from helpers import DEMO_MODEL, REPO, synthetic_table
 
-ROWS, QUERY_LENS = [1, 2, 4, 8], [1, 2, 3, 4, 5, 6, 8]
 PROMPTS = [
     "x = 1\ny = 2\nz = 3\nx = 1\ny = ",
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a",
@@ -23,14 +21,6 @@ PROMPTS = [
     "import os\nimport sys\nimport os\nimport ",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
-
-
-def synthetic_table(query_cost: float, unit: float = 1e-3) -> ForwardCostTable:
-    """`unit` seconds per row for one query token, each further query token adding `query_cost` units per
-    row: 0 makes verifying free; above 1 each verified token costs more than a decode, so speculation cannot
-    pay even counting the host work a step saves (which is why EXPENSIVE's unit dwarfs this CPU's)."""
-    seconds = [[r * (1 + query_cost * (q - 1)) * unit for q in QUERY_LENS] for r in ROWS]
-    return ForwardCostTable({"model": "synthetic"}, ROWS, QUERY_LENS, 256, seconds)
 
 
 EXPENSIVE, CHEAP = synthetic_table(2.0, unit=0.05), synthetic_table(0.0)

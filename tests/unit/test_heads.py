@@ -86,7 +86,9 @@ def greedy_reference():
 def test_greedy_equality_with_random_head(kind, target, tmp_path, greedy_reference):
     _random_head(kind, target, tmp_path)
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-              speculative_config={"method": kind, "model": str(tmp_path), "num_speculative_tokens": 3})
+              # fixed k: a random head's drafts are rarely accepted, so the adaptive planner may stop drafting
+              speculative_config={"method": kind, "model": str(tmp_path), "num_speculative_tokens": 3,
+                                  "adaptive": False})
     got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0

@@ -157,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "process on the same validation code prompts, greedy. Concurrency c = c requests in "
                            "flight, the next prompt queued as one finishes; max(--waves x c, --num-prompts) prompts per "
                            "level, so that c requests stay in flight for most of the run, as under steady load, "
-                           "rather than one batch draining. Prints tokens/s, the ratio to no speculation at the same level and the mean "
+                           "rather than one batch draining. The methods take engine steps in turn, each timed over "
+                           "its own steps and all on one copy of the target's weights, so that machine speed "
+                           "drifts reach them alike. Prints tokens/s, the ratio to no speculation at the same level and the mean "
                            "acceptance length, checks every method's tokens against no speculation's, and writes "
                            "--json rows and a PNG of speedup against concurrency (one line per method). HF "
                            "transformers generate is timed at concurrency 1 as a reference.")
@@ -173,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: %(default)s)")
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
     bench.add_argument("--rounds", type=_positive_int, default=1,
-                       help="time each (method, level) this many times, methods alternating within a round, "
-                       "and report the median (default: %(default)s)")
+                       help="run each level this many times (all methods side by side each time) and report "
+                       "each method's median (default: %(default)s)")
     bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     bench.add_argument("--speculative-config", default=json.dumps(CODE_DEFAULTS),
                        help="speculation to compare against no speculation, besides the shipped heads ('' to skip); "

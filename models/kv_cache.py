@@ -48,14 +48,15 @@ class ForwardBatch:
     positions: torch.Tensor  # [B, Q] absolute position of each query token (padding clamped into range)
     read_slots: torch.Tensor  # [B] slot each row attends over
     write_slots: torch.Tensor  # [B, Q] slot each token's K/V goes to (scratch for padding)
-    mask: torch.Tensor  # [B, 1, Q, kv_len] bool, True = may attend
-    kv_len: int  # keys [0, kv_len) are read
+    mask: torch.Tensor  # [B, 1, Q, kv_len - kv_start] bool, True = may attend
+    kv_len: int  # keys [kv_start, kv_len) are read
     slot_start: int | None  # rows read slots slot_start.. in order: slice the cache instead of gathering
+    kv_start: int = 0  # no row attends to keys before this: they are not read at all
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], q_lens: list[int], cache: KVCache,
               sliding_window: int | None = None, device: torch.device | str = "cpu",
-              key_starts: torch.Tensor | None = None) -> ForwardBatch:
+              key_starts: list[int] | None = None) -> ForwardBatch:
         """`key_starts[b]`: row b attends over keys from this position on (a draft head whose context begins
         mid-sequence); default 0."""
         num_rows, width = len(slots), max(q_lens)
@@ -64,15 +65,20 @@ class ForwardBatch:
         positions = start + offsets
         real = offsets < torch.tensor(q_lens, dtype=torch.long)[:, None]
         kv_len = max(s + q for s, q in zip(starts, q_lens))
+        # Keys no query can see are skipped, not masked: a draft head whose context is the last hundred
+        # positions of a long sequence, or a sliding window, reads that much of the cache and no more.
+        kv_start = min(key_starts) if key_starts is not None else 0
+        if sliding_window is not None:
+            kv_start = max(kv_start, min(starts) - sliding_window + 1)
         positions = positions.clamp(max=cache.max_len - 1)
         read_slots = torch.tensor(slots, dtype=torch.long)
         write_slots = torch.where(real, read_slots[:, None], torch.full_like(positions, cache.scratch_slot))
-        keys = torch.arange(kv_len, dtype=torch.long)
+        keys = torch.arange(kv_start, kv_len, dtype=torch.long)
         mask = keys[None, None, :] <= positions[:, :, None]
         if sliding_window is not None:
             mask &= keys[None, None, :] > positions[:, :, None] - sliding_window
         if key_starts is not None:
-            mask &= keys[None, None, :] >= key_starts[:, None, None]
+            mask &= keys[None, None, :] >= torch.tensor(key_starts, dtype=torch.long)[:, None, None]
         contiguous = slots == list(range(slots[0], slots[0] + num_rows))
         return cls(
             positions=positions.to(device),
@@ -81,11 +87,12 @@ class ForwardBatch:
             mask=mask[:, None].to(device),
             kv_len=kv_len,
             slot_start=slots[0] if contiguous else None,
+            kv_start=kv_start,
         )
 
     def read(self, layer_cache: torch.Tensor) -> torch.Tensor:
-        """This batch's keys (or values) [B, num_kv_heads, kv_len, head_dim]."""
-        window = layer_cache[:, :, : self.kv_len]
+        """This batch's keys (or values) [B, num_kv_heads, kv_len - kv_start, head_dim]."""
+        window = layer_cache[:, :, self.kv_start : self.kv_len]
         if self.slot_start is not None:
             return window[self.slot_start : self.slot_start + self.read_slots.shape[0]]
         return window.index_select(0, self.read_slots)

@@ -4,9 +4,10 @@ For each model, every method (the --speculative-config one, n-gram by default, a
 assets/MODEL-HEADTYPE) and no speculation run at each concurrency level on the same validation code
 prompts, greedy. Concurrency c means c requests in flight: the bench drives the engine itself and queues the
 next prompt as soon as one finishes, the way a server under steady load sees it, over several waves of c
-prompts (`--waves`), so that the final drain, with fewer than c left, is a small part of the run. Ratios are taken within
-the run, never against numbers from another machine or day, and each method's tokens are checked against
-no speculation's at the same level. HF transformers `generate`, one prompt at a time, is timed at
+prompts (`--waves`), so that the final drain, with fewer than c left, is a small part of the run. Ratios are
+taken within the run, never against numbers from another machine or day: the methods' engines take steps in
+turn, each timed over its own, and share one copy of the target's weights. Each method's tokens are checked
+against no speculation's at the same level. HF transformers `generate`, one prompt at a time, is timed at
 concurrency 1 as the baseline users know.
 """
 
@@ -78,24 +79,47 @@ def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dic
     return methods
 
 
-def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency: int):
-    """Runs every prompt with `concurrency` requests in flight; returns (seconds, token ids per prompt)."""
-    engine, outputs, live = llm.engine, [None] * len(prompts), {}
-    queue = iter(enumerate(prompts))
+class _Run:
+    """One method's pass over the prompts, `concurrency` requests in flight, advanced a step at a time."""
 
-    def add_next() -> None:
-        for index, ids in itertools.islice(queue, 1):
-            live[engine.add_request(ids, params).request_id] = index
+    def __init__(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency: int):
+        self.engine, self.params = llm.engine, params
+        self.outputs: list[list[int] | None] = [None] * len(prompts)
+        self.live: dict[str, int] = {}
+        self.queue = iter(enumerate(prompts))
+        self.seconds = 0.0  # this run's own steps, admissions included
+        start = time.perf_counter()
+        for _ in range(concurrency):
+            self._add_next()
+        self.seconds += time.perf_counter() - start
 
-    start = time.perf_counter()
-    for _ in range(concurrency):
-        add_next()
-    while engine.has_unfinished_requests():
-        for output in engine.step():
+    def _add_next(self) -> None:
+        for index, ids in itertools.islice(self.queue, 1):
+            self.live[self.engine.add_request(ids, self.params).request_id] = index
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        for output in self.engine.step():
             if output.finished:
-                outputs[live.pop(output.request_id)] = output.outputs[0].token_ids
-                add_next()
-    return time.perf_counter() - start, outputs
+                self.outputs[self.live.pop(output.request_id)] = output.outputs[0].token_ids
+                self._add_next()
+        self.seconds += time.perf_counter() - start
+
+
+def drive(llms: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, concurrency: int):
+    """Runs every prompt through every LLM, `concurrency` requests in flight each; -> {method: (seconds,
+    token ids per prompt)}. The LLMs take steps in turn and each is timed over its own steps only, so a
+    change in machine speed (this VM's drifts by up to 30% over minutes) reaches every method alike."""
+    runs = {method: _Run(llm, prompts, params, concurrency) for method, llm in llms.items()}
+    while not all(run.done for run in runs.values()):
+        for run in runs.values():
+            if not run.done:
+                run.step()
+    return {method: (run.seconds, run.outputs) for method, run in runs.items()}
 
 
 def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> float:
@@ -132,10 +156,14 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
     tokenizer = load_tokenizer(model_dir)
     prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     configs = {NO_SPEC: None, **speculation_methods(name, args.speculative_config, args.head_k)}
-    # one engine per method, reused at every level: loading and cost profiling stay out of the timings
-    llms = {method: LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(levels),
-                        max_model_len=max(map(len, prompts)) + args.max_tokens + DRAFT_OVERSHOOT,
-                        speculative_config=config) for method, config in configs.items()}
+    # one engine per method, reused at every level: loading and cost profiling stay out of the timings; all
+    # on one copy of the target's weights, so that where each copy sits in memory (worth a few percent of
+    # forward speed between otherwise identical engines) favours no method
+    llms: dict[str, LLM] = {}
+    for method, config in configs.items():
+        llms[method] = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(levels),
+                           max_model_len=max(map(len, prompts)) + args.max_tokens + DRAFT_OVERSHOOT,
+                           speculative_config=config, target=next(iter(llms.values())).model if llms else None)
     for llm in llms.values():
         llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -143,20 +171,19 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
     for c in levels:
         batch = prompts[: level_prompts(args, c)]
         runs = {m: [] for m in llms}  # per method: (tokens/s, token ids) per round
+        for _ in range(args.rounds):
+            for llm in llms.values():
+                llm.engine.reset_metrics()  # drops the warm-up's and the previous run's counts
+            for method, (secs, outputs) in drive(llms, batch, params, c).items():
+                runs[method].append((sum(map(len, outputs)) / secs, outputs))
         level: list[dict] = []  # no speculation's row first: every ratio at this level divides by it
-        # rounds alternate methods (none, m1, m2, none, m1, ...) so drift in machine load hits all alike;
-        # no speculation runs first in the last round, so each method's row can print as soon as it is done
-        for round_, (method, llm) in itertools.product(range(args.rounds), llms.items()):
-            llm.engine.reset_metrics()  # drops the warm-up's and the previous run's counts
-            secs, outputs = drive(llm, batch, params, c)
-            runs[method].append((sum(map(len, outputs)) / secs, outputs))
-            if round_ == args.rounds - 1:
-                spec = llm.engine.spec_config
-                equal = all(out == runs[NO_SPEC][0][1] for _, out in runs[method])  # every round, too
-                # metrics are the last round's: greedy acceptance is the same in every round
-                level.append(_row(name, method, spec and spec.num_speculative_tokens, c,
-                                  [speed for speed, _ in runs[method]], llm.get_metrics(), equal, level))
-                _print_row(level[-1], args.profile)
+        for method, llm in llms.items():
+            spec = llm.engine.spec_config
+            equal = all(out == runs[NO_SPEC][0][1] for _, out in runs[method])  # every round, too
+            # metrics are the last round's: greedy acceptance is the same in every round
+            level.append(_row(name, method, spec and spec.num_speculative_tokens, c,
+                              [speed for speed, _ in runs[method]], llm.get_metrics(), equal, level))
+            _print_row(level[-1], args.profile)
         if c == 1 and not args.no_hf:
             hf = _time_hf(model_dir, tokenizer, texts[: max(1, args.num_prompts)], args.max_tokens)
             level.append(_row(name, HF, None, 1, [hf], {}, None, level))

@@ -165,7 +165,7 @@ class LLMEngine:
             request = self.waiting.popleft()
             request.slot = self.free_slots.pop(0)
             if self.proposer is not None:
-                self.planner.acceptance.reset(request.slot)
+                self.planner.admit(request.slot)
             request.status = Status.RUNNING
             self.running.append(request)
 
@@ -236,6 +236,8 @@ class LLMEngine:
     def _speculative_decode(self, rows: list[Request], started: float) -> None:
         """Draft up to w tokens per row (w chosen by the planner), score [last token, drafts] in one forward,
         keep what verifies. A step the planner sizes at w = 0, or where no row has a draft, decodes plainly."""
+        if self.planner.held(tuple(r.slot for r in rows)):
+            return self._plain_decode(rows, started, self._sampling(rows))
         k = self.spec_config.num_speculative_tokens
         limits = []
         for r in rows:

@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.llama import CausalLM
 from draftsmith.models.loader import load_target
 from draftsmith.models.tokenizer import eos_token_ids, load_tokenizer
 from draftsmith.serve.engine import EngineConfig, LLMEngine
@@ -39,12 +40,15 @@ class LLM:
             speculative_model="[ngram]", num_speculative_tokens=, ngram_prompt_lookup_max= still work.
         max_num_seqs: requests decoding at once; also the number of KV cache slots.
         max_model_len: prompt + output tokens per request; defaults to the model's context.
+        target: the target model another LLM of the same `model` already loaded (`llm.model`), to share
+            instead of loading again: serving only reads its weights. The bench runs every method on one
+            copy, so that no method's forwards differ from another's by where its weights sit in memory.
     """
 
     def __init__(self, model: str | Path, dtype: str = "auto", device: str | None = None,
                  speculative_config: dict | str | None = None, max_num_seqs: int = 16,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048, seed: int = 0,
-                 **legacy_speculation):
+                 target: CausalLM | None = None, **legacy_speculation):
         unknown = set(legacy_speculation) - set(LEGACY_SPEC_KWARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
@@ -59,7 +63,11 @@ class LLM:
         if max_num_seqs < 1:
             raise DraftsmithError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.model_dir = model_dir
-        self.model = load_target(model_dir, dtype=dtype, device=device, max_len=max_model_len)
+        if target is None:
+            target = load_target(model_dir, dtype=dtype, device=device, max_len=max_model_len)
+        elif target.model.embed_tokens.weight.device != torch.device(device):
+            raise DraftsmithError(f"target= is on {target.model.embed_tokens.weight.device}, not {device!r}")
+        self.model = target
         context = self.model.config.max_position_embeddings
         max_model_len = max_model_len or context
         if not 1 < max_model_len <= context:

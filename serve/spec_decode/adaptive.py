@@ -42,7 +42,7 @@ FLOOR_MARGIN = 0.5
 DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts are timed
 OUTLIER = 3.0  # a draft timing above this many times the prediction counts as this many
 CATCH_UP_HORIZON = 8  # steps a resumed row's catch-up is spread over
-PLAIN_HOLD = 4  # after a plan without speculation, the same rows are re-planned every this many steps
+PLAIN_HOLD = 4  # after a plan without speculation, the same rows are re-planned this many steps later
 
 
 class DecayedLine:
@@ -105,13 +105,13 @@ class AcceptanceStats:
         w = self.prior_weight
         return (self.accepted[slots] + w * prior) / (self.reached[slots] + w)
 
-    def idle(self, slots: torch.Tensor) -> None:
-        """Rows that did not draft this step: old evidence fades, so a request (and the method) that once
-        drafted badly is tried again after a while instead of never."""
-        self.reached[slots] *= self.idle_decay
-        self.accepted[slots] *= self.idle_decay
-        self.method_reached *= self.method_idle_decay
-        self.method_accepted *= self.method_idle_decay
+    def idle(self, slots: torch.Tensor, steps: int = 1) -> None:
+        """Rows that did not draft for `steps` steps: old evidence fades, so a request (and the method) that
+        once drafted badly is tried again after a while instead of never."""
+        self.reached[slots] *= self.idle_decay**steps
+        self.accepted[slots] *= self.idle_decay**steps
+        self.method_reached *= self.method_idle_decay**steps
+        self.method_accepted *= self.method_idle_decay**steps
 
     def observe(self, slots: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """Rows that drafted `drafted[b]` tokens and had `accepted[b]` of them accepted. Position j was
@@ -226,7 +226,9 @@ class SpeculationPlanner:
         self.acceptance = AcceptanceStats(num_slots, k)
         self.row_widths = [0] * (k + 1)  # (row, step) pairs by the draft limit they were given
         self.plain_steps = 0
-        self._hold, self._held_slots = 0, None  # plain steps left before re-planning the same rows
+        # a plan without speculation holds for the same rows: plain steps left, for which slots, and held
+        # steps whose idle decay is not yet applied
+        self._hold, self._held_slots, self._idle_steps = 0, (), 0
 
     def fixed_width(self, rows: int) -> int:
         for lo, hi, width in self.per_batch_size or ():
@@ -234,17 +236,33 @@ class SpeculationPlanner:
                 return width
         return self.k
 
+    def admit(self, slot: int) -> None:
+        """A new request in `slot`: no evidence yet, and no hold made for the slot's last request."""
+        if slot in self._held_slots:
+            self._settle_idle()  # the held steps were the slot's last request's
+            self._hold = 0
+        self.acceptance.reset(slot)
+
+    def held(self, slots: tuple[int, ...]) -> bool:
+        """Whether this step of these rows (slot ids, in batch order) is plain without asking `plan`: a plan
+        found that speculation did not pay for them, and plain steps bring no new acceptance evidence, so the
+        answer holds for PLAIN_HOLD steps unless rows come or go. A held step is booked here; the engine
+        decodes it plainly with no speculative bookkeeping, so that a batch too large to speculate pays
+        almost nothing for the question."""
+        if not self._hold or slots != self._held_slots:
+            return False
+        self._hold -= 1
+        self._idle_steps += 1
+        self.plain_steps += 1
+        self.row_widths[0] += len(slots)
+        return True
+
     def plan(self, slots: torch.Tensor, limits: torch.Tensor, catch_up: int = 0) -> StepPlan:
         """`limits[b]`: the most row b may draft (room left, max_tokens, or drafts it has); `catch_up`: the
         proposer's extra catch-up this step (`Proposer.catch_up`), so that resuming is priced in."""
         if not self.adaptive:
             return StepPlan(min(self.fixed_width(len(slots)), int(limits.max())))
-        if self._hold and torch.equal(slots, self._held_slots):
-            # Speculation did not pay for these rows a step ago, and a step's new evidence is too little to
-            # turn that around: re-plan every PLAIN_HOLD steps (or when rows come or go), not every step,
-            # so that a batch too large to speculate pays almost nothing for the question.
-            self._hold -= 1
-            return StepPlan(0)
+        self._settle_idle()
         rows = len(slots)
         rates = self.acceptance.rates(slots)
         gain = torch.cat([torch.zeros(rows, 1, dtype=rates.dtype), rates.cumprod(1).cumsum(1)], dim=1)
@@ -265,8 +283,14 @@ class SpeculationPlanner:
             step = max(self.cost.draft(rows, best.width + 1) - self.cost.draft(rows, best.width), 0.0) + max(
                 self.cost.forward(rows, best.width + 2) - self.cost.forward(rows, best.width + 1), 0.0)
             best.stop_below = FLOOR_MARGIN * step * best.expected_tokens / best.expected_seconds / rows
-        self._hold, self._held_slots = (PLAIN_HOLD - 1, slots.clone()) if best.width == 0 else (0, None)
+        self._hold, self._held_slots = (PLAIN_HOLD - 1, tuple(slots.tolist())) if best.width == 0 else (0, ())
         return best
+
+    def _settle_idle(self) -> None:
+        """The held steps' idle decay, applied in one go."""
+        if self._idle_steps:
+            self.acceptance.idle(torch.tensor(self._held_slots), self._idle_steps)
+            self._idle_steps = 0
 
     def record(self, limits: torch.Tensor, width: int) -> None:
         if width == 0:

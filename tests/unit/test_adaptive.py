@@ -37,13 +37,18 @@ def _feed(planner, slots, accepted_each: int, times: int = 10):
         planner.acceptance.observe(slots, torch.full((len(slots),), planner.k), torch.full((len(slots),), accepted_each))
 
 
+def _step(planner, slots, limits) -> int:
+    """The width the engine runs this step: 0 while a plan without speculation holds, else a new plan's."""
+    return 0 if planner.held(tuple(slots.tolist())) else planner.plan(slots, limits).width
+
+
 def _settled(planner, slots, limits):
     """The plan once a change has had its effect: after a plan without speculation the planner holds it
     for the same rows for PLAIN_HOLD steps before it asks again."""
-    plans = [planner.plan(slots, limits) for _ in range(PLAIN_HOLD)]
-    if plans[0].width == 0:
-        assert all(p.width == 0 for p in plans[:-1])  # held, not re-planned
-    return plans[-1]
+    for _ in range(PLAIN_HOLD):
+        if not planner.held(tuple(slots.tolist())):
+            return planner.plan(slots, limits)
+    raise AssertionError(f"a plain plan held longer than PLAIN_HOLD={PLAIN_HOLD} steps")
 
 
 def test_plain_plans_are_held_for_the_same_rows():
@@ -52,11 +57,36 @@ def test_plain_plans_are_held_for_the_same_rows():
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
     assert planner.plan(slots, limits).width == 0
     planner.cost.table = CHEAP
-    assert [planner.plan(slots, limits).width for _ in range(PLAIN_HOLD)] == [0] * (PLAIN_HOLD - 1) + [4]
+    assert [_step(planner, slots, limits) for _ in range(PLAIN_HOLD)] == [0] * (PLAIN_HOLD - 1) + [4]
+    assert planner.metrics()["num_steps_without_speculation"] == PLAIN_HOLD - 1  # held steps are counted
     planner.cost.table = EXPENSIVE
     assert planner.plan(slots, limits).width == 0
     planner.cost.table = CHEAP
-    assert planner.plan(torch.tensor([0]), torch.tensor([4])).width == 4  # other rows: planned at once
+    assert not planner.held((0,))  # other rows: planned at once
+    assert planner.plan(torch.tensor([0]), torch.tensor([4])).width == 4
+    planner.cost.table = EXPENSIVE
+    assert planner.plan(slots, limits).width == 0
+    planner.admit(1)  # a new request in a held slot: no hold carries over to it
+    assert not planner.held((0, 1))
+
+
+def test_held_steps_fade_evidence_as_plain_steps_do():
+    held, stepped = _planner(EXPENSIVE), _planner(EXPENSIVE)
+    slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
+    for planner in (held, stepped):
+        _feed(planner, [0, 1], accepted_each=0)
+        assert planner.plan(slots, limits).width == 0
+    while held.held((0, 1)):
+        stepped.acceptance.idle(slots)  # what a plain step that re-plans does
+    held.plan(slots, limits)  # applies the held steps' fading in one go
+    torch.testing.assert_close(held.acceptance.rates(slots), stepped.acceptance.rates(slots))
+    assert not torch.equal(held.acceptance.rates(slots), _fed_rates(slots))
+
+
+def _fed_rates(slots):
+    fresh = _planner(EXPENSIVE)
+    _feed(fresh, [0, 1], accepted_each=0)
+    return fresh.acceptance.rates(slots)
 
 
 def test_k_follows_the_cost_of_verification():

@@ -106,3 +106,18 @@ def test_abort_frees_the_slot(demo_llm):
     assert request.finish_reason == "abort" and not engine.has_unfinished_requests()
     assert request.request_id not in engine.stop_checker._decoders
     assert sorted(engine.free_slots) == list(range(engine.config.max_num_seqs))
+
+
+def test_llms_can_share_one_loaded_target(demo_llm):
+    """target=: a second LLM (here with speculation) serves from the first one's weights, each with its own
+    cache; what it generates is what it would with its own copy."""
+    shared = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256, target=demo_llm.model,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    assert shared.model is demo_llm.model and shared.engine.cache is not demo_llm.engine.cache
+    prompts = ["def add(a, b):\n    return a", "x = 1\ny = 2\nx = 1\ny ="]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    got = shared.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [
+        o.outputs[0].token_ids for o in demo_llm.generate(prompts, greedy, use_tqdm=False)]
+    with pytest.raises(DraftsmithError, match="target= is on cpu"):
+        LLM(DEMO_MODEL, device="meta", target=demo_llm.model)

@@ -44,3 +44,31 @@ def test_contiguous_slots_read_a_view_and_scattered_slots_gather(tmp_path):
     assert scattered.slot_start is None
     cache.k[0][3, :, 0] = 7.0
     assert (scattered.read(cache.k[0])[0, :, 0] == 7.0).all()
+
+
+def test_keys_no_row_can_see_are_not_read(tmp_path):
+    """A sliding window and key_starts (a draft head's context) narrow the keys read to those some query
+    may see, with the same result as masking them over the whole prefix."""
+    make_tiny_checkpoint("mistral-window", tmp_path)  # sliding window 8
+    model = load_target(tmp_path, dtype="float32")
+    cache = model.make_cache(num_slots=2, max_len=64)
+    ids = torch.randint(0, 128, (2, 30))
+    with torch.no_grad():
+        model(ids[:, :28], cache=cache, batch=ForwardBatch.build([0, 1], [0, 0], [28, 28], cache, sliding_window=8))
+        windowed = ForwardBatch.build([0, 1], [28, 28], [2, 2], cache, sliding_window=8)
+        assert windowed.kv_start == 28 - 8 + 1 and windowed.read(cache.k[0]).shape[2] == 30 - windowed.kv_start
+        tail = model(ids[:, 28:], cache=cache, batch=windowed).logits
+        fresh = model(ids).logits[:, -2:]
+    torch.testing.assert_close(tail, fresh, atol=1e-5, rtol=0)
+
+    head = ForwardBatch.build([0, 1], [28, 25], [2, 2], cache, key_starts=[20, 12])
+    assert head.kv_start == 12 and head.mask.shape[-1] == 30 - 12
+    full = ForwardBatch.build([0, 1], [28, 25], [2, 2], cache)
+    full.mask &= (torch.arange(30) >= torch.tensor([20, 12])[:, None])[:, None, None, :]  # same rule, all keys
+    q = torch.randn(2, 4, 2, 16)
+
+    def attend(batch):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, batch.read(cache.k[0]), batch.read(cache.v[0]), attn_mask=batch.mask, enable_gqa=True)
+
+    torch.testing.assert_close(attend(head), attend(full))

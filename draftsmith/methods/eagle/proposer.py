@@ -147,7 +147,7 @@ class EagleFamilyProposer(Proposer):
 
     def _head_batch(self, slots: list[int], starts, q_lens, tokens, hidden, logits_at):
         batch = ForwardBatch.build(slots, starts, q_lens, self.cache, None, self.device,
-                                   key_starts=torch.tensor([self.context_start[s] for s in slots]))
+                                   key_starts=[self.context_start[s] for s in slots])
         return self.head.step(tokens.to(self.device), hidden, batch.positions, True, self.cache, batch,
                               logits_at=logits_at)
 
@@ -169,19 +169,21 @@ class EagleFamilyProposer(Proposer):
         return self.head.to_target_ids(drawn), probs.gather(1, drawn[:, None])[:, 0], probs
 
     def _step_batches(self, slots: list[int], base: list[int], steps: int) -> list[ForwardBatch]:
-        """One-token batches for draft steps 2..steps+1: step s sits at base + s - 1 in every row's own slot."""
+        """One-token batches for draft steps 2..steps+1: step s sits at base + s - 1 in every row's own slot.
+        Keys before the earliest row's context are not read (the head's context is its newest positions)."""
         positions = (torch.tensor(base)[:, None] + torch.arange(steps)[None, :]).clamp(max=self.cache.max_len - 1)
         kv_len = int(positions.max()) + 1
-        keys = torch.arange(kv_len)[None, None, :]
-        context = torch.tensor([self.context_start[s] for s in slots])
-        mask = ((keys <= positions[:, :, None]) & (keys >= context[:, None, None])).to(self.device)
+        context = [self.context_start[s] for s in slots]
+        kv_start = min(context)
+        keys = torch.arange(kv_start, kv_len)[None, None, :]
+        mask = ((keys <= positions[:, :, None]) & (keys >= torch.tensor(context)[:, None, None])).to(self.device)
         positions, read = positions.to(self.device), torch.tensor(slots, device=self.device)
-        listed = slots
-        contiguous = listed == list(range(listed[0], listed[0] + len(listed)))
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         last = max(base)
         return [ForwardBatch(positions=positions[:, s : s + 1], read_slots=read, write_slots=read[:, None],
-                             mask=mask[:, None, s : s + 1, : min(last + s + 1, kv_len)],
-                             kv_len=min(last + s + 1, kv_len), slot_start=listed[0] if contiguous else None)
+                             mask=mask[:, None, s : s + 1, : min(last + s + 1, kv_len) - kv_start],
+                             kv_len=min(last + s + 1, kv_len), slot_start=slots[0] if contiguous else None,
+                             kv_start=kv_start)
                 for s in range(steps)]
 
     @torch.inference_mode()

@@ -249,7 +249,8 @@ class LLMEngine:
         limit_t = torch.tensor(limits, dtype=torch.long)
         draft_sampling = sampling if self.sample_drafts else None
         drafts, draft_s = None, 0.0
-        plan = self.planner.plan(slots, limit_t, self.proposer.catch_up(slots))
+        catch_up = self.proposer.catch_up(rows)
+        plan = self.planner.plan(slots, limit_t, catch_up)
         if plan.width and self.proposer.propose_first:
             # drafting is cheap: draft first, then size the step knowing which rows have drafts
             draft_at = self._clock()
@@ -294,10 +295,10 @@ class LLMEngine:
             # K/V of the last token and the accepted drafts are in the cache; rejected ones are past the
             # length and get overwritten: nothing to copy.
             request.num_computed = request.num_tokens - 1
-        self._account(rows, width - 1, started, draft_s, verify_at - forward_at, verified_at - verify_at)
+        self._account(rows, width - 1, started, draft_s, verify_at - forward_at, verified_at - verify_at, catch_up)
 
     def _account(self, rows: list[Request], width: int, started: float, draft_s: float, forward_s: float,
-                 verify_s: float) -> None:
+                 verify_s: float, catch_up: tuple[int, int] = (0, 0)) -> None:
         """Books one decode step's timings into the step profile and the planner's cost model."""
         total = self._clock() - started
         host = max(total - draft_s - forward_s, 0.0)
@@ -312,8 +313,11 @@ class LLMEngine:
             return
         cost.observe_forward(len(rows), width + 1, forward_s)
         (cost.host_spec if width else cost.host_plain).add(len(rows), host)
-        if draft_s and self.proposer.steps_run and self.proposer.steady:
-            cost.observe_draft(len(rows), self.proposer.steps_run, draft_s)
+        if draft_s and self.proposer.steps_run:
+            if self.proposer.steady:
+                cost.observe_draft(len(rows), self.proposer.steps_run, draft_s)
+            else:  # a one-off catch-up came first
+                cost.observe_catch_up(catch_up, len(rows), self.proposer.steps_run, draft_s)
 
     def _clock(self) -> float:
         """Wall seconds for the step profile and the cost model. On CUDA, kernels run behind the host: without

@@ -222,10 +222,11 @@ class Proposer:
         config's draft_sample_method is probabilistic); greedy rows still take the argmax."""
         raise NotImplementedError
 
-    def catch_up(self, slots: torch.Tensor) -> int:
-        """How many positions beyond one verify step's (k + 1) the widest of these rows must first feed the
-        draft model before drafting (rows resuming after steps without speculation); the planner prices it."""
-        return 0
+    def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
+        """(how many of these rows must first feed the draft model more positions than one verify step
+        brings (k + 1): new rows, or rows resuming after steps without speculation; the most extra positions
+        any of them has). The planner prices that catch-up."""
+        return 0, 0
 
     def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
         """[B, Q, F] features from a target forward's hidden states (only if `hidden_layer_ids`)."""

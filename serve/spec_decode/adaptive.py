@@ -17,7 +17,10 @@ which start optimistic so that speculation is tried), and
 where F is the measured target forward table (`cost_profile`), scaled by what live forwards take, and
 draft and host work are fitted online from the step timings the engine reports: draft(rows, w) =
 F(rows, 1) (a + b w) for proposers that run one draft forward per token (a: catch-up and setup, b: one
-forward), host work linear in rows. w = 0 is plain decoding.
+forward), host work linear in rows. w = 0 is plain decoding. Rows that must first feed the draft model a
+longer run of positions (new requests, or rows resuming after plain steps) add a catch-up forward of their
+own, learned per query token and spread over the steps it serves. Plain steps teach nothing about drafting,
+so long plain stretches are probed now and then (PROBE_AFTER).
 
 For proposers that know their confidence, the planner also sets the confidence floor under which drafting
 stops: one more sequential draft step costs about `c` seconds for the whole batch and gains each row's
@@ -43,6 +46,12 @@ DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts 
 OUTLIER = 3.0  # a draft timing above this many times the prediction counts as this many
 CATCH_UP_HORIZON = 8  # steps a resumed row's catch-up is spread over
 PLAIN_HOLD = 4  # after a plan without speculation, the same rows are re-planned this many steps later
+# Plain steps teach the planner nothing about drafting: an estimate made pessimistic by a few cold first
+# steps (allocations, a warm-up's odd prompt) would keep speculation off for good. So after PROBE_AFTER
+# plain steps in a row, a plan that still says no speculates anyway for PROBE_STEPS steps (the first
+# resumes, the second is timed as a steady one) if it is predicted at least PROBE_WORST of plain decoding's
+# tokens/s; each probe that changes nothing doubles the wait, up to MAX_PROBE_AFTER steps.
+PROBE_AFTER, MAX_PROBE_AFTER, PROBE_STEPS, PROBE_WORST = 16, 256, 2, 0.7
 
 
 class DecayedLine:
@@ -135,6 +144,10 @@ class StepPlan:
     expected_tokens: float = 0.0
     expected_seconds: float = 0.0
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.expected_tokens / self.expected_seconds if self.expected_seconds else 0.0
+
 
 @dataclass
 class CostModel:
@@ -156,6 +169,9 @@ class CostModel:
     # costs about a third of the target per forward.
     draft_ratio: DecayedLine = field(default_factory=lambda: DecayedLine(prior_slope=DRAFT_STEP_GUESS,
                                                                          prior_weight=0.5))
+    # seconds per query token of a catch-up's own draft forward (rows x their longest pending run), from the
+    # proposes that had one; before any, guessed from the target's table and the draft forward ratio
+    catch_up_per_token: float | None = None
     host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
     host_spec: DecayedLine = field(default_factory=DecayedLine)
 
@@ -163,29 +179,42 @@ class CostModel:
         scale = self.forward_scale if query_len == 1 or self.verify_scale is None else self.verify_scale
         return self.table.estimate(rows, query_len) * scale
 
-    def draft(self, rows: int, width: int, catch_up: int = 0) -> float:
-        """Drafting seconds for `rows` rows drafting `width` tokens. `catch_up`: the widest run of positions a
-        row must first feed the draft model past what a verify step brings (a row resuming after steps
-        without speculation), priced as that much more of a draft forward's query length."""
+    def draft(self, rows: int, width: int, catch_up: tuple[int, int] = (0, 0)) -> float:
+        """Drafting seconds for `rows` rows drafting `width` tokens. `catch_up`: how many rows must first feed
+        the draft model more positions than a verify step brings (new rows, rows resuming after steps
+        without speculation), and the most extra positions one has (`Proposer.catch_up`)."""
         if width == 0 or self.drafts_before_plan:
             return 0.0
         forwards = width if self.sequential_drafts else 1
-        per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), 0.0)
-        return (self._draft_ratio(forwards) + per_forward * self._extra_queries(rows, catch_up)) * self.forward(rows, 1)
+        # a catch-up is paid once, and the context it restores serves the drafts of the steps after it too:
+        # spread over CATCH_UP_HORIZON of them (priced whole on one step, a new row would never start)
+        return self._draft_ratio(forwards) * self.forward(rows, 1) + self.catch_up(*catch_up) / CATCH_UP_HORIZON
 
     def _draft_ratio(self, forwards: int) -> float:
         """Drafting seconds / F(rows, 1) for this many draft forwards: the fit, or the guess before any."""
         return self.draft_ratio.predict(forwards) if self.draft_ratio.seen else DRAFT_STEP_GUESS * forwards
 
-    def _extra_queries(self, rows: int, catch_up: int) -> float:
-        """A catch-up of `catch_up` more positions per row, in units of one-token forwards of the target,
-        spread over the CATCH_UP_HORIZON steps it serves: it is paid once, and the context it restores
-        serves the drafts of the steps after it too (priced whole on one step, a row that has never drafted
-        would never start)."""
-        if catch_up <= 0:
+    def catch_up(self, rows: int, positions: int) -> float:
+        """Seconds of a catch-up's own draft forward: `rows` rows of up to 1 + `positions` queries."""
+        if rows <= 0 or positions <= 0:
             return 0.0
-        extra = max(self.forward(rows, 1 + catch_up) - self.forward(rows, 1), 0.0) / max(self.forward(rows, 1), 1e-9)
-        return extra / CATCH_UP_HORIZON
+        if self.catch_up_per_token is not None:
+            return self.catch_up_per_token * rows * (1 + positions)
+        # the target's forward of that shape, times what one draft forward costs next to a target decode
+        per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), 0.0)
+        return per_forward * self.forward(rows, 1 + positions)
+
+    def observe_catch_up(self, catch_up: tuple[int, int], rows: int, forwards: int, seconds: float,
+                         decay: float = 0.8) -> None:
+        """A propose that ran a catch-up forward for `catch_up` (rows, positions): what it took beyond a
+        steady propose of as many draft forwards."""
+        tokens = catch_up[0] * (1 + catch_up[1])
+        if tokens <= 0:
+            return
+        extra = max(seconds - self._draft_ratio(forwards) * self.forward(rows, 1), 0.0)
+        per_token = min(extra, OUTLIER * max(self.catch_up(*catch_up), 1e-9)) / tokens
+        previous = self.catch_up_per_token
+        self.catch_up_per_token = per_token if previous is None else decay * previous + (1 - decay) * per_token
 
     def observe_draft(self, rows: int, forwards: int, seconds: float) -> None:
         ratio = seconds / max(self.forward(rows, 1), 1e-9)
@@ -200,7 +229,7 @@ class CostModel:
             return line.predict(rows)
         return other.predict(rows) if other.seen else 0.0
 
-    def step_seconds(self, rows: int, width: int, catch_up: int = 0) -> float:
+    def step_seconds(self, rows: int, width: int, catch_up: tuple[int, int] = (0, 0)) -> float:
         return self.forward(rows, width + 1) + self.draft(rows, width, catch_up) + self.host(rows, width > 0)
 
     def observe_forward(self, rows: int, query_len: int, seconds: float, decay: float = 0.95) -> None:
@@ -229,6 +258,7 @@ class SpeculationPlanner:
         # a plan without speculation holds for the same rows: plain steps left, for which slots, and held
         # steps whose idle decay is not yet applied
         self._hold, self._held_slots, self._idle_steps = 0, (), 0
+        self._plain_run, self._probe_after, self._probing = 0, PROBE_AFTER, 0  # see PROBE_AFTER
 
     def fixed_width(self, rows: int) -> int:
         for lo, hi, width in self.per_batch_size or ():
@@ -253,11 +283,12 @@ class SpeculationPlanner:
             return False
         self._hold -= 1
         self._idle_steps += 1
+        self._plain_run += 1
         self.plain_steps += 1
         self.row_widths[0] += len(slots)
         return True
 
-    def plan(self, slots: torch.Tensor, limits: torch.Tensor, catch_up: int = 0) -> StepPlan:
+    def plan(self, slots: torch.Tensor, limits: torch.Tensor, catch_up: tuple[int, int] = (0, 0)) -> StepPlan:
         """`limits[b]`: the most row b may draft (room left, max_tokens, or drafts it has); `catch_up`: the
         proposer's extra catch-up this step (`Proposer.catch_up`), so that resuming is priced in."""
         if not self.adaptive:
@@ -269,13 +300,18 @@ class SpeculationPlanner:
         widths = torch.arange(self.k + 1)
         per_row = gain.gather(1, torch.minimum(widths[None, :], limits[:, None].clamp(max=self.k)))
         tokens = (rows + per_row.sum(0)).tolist()
-        best = StepPlan(0)
+        plain = StepPlan(0, 0.0, tokens[0], max(self.cost.step_seconds(rows, 0), 1e-9))
+        best = speculative = None
         for width, expected in enumerate(tokens):
             if width > 0 and tokens[width] <= tokens[width - 1]:
                 break  # no row can use a wider step
-            seconds = max(self.cost.step_seconds(rows, width, catch_up), 1e-9)
-            if best.expected_seconds == 0.0 or expected / seconds > best.expected_tokens / best.expected_seconds:
-                best = StepPlan(width, 0.0, expected, seconds)
+            plan = StepPlan(width, 0.0, expected, max(self.cost.step_seconds(rows, width, catch_up), 1e-9)) \
+                if width else plain
+            if best is None or plan.tokens_per_s > best.tokens_per_s:
+                best = plan
+            if width and (speculative is None or plan.tokens_per_s > speculative.tokens_per_s):
+                speculative = plan
+        best = self._explore(best, speculative, plain, catch_up)
         if best.width > 0 and self.cost.sequential_drafts and self.confidence_floor:
             # one more draft step costs a draft forward plus a wider verify; it pays while the row's chance
             # of acceptance exceeds that cost times the row's token rate. Draft confidences are not calibrated
@@ -284,6 +320,28 @@ class SpeculationPlanner:
                 self.cost.forward(rows, best.width + 2) - self.cost.forward(rows, best.width + 1), 0.0)
             best.stop_below = FLOOR_MARGIN * step * best.expected_tokens / best.expected_seconds / rows
         self._hold, self._held_slots = (PLAIN_HOLD - 1, tuple(slots.tolist())) if best.width == 0 else (0, ())
+        return best
+
+    def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan,
+                 catch_up: tuple[int, int]) -> StepPlan:
+        """`best`, or a probe of `speculative` when plain steps have gone on long enough (see PROBE_AFTER)."""
+        if best.width:
+            self._plain_run, self._probing = 0, 0
+            self._probe_after = PROBE_AFTER
+            return best
+        probe_worth = False
+        if speculative is not None and not self.cost.drafts_before_plan:
+            # a probe may be all the speculation there is for a while: its catch-up counts whole, not spread
+            whole = speculative.expected_seconds + self.cost.catch_up(*catch_up) * (1 - 1 / CATCH_UP_HORIZON)
+            probe_worth = speculative.expected_tokens / whole >= PROBE_WORST * plain.tokens_per_s
+        if probe_worth and not self._probing and self._plain_run >= self._probe_after:
+            self._probing, self._plain_run = PROBE_STEPS, 0
+            self._probe_after = min(2 * self._probe_after, MAX_PROBE_AFTER)
+        if probe_worth and self._probing:
+            self._probing -= 1
+            return speculative
+        self._probing = 0
+        self._plain_run += 1
         return best
 
     def _settle_idle(self) -> None:

@@ -10,7 +10,16 @@ from draftsmith.methods import method_names, resolve_method, servable
 from draftsmith.models import load_target
 from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.spec_decode.adaptive import PLAIN_HOLD, AcceptanceStats, CostModel, SpeculationPlanner
+from draftsmith.serve.spec_decode.adaptive import (
+    CATCH_UP_HORIZON,
+    OUTLIER,
+    PLAIN_HOLD,
+    PROBE_AFTER,
+    PROBE_STEPS,
+    AcceptanceStats,
+    CostModel,
+    SpeculationPlanner,
+)
 from helpers import DEMO_MODEL, REPO, synthetic_table
 
 PROMPTS = [
@@ -89,6 +98,29 @@ def _fed_rates(slots):
     return fresh.acceptance.rates(slots)
 
 
+def _widths(planner, slots, limits, steps: int) -> list[int]:
+    return [_step(planner, slots, limits) for _ in range(steps)]
+
+
+def test_long_plain_stretches_are_probed_with_backoff():
+    """Plain steps bring no news about drafting, so a planner kept plain by pessimistic estimates tries
+    speculation again now and then: after PROBE_AFTER plain steps, for PROBE_STEPS steps, each probe that
+    does not change its mind doubling the wait; never when speculation is predicted far worse than plain."""
+    slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
+    marginal = _planner(synthetic_table(0.9), sequential=True)
+    _feed(marginal, [0, 1], accepted_each=1)
+    widths = _widths(marginal, slots, limits, 1 + PROBE_AFTER + PROBE_STEPS + 2 * PROBE_AFTER + PROBE_STEPS)
+    probes = [i for i, w in enumerate(widths) if w]
+    first = PROBE_AFTER  # steps 0 .. PROBE_AFTER - 1 are plain
+    assert probes[:PROBE_STEPS] == list(range(first, first + PROBE_STEPS))
+    second = first + PROBE_STEPS + 2 * PROBE_AFTER
+    assert probes[PROBE_STEPS:] == list(range(second, second + PROBE_STEPS))[: len(probes) - PROBE_STEPS]
+    # not when speculation is predicted far worse; nor for proposers whose drafting the planner sees each step
+    for hopeless in (_planner(EXPENSIVE, sequential=True), _planner(synthetic_table(1.2))):
+        _feed(hopeless, [0, 1], accepted_each=1)
+        assert not any(_widths(hopeless, slots, limits, 300))
+
+
 def test_k_follows_the_cost_of_verification():
     planner = _planner(EXPENSIVE)
     _feed(planner, [0, 1], accepted_each=3)  # good drafts
@@ -149,6 +181,24 @@ def test_draft_cost_separates_catch_up_from_each_draft_forward():
         pytest.approx(CHEAP.estimate(4, 1) / 3)  # one forward drafts every token
 
 
+def test_catch_up_cost_is_learned_per_query_token():
+    """Proposes that began with a catch-up forward teach its cost per query token (rows x their longest
+    pending run), beyond what as many steady draft forwards cost; an odd stall moves it OUTLIER x at most."""
+    cost = CostModel(synthetic_table(0.1), sequential_drafts=True, drafts_before_plan=False)
+    for forwards in (1, 3):
+        cost.observe_draft(4, forwards, cost.forward(4, 1) * (0.2 + 0.3 * forwards))
+    guess = cost.catch_up(2, 30)
+    assert guess > 0 and cost.draft(4, 3, (2, 30)) == pytest.approx(cost.draft(4, 3) + guess / CATCH_UP_HORIZON)
+    per_token = 2 * guess / (2 * 31)  # the real catch-up costs twice the guess
+    for _ in range(30):
+        steady = cost.draft(4, 3)
+        cost.observe_catch_up((2, 30), 4, 3, steady + per_token * 2 * 31)
+    assert cost.catch_up(2, 30) == pytest.approx(2 * guess, rel=0.01)
+    assert cost.catch_up(8, 30) == pytest.approx(4 * cost.catch_up(2, 30))  # four times the tokens
+    cost.observe_catch_up((2, 30), 4, 3, 1e3)  # a stall
+    assert cost.catch_up(2, 30) < 2 * guess * (1 + (OUTLIER - 1) * 0.21)
+
+
 def test_resuming_after_a_pause_is_priced():
     """Drafting pays for a row with good acceptance; a row that must first feed the draft model 30 positions it
     missed while speculation was off pays for that catch-up (spread over the steps it serves), and does not
@@ -156,10 +206,15 @@ def test_resuming_after_a_pause_is_priced():
     planner = _planner(synthetic_table(0.3), sequential=True)
     _feed(planner, [0], accepted_each=4)
     slots, limits = torch.tensor([0]), torch.tensor([4])
-    steady, resuming = planner.plan(slots, limits), planner.plan(slots, limits, catch_up=30)
+    steady, resuming = planner.plan(slots, limits), planner.plan(slots, limits, catch_up=(1, 30))
     assert steady.width == resuming.width == 4
     assert resuming.expected_seconds > steady.expected_seconds
-    assert planner.plan(slots, limits, catch_up=400).width == 0
+    assert planner.plan(slots, limits, catch_up=(1, 400)).width == 0
+    # the catch-up is a forward of its own for the rows that need it: more of them cost more
+    many = torch.arange(8)
+    _feed(planner, list(range(8)), accepted_each=4)
+    one, all_ = (planner.plan(many, torch.full((8,), 4), catch_up=(n, 30)) for n in (1, 8))
+    assert all_.expected_seconds > one.expected_seconds
 
 
 def test_fixed_k_and_vllm_batch_size_table():

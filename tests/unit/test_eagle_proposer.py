@@ -64,7 +64,8 @@ def models(tmp_path_factory):
 
 def make_proposer(models, max_num_seqs: int = 4, sampled: bool = False):
     target, head_dir = models
-    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": K}
+    # float32: the per-row reference must agree to the last bit, whatever batch shapes the proposer runs
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": K, "draft_dtype": "float32"}
     if sampled:
         spec["draft_sample_method"] = "probabilistic"
     return resolve_method("eagle3").proposer_class()(parse_speculative_config(spec), target, max_num_seqs, MAX_LEN)
@@ -187,6 +188,27 @@ def test_mixed_batch_matches_the_per_row_reference(models, sampled, monkeypatch)
         verify_step(proposer, rows, drafts, gen)
 
 
+def test_a_joining_row_catches_up_apart_from_steady_ones(models):
+    """A request joining a drafting batch brings a prompt's worth of pending positions: its catch-up runs as
+    a head forward of its own (padded into the steady rows' one, it made every row pay for its width), and
+    every row drafts what the reference drafts."""
+    gen = torch.Generator().manual_seed(3)
+    proposer = make_proposer(models)
+    rows = random_rows(gen, [6, 9], [0, 1])
+    prefill(proposer, rows, gen)
+    verify_step(proposer, rows, proposer.propose(rows, [K, K]), gen)  # one verify step pending each now
+    joining = random_rows(gen, [40], [2])
+    prefill(proposer, joining, gen)
+    batch = rows + joining
+    assert proposer.catch_up(batch) == (1, 40 - (K + 1))
+    forwards = []
+    real = proposer._catch_up_rows
+    proposer._catch_up_rows = lambda rows_, slots_: forwards.append(slots_) or real(rows_, slots_)
+    drafts = proposer.propose(batch, [K, K, K])
+    assert forwards == [[0, 1], [2]] and not proposer.steady
+    check_against_reference(proposer, batch, [K, K, K], drafts)
+
+
 def test_observe_accumulates_until_propose(models, monkeypatch):
     """Steps that skip speculation keep handing over positions: twice below the buffer width, then a
     verify step whose accepted drafts overflow a partly filled buffer, then single positions that overflow
@@ -216,7 +238,7 @@ def test_observe_accumulates_until_propose(models, monkeypatch):
     assert proposer.pending_len[:2] == [width, width]
     # the newest W verified positions are pending: the last one is the row's second-to-last token
     assert proposer.context_start[:2] == [r.num_tokens - 1 - width for r in rows]
-    assert proposer.catch_up(torch.tensor([0, 1])) == width - (K + 1)  # what the planner prices
+    assert proposer.catch_up(rows) == (2, width - (K + 1))  # what the planner prices
     drafts = proposer.propose(rows, [K, K])
     check_against_reference(proposer, rows, [K, K], drafts)
 

@@ -6,9 +6,10 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head, resolve_method
 from draftsmith.methods.eagle.training import unroll
+from draftsmith.methods.heads import draft_dtype
 from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
 from draftsmith.serve import LLM, SamplingParams
-from helpers import DEMO_MODEL
+from helpers import DEMO_MODEL, REPO
 
 AUX = {"eagle": (6,), "eagle3": (1, 3, 5)}
 
@@ -82,16 +83,45 @@ def greedy_reference():
                                                            use_tqdm=False)]
 
 
+@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_greedy_equality_with_random_head(kind, target, tmp_path, greedy_reference):
+def test_greedy_equality_with_random_head(kind, draft_dtype, target, tmp_path, greedy_reference):
+    """Lossless whatever the head drafts, in the target's dtype or another (a bfloat16 head under a float32
+    target: EAGLE-1 reads out through the target's float32 LM head)."""
     _random_head(kind, target, tmp_path)
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
               # fixed k: a random head's drafts are rarely accepted, so the adaptive planner may stop drafting
               speculative_config={"method": kind, "model": str(tmp_path), "num_speculative_tokens": 3,
-                                  "adaptive": False})
+                                  "adaptive": False, "draft_dtype": draft_dtype})
+    expected = getattr(torch, draft_dtype)
+    assert {p.dtype for p in llm.engine.proposer.head.parameters()} == {expected}
     got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0
+    assert llm.engine.proposer.pending.dtype == expected  # target features are kept in the head's dtype
+
+
+def test_a_bfloat16_head_drafts_as_well_as_a_float32_one(greedy_reference):
+    """The shipped EAGLE-3 head in bfloat16 (half the bytes read per draft step) keeps its acceptance."""
+    lengths = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
+                  speculative_config={"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"),
+                                      "num_speculative_tokens": 3, "adaptive": False, "draft_dtype": dtype})
+        got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == greedy_reference
+        lengths[dtype] = llm.get_metrics()["mean_acceptance_length"]
+    assert lengths["float32"] > 2.0 and abs(lengths["bfloat16"] - lengths["float32"]) < 0.15, lengths
+
+
+def test_auto_draft_dtype():
+    """"auto" keeps a half-precision target's dtype and an explicit choice wins; under a float32 target it
+    drafts in bfloat16 only where the device multiplies bfloat16 fast (on a CPU: where oneDNN runs it)."""
+    cpu = torch.device("cpu")
+    assert draft_dtype("auto", torch.float16, cpu) == torch.float16
+    assert draft_dtype("float32", torch.float32, cpu) == torch.float32
+    fast = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert draft_dtype("auto", torch.float32, cpu) == (torch.bfloat16 if fast else torch.float32)
 
 
 def test_method_and_head_must_agree(target, tmp_path):

@@ -22,7 +22,17 @@ from draftsmith.models.heads import DraftHeadConfig
 EAGLE_FAMILY_NEEDS = MethodNeeds(hidden_states=True, draft_probs=True, own_kv_cache=True, head=True)
 
 
-class EagleConfig(SpeculativeConfig):
+class HeadSpeculativeConfig(SpeculativeConfig):
+    """Keys of the methods that draft with a trained head."""
+
+    # draftsmith: the head's dtype. Drafts are only proposals, so this never changes what is generated, only
+    # how often drafts are accepted and how fast they come: a bfloat16 head reads half the bytes per draft
+    # step of a float32 one. "auto": the target's, but bfloat16 under a float32 target where the device has
+    # fast bfloat16 matmuls (`draftsmith.methods.heads.draft_dtype`).
+    draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class EagleConfig(HeadSpeculativeConfig):
     method: Literal["eagle"]
 
 

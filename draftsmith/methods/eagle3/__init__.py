@@ -7,13 +7,13 @@ from typing import Literal
 
 from pydantic import Field
 
-from draftsmith.methods.base import RecipeModelSection, RecipeTrainingSection, SpeculativeConfig
-from draftsmith.methods.eagle import EagleFamilyMethod
+from draftsmith.methods.base import RecipeModelSection, RecipeTrainingSection
+from draftsmith.methods.eagle import EagleFamilyMethod, HeadSpeculativeConfig
 from draftsmith.methods.registry import register_method
 from draftsmith.models.eagle3 import Eagle3Head
 
 
-class Eagle3Config(SpeculativeConfig):
+class Eagle3Config(HeadSpeculativeConfig):
     method: Literal["eagle3"]
 
 

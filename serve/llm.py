@@ -65,8 +65,10 @@ class LLM:
         self.model_dir = model_dir
         if target is None:
             target = load_target(model_dir, dtype=dtype, device=device, max_len=max_model_len)
-        elif target.model.embed_tokens.weight.device != torch.device(device):
-            raise DraftsmithError(f"target= is on {target.model.embed_tokens.weight.device}, not {device!r}")
+        else:
+            where, wanted = target.model.embed_tokens.weight.device, torch.device(device)
+            if where.type != wanted.type or wanted.index not in (None, where.index):  # "cuda" means cuda:0 here
+                raise DraftsmithError(f"target= is on {where}, not {device!r}")
         self.model = target
         context = self.model.config.max_position_embeddings
         max_model_len = max_model_len or context

@@ -5,8 +5,8 @@ assets/MODEL-HEADTYPE) and no speculation run at each concurrency level on the s
 prompts, greedy. Concurrency c means c requests in flight: the bench drives the engine itself and queues the
 next prompt as soon as one finishes, the way a server under steady load sees it, over several waves of c
 prompts (`--waves`), so that the final drain, with fewer than c left, is a small part of the run. Ratios are
-taken within the run, never against numbers from another machine or day: the methods' engines take steps in
-turn, each timed over its own, and share one copy of the target's weights. Each method's tokens are checked
+taken within the run, never against numbers from another machine or day: the methods' engines take turns of
+SLICE_S seconds of steps, each timed over its own, and share one copy of the target's weights. Each method's tokens are checked
 against no speculation's at the same level. HF transformers `generate`, one prompt at a time, is timed at
 concurrency 1 as the baseline users know.
 """
@@ -110,14 +110,20 @@ class _Run:
         self.seconds += time.perf_counter() - start
 
 
+SLICE_S = 0.25  # how long one method steps before the next takes over
+
+
 def drive(llms: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, concurrency: int):
     """Runs every prompt through every LLM, `concurrency` requests in flight each; -> {method: (seconds,
-    token ids per prompt)}. The LLMs take steps in turn and each is timed over its own steps only, so a
-    change in machine speed (this VM's drifts by up to 30% over minutes) reaches every method alike."""
+    token ids per prompt)}. The LLMs take turns of SLICE_S seconds of steps and each is timed over its own
+    steps only, so a change in machine speed (this VM's drifts by up to 30% over minutes) reaches every
+    method alike. Turns are that long, not one step, because a method stepping alone keeps its own weights
+    and caches warm, as it would serving alone: switching every step cost n-gram a few percent at 8 in flight."""
     runs = {method: _Run(llm, prompts, params, concurrency) for method, llm in llms.items()}
     while not all(run.done for run in runs.values()):
         for run in runs.values():
-            if not run.done:
+            turn_ends = run.seconds + SLICE_S
+            while not run.done and run.seconds < turn_ends:
                 run.step()
     return {method: (run.seconds, run.outputs) for method, run in runs.items()}
 

@@ -231,15 +231,13 @@ class EagleFamilyProposer(Proposer):
         last one of each row, which yield draft 1. Rows with more pending than one verify step brings (a
         prompt, or a pause) run in a forward of their own: padded into one forward, a single new request's 64
         positions made 32 rows' catch-up cost 100 ms instead of 10."""
-        steady = [i for i, s in enumerate(slots) if self.pending_len[s] <= self.k + 1]
+        long = [self.pending_len[s] > self.k + 1 for s in slots]
         # the planner times steady proposes only (a long catch-up is a one-off, priced apart)
-        self.steady = len(steady) == len(slots)
-        if self.steady:
+        self.steady = not any(long)
+        if self.steady or all(long):
             return self._catch_up_rows(rows, slots)
         state = logits = None
-        for group in (steady, [i for i in range(len(slots)) if i not in set(steady)]):
-            if not group:
-                continue
+        for group in ([i for i, x in enumerate(long) if not x], [i for i, x in enumerate(long) if x]):
             out = self._catch_up_rows([rows[i] for i in group], [slots[i] for i in group])
             if state is None:
                 state = out[0].new_empty((len(slots),) + out[0].shape[1:])

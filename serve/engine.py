@@ -36,6 +36,10 @@ logger = logging.getLogger("draftsmith")
 # where a decode step's time goes (`draftsmith bench --profile`): drafting, the target forward, sampling or
 # verification, and the host work around them
 STEP_PARTS = ("draft_s", "forward_s", "verify_s", "bookkeeping_s")
+# An engine's first steps of each kind run cold (first-call dispatch, allocations, caches to fill) and take
+# several times as long as the rest: the cost model does not learn from them. A warm-up's few cold steps
+# had priced speculation out for good.
+COLD_STEPS = {"plain": 3, "speculative": 3, "catch_up": 2}
 
 
 @dataclass
@@ -65,6 +69,7 @@ class LLMEngine:
         self.step_profile = dict.fromkeys(STEP_PARTS, 0.0) | {"decode_steps": 0}
         self.spec_config = spec_config
         self.proposer = None
+        self._cold = dict(COLD_STEPS)
         if spec_config is not None:  # resolved once; the engine never branches on the method name
             method = resolve_method(spec_config.method)
             if method.needs.tree:  # DraftBatch.parents would be ignored: refuse rather than verify wrongly
@@ -309,10 +314,16 @@ class LLMEngine:
         profile["verify_s"] += verify_s
         profile["bookkeeping_s"] += host - verify_s
         cost = self.planner.cost if self.proposer is not None else None
-        if cost is None:
+        kind = "plain" if not width else "speculative" if self.proposer.steady or not draft_s else "catch_up"
+        if cost is None or self._cold[kind] > 0:
+            if cost is not None:
+                self._cold[kind] -= 1
             return
         cost.observe_forward(len(rows), width + 1, forward_s)
         (cost.host_spec if width else cost.host_plain).add(len(rows), host)
+        if width and (self.proposer.steady or not draft_s):  # no one-off catch-up in it
+            # drafting done before the plan is sunk when it is made, and so is not in its prediction
+            cost.observe_step(len(rows), width, total - (draft_s if cost.drafts_before_plan else 0.0))
         if draft_s and self.proposer.steps_run:
             if self.proposer.steady:
                 cost.observe_draft(len(rows), self.proposer.steps_run, draft_s)

@@ -52,6 +52,7 @@ PLAIN_HOLD = 4  # after a plan without speculation, the same rows are re-planned
 # resumes, the second is timed as a steady one) if it is predicted at least PROBE_WORST of plain decoding's
 # tokens/s; each probe that changes nothing doubles the wait, up to MAX_PROBE_AFTER steps.
 PROBE_AFTER, MAX_PROBE_AFTER, PROBE_STEPS, PROBE_WORST = 16, 256, 2, 0.7
+STEP_SURPRISE = 1.5  # one speculative step moves the whole-step correction as if off by this factor at most
 
 
 class DecayedLine:
@@ -172,6 +173,11 @@ class CostModel:
     # seconds per query token of a catch-up's own draft forward (rows x their longest pending run), from the
     # proposes that had one; before any, guessed from the target's table and the draft forward ratio
     catch_up_per_token: float | None = None
+    # a steady speculative step's measured seconds / the sum of its parts as predicted: each part is fitted
+    # on its own but over all batch sizes and widths at once, and at 16-32 rows on this CPU the whole came
+    # out 10-20% dearer than its parts said (geometric moving average; a cold first step, 3x too slow,
+    # moves it only STEP_SURPRISE x its weight, so that it cannot price speculation out on its own)
+    spec_correction: float = 1.0
     host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
     host_spec: DecayedLine = field(default_factory=DecayedLine)
 
@@ -230,7 +236,20 @@ class CostModel:
         return other.predict(rows) if other.seen else 0.0
 
     def step_seconds(self, rows: int, width: int, catch_up: tuple[int, int] = (0, 0)) -> float:
-        return self.forward(rows, width + 1) + self.draft(rows, width, catch_up) + self.host(rows, width > 0)
+        if width == 0:
+            return self.forward(rows, 1) + self.host(rows, False)
+        return self._spec_parts(rows, width) * self.spec_correction + self.catch_up(*catch_up) / CATCH_UP_HORIZON
+
+    def _spec_parts(self, rows: int, width: int) -> float:
+        return self.forward(rows, width + 1) + self.draft(rows, width) + self.host(rows, True)
+
+    def observe_step(self, rows: int, width: int, seconds: float, decay: float = 0.95) -> None:
+        """A steady speculative step of `width` drafts took `seconds` in all."""
+        if not self.live_scaling or width == 0:
+            return
+        ratio = seconds / max(self._spec_parts(rows, width), 1e-9)
+        ratio = min(max(ratio, 1 / STEP_SURPRISE), STEP_SURPRISE)
+        self.spec_correction = math.exp(decay * math.log(self.spec_correction) + (1 - decay) * math.log(ratio))
 
     def observe_forward(self, rows: int, query_len: int, seconds: float, decay: float = 0.95) -> None:
         if not self.live_scaling:

@@ -16,6 +16,7 @@ from draftsmith.serve.spec_decode.adaptive import (
     PLAIN_HOLD,
     PROBE_AFTER,
     PROBE_STEPS,
+    STEP_SURPRISE,
     AcceptanceStats,
     CostModel,
     SpeculationPlanner,
@@ -197,6 +198,43 @@ def test_catch_up_cost_is_learned_per_query_token():
     assert cost.catch_up(8, 30) == pytest.approx(4 * cost.catch_up(2, 30))  # four times the tokens
     cost.observe_catch_up((2, 30), 4, 3, 1e3)  # a stall
     assert cost.catch_up(2, 30) < 2 * guess * (1 + (OUTLIER - 1) * 0.21)
+
+
+def test_speculative_steps_are_priced_as_they_turn_out():
+    """Steady speculative steps that take longer in all than their parts predict make every speculative
+    width dearer by that much (a moving average); one step moves it at most as if STEP_SURPRISE x off, so a
+    cold first step cannot price speculation out; plain steps keep their price."""
+    cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
+    plain, spec = cost.step_seconds(8, 0), cost.step_seconds(8, 3)
+    cost.observe_step(8, 3, 100 * spec)
+    assert cost.spec_correction == pytest.approx(STEP_SURPRISE ** 0.05)
+    for _ in range(150):
+        cost.observe_step(8, 3, 1.2 * spec)
+    assert cost.spec_correction == pytest.approx(1.2, rel=0.01)
+    assert cost.step_seconds(8, 3) == pytest.approx(1.2 * spec, rel=0.01)
+    assert cost.step_seconds(8, 0) == plain
+    cost.live_scaling = False  # synthetic tables price steps alone
+    cost.observe_step(8, 3, 100 * spec)
+    assert cost.spec_correction == pytest.approx(1.2, rel=0.01)
+
+
+def test_an_engines_first_steps_teach_the_cost_model_nothing():
+    """The first steps of each kind run cold; the cost model learns from the steps after COLD_STEPS of them."""
+    from draftsmith.serve.engine import COLD_STEPS
+
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    cost = llm.engine.planner.cost
+    cost.table, cost.live_scaling = CHEAP, False  # so that it speculates too
+    timed = []
+    cost.observe_forward = lambda rows, query_len, seconds, decay=0.95: timed.append(query_len)
+    llm.generate(PROMPTS[1:], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)  # one at a time
+    m = llm.get_metrics()
+    speculative = m["num_drafts"]  # one row: a step that drafted
+    plain = m["step_profile"]["decode_steps"] - speculative
+    assert plain > COLD_STEPS["plain"] and speculative > COLD_STEPS["speculative"]
+    skipped = min(plain, COLD_STEPS["plain"]) + min(speculative, COLD_STEPS["speculative"])  # n-gram: no catch-up
+    assert len(timed) == plain + speculative - skipped, (plain, speculative)
 
 
 def test_resuming_after_a_pause_is_priced():

@@ -314,20 +314,22 @@ class LLMEngine:
         profile["verify_s"] += verify_s
         profile["bookkeeping_s"] += host - verify_s
         cost = self.planner.cost if self.proposer is not None else None
+        if cost is None:
+            return
+        # a speculative step is steady unless its drafting began with a one-off catch-up
         kind = "plain" if not width else "speculative" if self.proposer.steady or not draft_s else "catch_up"
-        if cost is None or self._cold[kind] > 0:
-            if cost is not None:
-                self._cold[kind] -= 1
+        if self._cold[kind]:
+            self._cold[kind] -= 1
             return
         cost.observe_forward(len(rows), width + 1, forward_s)
         (cost.host_spec if width else cost.host_plain).add(len(rows), host)
-        if width and (self.proposer.steady or not draft_s):  # no one-off catch-up in it
+        if kind == "speculative":
             # drafting done before the plan is sunk when it is made, and so is not in its prediction
             cost.observe_step(len(rows), width, total - (draft_s if cost.drafts_before_plan else 0.0))
         if draft_s and self.proposer.steps_run:
-            if self.proposer.steady:
+            if kind == "speculative":
                 cost.observe_draft(len(rows), self.proposer.steps_run, draft_s)
-            else:  # a one-off catch-up came first
+            else:
                 cost.observe_catch_up(catch_up, len(rows), self.proposer.steps_run, draft_s)
 
     def _clock(self) -> float:

@@ -185,16 +185,12 @@ class CostModel:
         scale = self.forward_scale if query_len == 1 or self.verify_scale is None else self.verify_scale
         return self.table.estimate(rows, query_len) * scale
 
-    def draft(self, rows: int, width: int, catch_up: tuple[int, int] = (0, 0)) -> float:
-        """Drafting seconds for `rows` rows drafting `width` tokens. `catch_up`: how many rows must first feed
-        the draft model more positions than a verify step brings (new rows, rows resuming after steps
-        without speculation), and the most extra positions one has (`Proposer.catch_up`)."""
+    def draft(self, rows: int, width: int) -> float:
+        """Drafting seconds for `rows` steady rows drafting `width` tokens (a catch-up: `catch_up`)."""
         if width == 0 or self.drafts_before_plan:
             return 0.0
         forwards = width if self.sequential_drafts else 1
-        # a catch-up is paid once, and the context it restores serves the drafts of the steps after it too:
-        # spread over CATCH_UP_HORIZON of them (priced whole on one step, a new row would never start)
-        return self._draft_ratio(forwards) * self.forward(rows, 1) + self.catch_up(*catch_up) / CATCH_UP_HORIZON
+        return self._draft_ratio(forwards) * self.forward(rows, 1)
 
     def _draft_ratio(self, forwards: int) -> float:
         """Drafting seconds / F(rows, 1) for this many draft forwards: the fit, or the guess before any."""
@@ -236,8 +232,13 @@ class CostModel:
         return other.predict(rows) if other.seen else 0.0
 
     def step_seconds(self, rows: int, width: int, catch_up: tuple[int, int] = (0, 0)) -> float:
+        """A step of `width` drafts per row; `catch_up`: how many rows must first feed the draft model more
+        positions than a verify step brings (new rows, rows resuming after plain steps), and the most extra
+        positions one has (`Proposer.catch_up`)."""
         if width == 0:
             return self.forward(rows, 1) + self.host(rows, False)
+        # a catch-up is paid once, and the context it restores serves the drafts of the steps after it too:
+        # spread over CATCH_UP_HORIZON of them (priced whole on one step, a new row would never start)
         return self._spec_parts(rows, width) * self.spec_correction + self.catch_up(*catch_up) / CATCH_UP_HORIZON
 
     def _spec_parts(self, rows: int, width: int) -> float:
@@ -324,12 +325,12 @@ class SpeculationPlanner:
         for width, expected in enumerate(tokens):
             if width > 0 and tokens[width] <= tokens[width - 1]:
                 break  # no row can use a wider step
-            plan = StepPlan(width, 0.0, expected, max(self.cost.step_seconds(rows, width, catch_up), 1e-9)) \
-                if width else plain
-            if best is None or plan.tokens_per_s > best.tokens_per_s:
-                best = plan
-            if width and (speculative is None or plan.tokens_per_s > speculative.tokens_per_s):
-                speculative = plan
+            candidate = plain if width == 0 else \
+                StepPlan(width, 0.0, expected, max(self.cost.step_seconds(rows, width, catch_up), 1e-9))
+            if best is None or candidate.tokens_per_s > best.tokens_per_s:
+                best = candidate
+            if width and (speculative is None or candidate.tokens_per_s > speculative.tokens_per_s):
+                speculative = candidate
         best = self._explore(best, speculative, plain, catch_up)
         if best.width > 0 and self.cost.sequential_drafts and self.confidence_floor:
             # one more draft step costs a draft forward plus a wider verify; it pays while the row's chance

@@ -189,7 +189,7 @@ def test_catch_up_cost_is_learned_per_query_token():
     for forwards in (1, 3):
         cost.observe_draft(4, forwards, cost.forward(4, 1) * (0.2 + 0.3 * forwards))
     guess = cost.catch_up(2, 30)
-    assert guess > 0 and cost.draft(4, 3, (2, 30)) == pytest.approx(cost.draft(4, 3) + guess / CATCH_UP_HORIZON)
+    assert guess > 0 and cost.step_seconds(4, 3, (2, 30)) == pytest.approx(cost.step_seconds(4, 3) + guess / CATCH_UP_HORIZON)
     per_token = 2 * guess / (2 * 31)  # the real catch-up costs twice the guess
     for _ in range(30):
         steady = cost.draft(4, 3)

@@ -32,6 +32,7 @@ rows always take the argmax.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -173,20 +174,13 @@ class EagleFamilyProposer(Proposer):
 
     def _step_batches(self, slots: list[int], base: list[int], steps: int) -> list[ForwardBatch]:
         """One-token batches for draft steps 2..steps+1: step s sits at base + s - 1 in every row's own slot.
-        Keys before the earliest row's context are not read (the head's context is its newest positions)."""
-        positions = (torch.tensor(base)[:, None] + torch.arange(steps)[None, :]).clamp(max=self.cache.max_len - 1)
-        kv_len = int(positions.max()) + 1
-        context = [self.context_start[s] for s in slots]
-        kv_start = min(context)
-        keys = torch.arange(kv_start, kv_len)[None, None, :]
-        mask = ((keys <= positions[:, :, None]) & (keys >= torch.tensor(context)[:, None, None])).to(self.device)
-        positions, read = positions.to(self.device), torch.tensor(slots, device=self.device)
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        Built as one batch of `steps` queries per row, then sliced by step: one host build for all steps."""
+        whole = ForwardBatch.build(slots, base, [steps] * len(slots), self.cache, None, self.device,
+                                   key_starts=[self.context_start[s] for s in slots])
         last = max(base)
-        return [ForwardBatch(positions=positions[:, s : s + 1], read_slots=read, write_slots=read[:, None],
-                             mask=mask[:, None, s : s + 1, : min(last + s + 1, kv_len) - kv_start],
-                             kv_len=min(last + s + 1, kv_len), slot_start=slots[0] if contiguous else None,
-                             kv_start=kv_start)
+        return [replace(whole, positions=whole.positions[:, s : s + 1], write_slots=whole.write_slots[:, s : s + 1],
+                        mask=whole.mask[:, :, s : s + 1, : min(last + s + 1, whole.kv_len) - whole.kv_start],
+                        kv_len=min(last + s + 1, whole.kv_len))
                 for s in range(steps)]
 
     @torch.inference_mode()

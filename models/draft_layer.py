@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.models.linear import Linear
 from draftsmith.models.llama import MLP, RMSNorm
 from draftsmith.models.rope import apply_rope
 
@@ -23,10 +24,10 @@ class DraftAttention(nn.Module):
     def __init__(self, in_dim: int, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(in_dim, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(in_dim, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(in_dim, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_proj = Linear(in_dim, heads * head_dim, bias=bias)
+        self.k_proj = Linear(in_dim, kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(in_dim, kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(heads * head_dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor] | None = None, batch: ForwardBatch | None = None,

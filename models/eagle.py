@@ -12,6 +12,7 @@ from torch import nn
 
 from draftsmith.models.draft_layer import DraftDecoderLayer
 from draftsmith.models.heads import DraftHead, DraftHeadConfig
+from draftsmith.models.linear import Linear
 
 
 class EagleHead(DraftHead):
@@ -21,7 +22,7 @@ class EagleHead(DraftHead):
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
         h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
+        self.fc = Linear(2 * h, h, bias=config.fc_bias)
         self.layers = nn.ModuleList([DraftDecoderLayer(h, h, config.intermediate_size, config.num_attention_heads,
                                                        config.num_key_value_heads, config.head_dim,
                                                        config.rms_norm_eps, attention_bias=config.attention_bias)])

@@ -12,6 +12,7 @@ from torch import nn
 
 from draftsmith.models.draft_layer import DraftDecoderLayer
 from draftsmith.models.heads import DraftHead, DraftHeadConfig
+from draftsmith.models.linear import Linear
 from draftsmith.models.llama import RMSNorm
 
 
@@ -21,14 +22,14 @@ class Eagle3Head(DraftHead):
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
         h = config.hidden_size
-        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=config.fc_bias)
+        self.fc = Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=config.fc_bias)
         self.midlayer = DraftDecoderLayer(2 * h, h, config.intermediate_size, config.num_attention_heads,
                                           config.num_key_value_heads, config.head_dim, config.rms_norm_eps,
                                           input_norms=True, attention_bias=config.attention_bias)
         if config.own_embedding:
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.lm_head = Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
 

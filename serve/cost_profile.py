@@ -24,6 +24,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.models.linear import onednn_linear_available
 
 ROWS = (1, 2, 4, 8, 16, 32)
 QUERY_LENS = (1, 2, 3, 4, 5, 6, 8)
@@ -74,7 +75,9 @@ def profile_key(model_dir: str | Path, model) -> dict:
     return {"model": str(Path(model_dir).resolve()), "config": model.config.__class__.__name__,
             "hidden_size": model.config.hidden_size, "num_layers": model.config.num_hidden_layers,
             "device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            # oneDNN or aten linear layers: a table timed with one says little about the other
+            "cpu_linear": "onednn" if weight.device.type == "cpu" and onednn_linear_available(weight.dtype) else "aten"}
 
 
 def cache_dir() -> Path:

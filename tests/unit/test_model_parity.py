@@ -9,9 +9,14 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models import ForwardBatch, load_target
 from helpers import DEMO_MODEL, TINY_FAMILIES, make_tiny_checkpoint, shared_path
 
-# Same weights and op order as HF; the cached path differs only in SDPA's masked-reduction order.
-ATOL_FULL = 1e-5
-ATOL_CACHED = 1e-4
+# Same weights and op order as HF, except the sums inside matrix products: on CPU our linear layers run
+# oneDNN (models/linear.py), which adds in another order than aten's. On the shared models (logits up to
+# about 21) that moved logits by up to 9.3e-5 over random inputs (with aten's linear: 0); a wrong op is off by
+# orders more. Hidden states reach a few hundred at some positions: those get RTOL on top. The cached path also
+# differs in SDPA's masked-reduction order.
+ATOL_FULL = 2e-4
+RTOL_HIDDEN = 1e-5  # 3.4e-6 needed over 10 random inputs
+ATOL_CACHED = 3e-4
 
 
 def _compare_full_forward(hf, ours, vocab, num_layers, seq_len=24):
@@ -21,7 +26,8 @@ def _compare_full_forward(hf, ours, vocab, num_layers, seq_len=24):
         out = ours(ids, hidden_layer_ids=range(num_layers + 1))
     torch.testing.assert_close(out.logits, ref.logits, atol=ATOL_FULL, rtol=0)
     for i in range(num_layers + 1):
-        torch.testing.assert_close(out.hidden_states[i], ref.hidden_states[i], atol=ATOL_FULL, rtol=0)
+        torch.testing.assert_close(out.hidden_states[i], ref.hidden_states[i], atol=ATOL_FULL,
+                                   rtol=RTOL_HIDDEN)
     return ids, ref.logits
 
 

@@ -1,0 +1,90 @@
+"""models/linear.py: the oneDNN inference path computes what nn.Linear does, row by row the same at any batch size,
+and follows weight updates; training keeps aten's linear and its gradients."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftsmith.models import linear as linear_module
+from draftsmith.models.linear import Linear, onednn_linear_available
+
+# fp32: the same sums in another order; bf16: one rounding of the output (8 bits of mantissa)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(torch.float32),
+                                  reason="this torch build has no usable oneDNN linear: Linear runs aten's")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_aten_linear(dtype, bias):
+    layer = Linear(96, 40, bias=bias).to(dtype)
+    x = torch.randn(3, 11, 96).to(dtype)
+    for batch in (x, x[:, ::2], x[0, :1]):  # 3-D, non-contiguous, one row
+        with torch.inference_mode():
+            got = layer(batch)
+        torch.testing.assert_close(got.float(), F.linear(batch, layer.weight, layer.bias).float(),
+                                   atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@needs_onednn
+def test_rows_do_not_depend_on_batch_size():
+    layer = Linear(512, 1536)
+    x = torch.randn(40, 512)
+    with torch.inference_mode():
+        whole = layer(x)
+        assert "_onednn_weight" in layer.__dict__  # the fast path ran
+        for rows in (1, 2, 5, 8, 33):
+            assert torch.equal(layer(x[:rows]), whole[:rows])
+
+
+@needs_onednn
+def test_follows_weight_updates():
+    layer = Linear(32, 16)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        before = layer(x)
+        snapshot = copy.deepcopy(layer.state_dict())
+        layer.weight.mul_(2)  # in place: the reordered copy must be rebuilt
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer.load_state_dict(snapshot)
+        torch.testing.assert_close(layer(x), before)
+
+
+def test_training_uses_aten_with_the_same_gradients():
+    layer = Linear(24, 8)
+    reference = torch.nn.Linear(24, 8)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(5, 24)
+    layer(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert "_onednn_weight" not in layer.__dict__
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad)
+    torch.testing.assert_close(layer.bias.grad, reference.bias.grad)
+
+
+def test_copies_and_pickles_after_use():
+    layer = Linear(16, 8)
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        expected = layer(x)
+    copied = copy.deepcopy(layer)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.inference_mode():
+        torch.testing.assert_close(copied(x), expected)
+        torch.testing.assert_close(loaded(x), expected)
+
+
+def test_environment_turns_it_off(monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CPU_LINEAR", "aten")
+    monkeypatch.setattr(linear_module, "_usable", {})
+    layer = Linear(16, 8)
+    with torch.inference_mode():
+        layer(torch.randn(2, 16))
+    assert not onednn_linear_available(torch.float32)
+    assert "_onednn_weight" not in layer.__dict__

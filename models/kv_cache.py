@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+# A packed forward gathers and scatters each layer's activations (a few small ops per layer): worth it once
+# padding is a fifth of the batch (prompts of unequal length, rows verifying unequal numbers of drafts).
+PACK_BELOW = 0.8
+
 
 class KVCache:
     """k[layer], v[layer]: [num_slots + 1, num_kv_heads, max_len, head_dim]; slot `num_slots` is scratch."""
@@ -52,13 +56,16 @@ class ForwardBatch:
     kv_len: int  # keys [kv_start, kv_len) are read
     slot_start: int | None  # rows read slots slot_start.. in order: slice the cache instead of gathering
     kv_start: int = 0  # no row attends to keys before this: they are not read at all
+    # [T] the real tokens' flat indices into [B * Q], when the forward runs packed (`build(pack=True)`)
+    tokens: torch.Tensor | None = None
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], q_lens: list[int], cache: KVCache,
               sliding_window: int | None = None, device: torch.device | str = "cpu",
-              key_starts: list[int] | None = None) -> ForwardBatch:
+              key_starts: list[int] | None = None, pack: bool = False) -> ForwardBatch:
         """`key_starts[b]`: row b attends over keys from this position on (a draft head whose context begins
-        mid-sequence); default 0."""
+        mid-sequence); default 0. `pack`: when padding is a good part of the batch, a model that supports it
+        runs its per-token work (projections, MLP, norms, LM head) on the real tokens only (`tokens`)."""
         num_rows, width = len(slots), max(q_lens)
         start = torch.tensor(starts, dtype=torch.long)[:, None]
         offsets = torch.arange(width, dtype=torch.long)[None, :]
@@ -80,6 +87,9 @@ class ForwardBatch:
         if key_starts is not None:
             mask &= keys[None, None, :] >= torch.tensor(key_starts, dtype=torch.long)[:, None, None]
         contiguous = slots == list(range(slots[0], slots[0] + num_rows))
+        tokens = None
+        if pack and sum(q_lens) <= PACK_BELOW * num_rows * width:
+            tokens = real.view(-1).nonzero()[:, 0].to(device)
         return cls(
             positions=positions.to(device),
             read_slots=read_slots.to(device),
@@ -88,7 +98,15 @@ class ForwardBatch:
             kv_len=kv_len,
             slot_start=slots[0] if contiguous else None,
             kv_start=kv_start,
+            tokens=tokens,
         )
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[T, ...] values of the real tokens -> [B, Q, ...], padding zero."""
+        rows, width = self.positions.shape
+        out = packed.new_zeros((rows * width,) + packed.shape[1:])
+        out[self.tokens] = packed
+        return out.view((rows, width) + packed.shape[1:])
 
     def read(self, layer_cache: torch.Tensor) -> torch.Tensor:
         """This batch's keys (or values) [B, num_kv_heads, kv_len - kv_start, head_dim]."""

@@ -50,6 +50,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch | None,
                 window_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() == 2:  # packed: the batch's real tokens only (ForwardBatch.tokens)
+            return self._packed(x, cos, sin, cache, batch)
         rows, width, _ = x.shape
         q = self.q_proj(x).view(rows, width, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(rows, width, self.num_kv_heads, self.head_dim)
@@ -68,6 +70,26 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, batch.read(k_cache), batch.read(v_cache),
                                                  attn_mask=batch.mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.num_heads * self.head_dim))
+
+    def _packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden], cos/sin [T, head_dim]: projections and rope per real token; the cache write and
+        attention over the padded [B, Q] layout (padding writes go to the scratch slot)."""
+        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, heads, head_dim]
+        q, k, v = (batch.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, Q, head_dim]
+        k_cache, v_cache = cache
+        batch.write(k_cache, k)
+        batch.write(v_cache, v)
+        out = F.scaled_dot_product_attention(q, batch.read(k_cache), batch.read(v_cache), attn_mask=batch.mask,
+                                             enable_gqa=True)
+        rows, _, width, _ = out.shape
+        out = out.transpose(1, 2).reshape(rows * width, self.num_heads * self.head_dim)[batch.tokens]
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -149,6 +171,9 @@ class CausalLM(nn.Module):
         # Tables are sized at load time (the engine passes max_model_len); no host sync on positions here.
         if self.rope_cos is None or (cache is None and input_ids.shape[1] > self.rope_cos.shape[0]):
             self.init_rope(max(self.config.max_position_embeddings, input_ids.shape[1]))
+        packed = batch is not None and batch.tokens is not None
+        if packed:  # per-token work on the real tokens only: [T, ...] until the logits
+            input_ids, positions = input_ids.reshape(-1)[batch.tokens], positions.reshape(-1)[batch.tokens]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
         window_mask = None
@@ -168,8 +193,16 @@ class CausalLM(nn.Module):
         if last in wanted:
             hidden[last] = x
         logits = None
+        if packed:
+            hidden = {i: batch.unpack(h) for i, h in hidden.items()}
         if compute_logits:
-            if logits_index is not None:
+            if packed and logits_index is None:  # the LM head on real tokens only
+                return ForwardOutput(logits=batch.unpack(self.lm_head(x).float()), hidden_states=hidden)
+            if packed:  # rows' query indices -> indices among the packed tokens (sorted flat indices)
+                width = batch.positions.shape[1]
+                flat = torch.arange(len(logits_index), device=x.device)[:, None] * width + logits_index
+                x = x[torch.searchsorted(batch.tokens, flat)]
+            elif logits_index is not None:
                 x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
             logits = self.lm_head(x).float()
         return ForwardOutput(logits=logits, hidden_states=hidden)

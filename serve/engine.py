@@ -201,7 +201,7 @@ class LLMEngine:
             start = request.num_computed
             ids[i, :chunk] = torch.tensor(request.prompt_token_ids[start : start + chunk])
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_computed for r in rows], chunks, self.cache,
-                                   self.model.config.sliding_window, self.device)
+                                   self.model.config.sliding_window, self.device, pack=True)
         last = torch.tensor(chunks, dtype=torch.long)[:, None] - 1
         out = self._forward(ids, batch, last)
         self._observe_features(rows, [r.num_computed for r in rows], chunks, out)
@@ -280,7 +280,7 @@ class LLMEngine:
         ids[:, 1:] = drafts.tokens[:, : width - 1].clamp(min=0)  # -1 padding becomes token 0 in padding slots
         q_lens = [1 + n for n in num_draft]
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], q_lens, self.cache,
-                                   self.model.config.sliding_window, self.device)
+                                   self.model.config.sliding_window, self.device, pack=True)
         forward_at = self._clock()
         out = self._forward(ids, batch, None)
         verify_at = self._clock()

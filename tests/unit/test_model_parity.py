@@ -107,3 +107,41 @@ def test_demo_model_matches_transformers():
 
 def test_house_model_matches_transformers():
     _real_model_parity(shared_path("models", "house-code-28m"))
+
+
+def _run_cached(model, cache, steps, pack):
+    """Runs `steps` [(ids [B, Q], starts, q_lens, logits_index or None)] on slots [2, 0]; outputs per step."""
+    outs = []
+    for ids, starts, q_lens, logits_index in steps:
+        batch = ForwardBatch.build([2, 0], starts, q_lens, cache, model.config.sliding_window, pack=pack)
+        assert (batch.tokens is not None) == pack  # these batches are padded enough to pack
+        with torch.no_grad():
+            outs.append(model(ids, cache=cache, batch=batch, logits_index=logits_index,
+                              hidden_layer_ids=range(model.config.num_hidden_layers + 1)))
+    return outs
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_packed_forward_matches_padded(family, tmp_path):
+    """Packing a padded batch (per-token work on real tokens only) changes no real token's logits, hidden
+    states or cache entries: a prefill of unequal prompts with last-token logits, then a verify-like step of
+    unequal widths with all logits."""
+    make_tiny_checkpoint(family, tmp_path)
+    model = load_target(tmp_path, dtype="float32")
+    vocab = model.config.vocab_size
+    prefill = torch.randint(0, vocab, (2, 12))
+    verify = torch.randint(0, vocab, (2, 5))
+    steps = [(prefill, [0, 0], [12, 3], torch.tensor([[11], [2]])), (verify, [12, 3], [1, 5], None)]
+    caches = [model.make_cache(num_slots=3, max_len=32) for _ in range(2)]
+    padded, packed = (_run_cached(model, cache, steps, pack) for cache, pack in zip(caches, (False, True)))
+    torch.testing.assert_close(packed[0].logits, padded[0].logits, atol=1e-5, rtol=0)
+    for row, n in enumerate([1, 5]):
+        torch.testing.assert_close(packed[1].logits[row, :n], padded[1].logits[row, :n], atol=1e-5, rtol=0)
+    for out_packed, out_padded, q_lens in zip(packed, padded, ([12, 3], [1, 5])):
+        for i, hidden in out_packed.hidden_states.items():
+            for row, n in enumerate(q_lens):
+                torch.testing.assert_close(hidden[row, :n], out_padded.hidden_states[i][row, :n], atol=1e-5, rtol=0)
+    for layer in range(model.config.num_hidden_layers):  # real positions of both slots: 12 + 1 and 3 + 5
+        for slot, length in ((2, 13), (0, 8)):
+            torch.testing.assert_close(caches[1].k[layer][slot, :, :length], caches[0].k[layer][slot, :, :length])
+            torch.testing.assert_close(caches[1].v[layer][slot, :, :length], caches[0].v[layer][slot, :, :length])

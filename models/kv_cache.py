@@ -18,6 +18,10 @@ import torch
 # A packed forward gathers and scatters each layer's activations (a few small ops per layer): worth it once
 # padding is a fifth of the batch (prompts of unequal length, rows verifying unequal numbers of drafts).
 PACK_BELOW = 0.8
+# Prompts of unequal length padded to the longest make attention, quadratic in length, pay for the padding
+# squared: 6 prompts of 160-382 tokens attended 2.3x slower padded than one by one. Rows this long (prefill
+# chunks) attend one by one in a packed forward.
+ROW_ATTENTION_FROM = 16
 
 
 class KVCache:
@@ -58,6 +62,9 @@ class ForwardBatch:
     kv_start: int = 0  # no row attends to keys before this: they are not read at all
     # [T] the real tokens' flat indices into [B * Q], when the forward runs packed (`build(pack=True)`)
     tokens: torch.Tensor | None = None
+    # (slot, start, q_len, causal) per row, when a packed batch of long rows (prompts) attends row by row;
+    # causal: the row's mask is plain causal from position 0, so attention needs no mask at all
+    row_spans: tuple[tuple[int, int, int, bool], ...] | None = None
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], q_lens: list[int], cache: KVCache,
@@ -87,9 +94,12 @@ class ForwardBatch:
         if key_starts is not None:
             mask &= keys[None, None, :] >= torch.tensor(key_starts, dtype=torch.long)[:, None, None]
         contiguous = slots == list(range(slots[0], slots[0] + num_rows))
-        tokens = None
+        tokens = row_spans = None
         if pack and sum(q_lens) <= PACK_BELOW * num_rows * width:
             tokens = real.view(-1).nonzero()[:, 0].to(device)
+            if width >= ROW_ATTENTION_FROM and key_starts is None:
+                row_spans = tuple((slot, s, n, s == 0 and sliding_window is None)
+                                  for slot, s, n in zip(slots, starts, q_lens))
         return cls(
             positions=positions.to(device),
             read_slots=read_slots.to(device),
@@ -99,6 +109,7 @@ class ForwardBatch:
             slot_start=slots[0] if contiguous else None,
             kv_start=kv_start,
             tokens=tokens,
+            row_spans=row_spans,
         )
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:

@@ -81,8 +81,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, heads, head_dim]
-        q, k, v = (batch.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, Q, head_dim]
         k_cache, v_cache = cache
+        if batch.row_spans is not None:
+            return self.o_proj(self._attend_rows(q, k, v, k_cache, v_cache, batch))
+        q, k, v = (batch.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, Q, head_dim]
         batch.write(k_cache, k)
         batch.write(v_cache, v)
         out = F.scaled_dot_product_attention(q, batch.read(k_cache), batch.read(v_cache), attn_mask=batch.mask,
@@ -90,6 +92,25 @@ class Attention(nn.Module):
         rows, _, width, _ = out.shape
         out = out.transpose(1, 2).reshape(rows * width, self.num_heads * self.head_dim)[batch.tokens]
         return self.o_proj(out)
+
+    def _attend_rows(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        """Packed q/k/v [T, heads, head_dim] of long rows (prompts), attended one row at a time: each over its
+        own length, so no row pays for another's padding -> [T, heads * head_dim]."""
+        outs, offset = [], 0
+        for row, (slot, start, n, causal) in enumerate(batch.row_spans):
+            end, tokens = start + n, slice(offset, offset + n)
+            k_cache[slot, :, start:end] = k[tokens].transpose(0, 1)
+            v_cache[slot, :, start:end] = v[tokens].transpose(0, 1)
+            query = q[tokens].transpose(0, 1)[None]  # [1, heads, n, head_dim]
+            keys, values = k_cache[slot : slot + 1, :, batch.kv_start : end], v_cache[slot : slot + 1, :, batch.kv_start : end]
+            if causal:  # from position 0, no window: SDPA's own causal kernel, no mask to read
+                out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+            else:
+                mask = batch.mask[row : row + 1, :, :n, : end - batch.kv_start]
+                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+            outs.append(out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
+            offset += n
+        return torch.cat(outs)
 
 
 class MLP(nn.Module):

@@ -300,11 +300,13 @@ class LLMEngine:
             # K/V of the last token and the accepted drafts are in the cache; rejected ones are past the
             # length and get overwritten: nothing to copy.
             request.num_computed = request.num_tokens - 1
-        self._account(rows, width - 1, started, draft_s, verify_at - forward_at, verified_at - verify_at, catch_up)
+        self._account(rows, width - 1, started, draft_s, verify_at - forward_at, verified_at - verify_at, catch_up,
+                      sum(q_lens) / len(rows))
 
     def _account(self, rows: list[Request], width: int, started: float, draft_s: float, forward_s: float,
-                 verify_s: float, catch_up: tuple[int, int] = (0, 0)) -> None:
-        """Books one decode step's timings into the step profile and the planner's cost model."""
+                 verify_s: float, catch_up: tuple[int, int] = (0, 0), query_len: float = 1.0) -> None:
+        """Books one decode step's timings into the step profile and the planner's cost model; `query_len`: the
+        forward's mean real tokens per row (packed, that is what it costs)."""
         total = self._clock() - started
         host = max(total - draft_s - forward_s, 0.0)
         profile = self.step_profile
@@ -321,11 +323,11 @@ class LLMEngine:
         if self._cold[kind]:
             self._cold[kind] -= 1
             return
-        cost.observe_forward(len(rows), width + 1, forward_s)
+        cost.observe_forward(len(rows), query_len, forward_s)
         (cost.host_spec if width else cost.host_plain).add(len(rows), host)
         if kind == "speculative":
             # drafting done before the plan is sunk when it is made, and so is not in its prediction
-            cost.observe_step(len(rows), width, total - (draft_s if cost.drafts_before_plan else 0.0))
+            cost.observe_step(len(rows), width, total - (draft_s if cost.drafts_before_plan else 0.0), query_len)
         if draft_s and self.proposer.steps_run:
             if kind == "speculative":
                 cost.observe_draft(len(rows), self.proposer.steps_run, draft_s)

@@ -12,9 +12,10 @@ with k_row = min(w, the row's limit), a_row,m the row's acceptance rate at draft
 earlier ones were accepted (exponentially decayed counts, shrunk toward the method's running rates,
 which start optimistic so that speculation is tried), and
 
-    T(rows, 0) = F(rows, 1) + host_plain(rows),  T(rows, w) = F(rows, w + 1) + draft(rows, w) + host_spec(rows)
+    T(rows, 0) = F(rows, 1) + host_plain(rows),  T(rows, w) = F(rows, 1 + d_w) + draft(rows, w) + host_spec(rows)
 
-where F is the measured target forward table (`cost_profile`), scaled by what live forwards take, and
+where F is the measured target forward table (`cost_profile`), scaled by what live forwards take, d_w the
+rows' mean min(w, k_row) (the verify forward is packed: rows that draft less cost less), and
 draft and host work are fitted online from the step timings the engine reports: draft(rows, w) =
 F(rows, 1) (a + b w) for proposers that run one draft forward per token (a: catch-up and setup, b: one
 forward), host work linear in rows. w = 0 is plain decoding. Rows that must first feed the draft model a
@@ -181,7 +182,7 @@ class CostModel:
     host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
     host_spec: DecayedLine = field(default_factory=DecayedLine)
 
-    def forward(self, rows: int, query_len: int) -> float:
+    def forward(self, rows: int, query_len: float) -> float:
         scale = self.forward_scale if query_len == 1 or self.verify_scale is None else self.verify_scale
         return self.table.estimate(rows, query_len) * scale
 
@@ -231,28 +232,34 @@ class CostModel:
             return line.predict(rows)
         return other.predict(rows) if other.seen else 0.0
 
-    def step_seconds(self, rows: int, width: int, catch_up: tuple[int, int] = (0, 0)) -> float:
+    def step_seconds(self, rows: int, width: int, catch_up: tuple[int, int] = (0, 0),
+                     query_len: float | None = None) -> float:
         """A step of `width` drafts per row; `catch_up`: how many rows must first feed the draft model more
         positions than a verify step brings (new rows, rows resuming after plain steps), and the most extra
-        positions one has (`Proposer.catch_up`)."""
+        positions one has (`Proposer.catch_up`); `query_len`: the rows' mean verified tokens, when rows
+        draft fewer than `width` (a packed verify forward costs its real tokens), else width + 1."""
         if width == 0:
             return self.forward(rows, 1) + self.host(rows, False)
         # a catch-up is paid once, and the context it restores serves the drafts of the steps after it too:
         # spread over CATCH_UP_HORIZON of them (priced whole on one step, a new row would never start)
-        return self._spec_parts(rows, width) * self.spec_correction + self.catch_up(*catch_up) / CATCH_UP_HORIZON
+        return self._spec_parts(rows, width, query_len) * self.spec_correction + \
+            self.catch_up(*catch_up) / CATCH_UP_HORIZON
 
-    def _spec_parts(self, rows: int, width: int) -> float:
-        return self.forward(rows, width + 1) + self.draft(rows, width) + self.host(rows, True)
+    def _spec_parts(self, rows: int, width: int, query_len: float | None) -> float:
+        verify = self.forward(rows, query_len if query_len is not None else width + 1)
+        return verify + self.draft(rows, width) + self.host(rows, True)
 
-    def observe_step(self, rows: int, width: int, seconds: float, decay: float = 0.95) -> None:
-        """A steady speculative step of `width` drafts took `seconds` in all."""
+    def observe_step(self, rows: int, width: int, seconds: float, query_len: float | None = None,
+                     decay: float = 0.95) -> None:
+        """A steady speculative step of `width` drafts (`query_len`: mean verified tokens per row) took
+        `seconds` in all."""
         if not self.live_scaling or width == 0:
             return
-        ratio = seconds / max(self._spec_parts(rows, width), 1e-9)
+        ratio = seconds / max(self._spec_parts(rows, width, query_len), 1e-9)
         ratio = min(max(ratio, 1 / STEP_SURPRISE), STEP_SURPRISE)
         self.spec_correction = math.exp(decay * math.log(self.spec_correction) + (1 - decay) * math.log(ratio))
 
-    def observe_forward(self, rows: int, query_len: int, seconds: float, decay: float = 0.95) -> None:
+    def observe_forward(self, rows: int, query_len: float, seconds: float, decay: float = 0.95) -> None:
         if not self.live_scaling:
             return
         log_ratio = math.log(max(seconds, 1e-9) / max(self.table.estimate(rows, query_len), 1e-9))
@@ -318,15 +325,17 @@ class SpeculationPlanner:
         rates = self.acceptance.rates(slots)
         gain = torch.cat([torch.zeros(rows, 1, dtype=rates.dtype), rates.cumprod(1).cumsum(1)], dim=1)
         widths = torch.arange(self.k + 1)
-        per_row = gain.gather(1, torch.minimum(widths[None, :], limits[:, None].clamp(max=self.k)))
-        tokens = (rows + per_row.sum(0)).tolist()
+        drafts = torch.minimum(widths[None, :], limits[:, None].clamp(max=self.k))  # [B, k + 1] per width
+        tokens = (rows + gain.gather(1, drafts).sum(0)).tolist()
+        query_lens = (1 + drafts.double().mean(0)).tolist()  # a packed verify costs the real tokens
         plain = StepPlan(0, 0.0, tokens[0], max(self.cost.step_seconds(rows, 0), 1e-9))
         best = speculative = None
         for width, expected in enumerate(tokens):
             if width > 0 and tokens[width] <= tokens[width - 1]:
                 break  # no row can use a wider step
             candidate = plain if width == 0 else \
-                StepPlan(width, 0.0, expected, max(self.cost.step_seconds(rows, width, catch_up), 1e-9))
+                StepPlan(width, 0.0, expected, max(self.cost.step_seconds(rows, width, catch_up, query_lens[width]),
+                                                   1e-9))
             if best is None or candidate.tokens_per_s > best.tokens_per_s:
                 best = candidate
             if width and (speculative is None or candidate.tokens_per_s > speculative.tokens_per_s):

@@ -151,6 +151,20 @@ def test_rows_limits_cap_the_width():
     assert planner.plan(torch.tensor([0]), torch.tensor([0])).width == 0
 
 
+def test_rows_without_drafts_cost_only_their_own_token():
+    """The verify forward is packed: one row drafting among eight costs its drafts, not eight rows' worth.
+    With each verified token a fifth of a decode, one row drafting 3 at 90% acceptance pays; priced as if every
+    row verified 4 tokens it would not."""
+    planner = _planner(synthetic_table(0.2))
+    slots = torch.arange(8)
+    _feed(planner, [0], accepted_each=4, times=20)
+    limits = torch.tensor([3, 0, 0, 0, 0, 0, 0, 0])
+    plan = planner.plan(slots, limits)
+    assert plan.width == 3
+    padded = planner.cost.step_seconds(8, 3)
+    assert plan.expected_seconds < 0.7 * padded and plan.expected_tokens / padded < 8 / planner.cost.step_seconds(8, 0)
+
+
 def test_sequential_drafting_cost_and_confidence_floor():
     """A proposer that pays per draft step drafts fewer tokens than a free one, and gets a floor > 0."""
     free, paid = _planner(synthetic_table(0.05)), _planner(synthetic_table(0.05), sequential=True)

@@ -7,6 +7,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models import ForwardBatch, load_target
+from draftsmith.models.kv_cache import ROW_ATTENTION_FROM
 from helpers import DEMO_MODEL, TINY_FAMILIES, make_tiny_checkpoint, shared_path
 
 # Same weights and op order as HF, except the sums inside matrix products: on CPU our linear layers run
@@ -115,6 +116,7 @@ def _run_cached(model, cache, steps, pack):
     for ids, starts, q_lens, logits_index in steps:
         batch = ForwardBatch.build([2, 0], starts, q_lens, cache, model.config.sliding_window, pack=pack)
         assert (batch.tokens is not None) == pack  # these batches are padded enough to pack
+        assert (batch.row_spans is not None) == (pack and max(q_lens) >= ROW_ATTENTION_FROM)
         with torch.no_grad():
             outs.append(model(ids, cache=cache, batch=batch, logits_index=logits_index,
                               hidden_layer_ids=range(model.config.num_hidden_layers + 1)))
@@ -123,25 +125,31 @@ def _run_cached(model, cache, steps, pack):
 
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_packed_forward_matches_padded(family, tmp_path):
-    """Packing a padded batch (per-token work on real tokens only) changes no real token's logits, hidden
-    states or cache entries: a prefill of unequal prompts with last-token logits, then a verify-like step of
-    unequal widths with all logits."""
+    """Packing a padded batch (per-token work on real tokens only, long rows attended one by one) changes no
+    real token's logits, hidden states or cache entries: a prefill of unequal prompts with last-token logits,
+    a verify-like step of unequal widths, and prompt chunks that continue from mid-sequence."""
     make_tiny_checkpoint(family, tmp_path)
     model = load_target(tmp_path, dtype="float32")
-    vocab = model.config.vocab_size
-    prefill = torch.randint(0, vocab, (2, 12))
-    verify = torch.randint(0, vocab, (2, 5))
-    steps = [(prefill, [0, 0], [12, 3], torch.tensor([[11], [2]])), (verify, [12, 3], [1, 5], None)]
-    caches = [model.make_cache(num_slots=3, max_len=32) for _ in range(2)]
+    ids = torch.randint(0, model.config.vocab_size, (2, 60))
+    q_lens_by_step = ([20, 5], [1, 5], [18, 4])
+    steps, starts = [], [0, 0]
+    for q_lens in q_lens_by_step:
+        width = max(q_lens)
+        step_ids = torch.zeros(2, width, dtype=torch.long)
+        for row, n in enumerate(q_lens):
+            step_ids[row, :n] = ids[row, starts[row] : starts[row] + n]
+        last = torch.tensor(q_lens)[:, None] - 1 if width > 5 else None  # prompts: last-token logits only
+        steps.append((step_ids, list(starts), q_lens, last))
+        starts = [s + n for s, n in zip(starts, q_lens)]
+    caches = [model.make_cache(num_slots=3, max_len=64) for _ in range(2)]
     padded, packed = (_run_cached(model, cache, steps, pack) for cache, pack in zip(caches, (False, True)))
-    torch.testing.assert_close(packed[0].logits, padded[0].logits, atol=1e-5, rtol=0)
-    for row, n in enumerate([1, 5]):
-        torch.testing.assert_close(packed[1].logits[row, :n], padded[1].logits[row, :n], atol=1e-5, rtol=0)
-    for out_packed, out_padded, q_lens in zip(packed, padded, ([12, 3], [1, 5])):
-        for i, hidden in out_packed.hidden_states.items():
-            for row, n in enumerate(q_lens):
+    for out_packed, out_padded, (_, _, q_lens, last) in zip(packed, padded, steps):
+        for row, n in enumerate(q_lens):
+            real = slice(None) if last is not None else slice(0, n)
+            torch.testing.assert_close(out_packed.logits[row, real], out_padded.logits[row, real], atol=1e-5, rtol=0)
+            for i, hidden in out_packed.hidden_states.items():
                 torch.testing.assert_close(hidden[row, :n], out_padded.hidden_states[i][row, :n], atol=1e-5, rtol=0)
-    for layer in range(model.config.num_hidden_layers):  # real positions of both slots: 12 + 1 and 3 + 5
-        for slot, length in ((2, 13), (0, 8)):
+    for layer in range(model.config.num_hidden_layers):  # every real position of both slots
+        for slot, length in zip((2, 0), starts):
             torch.testing.assert_close(caches[1].k[layer][slot, :, :length], caches[0].k[layer][slot, :, :length])
             torch.testing.assert_close(caches[1].v[layer][slot, :, :length], caches[0].v[layer][slot, :, :length])

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.models.attention import cached_attention
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import Linear
 from draftsmith.models.llama import MLP, RMSNorm
@@ -40,8 +41,7 @@ class DraftAttention(nn.Module):
         if cache is not None:
             batch.write(cache[0], k)
             batch.write(cache[1], v)
-            out = F.scaled_dot_product_attention(q, batch.read(cache[0]), batch.read(cache[1]),
-                                                 attn_mask=batch.mask, enable_gqa=True)
+            out = cached_attention(q, batch.read(cache[0]), batch.read(cache[1]), batch.mask)
         elif not ttt_history:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             if ttt_history is not None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.models.attention import cached_attention
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
 from draftsmith.models.linear import Linear
@@ -67,8 +68,7 @@ class Attention(nn.Module):
             k_cache, v_cache = cache
             batch.write(k_cache, k)
             batch.write(v_cache, v)
-            out = F.scaled_dot_product_attention(q, batch.read(k_cache), batch.read(v_cache),
-                                                 attn_mask=batch.mask, enable_gqa=True)
+            out = cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask)
         return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.num_heads * self.head_dim))
 
     def _packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -87,8 +87,7 @@ class Attention(nn.Module):
         q, k, v = (batch.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, Q, head_dim]
         batch.write(k_cache, k)
         batch.write(v_cache, v)
-        out = F.scaled_dot_product_attention(q, batch.read(k_cache), batch.read(v_cache), attn_mask=batch.mask,
-                                             enable_gqa=True)
+        out = cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask)
         rows, _, width, _ = out.shape
         out = out.transpose(1, 2).reshape(rows * width, self.num_heads * self.head_dim)[batch.tokens]
         return self.o_proj(out)
@@ -107,7 +106,7 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
             else:
                 mask = batch.mask[row : row + 1, :, :n, : end - batch.kv_start]
-                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+                out = cached_attention(query, keys, values, mask)
             outs.append(out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
             offset += n
         return torch.cat(outs)

@@ -16,6 +16,7 @@ from draftsmith.models.llama import CausalLM
 from draftsmith.models.loader import load_target
 from draftsmith.models.tokenizer import eos_token_ids, load_tokenizer
 from draftsmith.serve.engine import EngineConfig, LLMEngine
+from draftsmith.serve.host_memory import keep_freed_memory
 from draftsmith.serve.request import RequestOutput
 from draftsmith.serve.sampling_params import SamplingParams
 from draftsmith.serve.spec_decode.config import from_legacy_kwargs, parse_speculative_config
@@ -63,6 +64,8 @@ class LLM:
         if max_num_seqs < 1:
             raise DraftsmithError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.model_dir = model_dir
+        if device == "cpu":
+            keep_freed_memory()  # before the weights and caches: see host_memory
         if target is None:
             target = load_target(model_dir, dtype=dtype, device=device, max_len=max_model_len)
         else:

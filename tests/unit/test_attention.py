@@ -1,0 +1,51 @@
+"""models/attention.py: the grouped-matmul attention the engine runs on CPU equals SDPA's (the reference),
+for the masks the engine builds: causal over a cache, per-row lengths, a sliding window, padding queries."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftsmith.models.attention import GROUPED_UP_TO, cached_attention, grouped_attention
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # bf16: SDPA and matmul round at different points
+
+
+def _case(rows, heads, kv_heads, queries, keys, dtype, window=None):
+    q = torch.randn(rows, heads, queries, 32).to(dtype)
+    cache_k, cache_v = torch.randn(rows + 2, kv_heads, keys + 7, 32).to(dtype), torch.randn(rows + 2, kv_heads, keys + 7, 32).to(dtype)
+    k, v = cache_k[1 : rows + 1, :, :keys], cache_v[1 : rows + 1, :, :keys]  # strided views, as read from a cache
+    lengths = torch.randint(queries, keys + 1, (rows,))
+    positions = lengths[:, None] - queries + torch.arange(queries)[None, :]  # each row's newest queries
+    key_index = torch.arange(keys)[None, None, :]
+    mask = key_index <= positions[:, :, None]
+    if window is not None:
+        mask &= key_index > positions[:, :, None] - window
+    return q, k, v, mask[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads,kv_heads,queries,keys,window", [
+    (1, 4, 4, 1, 9, None),  # one row, no grouping
+    (8, 8, 2, 1, 300, None),  # decode, GQA
+    (8, 8, 2, 5, 300, None),  # verify
+    (3, 6, 3, 4, 40, 7),  # sliding window
+    (32, 8, 1, 2, 64, None),  # multi-query
+])
+def test_grouped_matches_sdpa(dtype, rows, heads, kv_heads, queries, keys, window):
+    q, k, v, mask = _case(rows, heads, kv_heads, queries, keys, dtype, window)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    for got in (grouped_attention(q, k, v, mask), cached_attention(q, k, v, mask)):
+        torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_a_query_with_no_key_stays_finite():
+    """A padding query whose mask admits no key must not turn into NaN (it would reach the logits)."""
+    q, k, v, mask = _case(2, 4, 2, 3, 10, torch.float32)
+    mask[1, :, 2] = False
+    assert torch.isfinite(grouped_attention(q, k, v, mask)).all()
+
+
+def test_long_queries_keep_sdpa():
+    q, k, v, mask = _case(2, 4, 2, GROUPED_UP_TO + 1, 40, torch.float32)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(cached_attention(q, k, v, mask), expected)

@@ -223,14 +223,16 @@ class LLMEngine:
             self._plain_decode(rows, started, self._sampling(rows))
         return rows
 
-    def _plain_decode(self, rows: list[Request], started: float, sampling: SamplingBatch, draft_s: float = 0.0):
+    def _plain_decode(self, rows: list[Request], started: float, sampling: SamplingBatch, draft_s: float = 0.0,
+                      observe: bool = True):
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], [1] * len(rows),
                                    self.cache, self.model.config.sliding_window, self.device)
         forward_at = self._clock()
         out = self._forward(ids, batch, None)
         sample_at = self._clock()
-        self._observe_features(rows, [r.num_tokens - 1 for r in rows], [1] * len(rows), out)
+        if observe:
+            self._observe_features(rows, [r.num_tokens - 1 for r in rows], [1] * len(rows), out)
         for request in rows:
             request.num_computed += 1
         tokens = self._sample(out.logits[:, -1], sampling)
@@ -242,7 +244,10 @@ class LLMEngine:
         """Draft up to w tokens per row (w chosen by the planner), score [last token, drafts] in one forward,
         keep what verifies. A step the planner sizes at w = 0, or where no row has a draft, decodes plainly."""
         if self.planner.held(tuple(r.slot for r in rows)):
-            return self._plain_decode(rows, started, self._sampling(rows))
+            # a held step pays nothing for speculation: no features handed over (a resumed row's draft
+            # context starts after the hold)
+            self.proposer.pause(rows)
+            return self._plain_decode(rows, started, self._sampling(rows), observe=False)
         k = self.spec_config.num_speculative_tokens
         limits = []
         for r in rows:
@@ -324,7 +329,7 @@ class LLMEngine:
             self._cold[kind] -= 1
             return
         cost.observe_forward(len(rows), query_len, forward_s)
-        (cost.host_spec if width else cost.host_plain).add(len(rows), host)
+        cost.observe_host(len(rows), bool(width), host)
         if kind == "speculative":
             # drafting done before the plan is sunk when it is made, and so is not in its prediction
             cost.observe_step(len(rows), width, total - (draft_s if cost.drafts_before_plan else 0.0), query_len)

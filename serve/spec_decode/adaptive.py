@@ -46,7 +46,7 @@ FLOOR_MARGIN = 0.5
 DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts are timed
 OUTLIER = 3.0  # a draft timing above this many times the prediction counts as this many
 CATCH_UP_HORIZON = 8  # steps a resumed row's catch-up is spread over
-PLAIN_HOLD = 4  # after a plan without speculation, the same rows are re-planned this many steps later
+PLAIN_HOLD = 8  # after a plan without speculation, the batch is re-planned this many steps later
 # Plain steps teach the planner nothing about drafting: an estimate made pessimistic by a few cold first
 # steps (allocations, a warm-up's odd prompt) would keep speculation off for good. So after PROBE_AFTER
 # plain steps in a row, a plan that still says no speculates anyway for PROBE_STEPS steps (the first
@@ -226,6 +226,15 @@ class CostModel:
         expected = max(DRAFT_STEP_GUESS * forwards, self._draft_ratio(forwards))
         self.draft_ratio.add(forwards, min(ratio, OUTLIER * expected))
 
+    def observe_host(self, rows: int, speculative: bool, seconds: float) -> None:
+        """A step's seconds outside the target forward and drafting. Clipped like a draft timing: one stall
+        (the OS, a first-touch allocation) in a speculative step must not price speculation out for good, as
+        plain steps never re-measure it."""
+        line = self.host_spec if speculative else self.host_plain
+        if line.seen:
+            seconds = min(seconds, OUTLIER * max(line.predict(rows), 1e-4))
+        line.add(rows, seconds)
+
     def host(self, rows: int, speculative: bool) -> float:
         line, other = (self.host_spec, self.host_plain) if speculative else (self.host_plain, self.host_spec)
         if line.seen:
@@ -282,9 +291,9 @@ class SpeculationPlanner:
         self.acceptance = AcceptanceStats(num_slots, k)
         self.row_widths = [0] * (k + 1)  # (row, step) pairs by the draft limit they were given
         self.plain_steps = 0
-        # a plan without speculation holds for the same rows: plain steps left, for which slots, and held
-        # steps whose idle decay is not yet applied
-        self._hold, self._held_slots, self._idle_steps = 0, (), 0
+        # a plan without speculation holds while the batch keeps at least as many rows: plain steps left, that
+        # row count, the slots last held and held steps whose idle decay is not yet applied to them
+        self._hold, self._held_rows, self._held_slots, self._idle_steps = 0, 0, (), 0
         self._plain_run, self._probe_after, self._probing = 0, PROBE_AFTER, 0  # see PROBE_AFTER
 
     def fixed_width(self, rows: int) -> int:
@@ -294,20 +303,24 @@ class SpeculationPlanner:
         return self.k
 
     def admit(self, slot: int) -> None:
-        """A new request in `slot`: no evidence yet, and no hold made for the slot's last request."""
+        """A new request in `slot`: no evidence yet (a hold goes on: the method's rates, which the new row
+        starts from, were in the plan that made it)."""
         if slot in self._held_slots:
             self._settle_idle()  # the held steps were the slot's last request's
-            self._hold = 0
         self.acceptance.reset(slot)
 
     def held(self, slots: tuple[int, ...]) -> bool:
         """Whether this step of these rows (slot ids, in batch order) is plain without asking `plan`: a plan
-        found that speculation did not pay for them, and plain steps bring no new acceptance evidence, so the
-        answer holds for PLAIN_HOLD steps unless rows come or go. A held step is booked here; the engine
-        decodes it plainly with no speculative bookkeeping, so that a batch too large to speculate pays
-        almost nothing for the question."""
-        if not self._hold or slots != self._held_slots:
+        found that speculation did not pay, and plain steps bring no new acceptance evidence, so the answer
+        holds for PLAIN_HOLD steps while the batch has at least as many rows (requests finishing and new
+        ones taking their slots do not reopen it; a smaller batch, where verifying is cheaper, does). A
+        held step is booked here; the engine decodes it plainly with no speculative bookkeeping, so that a
+        batch too large to speculate pays almost nothing for the question."""
+        if not self._hold or len(slots) < self._held_rows:
             return False
+        if slots != self._held_slots:
+            self._settle_idle()
+            self._held_slots = slots
         self._hold -= 1
         self._idle_steps += 1
         self._plain_run += 1
@@ -348,7 +361,10 @@ class SpeculationPlanner:
             step = max(self.cost.draft(rows, best.width + 1) - self.cost.draft(rows, best.width), 0.0) + max(
                 self.cost.forward(rows, best.width + 2) - self.cost.forward(rows, best.width + 1), 0.0)
             best.stop_below = FLOOR_MARGIN * step * best.expected_tokens / best.expected_seconds / rows
-        self._hold, self._held_slots = (PLAIN_HOLD - 1, tuple(slots.tolist())) if best.width == 0 else (0, ())
+        if best.width == 0:
+            self._hold, self._held_rows, self._held_slots = PLAIN_HOLD - 1, rows, tuple(slots.tolist())
+        else:
+            self._hold = 0
         return best
 
     def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan,

@@ -61,7 +61,7 @@ def _settled(planner, slots, limits):
     raise AssertionError(f"a plain plan held longer than PLAIN_HOLD={PLAIN_HOLD} steps")
 
 
-def test_plain_plans_are_held_for_the_same_rows():
+def test_plain_plans_are_held_while_the_batch_does_not_shrink():
     planner = _planner(EXPENSIVE)
     _feed(planner, [0, 1], accepted_each=3)
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
@@ -72,12 +72,12 @@ def test_plain_plans_are_held_for_the_same_rows():
     planner.cost.table = EXPENSIVE
     assert planner.plan(slots, limits).width == 0
     planner.cost.table = CHEAP
-    assert not planner.held((0,))  # other rows: planned at once
+    assert not planner.held((0,))  # fewer rows: planned at once
     assert planner.plan(torch.tensor([0]), torch.tensor([4])).width == 4
     planner.cost.table = EXPENSIVE
     assert planner.plan(slots, limits).width == 0
-    planner.admit(1)  # a new request in a held slot: no hold carries over to it
-    assert not planner.held((0, 1))
+    planner.admit(1)  # a new request in a held slot, other slots, more rows: the hold goes on
+    assert planner.held((0, 1)) and planner.held((2, 3)) and planner.held((0, 1, 2))
 
 
 def test_held_steps_fade_evidence_as_plain_steps_do():
@@ -232,6 +232,19 @@ def test_speculative_steps_are_priced_as_they_turn_out():
     assert cost.spec_correction == pytest.approx(1.2, rel=0.01)
 
 
+def test_one_stalled_step_does_not_price_speculation_out():
+    """A speculative step's host work that stalls (1 s against 1 ms) counts as OUTLIER x the prediction at
+    most: plain steps never re-measure it, so unclipped it would keep speculation off for good."""
+    cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
+    for _ in range(20):
+        cost.observe_host(8, True, 1e-3)
+    cost.observe_host(8, True, 1.0)
+    assert cost.host(8, True) < 1e-3 * (1 + OUTLIER)
+    for _ in range(200):  # a real change still gets there, OUTLIER x at a time
+        cost.observe_host(8, True, 0.1)
+    assert cost.host(8, True) == pytest.approx(0.1, rel=0.05)
+
+
 def test_an_engines_first_steps_teach_the_cost_model_nothing():
     """The first steps of each kind run cold; the cost model learns from the steps after COLD_STEPS of them."""
     from draftsmith.serve.engine import COLD_STEPS
@@ -316,6 +329,49 @@ def test_engine_k_falls_to_zero_and_rises_again(reference_ids):
         else:
             assert m["num_drafts"] == 0 and m["num_steps_without_speculation"] == decode_steps
             assert sum(m["spec_k_histogram"][1:]) == 0
+
+
+def test_eagle_rows_resume_drafting_after_held_steps(reference_ids):
+    """Held steps hand the EAGLE-3 proposer no features (it pauses the rows); when speculation pays again
+    mid-request, the rows draft from the positions observed since, and the output stays greedy-equal."""
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
+              speculative_config=SERVABLE_CONFIGS["eagle3"](None) | {"num_speculative_tokens": 3})
+    engine = llm.engine
+    engine.planner.cost.live_scaling = False
+    state = {"decoding": False, "held": False, "observed_while_held": 0, "held_steps": 0}
+    observe, is_held, decode = engine.proposer.observe, engine.planner.held, engine._decode
+
+    def spy_observe(*args):
+        state["observed_while_held"] += state["decoding"] and state["held"]
+        return observe(*args)
+
+    def spy_held(slots):
+        state["held"] = is_held(slots)
+        state["held_steps"] += state["held"]
+        return state["held"]
+
+    def spy_decode(rows):
+        state["decoding"], state["held"] = True, False
+        try:
+            return decode(rows)
+        finally:
+            state["decoding"] = False
+
+    engine.proposer.observe, engine.planner.held, engine._decode = spy_observe, spy_held, spy_decode
+    order = {engine.add_request(llm.encode(p)[1], GREEDY).request_id: i for i, p in enumerate(PROMPTS)}
+    outputs, step, drafts_by_phase = [None] * len(PROMPTS), 0, []
+    while engine.has_unfinished_requests():
+        if step % 12 == 0:  # alternate: plain (held) stretches, then speculation over the same requests
+            engine.planner.cost.table = EXPENSIVE if step % 24 == 0 else CHEAP
+            drafts_by_phase.append(engine.spec_metrics.as_dict()["num_drafts"])
+        for out in engine.step():
+            if out.finished:
+                outputs[order[out.request_id]] = out.outputs[0].token_ids
+        step += 1
+    assert outputs == reference_ids
+    assert state["held_steps"] >= 10 and state["observed_while_held"] == 0
+    gains = [b - a for a, b in zip(drafts_by_phase, drafts_by_phase[1:])]
+    assert any(gains[1::2]), gains  # drafting resumed in a cheap stretch after a held one
 
 
 def _eagle_head(tmp_path_factory) -> str:

@@ -25,7 +25,8 @@ def _case(rows, heads, kv_heads, queries, keys, dtype, window=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,heads,kv_heads,queries,keys,window", [
-    (1, 4, 4, 1, 9, None),  # one row, no grouping
+    (1, 4, 4, 1, 9, None),  # one row, no grouping (cached_attention: SDPA)
+    (2, 4, 4, 4, 9, None),  # 8 queries: grouped
     (8, 8, 2, 1, 300, None),  # decode, GQA
     (8, 8, 2, 5, 300, None),  # verify
     (3, 6, 3, 4, 40, 7),  # sliding window

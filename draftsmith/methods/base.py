@@ -236,10 +236,6 @@ class Proposer:
         """Target features [B, Q, F] of the rows' newly verified positions: row b's positions
         starts[b]..starts[b] + counts[b] - 1 are features[b, :counts[b]]."""
 
-    def pause(self, rows: Sequence[RowState]) -> None:
-        """These rows decode without speculation and without `observe` (the planner holds them plain): forget
-        what is pending for them; they start over from the next observed position."""
-
     def release(self, request: RowState) -> None:
         """The request finished or was aborted: drop whatever was kept for it."""
 

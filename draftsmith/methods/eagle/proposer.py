@@ -144,11 +144,6 @@ class EagleFamilyProposer(Proposer):
         extra = [n for n in extra if n > 0]
         return len(extra), max(extra, default=0)
 
-    def pause(self, rows: Sequence[RowState]) -> None:
-        # the next observe starts the row's pending run, and the head's context, afresh
-        for row in rows:
-            self.pending_start[row.slot], self.pending_len[row.slot] = -1, 0
-
     def release(self, request: RowState) -> None:
         if request.slot is not None:  # a request aborted while waiting never had one
             self.pending_start[request.slot] = -1

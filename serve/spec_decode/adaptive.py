@@ -201,10 +201,17 @@ class CostModel:
         """Seconds of a catch-up's own draft forward: `rows` rows of up to 1 + `positions` queries."""
         if rows <= 0 or positions <= 0:
             return 0.0
-        if self.catch_up_per_token is not None:
-            return self.catch_up_per_token * rows * (1 + positions)
+        guess = self._catch_up_guess(rows, positions)
+        if self.catch_up_per_token is None:
+            return guess
+        # Within OUTLIER x the guess: catch-ups are re-measured only when one runs, and one priced far too
+        # high (a stalled first one: oneDNN compiles a kernel for each new shape) kept a request from ever
+        # resuming drafting.
+        return min(self.catch_up_per_token * rows * (1 + positions), OUTLIER * guess)
+
+    def _catch_up_guess(self, rows: int, positions: int) -> float:
         # the target's forward of that shape, times what one draft forward costs next to a target decode
-        per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), 0.0)
+        per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), DRAFT_STEP_GUESS / 4)
         return per_forward * self.forward(rows, 1 + positions)
 
     def observe_catch_up(self, catch_up: tuple[int, int], rows: int, forwards: int, seconds: float,
@@ -215,7 +222,7 @@ class CostModel:
         if tokens <= 0:
             return
         extra = max(seconds - self._draft_ratio(forwards) * self.forward(rows, 1), 0.0)
-        per_token = min(extra, OUTLIER * max(self.catch_up(*catch_up), 1e-9)) / tokens
+        per_token = min(extra, OUTLIER * max(self._catch_up_guess(*catch_up), 1e-9)) / tokens
         previous = self.catch_up_per_token
         self.catch_up_per_token = per_token if previous is None else decay * previous + (1 - decay) * per_token
 

@@ -212,6 +212,12 @@ def test_catch_up_cost_is_learned_per_query_token():
     assert cost.catch_up(8, 30) == pytest.approx(4 * cost.catch_up(2, 30))  # four times the tokens
     cost.observe_catch_up((2, 30), 4, 3, 1e3)  # a stall
     assert cost.catch_up(2, 30) < 2 * guess * (1 + (OUTLIER - 1) * 0.21)
+    # a stalled first catch-up (nothing learned before it) is priced OUTLIER x the guess at most, else a
+    # request would never resume drafting: plain steps never re-measure it
+    fresh = CostModel(synthetic_table(0.1), sequential_drafts=True, drafts_before_plan=False)
+    first_guess = fresh.catch_up(1, 58)
+    fresh.observe_catch_up((1, 58), 1, 1, 10.0)
+    assert first_guess < fresh.catch_up(1, 58) <= OUTLIER * first_guess * 1.0001
 
 
 def test_speculative_steps_are_priced_as_they_turn_out():

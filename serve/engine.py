@@ -230,7 +230,9 @@ class LLMEngine:
         forward_at = self._clock()
         out = self._forward(ids, batch, None)
         sample_at = self._clock()
-        self._observe_features(rows, [r.num_tokens - 1 for r in rows], [1] * len(rows), out)
+        starts = [r.num_tokens - 1 for r in rows]
+        if self.feature_layers and not self.proposer.observe_later(rows, starts, out.hidden_states):
+            self._observe_features(rows, starts, [1] * len(rows), out)
         for request in rows:
             request.num_computed += 1
         tokens = self._sample(out.logits[:, -1], sampling)

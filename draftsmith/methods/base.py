@@ -236,6 +236,11 @@ class Proposer:
         """Target features [B, Q, F] of the rows' newly verified positions: row b's positions
         starts[b]..starts[b] + counts[b] - 1 are features[b, :counts[b]]."""
 
+    def observe_later(self, rows: Sequence[RowState], starts: list[int], hidden_states) -> bool:
+        """A plain decode step's hidden states (one position per row, from `starts`), which the proposer may
+        keep and observe only once it drafts again; False: it takes them now, through `observe`."""
+        return False
+
     def release(self, request: RowState) -> None:
         """The request finished or was aborted: drop whatever was kept for it."""
 

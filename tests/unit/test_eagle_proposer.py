@@ -304,3 +304,52 @@ def test_released_slot_starts_clean(models, monkeypatch):
     assert proposer.context_start[:2] == [0, 14 - proposer.pending_width]
     drafts = proposer.propose(second, [K, 3])
     check_against_reference(proposer, second, [K, 3], drafts)
+
+
+def test_plain_steps_kept_for_later_replay_as_if_observed(models, monkeypatch):
+    """Plain steps handed over by reference (`observe_later`) are built and observed only when drafting
+    resumes: a stretch shorter than the buffer, then one that overflows the kept steps (the oldest dropped;
+    the context restarts after the gap, as the ring keeps no more anyway), with a row released and its slot
+    reused in between. The planner's catch-up estimate is right before the replay, and the next propose
+    drafts what the per-row reference drafts from the same context."""
+    monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
+    gen = torch.Generator().manual_seed(5)
+    eager, lazy = make_proposer(models), make_proposer(models)
+    rows = random_rows(gen, [5, 7], [0, 1])
+    for proposer in (eager, lazy):
+        observe(proposer, rows, [len(r.prompt_token_ids) for r in rows])
+    for row in rows:
+        row.output_token_ids.append(int(torch.randint(0, 128, (1,), generator=gen)))
+
+    def plain_step():
+        starts = [r.num_tokens - 1 for r in rows]
+        with torch.inference_mode():
+            hidden = [lazy.head.target(torch.tensor([r.all_token_ids()]), hidden_layer_ids=lazy.hidden_layer_ids)
+                      .hidden_states for r in rows]
+        stacked = {i: torch.cat([h[i][:, s : s + 1] for h, s in zip(hidden, starts)]) for i in hidden[0]}
+        eager.observe(rows, starts, [1] * len(rows), eager.features(stacked))
+        assert lazy.observe_later(rows, starts, stacked)
+        for row in rows:
+            row.output_token_ids.append(int(torch.randint(0, 128, (1,), generator=gen)))
+
+    for steps in (3, 3 * lazy.observe_window):
+        for _ in range(steps):
+            plain_step()
+        assert lazy.catch_up(rows) == eager.catch_up(rows)
+        drafts = lazy.propose(rows, [K, K])  # replays first
+        expected = eager.propose(rows, [K, K])
+        assert lazy.context_start[:2] == eager.context_start[:2]
+        assert torch.equal(drafts.tokens, expected.tokens)
+        check_against_reference(lazy, rows, [K, K], drafts)
+        for proposer in (eager, lazy):  # the drafts are all rejected: the last token and a new one
+            observe(proposer, rows, [1, 1])
+        for row in rows:
+            row.output_token_ids.append(int(torch.randint(0, 128, (1,), generator=gen)))
+        if steps == 3:  # row 1 finishes; a new request takes its slot while steps are kept
+            plain_step()
+            for proposer in (eager, lazy):
+                proposer.release(rows[1])
+            rows[1] = random_rows(gen, [6], [1])[0]
+            for proposer in (eager, lazy):
+                observe(proposer, rows[1:], [6])
+            rows[1].output_token_ids.append(int(torch.randint(0, 128, (1,), generator=gen)))

@@ -276,7 +276,7 @@ class LLMEngine:
         self.planner.record(limit_t, plan.width)
         num_draft = drafts.counts.tolist() if plan.width else [0] * len(rows)  # sizes the forward
         if max(num_draft) == 0:
-            self.planner.acceptance.idle(slots)
+            self.planner.idle(slots)
             return self._plain_decode(rows, started, sampling, draft_s)
         width = 1 + max(num_draft)
         ids = torch.empty(len(rows), width, dtype=torch.long, device=self.device)

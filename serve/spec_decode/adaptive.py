@@ -54,6 +54,13 @@ PLAIN_HOLD = 8  # after a plan without speculation, the batch is re-planned this
 # tokens/s; each probe that changes nothing doubles the wait, up to MAX_PROBE_AFTER steps.
 PROBE_AFTER, MAX_PROBE_AFTER, PROBE_STEPS, PROBE_WORST = 16, 256, 2, 0.7
 STEP_SURPRISE = 1.5  # one speculative step moves the whole-step correction as if off by this factor at most
+# Per plain step, the weight left to what drafting was measured to cost (draft forwards, catch-ups): plain
+# steps re-measure neither, and timings skewed by a cold start (oneDNN compiles a kernel per new shape) kept
+# EAGLE-3 off for good at one request in flight. Faded evidence gives way to the first guesses, which make
+# probing worth it again (half-life about 23 steps). The whole-step correction does not fade: where a big
+# batch's speculative steps measured dearer than their parts, retrying them lost throughput.
+COST_IDLE_DECAY = 0.97
+PRIOR_WEIGHT = 0.25  # the first guesses weigh as much as this many (decayed) observations
 
 
 class DecayedLine:
@@ -64,6 +71,9 @@ class DecayedLine:
     def __init__(self, decay: float = 0.97, prior_slope: float | None = None, prior_weight: float = 0.0):
         self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
         self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
+
+    def fade(self, factor: float) -> None:
+        self.n, self.sx, self.sxx, self.sy, self.sxy = (factor * v for v in (self.n, self.sx, self.sxx, self.sy, self.sxy))
 
     def add(self, x: float, y: float) -> None:
         d = self.decay
@@ -174,6 +184,7 @@ class CostModel:
     # seconds per query token of a catch-up's own draft forward (rows x their longest pending run), from the
     # proposes that had one; before any, guessed from the target's table and the draft forward ratio
     catch_up_per_token: float | None = None
+    catch_up_weight: float = 0.0  # decayed count of catch-ups behind catch_up_per_token
     # a steady speculative step's measured seconds / the sum of its parts as predicted: each part is fitted
     # on its own but over all batch sizes and widths at once, and at 16-32 rows on this CPU the whole came
     # out 10-20% dearer than its parts said (geometric moving average; a cold first step, 3x too slow,
@@ -194,8 +205,20 @@ class CostModel:
         return self._draft_ratio(forwards) * self.forward(rows, 1)
 
     def _draft_ratio(self, forwards: int) -> float:
-        """Drafting seconds / F(rows, 1) for this many draft forwards: the fit, or the guess before any."""
-        return self.draft_ratio.predict(forwards) if self.draft_ratio.seen else DRAFT_STEP_GUESS * forwards
+        """Drafting seconds / F(rows, 1) for this many draft forwards: the fit, weighed against the guess by
+        how much (decayed) evidence it has."""
+        guess = DRAFT_STEP_GUESS * forwards
+        if not self.draft_ratio.seen:
+            return guess
+        weight = self.draft_ratio.n / (self.draft_ratio.n + PRIOR_WEIGHT)
+        return weight * self.draft_ratio.predict(forwards) + (1 - weight) * guess
+
+    def idle(self, steps: int = 1) -> None:
+        """`steps` plain steps went by: what drafting was measured to cost fades toward the first guesses (see
+        COST_IDLE_DECAY)."""
+        factor = COST_IDLE_DECAY**steps
+        self.draft_ratio.fade(factor)
+        self.catch_up_weight *= factor
 
     def catch_up(self, rows: int, positions: int) -> float:
         """Seconds of a catch-up's own draft forward: `rows` rows of up to 1 + `positions` queries."""
@@ -204,10 +227,12 @@ class CostModel:
         guess = self._catch_up_guess(rows, positions)
         if self.catch_up_per_token is None:
             return guess
-        # Within OUTLIER x the guess: catch-ups are re-measured only when one runs, and one priced far too
-        # high (a stalled first one: oneDNN compiles a kernel for each new shape) kept a request from ever
-        # resuming drafting.
-        return min(self.catch_up_per_token * rows * (1 + positions), OUTLIER * guess)
+        # Within OUTLIER x the guess, and weighed against it: catch-ups are re-measured only when one runs,
+        # and one priced far too high (a stalled first one: oneDNN compiles a kernel for each new shape)
+        # kept a request from ever resuming drafting.
+        learned = min(self.catch_up_per_token * rows * (1 + positions), OUTLIER * guess)
+        weight = self.catch_up_weight / (self.catch_up_weight + PRIOR_WEIGHT)
+        return weight * learned + (1 - weight) * guess
 
     def _catch_up_guess(self, rows: int, positions: int) -> float:
         # the target's forward of that shape, times what one draft forward costs next to a target decode
@@ -225,6 +250,7 @@ class CostModel:
         per_token = min(extra, OUTLIER * max(self._catch_up_guess(*catch_up), 1e-9)) / tokens
         previous = self.catch_up_per_token
         self.catch_up_per_token = per_token if previous is None else decay * previous + (1 - decay) * per_token
+        self.catch_up_weight = decay * self.catch_up_weight + 1
 
     def observe_draft(self, rows: int, forwards: int, seconds: float) -> None:
         ratio = seconds / max(self.forward(rows, 1), 1e-9)
@@ -396,10 +422,18 @@ class SpeculationPlanner:
         self._plain_run += 1
         return best
 
+    def idle(self, slots: torch.Tensor) -> None:
+        """A plain step that was planned (not held): old acceptance and cost evidence fade."""
+        self.acceptance.idle(slots)
+        if self.cost is not None:
+            self.cost.idle()
+
     def _settle_idle(self) -> None:
         """The held steps' idle decay, applied in one go."""
         if self._idle_steps:
             self.acceptance.idle(torch.tensor(self._held_slots), self._idle_steps)
+            if self.cost is not None:
+                self.cost.idle(self._idle_steps)
             self._idle_steps = 0
 
     def record(self, limits: torch.Tensor, width: int) -> None:

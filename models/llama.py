@@ -54,12 +54,7 @@ class Attention(nn.Module):
         if x.dim() == 2:  # packed: the batch's real tokens only (ForwardBatch.tokens)
             return self._packed(x, cos, sin, cache, batch)
         rows, width, _ = x.shape
-        q = self.q_proj(x).view(rows, width, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, width, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, width, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, head_dim]
+        q, k, v = (t.transpose(1, 2) for t in self._project(x))  # [B, heads, Q, head_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:  # whole sequences at once (training, reference scoring)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask, is_causal=window_mask is None,
@@ -71,15 +66,22 @@ class Attention(nn.Module):
             out = cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask)
         return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.num_heads * self.head_dim))
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., hidden] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim] (q/k normed if the
+        model norms them)."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
     def _packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden], cos/sin [T, head_dim]: projections and rope per real token; the cache write and
         attention over the padded [B, Q] layout (padding writes go to the scratch slot)."""
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self._project(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, heads, head_dim]
         k_cache, v_cache = cache
         if batch.row_spans is not None:

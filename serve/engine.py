@@ -244,8 +244,9 @@ class LLMEngine:
         """Draft up to w tokens per row (w chosen by the planner), score [last token, drafts] in one forward,
         keep what verifies. A step the planner sizes at w = 0, or where no row has a draft, decodes plainly."""
         if self.planner.held(tuple(r.slot for r in rows)):
-            # features are still handed over: a head resuming with a context of a few positions drafts
-            # almost nothing right (0-1 of 5 accepted until about ten positions are back on the demo head)
+            # the step's hidden states still go to the proposer (by reference, `observe_later`): a head
+            # resuming with a context of a few positions drafts almost nothing right (0-1 of 5 accepted
+            # until about ten positions are back on the demo head)
             return self._plain_decode(rows, started, self._sampling(rows))
         k = self.spec_config.num_speculative_tokens
         limits = []

@@ -149,6 +149,12 @@ class AcceptanceStats:
         self.method_accepted = d * self.method_accepted + hit.sum(0)
 
 
+def _weighed(learned: float, evidence: float, guess: float) -> float:
+    """A learned cost against the first guess, by how much (decayed) evidence is behind it (PRIOR_WEIGHT)."""
+    weight = evidence / (evidence + PRIOR_WEIGHT)
+    return weight * learned + (1 - weight) * guess
+
+
 @dataclass
 class StepPlan:
     width: int  # drafts per row at most this step (0 = plain decode)
@@ -205,13 +211,11 @@ class CostModel:
         return self._draft_ratio(forwards) * self.forward(rows, 1)
 
     def _draft_ratio(self, forwards: int) -> float:
-        """Drafting seconds / F(rows, 1) for this many draft forwards: the fit, weighed against the guess by
-        how much (decayed) evidence it has."""
+        """Drafting seconds / F(rows, 1) for this many draft forwards: the fit weighed against the guess."""
         guess = DRAFT_STEP_GUESS * forwards
         if not self.draft_ratio.seen:
             return guess
-        weight = self.draft_ratio.n / (self.draft_ratio.n + PRIOR_WEIGHT)
-        return weight * self.draft_ratio.predict(forwards) + (1 - weight) * guess
+        return _weighed(self.draft_ratio.predict(forwards), self.draft_ratio.n, guess)
 
     def idle(self, steps: int = 1) -> None:
         """`steps` plain steps went by: what drafting was measured to cost fades toward the first guesses (see
@@ -231,8 +235,7 @@ class CostModel:
         # and one priced far too high (a stalled first one: oneDNN compiles a kernel for each new shape)
         # kept a request from ever resuming drafting.
         learned = min(self.catch_up_per_token * rows * (1 + positions), OUTLIER * guess)
-        weight = self.catch_up_weight / (self.catch_up_weight + PRIOR_WEIGHT)
-        return weight * learned + (1 - weight) * guess
+        return _weighed(learned, self.catch_up_weight, guess)
 
     def _catch_up_guess(self, rows: int, positions: int) -> float:
         # the target's forward of that shape, times what one draft forward costs next to a target decode

@@ -37,9 +37,16 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     rows, heads, queries, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    scores = torch.matmul(q.reshape(rows, kv_heads, group * queries, dim), k.transpose(-1, -2)) * dim**-0.5
+    dtype = v.dtype
+    if q.device.type == "cpu" and dtype != torch.float32:
+        # CPU bf16 matmuls go to oneDNN, which compiles a kernel for each new shape, and the key count moves
+        # every step: a bf16 draft head's attention page-faulted on fresh kernel code at almost every call
+        # (0.5-1 ms a draft step at 8 rows). In fp32 the same small products run on MKL, compiled once.
+        q, k, v = q.float(), k.float(), v.float()
+    # rounded to the inputs' dtype where a matmul in it would round: the same drafts as in that dtype
+    scores = torch.matmul(q.reshape(rows, kv_heads, group * queries, dim), k.transpose(-1, -2)).to(dtype) * dim**-0.5
     # a large negative, not -inf: a query with no key to attend (padding) gets a finite average, not NaN
     scores = scores.view(rows, kv_heads, group, queries, keys).masked_fill(
         ~mask[:, :, None], torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(rows, kv_heads, group * queries, keys)
-    return torch.matmul(weights, v).view(rows, heads, queries, dim)
+    weights = torch.softmax(scores.float(), dim=-1).to(dtype).view(rows, kv_heads, group * queries, keys)
+    return torch.matmul(weights.to(v.dtype), v).to(dtype).view(rows, heads, queries, dim)

@@ -3,6 +3,7 @@
 import torch
 
 from draftsmith.models import ForwardBatch, load_target
+from draftsmith.models.kv_cache import KVCache
 from helpers import make_tiny_checkpoint
 
 
@@ -72,3 +73,31 @@ def test_keys_no_row_can_see_are_not_read(tmp_path):
             q, batch.read(cache.k[0]), batch.read(cache.v[0]), attn_mask=batch.mask, enable_gqa=True)
 
     torch.testing.assert_close(attend(head), attend(full))
+
+
+def test_rows_far_apart_read_their_own_windows():
+    """Draft-head rows hundreds of positions apart gather each row's own context window (key_positions)
+    instead of reading every key between the first context start and the last position; attention over the
+    gathered keys equals attention over all keys under the same mask, also for a window past the cache's end."""
+    cache = KVCache(1, num_slots=3, max_len=64, num_kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu")
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    slots, starts, q_lens, key_starts = [2, 0], [50, 8], [3, 2], [45, 2]
+    gathered = ForwardBatch.build(slots, starts, q_lens, cache, key_starts=key_starts)
+    assert gathered.key_positions is not None and gathered.read(cache.k[0]).shape[2] == 53 - 45
+    full = ForwardBatch.build(slots, starts, q_lens, cache)
+    full.mask &= (torch.arange(53) >= torch.tensor(key_starts)[:, None])[:, None, None, :]
+    q = torch.randn(2, 4, 3, 16)
+
+    def attend(batch):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, batch.read(cache.k[0]), batch.read(cache.v[0]), attn_mask=batch.mask, enable_gqa=True)
+
+    torch.testing.assert_close(attend(gathered)[0], attend(full)[0])
+    torch.testing.assert_close(attend(gathered)[1, :, :2], attend(full)[1, :, :2])  # its third query is padding
+    # row 0's window would run past the cache (keys 45..65 of 64): those keys are masked, not read twice
+    edge = ForwardBatch.build([2, 0], [61, 8], [3, 2], cache, key_starts=[45, 2])
+    assert edge.key_positions is not None and int(edge.key_positions.max()) == 63
+    edge_full = ForwardBatch.build([2, 0], [61, 8], [3, 2], cache)
+    edge_full.mask &= (torch.arange(64) >= torch.tensor([45, 2])[:, None])[:, None, None, :]
+    torch.testing.assert_close(attend(edge)[0], attend(edge_full)[0])

@@ -88,3 +88,22 @@ def test_environment_turns_it_off(monkeypatch):
         layer(torch.randn(2, 16))
     assert not onednn_linear_available(torch.float32)
     assert "_onednn_weight" not in layer.__dict__
+
+
+def test_row_buckets_bound_the_shapes_compiled():
+    """oneDNN compiles a kernel per row count: rows above EXACT_ROWS are padded to buckets, a few per octave
+    and at most an eighth more rows, and the padded call returns exactly the unpadded rows' results."""
+    buckets = {linear_module.row_bucket(rows) for rows in range(1, 4097)}
+    assert len(buckets) <= 70
+    for rows in range(1, 4097):
+        bucket = linear_module.row_bucket(rows)
+        assert rows <= bucket <= max(rows + linear_module.EXACT_ROWS - 1, rows * 9 // 8 + 1)
+    layer = Linear(64, 24)
+    x = torch.randn(2, 37, 64)  # 74 rows -> 80
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (2, 37, 24)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    if onednn_linear_available(torch.float32):
+        with torch.inference_mode():
+            assert all(torch.equal(layer(x[0, :n]), got[0, :n]) for n in (9, 17, 30))

@@ -223,6 +223,9 @@ class EagleFamilyProposer(Proposer):
         whole = ForwardBatch.build(slots, base, [steps] * len(slots), self.cache, None, self.device,
                                    key_starts=[self.context_start[s] for s in slots])
         last = max(base)
+        if whole.key_positions is not None:  # rows read their own windows, wide enough for every step
+            return [replace(whole, positions=whole.positions[:, s : s + 1], write_slots=whole.write_slots[:, s : s + 1],
+                            mask=whole.mask[:, :, s : s + 1]) for s in range(steps)]
         return [replace(whole, positions=whole.positions[:, s : s + 1], write_slots=whole.write_slots[:, s : s + 1],
                         mask=whole.mask[:, :, s : s + 1, : min(last + s + 1, whole.kv_len) - whole.kv_start],
                         kv_len=min(last + s + 1, whole.kv_len))

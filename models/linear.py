@@ -86,6 +86,29 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def warm_up(module: nn.Module, max_rows: int) -> int:
+    """Compiles oneDNN's kernels for every row bucket up to `max_rows` and every distinct shape of `module`'s
+    `Linear` layers now, not at the first step that needs each: on a 2-core VM each costs about 0.35 ms,
+    several a first forward at a new row count, and those first steps, timed slow, had taught the adaptive
+    planner that verifying was dearer than it is. Kernels are per shape, not per weight, so one layer per
+    (in, out, dtype, bias) is run. -> the number of calls run."""
+    seen, calls = set(), 0
+    buckets = sorted({row_bucket(rows) for rows in range(1, max_rows + 1)})
+    for layer in module.modules():
+        weight = layer.weight if isinstance(layer, Linear) else None
+        if weight is None or weight.device.type != "cpu" or not onednn_linear_available(weight.dtype):
+            continue
+        shape = (layer.in_features, layer.out_features, weight.dtype, layer.bias is not None)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        with torch.inference_mode():
+            for rows in buckets:
+                layer(torch.zeros(rows, layer.in_features, dtype=weight.dtype))
+                calls += 1
+    return calls
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state dict) whose CPU inference runs oneDNN on a reordered weight."""
 

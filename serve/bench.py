@@ -4,7 +4,9 @@ For each model, every method (the --speculative-config one, n-gram by default, a
 assets/MODEL-HEADTYPE) and no speculation run at each concurrency level on the same validation code
 prompts, greedy. Concurrency c means c requests in flight: the bench drives the engine itself and queues the
 next prompt as soon as one finishes, the way a server under steady load sees it, over several waves of c
-prompts (`--waves`), so that the final drain, with fewer than c left, is a small part of the run. Ratios are
+prompts (`--waves`). Tokens/s is measured over the steps that start with c requests in flight (`_Run`):
+the final drain, once no prompt is left to take a finished one's place, runs at a lower concurrency and is
+timed apart (`whole_run_tokens_per_s`). Ratios are
 taken within the run, never against numbers from another machine or day: the methods' engines take turns of
 SLICE_S seconds of steps, each timed over its own, and share one copy of the target's weights. Each method's tokens are checked
 against no speculation's at the same level. HF transformers `generate`, one prompt at a time, is timed at
@@ -87,7 +89,14 @@ class _Run:
         self.outputs: list[list[int] | None] = [None] * len(prompts)
         self.live: dict[str, int] = {}
         self.queue = iter(enumerate(prompts))
+        self.concurrency = concurrency
         self.seconds = 0.0  # this run's own steps, admissions included
+        # The steps that began with `concurrency` requests in flight, and the tokens they generated: the
+        # level's measurement. Once the queue is empty, finished requests leave fewer behind, and how long
+        # that drain lasts depends on how unevenly requests finish (speculation makes them finish unevenly,
+        # plain decoding of equal max_tokens not at all): 20-30% of a 3-wave level's tokens at 8 in flight,
+        # at a concurrency the level is not about. A long run at c in flight has no drain to speak of.
+        self.steady_seconds, self.steady_tokens = 0.0, 0
         start = time.perf_counter()
         for _ in range(concurrency):
             self._add_next()
@@ -102,20 +111,33 @@ class _Run:
         return not self.engine.has_unfinished_requests()
 
     def step(self) -> None:
+        steady = len(self.live) == self.concurrency
+        generated = self.engine.stats["num_generated_tokens"]
         start = time.perf_counter()
         for output in self.engine.step():
             if output.finished:
                 self.outputs[self.live.pop(output.request_id)] = output.outputs[0].token_ids
                 self._add_next()
-        self.seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        if steady:
+            self.steady_seconds += seconds
+            self.steady_tokens += self.engine.stats["num_generated_tokens"] - generated
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens/s while `concurrency` requests were in flight (the whole run's if never)."""
+        if self.steady_seconds > 0 and self.steady_tokens > 0:
+            return self.steady_tokens / self.steady_seconds
+        return sum(map(len, self.outputs)) / self.seconds
 
 
 SLICE_S = 0.25  # how long one method steps before the next takes over
 
 
 def drive(llms: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, concurrency: int):
-    """Runs every prompt through every LLM, `concurrency` requests in flight each; -> {method: (seconds,
-    token ids per prompt)}. The LLMs take turns of SLICE_S seconds of steps and each is timed over its own
+    """Runs every prompt through every LLM, `concurrency` requests in flight each; -> {method: finished
+    `_Run`}. The LLMs take turns of SLICE_S seconds of steps and each is timed over its own
     steps only, so a change in machine speed (this VM's drifts by up to 30% over minutes) reaches every
     method alike. Turns are that long, not one step, because a method stepping alone keeps its own weights
     and caches warm, as it would serving alone: switching every step cost n-gram a few percent at 8 in flight."""
@@ -125,7 +147,7 @@ def drive(llms: dict[str, LLM], prompts: list[list[int]], params: SamplingParams
             turn_ends = run.seconds + SLICE_S
             while not run.done and run.seconds < turn_ends:
                 run.step()
-    return {method: (run.seconds, run.outputs) for method, run in runs.items()}
+    return runs
 
 
 def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> float:
@@ -143,11 +165,15 @@ def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) ->
 
 
 def _row(model: str, method: str, k: int | None, c: int, speeds: list[float], metrics: dict,
-         equal: bool | None, level: list[dict]) -> dict:
-    """One JSON row; `level` holds the rows already made at this concurrency, no speculation's first."""
+         equal: bool | None, level: list[dict], whole_run: list[float] | None = None) -> dict:
+    """One JSON row; `level` holds the rows already made at this concurrency, no speculation's first;
+    `speeds` per round at c in flight, `whole_run` per round over the whole run, drain included."""
     speed = statistics.median(speeds)
+    whole = statistics.median(whole_run or speeds)
     return {"model": model, "method": method, "k": k, "concurrency": c, "tokens_per_s": speed,
             "speedup_vs_no_spec": speed / level[0]["tokens_per_s"] if level else 1.0,
+            "whole_run_tokens_per_s": whole,
+            "whole_run_speedup_vs_no_spec": whole / level[0]["whole_run_tokens_per_s"] if level else 1.0,
             "mean_acceptance_length": metrics.get("mean_acceptance_length"), "greedy_equal": equal,
             "spec_k_histogram": metrics.get("spec_k_histogram"),
             "num_steps_without_speculation": metrics.get("num_steps_without_speculation"),
@@ -176,19 +202,20 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
     rows = []
     for c in levels:
         batch = prompts[: level_prompts(args, c)]
-        runs = {m: [] for m in llms}  # per method: (tokens/s, token ids) per round
+        runs = {m: [] for m in llms}  # per method: a finished _Run per round
         for _ in range(args.rounds):
             for llm in llms.values():
                 llm.engine.reset_metrics()  # drops the warm-up's and the previous run's counts
-            for method, (secs, outputs) in drive(llms, batch, params, c).items():
-                runs[method].append((sum(map(len, outputs)) / secs, outputs))
+            for method, run in drive(llms, batch, params, c).items():
+                runs[method].append(run)
         level: list[dict] = []  # no speculation's row first: every ratio at this level divides by it
         for method, llm in llms.items():
             spec = llm.engine.spec_config
-            equal = all(out == runs[NO_SPEC][0][1] for _, out in runs[method])  # every round, too
+            equal = all(run.outputs == runs[NO_SPEC][0].outputs for run in runs[method])  # every round, too
             # metrics are the last round's: greedy acceptance is the same in every round
             level.append(_row(name, method, spec and spec.num_speculative_tokens, c,
-                              [speed for speed, _ in runs[method]], llm.get_metrics(), equal, level))
+                              [run.tokens_per_s for run in runs[method]], llm.get_metrics(), equal, level,
+                              [sum(map(len, run.outputs)) / run.seconds for run in runs[method]]))
             _print_row(level[-1], args.profile)
         if c == 1 and not args.no_hf:
             hf = _time_hf(model_dir, tokenizer, texts[: max(1, args.num_prompts)], args.max_tokens)
@@ -205,6 +232,8 @@ def _label(row: dict) -> str:
 def _print_row(row: dict, profile: bool) -> None:
     line = (f"  {row['model']} c={row['concurrency']} {_label(row)}: {row['tokens_per_s']:.1f} tok/s, "
             f"{row['speedup_vs_no_spec']:.2f}x")
+    if "whole_run_speedup_vs_no_spec" in row and row["method"] != HF:
+        line += f" (whole run, drain included: {row['whole_run_speedup_vs_no_spec']:.2f}x)"
     if row["k"] is not None:
         line += f", acceptance {row['mean_acceptance_length']:.2f}"
         if row["spec_k_histogram"] is not None:
@@ -233,7 +262,7 @@ def _print_table(name: str, rows: list[dict], levels: list[int]) -> None:
     cells = {(r["method"], r["concurrency"]): r for r in rows}
     labels = {r["method"]: _label(r) for r in rows}
     width = max(map(len, labels.values())) + 2
-    print(f"\n{name}: tok/s and speedup vs no speculation; acc = mean acceptance length")
+    print(f"\n{name}: tok/s with c requests in flight and speedup vs no speculation; acc = mean acceptance length")
     print(f"{'method':<{width}}" + "".join(f"{f'c={c}':>17}" for c in levels) + "   acc by c")
     for method, label in labels.items():
         line = f"{label:<{width}}"

@@ -216,6 +216,10 @@ class Proposer:
         self.observe_window: int | None = None
         self.stop_below = 0.0
 
+    def draft_models(self) -> list[torch.nn.Module]:
+        """The networks it drafts with (none for lookup methods): the engine compiles their kernels at start."""
+        return []
+
     def propose(self, rows: Sequence[RowState], max_drafts: list[int],
                 sampling: DraftSampling | None = None) -> DraftBatch:
         """Up to `max_drafts[b]` tokens for row b. `sampling` is given when drafts should be sampled (the

@@ -47,13 +47,20 @@ DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts 
 OUTLIER = 3.0  # a draft timing above this many times the prediction counts as this many
 CATCH_UP_HORIZON = 8  # steps a resumed row's catch-up is spread over
 PLAIN_HOLD = 8  # after a plan without speculation, the batch is re-planned this many steps later
+# ... unless speculating came within CLOSE_CALL of plain decoding's tokens/s: then CLOSE_HOLD steps. One bad
+# step (the first drafts after a prompt that ends mid-word accept 0.5 of 5 on the demo EAGLE-3 head, the
+# next ones 1.5-2.5) makes a lone request's plan a close call, and holding it plain for 8 steps each time cost
+# 110-190 plain steps of 1024 tokens at one request in flight (1.26-1.28x; held 2 steps: 1.29-1.31x). Big
+# batches keep the long hold and its saved planning: one request's bad step moves their plan little, and a
+# close call there is noise (re-planned every 2 steps, 16 rows paid 2% of their steps in planning).
+CLOSE_CALL, CLOSE_HOLD, CLOSE_CALL_ROWS = 0.9, 2, 4
 # Plain steps teach the planner nothing about drafting: an estimate made pessimistic by a few cold first
 # steps (allocations, a warm-up's odd prompt) would keep speculation off for good. So after PROBE_AFTER
 # plain steps in a row, a plan that still says no speculates anyway for PROBE_STEPS steps (the first
 # resumes, the second is timed as a steady one) if it is predicted at least PROBE_WORST of plain decoding's
 # tokens/s; each probe that changes nothing doubles the wait, up to MAX_PROBE_AFTER steps.
 PROBE_AFTER, MAX_PROBE_AFTER, PROBE_STEPS, PROBE_WORST = 16, 256, 2, 0.7
-STEP_SURPRISE = 1.5  # one speculative step moves the whole-step correction as if off by this factor at most
+STEP_SURPRISE = 1.5  # one speculative step moves its batch size's corrections as if off by this factor at most
 # Per plain step, the weight left to what drafting was measured to cost (draft forwards, catch-ups): plain
 # steps re-measure neither, and timings skewed by a cold start (oneDNN compiles a kernel per new shape) kept
 # EAGLE-3 off for good at one request in flight. Faded evidence gives way to the first guesses, which make
@@ -97,6 +104,49 @@ class DecayedLine:
         else:
             slope = covariance / var
         return max(mean_y + slope * (x - mean_x), 0.0)
+
+
+class ScaleByBatch:
+    """A multiplicative correction learned per batch size (rows, in powers of two), as a geometric moving
+    average. What speculative steps cost next to their prediction grows with the batch: at 16 rows of the
+    demo model a verify of 4 tokens took 2.2x a decode where the profile (256 cached tokens) said 1.6x, at 8
+    rows 1.4x where it said 1.2x. One factor learned at small batches priced 16 rows too cheaply, and some
+    25 losing speculative steps went by before it moved. A batch size without evidence borrows its nearest
+    neighbour's factor; its own first observations weigh 1/(n + FIRST_WEIGHT), like a running mean, until the
+    moving average's 1 - decay is larger; each moves it as if at most `surprise` x off, so that one cold step
+    (oneDNN compiling a kernel for a new shape) cannot price speculation out."""
+
+    FIRST_WEIGHT = 4
+
+    def __init__(self, decay: float, surprise: float):
+        self.decay, self.surprise = decay, surprise
+        self.log: dict[int, float] = {}
+        self.count: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return max(rows, 1).bit_length()
+
+    def seen(self) -> bool:
+        return bool(self.log)
+
+    def get(self, rows: int, default: float = 1.0) -> float:
+        if not self.log:
+            return default
+        b = self.bucket(rows)
+        nearest = b if b in self.log else min(self.log, key=lambda other: (abs(other - b), -other))
+        return math.exp(self.log[nearest])
+
+    def observe(self, rows: int, ratio: float, default: float = 1.0) -> None:
+        """`ratio`: what a step of `rows` rows took over what the uncorrected model said."""
+        b = self.bucket(rows)
+        previous = math.log(self.get(rows, default))
+        bound = math.log(self.surprise)
+        log_ratio = min(max(math.log(max(ratio, 1e-12)), previous - bound), previous + bound)
+        n = self.count.get(b, 0.0)
+        weight = max(1 - self.decay, 1 / (n + self.FIRST_WEIGHT))
+        self.log[b] = previous + weight * (log_ratio - previous)
+        self.count[b] = n + 1
 
 
 class AcceptanceStats:
@@ -179,7 +229,8 @@ class CostModel:
     # keep a factor each: longer contexts than the table's make a wide verify dearer relative to a decode,
     # and one shared factor would price plain steps by what verify steps cost.
     forward_scale: float = 1.0
-    verify_scale: float | None = None  # until a verify forward is timed: forward_scale
+    # verify forwards (query_len > 1) by batch size; until one is timed: forward_scale
+    verify_scales: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
     live_scaling: bool = True  # False: the table alone prices forwards (tests with synthetic tables)
     # drafting seconds / F(rows, 1), by draft forwards run: a fixed part (catch-up, setup) plus a part per
     # forward; relative to the target's decode cost so that its growth with rows comes from the measured
@@ -194,13 +245,14 @@ class CostModel:
     # a steady speculative step's measured seconds / the sum of its parts as predicted: each part is fitted
     # on its own but over all batch sizes and widths at once, and at 16-32 rows on this CPU the whole came
     # out 10-20% dearer than its parts said (geometric moving average; a cold first step, 3x too slow,
-    # moves it only STEP_SURPRISE x its weight, so that it cannot price speculation out on its own)
-    spec_correction: float = 1.0
+    # moves it only STEP_SURPRISE x its weight, so that it cannot price speculation out on its own); by batch
+    # size, as what it corrects grows with the batch
+    spec_corrections: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
     host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
     host_spec: DecayedLine = field(default_factory=DecayedLine)
 
     def forward(self, rows: int, query_len: float) -> float:
-        scale = self.forward_scale if query_len == 1 or self.verify_scale is None else self.verify_scale
+        scale = self.forward_scale if query_len == 1 else self.verify_scales.get(rows, self.forward_scale)
         return self.table.estimate(rows, query_len) * scale
 
     def draft(self, rows: int, width: int) -> float:
@@ -287,22 +339,20 @@ class CostModel:
             return self.forward(rows, 1) + self.host(rows, False)
         # a catch-up is paid once, and the context it restores serves the drafts of the steps after it too:
         # spread over CATCH_UP_HORIZON of them (priced whole on one step, a new row would never start)
-        return self._spec_parts(rows, width, query_len) * self.spec_correction + \
+        return self._spec_parts(rows, width, query_len) * self.spec_corrections.get(rows) + \
             self.catch_up(*catch_up) / CATCH_UP_HORIZON
 
     def _spec_parts(self, rows: int, width: int, query_len: float | None) -> float:
         verify = self.forward(rows, query_len if query_len is not None else width + 1)
         return verify + self.draft(rows, width) + self.host(rows, True)
 
-    def observe_step(self, rows: int, width: int, seconds: float, query_len: float | None = None,
-                     decay: float = 0.95) -> None:
+    def observe_step(self, rows: int, width: int, seconds: float, query_len: float | None = None) -> None:
         """A steady speculative step of `width` drafts (`query_len`: mean verified tokens per row) took
         `seconds` in all."""
         if not self.live_scaling or width == 0:
             return
         ratio = seconds / max(self._spec_parts(rows, width, query_len), 1e-9)
-        ratio = min(max(ratio, 1 / STEP_SURPRISE), STEP_SURPRISE)
-        self.spec_correction = math.exp(decay * math.log(self.spec_correction) + (1 - decay) * math.log(ratio))
+        self.spec_corrections.observe(rows, ratio)
 
     def observe_forward(self, rows: int, query_len: float, seconds: float, decay: float = 0.95) -> None:
         if not self.live_scaling:
@@ -311,8 +361,7 @@ class CostModel:
         if query_len == 1:
             self.forward_scale = math.exp(decay * math.log(self.forward_scale) + (1 - decay) * log_ratio)
         else:
-            previous = math.log(self.verify_scale if self.verify_scale is not None else self.forward_scale)
-            self.verify_scale = math.exp(decay * previous + (1 - decay) * log_ratio)
+            self.verify_scales.observe(rows, math.exp(log_ratio), self.forward_scale)
 
 
 class SpeculationPlanner:
@@ -348,7 +397,7 @@ class SpeculationPlanner:
     def held(self, slots: tuple[int, ...]) -> bool:
         """Whether this step of these rows (slot ids, in batch order) is plain without asking `plan`: a plan
         found that speculation did not pay, and plain steps bring no new acceptance evidence, so the answer
-        holds for PLAIN_HOLD steps while the batch has at least as many rows (requests finishing and new
+        holds for PLAIN_HOLD steps (CLOSE_HOLD after a close call) while the batch has at least as many rows (requests finishing and new
         ones taking their slots do not reopen it; a smaller batch, where verifying is cheaper, does). A
         held step is booked here; the engine decodes it plainly with no speculative bookkeeping, so that a
         batch too large to speculate pays almost nothing for the question."""
@@ -398,7 +447,10 @@ class SpeculationPlanner:
                 self.cost.forward(rows, best.width + 2) - self.cost.forward(rows, best.width + 1), 0.0)
             best.stop_below = FLOOR_MARGIN * step * best.expected_tokens / best.expected_seconds / rows
         if best.width == 0:
-            self._hold, self._held_rows, self._held_slots = PLAIN_HOLD - 1, rows, tuple(slots.tolist())
+            close = rows <= CLOSE_CALL_ROWS and speculative is not None and \
+                speculative.tokens_per_s >= CLOSE_CALL * plain.tokens_per_s
+            self._hold = (CLOSE_HOLD if close else PLAIN_HOLD) - 1
+            self._held_rows, self._held_slots = rows, tuple(slots.tolist())
         else:
             self._hold = 0
         return best
@@ -426,10 +478,13 @@ class SpeculationPlanner:
         return best
 
     def idle(self, slots: torch.Tensor) -> None:
-        """A plain step that was planned (not held): old acceptance and cost evidence fade."""
-        self.acceptance.idle(slots)
-        if self.cost is not None:
-            self.cost.idle()
+        """A plain step that was planned (not held): old acceptance and cost evidence fade, in one go with the
+        steps after it at the next plan, as for held steps (a few small tensor ops a step otherwise)."""
+        key = tuple(slots.tolist())
+        if key != self._held_slots:
+            self._settle_idle()
+            self._held_slots = key
+        self._idle_steps += 1
 
     def _settle_idle(self) -> None:
         """The held steps' idle decay, applied in one go."""

@@ -53,11 +53,13 @@ def test_bench_writes_a_row_per_method_and_level_and_a_chart(shared_with_demo, t
         assert row["greedy_equal"] is True, row
         assert row["speedup_vs_no_spec"] == pytest.approx(
             row["tokens_per_s"] / no_spec[row["concurrency"]]["tokens_per_s"])
+        assert row["whole_run_speedup_vs_no_spec"] == pytest.approx(
+            row["whole_run_tokens_per_s"] / no_spec[row["concurrency"]]["whole_run_tokens_per_s"])
         if row["method"] != "none":
             assert row["k"] >= 1 and row["mean_acceptance_length"] >= 1.0
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     printed = capsys.readouterr().out
-    assert "demo-code-7m: tok/s and speedup" in printed and "c=2" in printed
+    assert "demo-code-7m: tok/s with c requests in flight and speedup" in printed and "c=2" in printed
 
 
 @pytest.mark.parametrize("levels,expected", [("0", "levels must be >= 1, got 0"), ("a", "'a' is not an integer"),

@@ -12,6 +12,7 @@ from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.spec_decode.adaptive import (
     CATCH_UP_HORIZON,
+    CLOSE_HOLD,
     COST_IDLE_DECAY,
     OUTLIER,
     PLAIN_HOLD,
@@ -21,6 +22,7 @@ from draftsmith.serve.spec_decode.adaptive import (
     STEP_SURPRISE,
     AcceptanceStats,
     CostModel,
+    ScaleByBatch,
     SpeculationPlanner,
 )
 from helpers import DEMO_MODEL, REPO, synthetic_table
@@ -82,6 +84,24 @@ def test_plain_plans_are_held_while_the_batch_does_not_shrink():
     assert planner.held((0, 1)) and planner.held((2, 3)) and planner.held((0, 1, 2))
 
 
+def test_a_close_call_is_held_briefly_a_clear_one_long(monkeypatch):
+    """Plain by a small margin (a lone request after one bad draft step): re-planned after CLOSE_HOLD
+    steps; plain by far (a big batch): after PLAIN_HOLD."""
+    slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
+    for per_token_cost, hold in ((1.0, CLOSE_HOLD), (1.6, PLAIN_HOLD)):
+        planner = _planner(CHEAP)
+        _feed(planner, [0, 1], accepted_each=4)  # drafts all accepted: a step of w drafts yields about w + 1
+        # plain: 1 s a step; w drafts: per_token_cost s per verified token, so speculation just misses (1.0)
+        # or misses by far (1.6)
+        monkeypatch.setattr(planner.cost, "step_seconds",
+                            lambda rows, width, *args, c=per_token_cost: 1.0 if width == 0 else c * (width + 1))
+        assert planner.plan(slots, limits).width == 0
+        steps = 1
+        while planner.held((0, 1)):
+            steps += 1
+        assert steps == hold
+
+
 def test_held_steps_fade_evidence_as_plain_steps_do():
     held, stepped = _planner(EXPENSIVE), _planner(EXPENSIVE)
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
@@ -93,6 +113,22 @@ def test_held_steps_fade_evidence_as_plain_steps_do():
     held.plan(slots, limits)  # applies the held steps' fading in one go
     torch.testing.assert_close(held.acceptance.rates(slots), stepped.acceptance.rates(slots))
     assert not torch.equal(held.acceptance.rates(slots), _fed_rates(slots))
+
+
+def test_planned_plain_steps_fade_evidence_at_the_next_plan():
+    """planner.idle (a plan said plain) defers its fading to the next plan, where it equals fading each step."""
+    lazy, eager = _planner(EXPENSIVE), _planner(EXPENSIVE)
+    slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
+    for planner in (lazy, eager):
+        _feed(planner, [0, 1], accepted_each=0)
+    for _ in range(5):
+        lazy.idle(slots)
+        eager.acceptance.idle(slots)
+        eager.cost.idle()
+    assert torch.equal(lazy.acceptance.rates(slots), _fed_rates(slots))  # not yet applied
+    lazy.plan(slots, limits)
+    torch.testing.assert_close(lazy.acceptance.rates(slots), eager.acceptance.rates(slots))
+    assert lazy.cost.catch_up_weight == eager.cost.catch_up_weight
 
 
 def _fed_rates(slots):
@@ -245,15 +281,38 @@ def test_speculative_steps_are_priced_as_they_turn_out():
     cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
     plain, spec = cost.step_seconds(8, 0), cost.step_seconds(8, 3)
     cost.observe_step(8, 3, 100 * spec)
-    assert cost.spec_correction == pytest.approx(STEP_SURPRISE ** 0.05)
+    first = STEP_SURPRISE ** (1 / ScaleByBatch.FIRST_WEIGHT)  # a first observation weighs 1/FIRST_WEIGHT
+    assert cost.spec_corrections.get(8) == pytest.approx(first)
     for _ in range(150):
         cost.observe_step(8, 3, 1.2 * spec)
-    assert cost.spec_correction == pytest.approx(1.2, rel=0.01)
+    assert cost.spec_corrections.get(8) == pytest.approx(1.2, rel=0.01)
     assert cost.step_seconds(8, 3) == pytest.approx(1.2 * spec, rel=0.01)
     assert cost.step_seconds(8, 0) == plain
     cost.live_scaling = False  # synthetic tables price steps alone
     cost.observe_step(8, 3, 100 * spec)
-    assert cost.spec_correction == pytest.approx(1.2, rel=0.01)
+    assert cost.spec_corrections.get(8) == pytest.approx(1.2, rel=0.01)
+
+
+def test_corrections_are_learned_per_batch_size():
+    """Speculative steps that turn out dearer at 16 rows than at 4 (longer padded attention, more draft
+    work per row) are priced so at 16 rows within about ten steps there, without changing the price at 4; a
+    batch size never seen borrows its nearest neighbour's correction."""
+    cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
+    at4, at16 = cost.step_seconds(4, 3), cost.step_seconds(16, 3)
+    for _ in range(100):
+        cost.observe_step(4, 3, 1.1 * at4)
+    assert cost.step_seconds(16, 3) == pytest.approx(1.1 * at16, rel=0.01)  # borrowed from 4 rows
+    for _ in range(8):
+        cost.observe_step(16, 3, 1.5 * at16)
+    assert cost.step_seconds(16, 3) > 1.35 * at16
+    assert cost.step_seconds(4, 3) == pytest.approx(1.1 * at4, rel=0.01)
+    assert cost.step_seconds(32, 3) > 1.35 * cost._spec_parts(32, 3, None)  # nearest: 16 rows'
+    # verify forwards likewise: a verify scale learned at 2 rows does not price 16 rows' verifies once seen
+    cost.observe_forward(2, 4.0, 1.0 * cost.table.estimate(2, 4.0))
+    for _ in range(12):
+        cost.observe_forward(16, 4.0, 1.4 * cost.table.estimate(16, 4.0))
+    assert cost.forward(16, 4.0) > 1.3 * cost.table.estimate(16, 4.0)
+    assert cost.forward(2, 4.0) < 1.05 * cost.table.estimate(2, 4.0)
 
 
 def test_one_stalled_step_does_not_price_speculation_out():

@@ -107,6 +107,9 @@ class EagleFamilyProposer(Proposer):
         self._later_total = 0
         self._generation = [0] * max_num_seqs
 
+    def draft_models(self) -> list[torch.nn.Module]:
+        return [self.head]
+
     def features(self, hidden_states):
         return self.head.features(hidden_states).to(self.dtype)  # kept pending in the head's dtype
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -86,15 +87,15 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def warm_up(module: nn.Module, max_rows: int) -> int:
-    """Compiles oneDNN's kernels for every row bucket up to `max_rows` and every distinct shape of `module`'s
-    `Linear` layers now, not at the first step that needs each: on a 2-core VM each costs about 0.35 ms,
-    several a first forward at a new row count, and those first steps, timed slow, had taught the adaptive
-    planner that verifying was dearer than it is. Kernels are per shape, not per weight, so one layer per
-    (in, out, dtype, bias) is run. -> the number of calls run."""
+def warm_up(modules: Iterable[nn.Module], max_rows: int) -> int:
+    """Compiles oneDNN's kernels for every row bucket up to `max_rows` and every distinct shape of the
+    modules' `Linear` layers now, not at the first step that needs each: on a 2-core VM each costs about
+    0.35 ms, several a first forward at a new row count, and those first steps, timed slow, had taught the
+    adaptive planner that verifying was dearer than it is. Kernels are per shape, not per weight, so one
+    layer per (in, out, dtype, bias) is run. -> the number of calls run."""
     seen, calls = set(), 0
     buckets = sorted({row_bucket(rows) for rows in range(1, max_rows + 1)})
-    for layer in module.modules():
+    for layer in (layer for module in modules for layer in module.modules()):
         weight = layer.weight if isinstance(layer, Linear) else None
         if weight is None or weight.device.type != "cpu" or not onednn_linear_available(weight.dtype):
             continue

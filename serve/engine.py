@@ -41,9 +41,7 @@ STEP_PARTS = ("draft_s", "forward_s", "verify_s", "bookkeeping_s")
 # several times as long as the rest: the cost model does not learn from them. A warm-up's few cold steps
 # had priced speculation out for good.
 COLD_STEPS = {"plain": 3, "speculative": 3, "catch_up": 2}
-# row counts whose linear kernels are compiled at start: decode and verify shapes up to this (a prompt's
-# row count, a one-off, compiles when it comes)
-WARM_UP_ROWS = 256
+WARM_UP_ROWS = 256  # row counts whose linear kernels the engine compiles at start, at most
 
 
 @dataclass
@@ -95,12 +93,10 @@ class LLMEngine:
             raise ValueError(f"{method.__name__} reads target layers but does not declare needs.hidden_states")
         logger.info("KV cache: %d slots x %d tokens, %.1f MiB (%s)", config.max_num_seqs, config.max_model_len,
                     self.cache.nbytes / 2**20, self.cache.k[0].dtype)
-        # decode and verify shapes (prompts, a few per request, compile as they come)
+        # the row counts of decode and verify steps; a prompt's compile when it comes
         k = spec_config.num_speculative_tokens if spec_config is not None else 0
-        rows = min(config.max_num_seqs * (k + 1), WARM_UP_ROWS)
-        warm_up_linears(model, rows)
-        for module in self.proposer.draft_models() if self.proposer is not None else ():
-            warm_up_linears(module, rows)
+        drafters = self.proposer.draft_models() if self.proposer is not None else []
+        warm_up_linears([model, *drafters], min(config.max_num_seqs * (k + 1), WARM_UP_ROWS))
 
     def _make_planner(self, spec_config: SpeculativeConfig, method, cost_table) -> SpeculationPlanner:
         adaptive = spec_config.adaptive and spec_config.num_speculative_tokens_per_batch_size is None

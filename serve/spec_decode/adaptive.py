@@ -108,10 +108,10 @@ class DecayedLine:
 
 class ScaleByBatch:
     """A multiplicative correction learned per batch size (rows, in powers of two), as a geometric moving
-    average. What speculative steps cost next to their prediction grows with the batch: at 16 rows of the
-    demo model a verify of 4 tokens took 2.2x a decode where the profile (256 cached tokens) said 1.6x, at 8
-    rows 1.4x where it said 1.2x. One factor learned at small batches priced 16 rows too cheaply, and some
-    25 losing speculative steps went by before it moved. A batch size without evidence borrows its nearest
+    average. What speculative steps cost next to their prediction grows with the batch: on the demo model a
+    verify of 4 tokens per row took 10.4-11.2 ms at 16 rows where the profile (256 cached tokens per row)
+    said 6.7, and 3.4-4.0 ms at 4 rows where it said 3.2. One factor learned at small batches priced 16 rows
+    too cheaply, and some 25 losing speculative steps went by before it moved. A batch size without evidence borrows its nearest
     neighbour's factor; its own first observations weigh 1/(n + FIRST_WEIGHT), like a running mean, until the
     moving average's 1 - decay is larger; each moves it as if at most `surprise` x off, so that one cold step
     (oneDNN compiling a kernel for a new shape) cannot price speculation out."""
@@ -126,9 +126,6 @@ class ScaleByBatch:
     @staticmethod
     def bucket(rows: int) -> int:
         return max(rows, 1).bit_length()
-
-    def seen(self) -> bool:
-        return bool(self.log)
 
     def get(self, rows: int, default: float = 1.0) -> float:
         if not self.log:
@@ -397,8 +394,9 @@ class SpeculationPlanner:
     def held(self, slots: tuple[int, ...]) -> bool:
         """Whether this step of these rows (slot ids, in batch order) is plain without asking `plan`: a plan
         found that speculation did not pay, and plain steps bring no new acceptance evidence, so the answer
-        holds for PLAIN_HOLD steps (CLOSE_HOLD after a close call) while the batch has at least as many rows (requests finishing and new
-        ones taking their slots do not reopen it; a smaller batch, where verifying is cheaper, does). A
+        holds for PLAIN_HOLD steps (CLOSE_HOLD after a close call) while the batch has at least as many rows
+        (requests finishing and new ones taking their slots do not reopen it; a smaller batch, where
+        verifying is cheaper, does). A
         held step is booked here; the engine decodes it plainly with no speculative bookkeeping, so that a
         batch too large to speculate pays almost nothing for the question."""
         if not self._hold or len(slots) < self._held_rows:

@@ -107,3 +107,16 @@ def test_row_buckets_bound_the_shapes_compiled():
     if onednn_linear_available(torch.float32):
         with torch.inference_mode():
             assert all(torch.equal(layer(x[0, :n]), got[0, :n]) for n in (9, 17, 30))
+
+
+def test_warm_up_runs_each_shape_once_per_bucket():
+    """The engine compiles its decode/verify kernels at start: one call per row bucket for each distinct
+    (in, out, dtype, bias), shared across modules (kernels are per shape), and the layers are left as they were."""
+    first = torch.nn.Sequential(Linear(32, 16), Linear(16, 32), Linear(32, 16))  # the third repeats the first
+    second = torch.nn.Sequential(Linear(16, 32), Linear(16, 32, bias=False))  # one shape new
+    before = [p.clone() for p in first.parameters()]
+    buckets = len({linear_module.row_bucket(rows) for rows in range(1, 41)})  # 1..8, 16, 24, 32, 40
+    calls = linear_module.warm_up([first, second], 40)
+    expected = 3 * buckets if onednn_linear_available(torch.float32) else 0
+    assert buckets == 12 and calls == expected
+    assert all(torch.equal(a, b) for a, b in zip(before, first.parameters()))

@@ -264,22 +264,24 @@ class LLMEngine:
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
         limit_t = torch.tensor(limits, dtype=torch.long)
         draft_sampling = sampling if self.sample_drafts else None
-        drafts, draft_s = None, 0.0
-        catch_up = self.proposer.catch_up(rows)
-        plan = self.planner.plan(slots, limit_t, catch_up)
-        if plan.width and self.proposer.propose_first:
-            # drafting is cheap: draft first, then size the step knowing which rows have drafts
+        drafts, draft_s, catch_up = None, 0.0, (0, 0)
+        if self.proposer.propose_first:
+            # drafting is cheap: draft first, then size the step knowing which rows have drafts (a plan
+            # without speculation holds, and held steps draft nothing)
             draft_at = self._clock()
             drafts = self.proposer.propose(rows, limits, draft_sampling)
             draft_s = self._clock() - draft_at
             limit_t = drafts.counts.cpu()
             plan = self.planner.plan(slots, limit_t)
             drafts.counts.clamp_(max=plan.width)
-        elif plan.width:
-            self.proposer.stop_below = plan.stop_below
-            draft_at = self._clock()
-            drafts = self.proposer.propose(rows, [min(n, plan.width) for n in limits], draft_sampling)
-            draft_s = self._clock() - draft_at
+        else:
+            catch_up = self.proposer.catch_up(rows)
+            plan = self.planner.plan(slots, limit_t, catch_up)
+            if plan.width:
+                self.proposer.stop_below = plan.stop_below
+                draft_at = self._clock()
+                drafts = self.proposer.propose(rows, [min(n, plan.width) for n in limits], draft_sampling)
+                draft_s = self._clock() - draft_at
         self.planner.record(limit_t, plan.width)
         num_draft = drafts.counts.tolist() if plan.width else [0] * len(rows)  # sizes the forward
         if max(num_draft) == 0:

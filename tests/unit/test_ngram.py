@@ -54,3 +54,30 @@ def _rows(drafts):
         assert all(t == -1 for t in tokens[count:])
         rows.append(tokens[:count])
     return rows
+
+
+def _reference(history, min_n, max_n):
+    """Prompt lookup written out: the longest suffix n-gram with an earlier occurrence followed by a token,
+    its earliest occurrence; where the proposal starts, or -1."""
+    length = len(history)
+    for n in range(max_n, min_n - 1, -1):
+        if length <= n:
+            continue
+        suffix = history[length - n :]
+        for start in range(0, length - n):
+            if history[start : start + n] == suffix:
+                return start + n
+    return -1
+
+
+def test_matches_a_written_out_lookup_on_random_histories():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        rows = int(torch.randint(1, 6, (1,), generator=generator))
+        vocab = int(torch.randint(2, 6, (1,), generator=generator))  # small vocabularies repeat n-grams
+        histories = [torch.randint(0, vocab, (int(torch.randint(1, 30, (1,), generator=generator)),),
+                                   generator=generator).tolist() for _ in range(rows)]
+        min_n = int(torch.randint(1, 4, (1,), generator=generator))
+        max_n = min_n + int(torch.randint(0, 3, (1,), generator=generator))
+        assert _starts(histories, min_n, max_n) == [_reference(h, min_n, max_n) for h in histories], (
+            trial, histories, min_n, max_n)

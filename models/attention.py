@@ -21,23 +21,44 @@ GROUPED_UP_TO = 16  # queries per row: longer rows (prompt chunks) use SDPA's fl
 GROUPED_FROM = 8
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     memo: dict | None = None) -> torch.Tensor:
     """q [B, heads, Q, D]; k, v [B, kv_heads, K, D] (strided views of the cache are fine); mask [B, 1, Q, K]
-    bool, True = may attend -> [B, heads, Q, D]."""
+    bool, True = may attend -> [B, heads, Q, D]. `memo`: a dict living as long as `mask` (the forward's
+    batch), where what every layer would derive from the mask alike is kept."""
     rows, heads, queries, dim = q.shape
     kv_heads = k.shape[1]
     if q.device.type != "cpu" or queries > GROUPED_UP_TO or rows * queries < GROUPED_FROM or heads % kv_heads:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    return grouped_attention(q, k, v, mask)
+    return grouped_attention(q, k, v, mask, memo)
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      memo: dict | None = None) -> torch.Tensor:
     """The matmul form of `cached_attention` (any device): query head h belongs to KV head h // group, as in
     SDPA's enable_gqa and HF's repeat_kv."""
     rows, heads, queries, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
     dtype = v.dtype
+    if dtype == torch.float32 and q.dtype == k.dtype == dtype:
+        # The mask as an additive bias, expanded to the score matrices' layout once per forward (`memo`) and
+        # added by the first matmul itself (baddbmm, with the scale): masking and scaling had been two more
+        # passes over the scores in every layer. House model, 8 rows over 300-1000 cached tokens: a layer's
+        # attention 948 -> 739 us at 5 queries per row, 313 -> 241 at 1.
+        key = ("bias", rows, kv_heads, group, queries, keys)
+        bias = memo.get(key) if memo is not None else None
+        if bias is None:
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                ~mask, torch.finfo(dtype).min)  # a large negative, not -inf: a row with no key stays finite
+            bias = bias[:, :, None].expand(rows, kv_heads, group, queries, keys).reshape(
+                rows * kv_heads, group * queries, keys)
+            if memo is not None:
+                memo[key] = bias
+        scores = torch.baddbmm(bias, q.reshape(rows * kv_heads, group * queries, dim),
+                               k.reshape(rows * kv_heads, keys, dim).transpose(1, 2), alpha=dim**-0.5)
+        weights = torch.softmax(scores, dim=-1)
+        return torch.bmm(weights, v.reshape(rows * kv_heads, keys, dim)).view(rows, heads, queries, dim)
     if q.device.type == "cpu" and dtype != torch.float32:
         # CPU bf16 matmuls go to oneDNN, which compiles a kernel for each new shape, and the key count moves
         # every step: a bf16 draft head's attention page-faulted on fresh kernel code at almost every call

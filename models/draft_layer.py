@@ -41,7 +41,7 @@ class DraftAttention(nn.Module):
         if cache is not None:
             batch.write(cache[0], k)
             batch.write(cache[1], v)
-            out = cached_attention(q, batch.read(cache[0]), batch.read(cache[1]), batch.mask)
+            out = cached_attention(q, batch.read(cache[0]), batch.read(cache[1]), batch.mask, batch.memo)
         elif not ttt_history:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             if ttt_history is not None:

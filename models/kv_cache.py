@@ -11,7 +11,7 @@ graph-captured decode would pad to fixed buckets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,6 +73,9 @@ class ForwardBatch:
     # [B, K] the positions row b reads keys at, when rows read their own windows (`key_starts`) gathered
     # from the cache; the mask's last dim then follows these, not kv_start..kv_len
     key_positions: torch.Tensor | None = None
+    # what every layer derives from `mask` alike (the attention bias), made by the first that needs it;
+    # a batch made with dataclasses.replace starts its own
+    memo: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], q_lens: list[int], cache: KVCache,

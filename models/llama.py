@@ -63,7 +63,7 @@ class Attention(nn.Module):
             k_cache, v_cache = cache
             batch.write(k_cache, k)
             batch.write(v_cache, v)
-            out = cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask)
+            out = cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask, batch.memo)
         return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.num_heads * self.head_dim))
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,7 +89,7 @@ class Attention(nn.Module):
         q, k, v = (batch.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, Q, head_dim]
         batch.write(k_cache, k)
         batch.write(v_cache, v)
-        out = cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask)
+        out = cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask, batch.memo)
         rows, _, width, _ = out.shape
         out = out.transpose(1, 2).reshape(rows * width, self.num_heads * self.head_dim)[batch.tokens]
         return self.o_proj(out)

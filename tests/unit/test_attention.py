@@ -50,3 +50,23 @@ def test_long_queries_keep_sdpa():
     q, k, v, mask = _case(2, 4, 2, GROUPED_UP_TO + 1, 40, torch.float32)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert torch.equal(cached_attention(q, k, v, mask), expected)
+
+
+def test_the_bias_kept_for_a_batch_is_reused_and_not_carried_to_another():
+    """fp32 grouped attention keeps the mask's expanded bias in the batch's memo for the next layers; a
+    batch derived with dataclasses.replace (a draft step's own mask) starts an empty memo."""
+    import dataclasses
+
+    from draftsmith.models.kv_cache import ForwardBatch, KVCache
+
+    q, k, v, mask = _case(8, 8, 2, 3, 40, torch.float32)
+    memo = {}
+    first = grouped_attention(q, k, v, mask, memo)
+    assert len(memo) == 1
+    torch.testing.assert_close(first, grouped_attention(q, k, v, mask))
+    torch.testing.assert_close(grouped_attention(q * 2, k, v, mask, memo), grouped_attention(q * 2, k, v, mask))
+    assert len(memo) == 1  # same shape: reused
+    cache = KVCache(1, 2, 16, 2, 8, torch.float32, "cpu")
+    batch = ForwardBatch.build([0, 1], [3, 5], [2, 2], cache)
+    batch.memo["x"] = 1
+    assert dataclasses.replace(batch, mask=batch.mask[:, :, :1]).memo == {}

@@ -64,9 +64,14 @@ STEP_SURPRISE = 1.5  # one speculative step moves its batch size's corrections a
 # Per plain step, the weight left to what drafting was measured to cost (draft forwards, catch-ups): plain
 # steps re-measure neither, and timings skewed by a cold start (oneDNN compiles a kernel per new shape) kept
 # EAGLE-3 off for good at one request in flight. Faded evidence gives way to the first guesses, which make
-# probing worth it again (half-life about 23 steps). The whole-step correction does not fade: where a big
-# batch's speculative steps measured dearer than their parts, retrying them lost throughput.
+# probing worth it again (half-life about 23 steps).
 COST_IDLE_DECAY = 0.97
+# Per plain step, what speculative steps and verify forwards were found to cost beyond their parts (and their
+# host work) fades toward no correction, more slowly (half-life about 70 steps): one slow stretch of the VM while speculating
+# at one request in flight had priced speculation out there, and (borrowed by larger batches, which had no
+# evidence of their own) at 4-32 in flight too, for the rest of the run. Where speculation really loses, a
+# faded correction costs a few speculative steps every hundred or so, relearned at the running-mean rate.
+CORRECTION_IDLE_DECAY = 0.99
 PRIOR_WEIGHT = 0.25  # the first guesses weigh as much as this many (decayed) observations
 
 
@@ -133,6 +138,14 @@ class ScaleByBatch:
         b = self.bucket(rows)
         nearest = b if b in self.log else min(self.log, key=lambda other: (abs(other - b), -other))
         return math.exp(self.log[nearest])
+
+    def fade(self, factor: float, toward: float = 1.0) -> None:
+        """Every batch size's factor moves toward `toward` (factor 0: all the way), and its evidence count
+        shrinks alike, so that new observations weigh as much as they did when it was fresh."""
+        target = math.log(toward)
+        for b in self.log:
+            self.log[b] = target + factor * (self.log[b] - target)
+            self.count[b] *= factor
 
     def observe(self, rows: int, ratio: float, default: float = 1.0) -> None:
         """`ratio`: what a step of `rows` rows took over what the uncorrected model said."""
@@ -268,10 +281,14 @@ class CostModel:
 
     def idle(self, steps: int = 1) -> None:
         """`steps` plain steps went by: what drafting was measured to cost fades toward the first guesses (see
-        COST_IDLE_DECAY)."""
+        COST_IDLE_DECAY), and the speculative corrections toward none (CORRECTION_IDLE_DECAY)."""
         factor = COST_IDLE_DECAY**steps
         self.draft_ratio.fade(factor)
         self.catch_up_weight *= factor
+        fading = CORRECTION_IDLE_DECAY**steps
+        self.spec_corrections.fade(fading)
+        self.verify_scales.fade(fading, self.forward_scale)
+        self.host_spec.fade(fading)  # once faded out (n < 0.5), speculative steps are priced at plain's host work
 
     def catch_up(self, rows: int, positions: int) -> float:
         """Seconds of a catch-up's own draft forward: `rows` rows of up to 1 + `positions` queries."""

@@ -526,3 +526,20 @@ def test_sampled_drafts_with_adaptive_k_follow_the_target_distribution():
     tv = 0.5 * (bucket(seen) - bucket(p)).abs().sum().item()
     # 7-bucket total variation sampling noise at n samples is about 0.6 / sqrt(n)
     assert tv < 2.5 * 0.6 / len(second) ** 0.5 + 0.01, (tv, len(second))
+
+
+def test_speculative_corrections_fade_over_plain_steps():
+    """Speculative steps and verify forwards that measured dear (a slow stretch of the machine) are priced
+    so for a while, then, over plain steps that re-measure neither, fade back toward the model's parts:
+    otherwise one slow stretch kept speculation off for the rest of a run."""
+    cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
+    fresh = cost.step_seconds(1, 3)
+    for _ in range(30):
+        cost.observe_step(1, 3, 1.5 * cost._spec_parts(1, 3, None))
+        cost.observe_forward(1, 4.0, 1.5 * cost.table.estimate(1, 4.0))
+    dear = cost.step_seconds(1, 3)
+    assert dear > 1.5 * fresh
+    cost.idle(10)
+    assert fresh < cost.step_seconds(1, 3) < dear  # fading, not forgotten
+    cost.idle(400)
+    assert cost.step_seconds(1, 3) == pytest.approx(fresh, rel=0.05)

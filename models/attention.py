@@ -44,8 +44,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if dtype == torch.float32 and q.dtype == k.dtype == dtype:
         # The mask as an additive bias, expanded to the score matrices' layout once per forward (`memo`) and
         # added by the first matmul itself (baddbmm, with the scale): masking and scaling had been two more
-        # passes over the scores in every layer. House model, 8 rows over 300-1000 cached tokens: a layer's
-        # attention 948 -> 739 us at 5 queries per row, 313 -> 241 at 1.
+        # passes over the scores in every layer. House model, 8 rows over 300-1000 cached tokens: a verify
+        # forward's attention (5 tokens a row, 8 layers) 10.2 -> 9.4 ms, a decode's 4.9 -> 4.8.
         key = ("bias", rows, kv_heads, group, queries, keys)
         bias = memo.get(key) if memo is not None else None
         if bias is None:

@@ -67,10 +67,11 @@ STEP_SURPRISE = 1.5  # one speculative step moves its batch size's corrections a
 # probing worth it again (half-life about 23 steps).
 COST_IDLE_DECAY = 0.97
 # Per plain step, what speculative steps and verify forwards were found to cost beyond their parts (and their
-# host work) fades toward no correction, more slowly (half-life about 70 steps): one slow stretch of the VM while speculating
-# at one request in flight had priced speculation out there, and (borrowed by larger batches, which had no
-# evidence of their own) at 4-32 in flight too, for the rest of the run. Where speculation really loses, a
-# faded correction costs a few speculative steps every hundred or so, relearned at the running-mean rate.
+# host work) fades toward no correction, more slowly (half-life about 70 steps): one slow stretch of the VM
+# while speculating at one request in flight had priced speculation out there, and (borrowed by larger
+# batches, which had no evidence of their own) at 4-32 in flight too, for the rest of the run. Where
+# speculation really loses, a faded correction costs a few speculative steps every hundred or so, relearned
+# at the running-mean rate.
 CORRECTION_IDLE_DECAY = 0.99
 PRIOR_WEIGHT = 0.25  # the first guesses weigh as much as this many (decayed) observations
 

@@ -72,8 +72,8 @@ def find_continuations(tokens: torch.Tensor, lengths: torch.Tensor, min_n: int, 
 
     Matches are indexed by the position p where they end: an n-gram ending at p equals the history's last n
     tokens iff the (n-1)-gram ending there does and token p - n + 1 equals the suffix's first. So each longer
-    n costs one more compare of the history, not a new unfold (3 unfolds of [B, L, n] had taken about 60% of
-    an 8-row propose)."""
+    n costs one more compare of the history, not a new unfold of [B, L, n] (8 rows x 1100 tokens: 141 us
+    against 339)."""
     rows, width = tokens.shape
     best = torch.full((rows,), -1, dtype=torch.long)
     if width < 2:

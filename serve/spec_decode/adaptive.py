@@ -143,10 +143,13 @@ class ScaleByBatch:
     def fade(self, factor: float, toward: float = 1.0) -> None:
         """Every batch size's factor moves toward `toward` (factor 0: all the way), and its evidence count
         shrinks alike, so that new observations weigh as much as they did when it was fresh."""
-        target = math.log(toward)
         for b in self.log:
-            self.log[b] = target + factor * (self.log[b] - target)
-            self.count[b] *= factor
+            self.fade_bucket(b, factor, toward)
+
+    def fade_bucket(self, bucket: int, factor: float, toward: float = 1.0) -> None:
+        target = math.log(toward)
+        self.log[bucket] = target + factor * (self.log[bucket] - target)
+        self.count[bucket] *= factor
 
     def observe(self, rows: int, ratio: float, default: float = 1.0) -> None:
         """`ratio`: what a step of `rows` rows took over what the uncorrected model said."""
@@ -239,8 +242,12 @@ class CostModel:
     # other load); a geometric moving average, so one slow step moves it little. Decode and verify forwards
     # keep a factor each: longer contexts than the table's make a wide verify dearer relative to a decode,
     # and one shared factor would price plain steps by what verify steps cost.
-    forward_scale: float = 1.0
-    # verify forwards (query_len > 1) by batch size; until one is timed: forward_scale
+    # decode forwards by batch size: the profile's context (256 cached tokens) is shorter than live ones, and
+    # attention, whose cost grows with the context, is a larger share of a step the more rows there are
+    # (demo decodes in a bench ran at 0.9x the profile at one row, 2.1-2.3 ms against 2.40, and 1.5x at 16,
+    # 6.15 against 4.17). One factor for every size priced some of them wrong by up to that 1.6x.
+    forward_scales: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
+    # verify forwards (query_len > 1) by batch size; until one is timed: the decode scale
     verify_scales: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
     live_scaling: bool = True  # False: the table alone prices forwards (tests with synthetic tables)
     # drafting seconds / F(rows, 1), by draft forwards run: a fixed part (catch-up, setup) plus a part per
@@ -263,7 +270,9 @@ class CostModel:
     host_spec: DecayedLine = field(default_factory=DecayedLine)
 
     def forward(self, rows: int, query_len: float) -> float:
-        scale = self.forward_scale if query_len == 1 else self.verify_scales.get(rows, self.forward_scale)
+        scale = self.forward_scales.get(rows)
+        if query_len != 1:
+            scale = self.verify_scales.get(rows, scale)
         return self.table.estimate(rows, query_len) * scale
 
     def draft(self, rows: int, width: int) -> float:
@@ -288,7 +297,8 @@ class CostModel:
         self.catch_up_weight *= factor
         fading = CORRECTION_IDLE_DECAY**steps
         self.spec_corrections.fade(fading)
-        self.verify_scales.fade(fading, self.forward_scale)
+        for b in list(self.verify_scales.log):  # toward the decode scale of the same batch size
+            self.verify_scales.fade_bucket(b, fading, self.forward_scales.get(2 ** (b - 1)))
         self.host_spec.fade(fading)  # once faded out (n < 0.5), speculative steps are priced at plain's host work
 
     def catch_up(self, rows: int, positions: int) -> float:
@@ -369,14 +379,14 @@ class CostModel:
         ratio = seconds / max(self._spec_parts(rows, width, query_len), 1e-9)
         self.spec_corrections.observe(rows, ratio)
 
-    def observe_forward(self, rows: int, query_len: float, seconds: float, decay: float = 0.95) -> None:
+    def observe_forward(self, rows: int, query_len: float, seconds: float) -> None:
         if not self.live_scaling:
             return
         log_ratio = math.log(max(seconds, 1e-9) / max(self.table.estimate(rows, query_len), 1e-9))
         if query_len == 1:
-            self.forward_scale = math.exp(decay * math.log(self.forward_scale) + (1 - decay) * log_ratio)
+            self.forward_scales.observe(rows, math.exp(log_ratio))
         else:
-            self.verify_scales.observe(rows, math.exp(log_ratio), self.forward_scale)
+            self.verify_scales.observe(rows, math.exp(log_ratio), self.forward_scales.get(rows))
 
 
 class SpeculationPlanner:

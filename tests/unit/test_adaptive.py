@@ -313,6 +313,12 @@ def test_corrections_are_learned_per_batch_size():
         cost.observe_forward(16, 4.0, 1.4 * cost.table.estimate(16, 4.0))
     assert cost.forward(16, 4.0) > 1.3 * cost.table.estimate(16, 4.0)
     assert cost.forward(2, 4.0) < 1.05 * cost.table.estimate(2, 4.0)
+    # and decodes: plain steps of 16 rows running at 1.5x the profile do not make 1 row's dearer
+    for _ in range(12):
+        cost.observe_forward(1, 1, 0.9 * cost.table.estimate(1, 1))
+        cost.observe_forward(16, 1, 1.5 * cost.table.estimate(16, 1))
+    assert cost.step_seconds(16, 0) - cost.host(16, False) > 1.3 * cost.table.estimate(16, 1)
+    assert cost.step_seconds(1, 0) - cost.host(1, False) < 0.95 * cost.table.estimate(1, 1)
 
 
 def test_one_stalled_step_does_not_price_speculation_out():

@@ -129,6 +129,10 @@ class _Run:
         """Generated tokens/s while `concurrency` requests were in flight (the whole run's if never)."""
         if self.steady_seconds > 0 and self.steady_tokens > 0:
             return self.steady_tokens / self.steady_seconds
+        return self.whole_run_tokens_per_s
+
+    @property
+    def whole_run_tokens_per_s(self) -> float:
         return sum(map(len, self.outputs)) / self.seconds
 
 
@@ -215,7 +219,7 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
             # metrics are the last round's: greedy acceptance is the same in every round
             level.append(_row(name, method, spec and spec.num_speculative_tokens, c,
                               [run.tokens_per_s for run in runs[method]], llm.get_metrics(), equal, level,
-                              [sum(map(len, run.outputs)) / run.seconds for run in runs[method]]))
+                              [run.whole_run_tokens_per_s for run in runs[method]]))
             _print_row(level[-1], args.profile)
         if c == 1 and not args.no_hf:
             hf = _time_hf(model_dir, tokenizer, texts[: max(1, args.num_prompts)], args.max_tokens)

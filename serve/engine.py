@@ -265,7 +265,7 @@ class LLMEngine:
         limit_t = torch.tensor(limits, dtype=torch.long)
         draft_sampling = sampling if self.sample_drafts else None
         drafts, draft_s, catch_up = None, 0.0, (0, 0)
-        if self.proposer.propose_first:
+        if self.proposer.propose_first and self.planner.may_draft(len(rows)):
             # drafting is cheap: draft first, then size the step knowing which rows have drafts (a plan
             # without speculation holds, and held steps draft nothing)
             draft_at = self._clock()

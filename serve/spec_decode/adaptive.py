@@ -117,10 +117,10 @@ class ScaleByBatch:
     average. What speculative steps cost next to their prediction grows with the batch: on the demo model a
     verify of 4 tokens per row took 10.4-11.2 ms at 16 rows where the profile (256 cached tokens per row)
     said 6.7, and 3.4-4.0 ms at 4 rows where it said 3.2. One factor learned at small batches priced 16 rows
-    too cheaply, and some 25 losing speculative steps went by before it moved. A batch size without evidence borrows its nearest
-    neighbour's factor; its own first observations weigh 1/(n + FIRST_WEIGHT), like a running mean, until the
-    moving average's 1 - decay is larger; each moves it as if at most `surprise` x off, so that one cold step
-    (oneDNN compiling a kernel for a new shape) cannot price speculation out."""
+    too cheaply, and some 25 losing speculative steps went by before it moved. A batch size without evidence
+    borrows its nearest neighbour's factor; its own first observations weigh 1/(n + FIRST_WEIGHT), like a
+    running mean, until the moving average's 1 - decay is larger; each moves it as if at most `surprise` x
+    off, so that one cold step (oneDNN compiling a kernel for a new shape) cannot price speculation out."""
 
     FIRST_WEIGHT = 4
 
@@ -134,22 +134,23 @@ class ScaleByBatch:
         return max(rows, 1).bit_length()
 
     def get(self, rows: int, default: float = 1.0) -> float:
+        return math.exp(self._log_at(self.bucket(rows), math.log(default)))
+
+    def _log_at(self, bucket: int, default: float) -> float:
+        """The log factor of this bucket, or of its nearest neighbour with evidence, or `default`."""
         if not self.log:
             return default
-        b = self.bucket(rows)
-        nearest = b if b in self.log else min(self.log, key=lambda other: (abs(other - b), -other))
-        return math.exp(self.log[nearest])
+        nearest = bucket if bucket in self.log else min(self.log, key=lambda other: (abs(other - bucket), -other))
+        return self.log[nearest]
 
-    def fade(self, factor: float, toward: float = 1.0) -> None:
-        """Every batch size's factor moves toward `toward` (factor 0: all the way), and its evidence count
-        shrinks alike, so that new observations weigh as much as they did when it was fresh."""
+    def fade(self, factor: float, toward: float | ScaleByBatch = 1.0) -> None:
+        """Every batch size's factor moves toward `toward`'s (a constant, or another scale's at the same batch
+        size; factor 0: all the way), and its evidence count shrinks alike, so that new observations weigh
+        as much as they did when it was fresh."""
         for b in self.log:
-            self.fade_bucket(b, factor, toward)
-
-    def fade_bucket(self, bucket: int, factor: float, toward: float = 1.0) -> None:
-        target = math.log(toward)
-        self.log[bucket] = target + factor * (self.log[bucket] - target)
-        self.count[bucket] *= factor
+            target = toward._log_at(b, 0.0) if isinstance(toward, ScaleByBatch) else math.log(toward)
+            self.log[b] = target + factor * (self.log[b] - target)
+            self.count[b] *= factor
 
     def observe(self, rows: int, ratio: float, default: float = 1.0) -> None:
         """`ratio`: what a step of `rows` rows took over what the uncorrected model said."""
@@ -297,8 +298,7 @@ class CostModel:
         self.catch_up_weight *= factor
         fading = CORRECTION_IDLE_DECAY**steps
         self.spec_corrections.fade(fading)
-        for b in list(self.verify_scales.log):  # toward the decode scale of the same batch size
-            self.verify_scales.fade_bucket(b, fading, self.forward_scales.get(2 ** (b - 1)))
+        self.verify_scales.fade(fading, self.forward_scales)  # toward the decode scale of the same batch size
         self.host_spec.fade(fading)  # once faded out (n < 0.5), speculative steps are priced at plain's host work
 
     def catch_up(self, rows: int, positions: int) -> float:
@@ -405,6 +405,10 @@ class SpeculationPlanner:
         # row count, the slots last held and held steps whose idle decay is not yet applied to them
         self._hold, self._held_rows, self._held_slots, self._idle_steps = 0, 0, (), 0
         self._plain_run, self._probe_after, self._probing = 0, PROBE_AFTER, 0  # see PROBE_AFTER
+
+    def may_draft(self, rows: int) -> bool:
+        """Whether a plan for this many rows can speculate at all (a fixed table may say 0 for them)."""
+        return self.adaptive or self.fixed_width(rows) > 0
 
     def fixed_width(self, rows: int) -> int:
         for lo, hi, width in self.per_batch_size or ():

@@ -178,7 +178,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, batch: ForwardBatch | None = None,
                 hidden_layer_ids: Sequence[int] = (), logits_index: torch.Tensor | None = None,
-                compute_logits: bool = True) -> ForwardOutput:
+                compute_logits: bool = True, hidden_index: torch.Tensor | None = None) -> ForwardOutput:
         """Runs input_ids [B, Q].
 
         Args:
@@ -186,6 +186,7 @@ class CausalLM(nn.Module):
             cache, batch: the KV cache and where these tokens go in it; both None = plain causal forward.
             hidden_layer_ids: HF `hidden_states` indices to return.
             logits_index: [B, n] query indices whose logits to compute; None = all Q.
+            hidden_index: [B, m] query indices whose hidden states to return; None = all Q.
         """
         if positions is None:
             positions = batch.positions if batch is not None else torch.arange(
@@ -215,16 +216,27 @@ class CausalLM(nn.Module):
         if last in wanted:
             hidden[last] = x
         logits = None
-        if packed:
+        if hidden_index is not None:
+            # only what the caller reads: unpacking a prompt's every position of three layers into padded
+            # rows had cost an EAGLE-3 engine 5-8% of its prefill steps (demo, 16 in flight), for a
+            # proposer that keeps each row's last 64
+            hidden = {i: _select(h, hidden_index, batch if packed else None) for i, h in hidden.items()}
+        elif packed:
             hidden = {i: batch.unpack(h) for i, h in hidden.items()}
         if compute_logits:
             if packed and logits_index is None:  # the LM head on real tokens only
                 return ForwardOutput(logits=batch.unpack(self.lm_head(x).float()), hidden_states=hidden)
-            if packed:  # rows' query indices -> indices among the packed tokens (sorted flat indices)
-                width = batch.positions.shape[1]
-                flat = torch.arange(len(logits_index), device=x.device)[:, None] * width + logits_index
-                x = x[torch.searchsorted(batch.tokens, flat)]
-            elif logits_index is not None:
-                x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
+            if packed or logits_index is not None:
+                x = _select(x, logits_index, batch if packed else None)
             logits = self.lm_head(x).float()
         return ForwardOutput(logits=logits, hidden_states=hidden)
+
+
+def _select(x: torch.Tensor, index: torch.Tensor, packed: ForwardBatch | None) -> torch.Tensor:
+    """x [B, Q, H], or with `packed` its real tokens [T, H] -> [B, n, H] at the rows' query indices [B, n]."""
+    if packed is None:
+        return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+    # rows' query indices -> indices among the packed tokens (sorted flat indices)
+    width = packed.positions.shape[1]
+    flat = torch.arange(len(index), device=x.device)[:, None] * width + index
+    return x[torch.searchsorted(packed.tokens, flat)]

@@ -41,6 +41,12 @@ STEP_PARTS = ("draft_s", "forward_s", "verify_s", "bookkeeping_s")
 # several times as long as the rest: the cost model does not learn from them. A warm-up's few cold steps
 # had priced speculation out for good.
 COLD_STEPS = {"plain": 3, "speculative": 3, "catch_up": 2}
+# A plain step right after a speculative one runs on caches the draft model and the wide verify left cold:
+# demo target, 8 in flight, its forward took 3.57-3.99 ms against 3.32-3.38 from the fifth plain step in a
+# row on (a never-speculating engine's: 3.35-3.46). Learned from, they priced plain decoding 8-14% above what
+# it costs when it goes on, so speculation looked better than it was (planned +14% at 8 in flight, measured
+# -3%). Plain prices are learned from the plain steps after this many in a row.
+SETTLING_STEPS = 3
 WARM_UP_ROWS = 256  # row counts whose linear kernels the engine compiles at start, at most
 
 
@@ -72,6 +78,7 @@ class LLMEngine:
         self.spec_config = spec_config
         self.proposer = None
         self._cold = dict(COLD_STEPS)
+        self._plain_run = SETTLING_STEPS  # plain decode steps since the last speculative one
         if spec_config is not None:  # resolved once; the engine never branches on the method name
             method = resolve_method(spec_config.method)
             if method.needs.tree:  # DraftBatch.parents would be ignored: refuse rather than verify wrongly
@@ -208,9 +215,17 @@ class LLMEngine:
             ids[i, :chunk] = torch.tensor(request.prompt_token_ids[start : start + chunk])
         batch = ForwardBatch.build([r.slot for r in rows], [r.num_computed for r in rows], chunks, self.cache,
                                    self.model.config.sliding_window, self.device, pack=True)
-        last = torch.tensor(chunks, dtype=torch.long)[:, None] - 1
-        out = self._forward(ids, batch, last)
-        self._observe_features(rows, [r.num_computed for r in rows], chunks, out)
+        chunk_t = torch.tensor(chunks, dtype=torch.long)
+        # the positions whose features the proposer gets: it keeps each row's newest `observe_window`
+        seen_starts, seen_counts, hidden_index = [r.num_computed for r in rows], chunks, None
+        window = self.proposer.observe_window if self.feature_layers else None
+        if window and width > window:
+            skips = [max(chunk - window, 0) for chunk in chunks]
+            hidden_index = (torch.tensor(skips)[:, None] + torch.arange(window)).minimum(chunk_t[:, None] - 1)
+            seen_starts = [start + skip for start, skip in zip(seen_starts, skips)]
+            seen_counts = [chunk - skip for chunk, skip in zip(chunks, skips)]
+        out = self._forward(ids, batch, chunk_t[:, None] - 1, hidden_index)
+        self._observe_features(rows, seen_starts, seen_counts, out)
         out = out.logits
         for request, chunk in zip(rows, chunks):
             request.num_computed += chunk
@@ -333,11 +348,13 @@ class LLMEngine:
             return
         # a speculative step is steady unless its drafting began with a one-off catch-up
         kind = "plain" if not width else "speculative" if self.proposer.steady or not draft_s else "catch_up"
+        self._plain_run = self._plain_run + 1 if kind == "plain" else 0
         if self._cold[kind]:
             self._cold[kind] -= 1
             return
-        cost.observe_forward(len(rows), query_len, forward_s)
-        cost.observe_host(len(rows), bool(width), host)
+        if kind != "plain" or self._plain_run > SETTLING_STEPS:
+            cost.observe_forward(len(rows), query_len, forward_s)
+            cost.observe_host(len(rows), bool(width), host)
         if kind == "speculative":
             # drafting done before the plan is sunk when it is made, and so is not in its prediction
             cost.observe_step(len(rows), width, total - (draft_s if cost.drafts_before_plan else 0.0), query_len)
@@ -354,26 +371,23 @@ class LLMEngine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None):
+    def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None,
+                 hidden_index: torch.Tensor | None = None):
         self.stats["num_forward_passes"] += 1
         if logits_index is not None:
             logits_index = logits_index.to(self.device)
+        if hidden_index is not None:
+            hidden_index = hidden_index.to(self.device)
         with torch.inference_mode():
             return self.model(ids.to(self.device), cache=self.cache, batch=batch, logits_index=logits_index,
-                              hidden_layer_ids=self.feature_layers)
+                              hidden_layer_ids=self.feature_layers, hidden_index=hidden_index)
 
     def _observe_features(self, rows: list[Request], starts: list[int], counts: list[int], out) -> None:
         """Hands the proposer the target features of newly verified positions (EAGLE-style heads)."""
         if not self.feature_layers:
             return
-        hidden = out.hidden_states
-        window = self.proposer.observe_window
-        skip = max(min(counts) - window, 0) if window else 0
-        if skip:  # a prompt chunk: the proposer keeps only each row's newest `window`, so build no more
-            hidden = {i: h[:, skip:] for i, h in hidden.items()}
-            starts, counts = [s + skip for s in starts], [n - skip for n in counts]
         with torch.inference_mode():
-            self.proposer.observe(rows, starts, counts, self.proposer.features(hidden))
+            self.proposer.observe(rows, starts, counts, self.proposer.features(out.hidden_states))
 
     def _sampling(self, rows: list[Request]) -> SamplingBatch:
         return SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device,

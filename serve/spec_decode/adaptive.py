@@ -54,6 +54,15 @@ PLAIN_HOLD = 8  # after a plan without speculation, the batch is re-planned this
 # batches keep the long hold and its saved planning: one request's bad step moves their plan little, and a
 # close call there is noise (re-planned every 2 steps, 16 rows paid 2% of their steps in planning).
 CLOSE_CALL, CLOSE_HOLD, CLOSE_CALL_ROWS = 0.9, 2, 4
+# ... and where speculating lost clearly (below CLOSE_CALL of plain decoding's tokens/s), each plan that says
+# so again doubles the hold, up to MAX_PLAIN_HOLD steps (but not past a due probe): a plan costs 0.3-0.4 ms
+# at 16-32 rows, which re-planned every PLAIN_HOLD steps was 0.5% of a plain step there, for the same answer
+# each time.
+MAX_PLAIN_HOLD = 64
+# A hold goes on while the batch keeps all but 1/HOLD_SHRINK of its rows: at 32 in flight a request
+# finishes every few steps, and the step that prefills the next one decodes 31 rows, which had re-planned
+# (speculation's price at 31 rows is no news when it lost at 32).
+HOLD_SHRINK = 8
 # Plain steps teach the planner nothing about drafting: an estimate made pessimistic by a few cold first
 # steps (allocations, a warm-up's odd prompt) would keep speculation off for good. So after PROBE_AFTER
 # plain steps in a row, a plan that still says no speculates anyway for PROBE_STEPS steps (the first
@@ -404,6 +413,7 @@ class SpeculationPlanner:
         # a plan without speculation holds while the batch keeps at least as many rows: plain steps left, that
         # row count, the slots last held and held steps whose idle decay is not yet applied to them
         self._hold, self._held_rows, self._held_slots, self._idle_steps = 0, 0, (), 0
+        self._clear_losses = 0  # plain plans in a row where speculating lost clearly (MAX_PLAIN_HOLD)
         self._plain_run, self._probe_after, self._probing = 0, PROBE_AFTER, 0  # see PROBE_AFTER
 
     def may_draft(self, rows: int) -> bool:
@@ -426,12 +436,12 @@ class SpeculationPlanner:
     def held(self, slots: tuple[int, ...]) -> bool:
         """Whether this step of these rows (slot ids, in batch order) is plain without asking `plan`: a plan
         found that speculation did not pay, and plain steps bring no new acceptance evidence, so the answer
-        holds for PLAIN_HOLD steps (CLOSE_HOLD after a close call) while the batch has at least as many rows
-        (requests finishing and new ones taking their slots do not reopen it; a smaller batch, where
-        verifying is cheaper, does). A
-        held step is booked here; the engine decodes it plainly with no speculative bookkeeping, so that a
-        batch too large to speculate pays almost nothing for the question."""
-        if not self._hold or len(slots) < self._held_rows:
+        holds for PLAIN_HOLD steps (CLOSE_HOLD after a close call, up to MAX_PLAIN_HOLD after clear losses in a
+        row) while the batch has about as many rows (HOLD_SHRINK) or more (requests finishing and new ones
+        taking their slots do not reopen it; a smaller batch, where verifying is cheaper, does). A held step is booked here; the
+        engine decodes it plainly with no speculative bookkeeping, so that a batch too large to speculate
+        pays almost nothing for the question."""
+        if not self._hold or len(slots) < self._held_rows - self._held_rows // HOLD_SHRINK:
             return False
         if slots != self._held_slots:
             self._settle_idle()
@@ -477,12 +487,18 @@ class SpeculationPlanner:
                 self.cost.forward(rows, best.width + 2) - self.cost.forward(rows, best.width + 1), 0.0)
             best.stop_below = FLOOR_MARGIN * step * best.expected_tokens / best.expected_seconds / rows
         if best.width == 0:
-            close = rows <= CLOSE_CALL_ROWS and speculative is not None and \
-                speculative.tokens_per_s >= CLOSE_CALL * plain.tokens_per_s
-            self._hold = (CLOSE_HOLD if close else PLAIN_HOLD) - 1
+            ratio = speculative.tokens_per_s / plain.tokens_per_s if speculative is not None else 0.0
+            self._clear_losses = self._clear_losses + 1 if ratio < CLOSE_CALL else 0
+            if ratio >= CLOSE_CALL:
+                hold = CLOSE_HOLD if rows <= CLOSE_CALL_ROWS else PLAIN_HOLD
+            else:
+                hold = min(PLAIN_HOLD << (self._clear_losses - 1), MAX_PLAIN_HOLD)
+                if ratio >= PROBE_WORST:  # worth a probe: re-planned when one is due
+                    hold = min(hold, max(self._probe_after - self._plain_run, PLAIN_HOLD))
+            self._hold = hold - 1
             self._held_rows, self._held_slots = rows, tuple(slots.tolist())
         else:
-            self._hold = 0
+            self._hold = self._clear_losses = 0
         return best
 
     def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan,

@@ -17,10 +17,10 @@ import torch
 from draftsmith.methods import resolve_method
 from draftsmith.methods.eagle import proposer as proposer_module
 from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
-from draftsmith.serve import SamplingParams
+from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.sampling import SamplingBatch
 from draftsmith.serve.spec_decode.config import parse_speculative_config
-from helpers import make_tiny_checkpoint
+from helpers import DEMO_MODEL, REPO, make_tiny_checkpoint
 
 K = 4
 MAX_LEN = 96
@@ -353,3 +353,30 @@ def test_plain_steps_kept_for_later_replay_as_if_observed(models, monkeypatch):
             for proposer in (eager, lazy):
                 observe(proposer, rows[1:], [6])
             rows[1].output_token_ids.append(int(torch.randint(0, 128, (1,), generator=gen)))
+
+
+def test_engine_prefill_hands_over_each_prompts_newest_positions():
+    """The engine's prefill asks the target for the hidden states of each row's newest `observe_window`
+    prompt positions only (rows of unequal lengths in one packed forward, and a prompt in chunks); the
+    proposer's ring then holds exactly what a full forward gives at those positions."""
+    config = {"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"), "num_speculative_tokens": 3}
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=400,
+              max_num_batched_tokens=256, speculative_config=config)
+    engine, proposer = llm.engine, llm.engine.proposer
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (300, 90, 20)]
+    for ids in prompts:
+        engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4))
+    asked, forward = [], engine._forward
+    engine._forward = lambda *a: asked.append(a[3] is not None) or forward(*a)
+    engine._admit()
+    while any(r.prefilling for r in engine.running):
+        engine._prefill([r for r in engine.running if r.prefilling])
+    assert any(asked) and not all(asked)  # the 300-token prompt in chunks of 256 and 44: windowed, then not
+    width = proposer.pending_width
+    for request, ids in zip(sorted(engine.running, key=lambda r: r.slot), prompts):
+        slot, kept = request.slot, min(len(ids), width)
+        assert (proposer.pending_start[slot], proposer.pending_len[slot]) == (len(ids) - kept, kept)
+        positions = torch.arange(len(ids) - kept, len(ids))
+        torch.testing.assert_close(proposer.pending[slot, positions % width], features_of(proposer, ids)[positions],
+                                   atol=2e-2, rtol=2e-2)  # bf16 features, batched differently

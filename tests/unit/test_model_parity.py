@@ -153,3 +153,27 @@ def test_packed_forward_matches_padded(family, tmp_path):
         for slot, length in zip((2, 0), starts):
             torch.testing.assert_close(caches[1].k[layer][slot, :, :length], caches[0].k[layer][slot, :, :length])
             torch.testing.assert_close(caches[1].v[layer][slot, :, :length], caches[0].v[layer][slot, :, :length])
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_hidden_index_selects_the_asked_positions(pack, tmp_path):
+    """`hidden_index` returns each row's hidden states at its own query indices, equal to those columns of the
+    full hidden states, packed or padded (the engine asks a prompt's last positions only)."""
+    make_tiny_checkpoint("llama", tmp_path)
+    model = load_target(tmp_path, dtype="float32")
+    q_lens = [20, 7]
+    ids = torch.randint(0, model.config.vocab_size, (2, 20))
+    index = torch.tensor([[12, 15, 19], [4, 6, 6]])  # row 1's last real column repeated as padding
+    outs = []
+    for hidden_index in (None, index):
+        cache = model.make_cache(num_slots=3, max_len=32)
+        batch = ForwardBatch.build([2, 0], [0, 0], q_lens, cache, model.config.sliding_window, pack=pack)
+        assert (batch.tokens is not None) == pack
+        with torch.no_grad():
+            outs.append(model(ids, cache=cache, batch=batch, logits_index=torch.tensor(q_lens)[:, None] - 1,
+                              hidden_layer_ids=(1, model.config.num_hidden_layers), hidden_index=hidden_index))
+    full, chosen = outs
+    for i, hidden in chosen.hidden_states.items():
+        assert hidden.shape == (2, 3, model.config.hidden_size)
+        torch.testing.assert_close(hidden, full.hidden_states[i].gather(1, index[..., None].expand_as(hidden)))
+    torch.testing.assert_close(chosen.logits, full.logits)

@@ -276,8 +276,8 @@ class LLMEngine:
             left = (r.params.max_tokens - len(r.output_token_ids) - 1) if r.params.max_tokens else k
             limits.append(max(0, min(k, room, left)))
         sampling = self._sampling(rows)
-        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
-        limit_t = torch.tensor(limits, dtype=torch.long)
+        slots = [r.slot for r in rows]
+        planned_limits = limits
         draft_sampling = sampling if self.sample_drafts else None
         drafts, draft_s, catch_up = None, 0.0, (0, 0)
         if self.proposer.propose_first and self.planner.may_draft(len(rows)):
@@ -286,18 +286,18 @@ class LLMEngine:
             draft_at = self._clock()
             drafts = self.proposer.propose(rows, limits, draft_sampling)
             draft_s = self._clock() - draft_at
-            limit_t = drafts.counts.cpu()
-            plan = self.planner.plan(slots, limit_t)
+            planned_limits = drafts.counts.cpu()
+            plan = self.planner.plan(slots, planned_limits)
             drafts.counts.clamp_(max=plan.width)
         else:
             catch_up = self.proposer.catch_up(rows)
-            plan = self.planner.plan(slots, limit_t, catch_up)
+            plan = self.planner.plan(slots, planned_limits, catch_up)
             if plan.width:
                 self.proposer.stop_below = plan.stop_below
                 draft_at = self._clock()
                 drafts = self.proposer.propose(rows, [min(n, plan.width) for n in limits], draft_sampling)
                 draft_s = self._clock() - draft_at
-        self.planner.record(limit_t, plan.width)
+        self.planner.record(planned_limits, plan.width)
         num_draft = drafts.counts.tolist() if plan.width else [0] * len(rows)  # sizes the forward
         if max(num_draft) == 0:
             self.planner.idle(slots)
@@ -321,7 +321,7 @@ class LLMEngine:
         kept = [row[:n] for row, n in zip(packed, counts)]
         starts = [r.num_tokens - 1 for r in rows]
         self._observe_features(rows, starts, counts, out)  # last token + accepted drafts
-        self.planner.acceptance.observe(slots, torch.tensor(num_draft), torch.tensor(counts) - 1)
+        self.planner.acceptance.observe(slots, num_draft, [n - 1 for n in counts])
         for request, n_draft, new_tokens in zip(rows, num_draft, kept):
             self.spec_metrics.observe(n_draft, len(new_tokens) - 1)
             self.stats["num_generated_tokens"] += self.stop_checker.append(request, new_tokens)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from draftsmith.serve.cost_profile import ForwardCostTable
 
@@ -137,13 +137,18 @@ class ScaleByBatch:
         self.decay, self.surprise = decay, surprise
         self.log: dict[int, float] = {}
         self.count: dict[int, float] = {}
+        self._factor: dict[int, float] = {}  # exp(log), read several times by every plan
 
     @staticmethod
     def bucket(rows: int) -> int:
         return max(rows, 1).bit_length()
 
     def get(self, rows: int, default: float = 1.0) -> float:
-        return math.exp(self._log_at(self.bucket(rows), math.log(default)))
+        bucket = self.bucket(rows)
+        factor = self._factor.get(bucket)
+        if factor is not None:
+            return factor
+        return math.exp(self._log_at(bucket, math.log(default))) if self.log else default
 
     def _log_at(self, bucket: int, default: float) -> float:
         """The log factor of this bucket, or of its nearest neighbour with evidence, or `default`."""
@@ -160,6 +165,7 @@ class ScaleByBatch:
             target = toward._log_at(b, 0.0) if isinstance(toward, ScaleByBatch) else math.log(toward)
             self.log[b] = target + factor * (self.log[b] - target)
             self.count[b] *= factor
+            self._factor[b] = math.exp(self.log[b])
 
     def observe(self, rows: int, ratio: float, default: float = 1.0) -> None:
         """`ratio`: what a step of `rows` rows took over what the uncorrected model said."""
@@ -171,51 +177,56 @@ class ScaleByBatch:
         weight = max(1 - self.decay, 1 / (n + self.FIRST_WEIGHT))
         self.log[b] = previous + weight * (log_ratio - previous)
         self.count[b] = n + 1
+        self._factor[b] = math.exp(self.log[b])
 
 
 class AcceptanceStats:
     """Per slot and draft position: decayed counts of drafts reached and accepted, and the method's running
-    totals (the prior each slot's counts are shrunk toward)."""
+    totals (the prior each slot's counts are shrunk toward). Host-side numpy: a step updates a few [rows, k]
+    arrays, where torch's per-op dispatch had cost 100-150 us a speculative step with the plan's reads."""
 
     def __init__(self, num_slots: int, k: int, decay: float = 0.8, prior_weight: float = 2.0,
                  method_decay: float = 0.99, idle_decay: float = 0.85, method_idle_decay: float = 0.97,
                  initial_weight: float = 4.0):
         self.k, self.decay, self.prior_weight, self.method_decay = k, decay, prior_weight, method_decay
         self.idle_decay, self.method_idle_decay, self.initial_weight = idle_decay, method_idle_decay, initial_weight
-        self.initial_rates = torch.full((k,), INITIAL_LATER_RATE, dtype=torch.float64)
+        self.initial_rates = np.full(k, INITIAL_LATER_RATE)
         self.initial_rates[:1] = INITIAL_RATE
-        self.reached = torch.zeros(num_slots, k, dtype=torch.float64)
-        self.accepted = torch.zeros(num_slots, k, dtype=torch.float64)
-        self.method_reached = torch.zeros(k, dtype=torch.float64)
-        self.method_accepted = torch.zeros(k, dtype=torch.float64)
+        self.reached = np.zeros((num_slots, k))
+        self.accepted = np.zeros((num_slots, k))
+        self.method_reached = np.zeros(k)
+        self.method_accepted = np.zeros(k)
+        self._positions = np.arange(k)[None, :]
 
     def reset(self, slot: int) -> None:
         self.reached[slot] = 0
         self.accepted[slot] = 0
 
-    def rates(self, slots: torch.Tensor) -> torch.Tensor:
-        """[B, k] conditional acceptance rates of the given slots."""
+    def rates(self, slots) -> np.ndarray:
+        """[B, k] conditional acceptance rates of the given slots (any int sequence)."""
+        slots = np.asarray(slots)
         w0 = self.initial_weight
         prior = (self.method_accepted + w0 * self.initial_rates) / (self.method_reached + w0)
         w = self.prior_weight
         return (self.accepted[slots] + w * prior) / (self.reached[slots] + w)
 
-    def idle(self, slots: torch.Tensor, steps: int = 1) -> None:
+    def idle(self, slots, steps: int = 1) -> None:
         """Rows that did not draft for `steps` steps: old evidence fades, so a request (and the method) that
         once drafted badly is tried again after a while instead of never."""
+        slots = np.asarray(slots)
         self.reached[slots] *= self.idle_decay**steps
         self.accepted[slots] *= self.idle_decay**steps
         self.method_reached *= self.method_idle_decay**steps
         self.method_accepted *= self.method_idle_decay**steps
 
-    def observe(self, slots: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(self, slots, drafted, accepted) -> None:
         """Rows that drafted `drafted[b]` tokens and had `accepted[b]` of them accepted. Position j was
         reached when the j drafts before it were accepted."""
-        position = torch.arange(self.k, dtype=torch.long)[None, :]
-        reached = ((position < drafted[:, None]) & (position <= accepted[:, None])).double()
-        hit = (position < accepted[:, None]).double()
+        slots, drafted, accepted = np.asarray(slots), np.asarray(drafted), np.asarray(accepted)
         spoke = drafted > 0
-        slots, reached, hit = slots[spoke], reached[spoke], hit[spoke]
+        slots, drafted, accepted = slots[spoke], drafted[spoke, None], accepted[spoke, None]
+        reached = (self._positions < drafted) & (self._positions <= accepted)
+        hit = self._positions < accepted
         self.reached[slots] = self.decay * self.reached[slots] + reached
         self.accepted[slots] = self.decay * self.accepted[slots] + hit
         d = self.method_decay ** len(slots)
@@ -376,6 +387,26 @@ class CostModel:
         return self._spec_parts(rows, width, query_len) * self.spec_corrections.get(rows) + \
             self.catch_up(*catch_up) / CATCH_UP_HORIZON
 
+    def step_seconds_by_width(self, rows: int, query_lens: list[float],
+                              catch_up: tuple[int, int] = (0, 0)) -> list[float]:
+        """`step_seconds(rows, w, catch_up, query_lens[w])` for every w in 0..len - 1 (query_lens[0] unused),
+        with what the widths share looked up once: a plan prices every width every step, and at one row in
+        flight its 60-odd small calls were a third of a speculative step's host work."""
+        decode = self.forward(rows, 1)
+        seconds = [decode + self.host(rows, False)]
+        if len(query_lens) == 1:
+            return seconds
+        scale = self.forward_scales.get(rows)
+        verify_scale, host = self.verify_scales.get(rows, scale), self.host(rows, True)
+        correction, catch = self.spec_corrections.get(rows), self.catch_up(*catch_up) / CATCH_UP_HORIZON
+        for width in range(1, len(query_lens)):
+            query_len = query_lens[width]
+            verify = self.table.estimate(rows, query_len) * (scale if query_len == 1 else verify_scale)
+            draft = 0.0 if self.drafts_before_plan else \
+                self._draft_ratio(width if self.sequential_drafts else 1) * decode
+            seconds.append((verify + draft + host) * correction + catch)
+        return seconds
+
     def _spec_parts(self, rows: int, width: int, query_len: float | None) -> float:
         verify = self.forward(rows, query_len if query_len is not None else width + 1)
         return verify + self.draft(rows, width) + self.host(rows, True)
@@ -453,27 +484,27 @@ class SpeculationPlanner:
         self.row_widths[0] += len(slots)
         return True
 
-    def plan(self, slots: torch.Tensor, limits: torch.Tensor, catch_up: tuple[int, int] = (0, 0)) -> StepPlan:
-        """`limits[b]`: the most row b may draft (room left, max_tokens, or drafts it has); `catch_up`: the
-        proposer's extra catch-up this step (`Proposer.catch_up`), so that resuming is priced in."""
+    def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0)) -> StepPlan:
+        """`slots[b]`, `limits[b]` (int sequences: lists, arrays, CPU tensors): row b's slot and the most it
+        may draft (room left, max_tokens, or drafts it has); `catch_up`: the proposer's extra catch-up this
+        step (`Proposer.catch_up`), so that resuming is priced in."""
+        slots, limits = np.asarray(slots), np.asarray(limits)
         if not self.adaptive:
             return StepPlan(min(self.fixed_width(len(slots)), int(limits.max())))
         self._settle_idle()
         rows = len(slots)
-        rates = self.acceptance.rates(slots)
-        gain = torch.cat([torch.zeros(rows, 1, dtype=rates.dtype), rates.cumprod(1).cumsum(1)], dim=1)
-        widths = torch.arange(self.k + 1)
-        drafts = torch.minimum(widths[None, :], limits[:, None].clamp(max=self.k))  # [B, k + 1] per width
-        tokens = (rows + gain.gather(1, drafts).sum(0)).tolist()
-        query_lens = (1 + drafts.double().mean(0)).tolist()  # a packed verify costs the real tokens
-        plain = StepPlan(0, 0.0, tokens[0], max(self.cost.step_seconds(rows, 0), 1e-9))
+        gain = np.zeros((rows, self.k + 1))  # expected tokens from drafting w, per row: 0, a1, a1 + a1 a2, ...
+        np.cumsum(self.acceptance.rates(slots).cumprod(1), 1, out=gain[:, 1:])
+        drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
+        tokens = (rows + np.take_along_axis(gain, drafts, 1).sum(0)).tolist()
+        query_lens = (1 + drafts.mean(0)).tolist()  # a packed verify costs the real tokens
+        seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up)
+        plain = StepPlan(0, 0.0, tokens[0], max(seconds[0], 1e-9))
         best = speculative = None
         for width, expected in enumerate(tokens):
             if width > 0 and tokens[width] <= tokens[width - 1]:
                 break  # no row can use a wider step
-            candidate = plain if width == 0 else \
-                StepPlan(width, 0.0, expected, max(self.cost.step_seconds(rows, width, catch_up, query_lens[width]),
-                                                   1e-9))
+            candidate = plain if width == 0 else StepPlan(width, 0.0, expected, max(seconds[width], 1e-9))
             if best is None or candidate.tokens_per_s > best.tokens_per_s:
                 best = candidate
             if width and (speculative is None or candidate.tokens_per_s > speculative.tokens_per_s):
@@ -523,10 +554,10 @@ class SpeculationPlanner:
         self._plain_run += 1
         return best
 
-    def idle(self, slots: torch.Tensor) -> None:
+    def idle(self, slots) -> None:
         """A plain step that was planned (not held): old acceptance and cost evidence fade, in one go with the
         steps after it at the next plan, as for held steps (a few small tensor ops a step otherwise)."""
-        key = tuple(slots.tolist())
+        key = tuple(np.asarray(slots).tolist())
         if key != self._held_slots:
             self._settle_idle()
             self._held_slots = key
@@ -535,17 +566,17 @@ class SpeculationPlanner:
     def _settle_idle(self) -> None:
         """The held steps' idle decay, applied in one go."""
         if self._idle_steps:
-            self.acceptance.idle(torch.tensor(self._held_slots), self._idle_steps)
+            self.acceptance.idle(list(self._held_slots), self._idle_steps)
             if self.cost is not None:
                 self.cost.idle(self._idle_steps)
             self._idle_steps = 0
 
-    def record(self, limits: torch.Tensor, width: int) -> None:
+    def record(self, limits, width: int) -> None:
         if width == 0:
             self.plain_steps += 1
             self.row_widths[0] += len(limits)
             return
-        for given in torch.minimum(limits, torch.tensor(width)).tolist():
+        for given in np.minimum(np.asarray(limits), width).tolist():
             self.row_widths[given] += 1
 
     def reset_metrics(self) -> None:

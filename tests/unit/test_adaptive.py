@@ -3,6 +3,7 @@ stays lossless (greedy: token for token; sampled: in distribution) whatever k ea
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,6 +87,11 @@ def test_plain_plans_are_held_while_the_batch_does_not_shrink():
     assert planner.held((0, 1)) and planner.held((2, 3)) and planner.held((0, 1, 2))
 
 
+def _per_token_prices(per_token_cost):
+    """Step prices for a planner: a plain step 1 s, a step of w drafts per_token_cost() s per verified token."""
+    return lambda rows, query_lens, *args: [1.0] + [per_token_cost() * (w + 1) for w in range(1, len(query_lens))]
+
+
 def test_a_hold_survives_a_slightly_smaller_batch():
     """At 16 in flight, the step that prefills a finished request's successor decodes 15 rows: still held (a
     plan for 15 rows would say what the plan for 16 said); a batch HOLD_SHRINK-th smaller or more is
@@ -108,8 +114,7 @@ def test_a_close_call_is_held_briefly_a_clear_one_long(monkeypatch):
         _feed(planner, [0, 1], accepted_each=4)  # drafts all accepted: a step of w drafts yields about w + 1
         # plain: 1 s a step; w drafts: per_token_cost s per verified token, so speculation just misses (1.0)
         # or misses by far (1.6)
-        monkeypatch.setattr(planner.cost, "step_seconds",
-                            lambda rows, width, *args, c=per_token_cost: 1.0 if width == 0 else c * (width + 1))
+        monkeypatch.setattr(planner.cost, "step_seconds_by_width", _per_token_prices(lambda: per_token_cost))
         assert planner.plan(slots, limits).width == 0
         steps = 1
         while planner.held((0, 1)):
@@ -123,8 +128,7 @@ def test_clear_losses_are_held_longer_each_time(monkeypatch):
     planner = _planner(CHEAP)
     _feed(planner, [0, 1], accepted_each=4)
     slots, limits, per_token = torch.tensor([0, 1]), torch.tensor([4, 4]), {"cost": 3.0}  # 3.0: not worth a probe
-    monkeypatch.setattr(planner.cost, "step_seconds",
-                        lambda rows, width, *args: 1.0 if width == 0 else per_token["cost"] * (width + 1))
+    monkeypatch.setattr(planner.cost, "step_seconds_by_width", _per_token_prices(lambda: per_token["cost"]))
 
     def hold() -> int:
         assert planner.plan(slots, limits).width == 0
@@ -151,7 +155,7 @@ def test_held_steps_fade_evidence_as_plain_steps_do():
         stepped.acceptance.idle(slots)  # what a plain step that re-plans does
     held.plan(slots, limits)  # applies the held steps' fading in one go
     torch.testing.assert_close(held.acceptance.rates(slots), stepped.acceptance.rates(slots))
-    assert not torch.equal(held.acceptance.rates(slots), _fed_rates(slots))
+    assert not np.array_equal(held.acceptance.rates(slots), _fed_rates(slots))
 
 
 def test_planned_plain_steps_fade_evidence_at_the_next_plan():
@@ -164,7 +168,7 @@ def test_planned_plain_steps_fade_evidence_at_the_next_plan():
         lazy.idle(slots)
         eager.acceptance.idle(slots)
         eager.cost.idle()
-    assert torch.equal(lazy.acceptance.rates(slots), _fed_rates(slots))  # not yet applied
+    assert np.array_equal(lazy.acceptance.rates(slots), _fed_rates(slots))  # not yet applied
     lazy.plan(slots, limits)
     torch.testing.assert_close(lazy.acceptance.rates(slots), eager.acceptance.rates(slots))
     assert lazy.cost.catch_up_weight == eager.cost.catch_up_weight
@@ -311,6 +315,24 @@ def test_catch_up_cost_is_learned_per_query_token():
     first_guess = fresh.catch_up(1, 58)
     fresh.observe_catch_up((1, 58), 1, 1, 10.0)
     assert first_guess < fresh.catch_up(1, 58) <= OUTLIER * first_guess * 1.0001
+
+
+def test_a_plan_prices_every_width_as_step_seconds_does():
+    """The planner prices all widths in one call: the same seconds as pricing each on its own, with every
+    part learned (decode and verify scales, drafting, host work, corrections, a catch-up)."""
+    for sequential, before in ((True, False), (False, True)):
+        cost = CostModel(synthetic_table(0.3), sequential_drafts=sequential, drafts_before_plan=before)
+        cost.observe_forward(8, 1, 0.02)
+        cost.observe_forward(8, 3.5, 0.05)
+        cost.observe_draft(8, 3, 0.01)
+        cost.observe_draft(8, 1, 0.004)
+        cost.observe_host(8, True, 0.001)
+        cost.observe_host(8, False, 0.0005)
+        cost.observe_step(8, 3, 0.09, 3.5)
+        cost.observe_catch_up((2, 30), 8, 3, 0.03)
+        query_lens = [1.0, 1.0, 2.5, 3.5, 4.25]  # a width where no row drafts verifies at query length 1
+        expected = [cost.step_seconds(8, w, (2, 30), query_lens[w] if w else None) for w in range(5)]
+        assert cost.step_seconds_by_width(8, query_lens, (2, 30)) == pytest.approx(expected, rel=1e-12)
 
 
 def test_speculative_steps_are_priced_as_they_turn_out():

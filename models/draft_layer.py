@@ -16,7 +16,7 @@ from torch import nn
 
 from draftsmith.models.attention import cached_attention
 from draftsmith.models.kv_cache import ForwardBatch
-from draftsmith.models.linear import Linear
+from draftsmith.models.linear import Linear, fused
 from draftsmith.models.llama import MLP, RMSNorm
 from draftsmith.models.rope import apply_rope
 
@@ -30,13 +30,17 @@ class DraftAttention(nn.Module):
         self.v_proj = Linear(in_dim, kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(heads * head_dim, hidden, bias=False)
 
+    def fused_linears(self) -> tuple[tuple[Linear, ...], ...]:
+        return ((self.q_proj, self.k_proj, self.v_proj),)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor] | None = None, batch: ForwardBatch | None = None,
                 ttt_history: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         rows, width, _ = x.shape
-        q = self.q_proj(x).view(rows, width, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = fused(self.fused_linears()[0], x)
+        q = q.view(rows, width, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             batch.write(cache[0], k)

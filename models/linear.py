@@ -89,25 +89,71 @@ def row_bucket(rows: int) -> int:
 
 def warm_up(modules: Iterable[nn.Module], max_rows: int) -> int:
     """Compiles oneDNN's kernels for every row bucket up to `max_rows` and every distinct shape of the
-    modules' `Linear` layers now, not at the first step that needs each: on a 2-core VM each costs about
-    0.35 ms, several a first forward at a new row count, and those first steps, timed slow, had taught the
-    adaptive planner that verifying was dearer than it is. Kernels are per shape, not per weight, so one
-    layer per (in, out, dtype, bias) is run. -> the number of calls run."""
+    modules' `Linear` layers (and of their fused groups, `fused_linears`) now, not at the first step that
+    needs each: on a 2-core VM each costs about 0.35 ms, several a first forward at a new row count, and
+    those first steps, timed slow, had taught the adaptive planner that verifying was dearer than it is.
+    Kernels are per shape, not per weight, so one layer (or group) per shape is run. -> the calls run."""
     seen, calls = set(), 0
     buckets = sorted({row_bucket(rows) for rows in range(1, max_rows + 1)})
-    for layer in (layer for module in modules for layer in module.modules()):
-        weight = layer.weight if isinstance(layer, Linear) else None
-        if weight is None or weight.device.type != "cpu" or not onednn_linear_available(weight.dtype):
-            continue
-        shape = (layer.in_features, layer.out_features, weight.dtype, layer.bias is not None)
-        if shape in seen:
-            continue
-        seen.add(shape)
-        with torch.inference_mode():
-            for rows in buckets:
-                layer(torch.zeros(rows, layer.in_features, dtype=weight.dtype))
-                calls += 1
+    for module in (sub for top in modules for sub in top.modules()):
+        groups = [(module,)] if isinstance(module, Linear) else list(getattr(module, "fused_linears", tuple)())
+        for group in groups:
+            weight = group[0].weight
+            if weight.device.type != "cpu" or not onednn_linear_available(weight.dtype):
+                continue
+            shape = (group[0].in_features, tuple(layer.out_features for layer in group), weight.dtype,
+                     group[0].bias is not None)
+            if shape in seen:
+                continue
+            seen.add(shape)
+            with torch.inference_mode():
+                for rows in buckets:
+                    fused(group, torch.zeros(rows, group[0].in_features, dtype=weight.dtype))
+                    calls += 1
     return calls
+
+
+def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
+            and onednn_linear_available(weight.dtype))
+
+
+def _weight_key(weight: torch.Tensor) -> tuple:
+    return weight.data_ptr(), weight.dtype, 0 if weight.is_inference() else weight._version
+
+
+def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear on a reordered weight, rows padded to their bucket."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    padded = row_bucket(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
+
+
+def fused(layers: tuple[Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`layer(x) for layer in layers` (same input size and dtype; q/k/v, gate/up), in one oneDNN call on
+    their weights stacked, kept reordered on the first layer and rebuilt when any weight changes. oneDNN
+    spends about 15 us a call whatever its size at one to a few rows: a one-row decode of the demo target
+    runs 43 projections of a few hundred columns each, and 18 of them were such calls more than needed.
+    The outputs are views into one [.., sum of out_features] result. Off the fast path (autograd, GPU,
+    another dtype): each layer on its own."""
+    first = layers[0]
+    if len(layers) == 1 or not _fast_path(x, first.weight) or any(
+            layer.weight.dtype != first.weight.dtype or (layer.bias is None) != (first.bias is None)
+            for layer in layers):
+        return tuple(layer(x) for layer in layers)
+    key = tuple(_weight_key(layer.weight) for layer in layers)
+    packed = first.__dict__.get("_fused_weight")
+    if packed is None or packed[0] != key:
+        with torch.inference_mode():
+            weight = torch.cat([layer.weight.detach() for layer in layers]).contiguous()
+            bias = None if first.bias is None else torch.cat([layer.bias.detach() for layer in layers])
+            packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight, REORDER_ROWS), bias)
+        first.__dict__["_fused_weight"] = packed
+    return _run(x, packed[1], packed[2]).split([layer.out_features for layer in layers], dim=-1)
 
 
 class Linear(nn.Linear):
@@ -115,25 +161,19 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if (x.device.type != "cpu" or x.dtype != weight.dtype or torch.is_grad_enabled()
-                or not onednn_linear_available(weight.dtype)):
+        if not _fast_path(x, weight):
             return F.linear(x, weight, self.bias)
-        key = (weight.data_ptr(), weight.dtype, 0 if weight.is_inference() else weight._version)
+        key = _weight_key(weight)
         packed = self.__dict__.get("_onednn_weight")
         if packed is None or packed[0] != key:
             with torch.inference_mode():
                 packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), REORDER_ROWS))
             self.__dict__["_onednn_weight"] = packed
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        padded = row_bucket(rows)
-        if padded == rows:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed[1], self.bias, "none", [], "")
-        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
-        out = torch.ops.mkldnn._linear_pointwise(flat, packed[1], self.bias, "none", [], "")
-        return out[:rows].view(*x.shape[:-1], out.shape[-1])
+        return _run(x, packed[1], self.bias)
 
     def __getstate__(self):
-        # the reordered copy is a cache (and an opaque tensor that does not pickle): copies rebuild their own
+        # the reordered copies are caches (opaque tensors that do not pickle): copies rebuild their own
         state = self.__dict__.copy()
         state.pop("_onednn_weight", None)
+        state.pop("_fused_weight", None)
         return state

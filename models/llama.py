@@ -17,7 +17,7 @@ from torch import nn
 from draftsmith.models.attention import cached_attention
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
-from draftsmith.models.linear import Linear
+from draftsmith.models.linear import Linear, fused
 from draftsmith.models.rope import apply_rope, rope_tables
 
 
@@ -66,13 +66,17 @@ class Attention(nn.Module):
             out = cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask, batch.memo)
         return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.num_heads * self.head_dim))
 
+    def fused_linears(self) -> tuple[tuple[Linear, ...], ...]:
+        return ((self.q_proj, self.k_proj, self.v_proj),)
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., hidden] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim] (q/k normed if the
         model norms them)."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        q, k, v = fused(self.fused_linears()[0], x)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -121,8 +125,12 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+    def fused_linears(self) -> tuple[tuple[Linear, ...], ...]:
+        return ((self.gate_proj, self.up_proj),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused(self.fused_linears()[0], x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

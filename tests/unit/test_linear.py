@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.models import linear as linear_module
-from draftsmith.models.linear import Linear, onednn_linear_available
+from draftsmith.models.linear import Linear, fused, onednn_linear_available
 
 # fp32: the same sums in another order; bf16: one rounding of the output (8 bits of mantissa)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -120,3 +120,44 @@ def test_warm_up_runs_each_shape_once_per_bucket():
     expected = 3 * buckets if onednn_linear_available(torch.float32) else 0
     assert buckets == 12 and calls == expected
     assert all(torch.equal(a, b) for a, b in zip(before, first.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_layers_compute_each_layer(dtype, bias):
+    """q/k/v (or gate/up) in one call on stacked weights: each output is its layer's, for 1-row and padded
+    batches, and follows a weight update; with autograd on, each layer runs on its own (gradients flow)."""
+    layers = tuple(Linear(64, out, bias=bias).to(dtype) for out in (48, 16, 16))
+    x = torch.randn(2, 7, 64).to(dtype)
+    for batch in (x, x[0, :1], x.reshape(14, 64)):
+        with torch.inference_mode():
+            outputs = fused(layers, batch)
+        assert [o.shape[-1] for o in outputs] == [48, 16, 16]
+        for layer, out in zip(layers, outputs):
+            torch.testing.assert_close(out.float(), F.linear(batch, layer.weight, layer.bias).float(),
+                                       atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    if onednn_linear_available(dtype):
+        assert "_fused_weight" in layers[0].__dict__  # the fused path ran
+    with torch.no_grad():
+        layers[1].weight.mul_(2)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(layers, x)[1].float(), F.linear(x, layers[1].weight, layers[1].bias).float(),
+                                   atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    if dtype == torch.float32:
+        fused(layers, x)[2].sum().backward()
+        assert layers[2].weight.grad is not None and layers[0].weight.grad is None
+
+
+def test_warm_up_covers_fused_groups():
+    """A module's fused groups (`fused_linears`) are shapes of their own: warmed once per bucket too."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Linear(32, 16), Linear(32, 8)
+
+        def fused_linears(self):
+            return ((self.a, self.b),)
+
+    buckets = len({linear_module.row_bucket(rows) for rows in range(1, 41)})
+    calls = linear_module.warm_up([Block(), Block()], 40)  # a, b and (a, b): three shapes, twice each
+    assert calls == (3 * buckets if onednn_linear_available(torch.float32) else 0)

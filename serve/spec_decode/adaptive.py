@@ -183,7 +183,8 @@ class ScaleByBatch:
 class AcceptanceStats:
     """Per slot and draft position: decayed counts of drafts reached and accepted, and the method's running
     totals (the prior each slot's counts are shrunk toward). Host-side numpy: a step updates a few [rows, k]
-    arrays, where torch's per-op dispatch had cost 100-150 us a speculative step with the plan's reads."""
+    arrays, and numpy's per-op cost is a fraction of torch's (alone, at 1-16 rows: 18 us an update against
+    43, a plan 35 us against 57)."""
 
     def __init__(self, num_slots: int, k: int, decay: float = 0.8, prior_weight: float = 2.0,
                  method_decay: float = 0.99, idle_decay: float = 0.85, method_idle_decay: float = 0.97,

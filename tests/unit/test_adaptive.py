@@ -14,8 +14,8 @@ from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.spec_decode.adaptive import (
     CATCH_UP_HORIZON,
     CLOSE_HOLD,
-    HOLD_SHRINK,
     COST_IDLE_DECAY,
+    HOLD_SHRINK,
     MAX_PLAIN_HOLD,
     OUTLIER,
     PLAIN_HOLD,
@@ -114,7 +114,7 @@ def test_a_close_call_is_held_briefly_a_clear_one_long(monkeypatch):
         _feed(planner, [0, 1], accepted_each=4)  # drafts all accepted: a step of w drafts yields about w + 1
         # plain: 1 s a step; w drafts: per_token_cost s per verified token, so speculation just misses (1.0)
         # or misses by far (1.6)
-        monkeypatch.setattr(planner.cost, "step_seconds_by_width", _per_token_prices(lambda: per_token_cost))
+        monkeypatch.setattr(planner.cost, "step_seconds_by_width", _per_token_prices(lambda c=per_token_cost: c))
         assert planner.plan(slots, limits).width == 0
         steps = 1
         while planner.held((0, 1)):

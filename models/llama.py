@@ -194,7 +194,8 @@ class CausalLM(nn.Module):
             cache, batch: the KV cache and where these tokens go in it; both None = plain causal forward.
             hidden_layer_ids: HF `hidden_states` indices to return.
             logits_index: [B, n] query indices whose logits to compute; None = all Q.
-            hidden_index: [B, m] query indices whose hidden states to return; None = all Q.
+            hidden_index: [B, m] query indices whose hidden states to return (real tokens only: in a packed
+                batch a padding index would read another row's token); None = all Q.
         """
         if positions is None:
             positions = batch.positions if batch is not None else torch.arange(

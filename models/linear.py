@@ -122,6 +122,26 @@ def _weight_key(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), weight.dtype, 0 if weight.is_inference() else weight._version
 
 
+def _reordered(layers: tuple[Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layers' weights stacked and reordered for oneDNN, and their bias: cached on the first layer (a
+    layer alone and a group apart) and rebuilt when any weight or bias changes (in-place updates bump its
+    version, load_state_dict copies into it)."""
+    first = layers[0]
+    attr = "_onednn_weight" if len(layers) == 1 else "_fused_weight"
+    key = tuple(_weight_key(t) for layer in layers for t in (layer.weight, layer.bias) if t is not None)
+    cached = first.__dict__.get(attr)
+    if cached is None or cached[0] != key:
+        with torch.inference_mode():
+            if len(layers) == 1:
+                weight, bias = first.weight.detach(), first.bias
+            else:
+                weight = torch.cat([layer.weight.detach() for layer in layers])
+                bias = None if first.bias is None else torch.cat([layer.bias.detach() for layer in layers])
+            cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), REORDER_ROWS), bias)
+        first.__dict__[attr] = cached
+    return cached[1], cached[2]
+
+
 def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's linear on a reordered weight, rows padded to their bucket."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -135,41 +155,25 @@ def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> to
 
 def fused(layers: tuple[Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`layer(x) for layer in layers` (same input size and dtype; q/k/v, gate/up), in one oneDNN call on
-    their weights stacked, kept reordered on the first layer and rebuilt when any weight changes. oneDNN
-    spends about 15 us a call whatever its size at one to a few rows: a one-row decode of the demo target
-    runs 43 projections of a few hundred columns each, and 18 of them were such calls more than needed.
-    The outputs are views into one [.., sum of out_features] result. Off the fast path (autograd, GPU,
-    another dtype): each layer on its own."""
+    their weights stacked (`_reordered`). oneDNN spends about 15 us a call whatever its size at one to a
+    few rows: a one-row decode of the demo target runs 43 projections of a few hundred columns each, and 18
+    of them were such calls more than needed. The outputs are views into one [.., sum of out_features]
+    result. Off the fast path (autograd, GPU, another dtype): each layer on its own."""
     first = layers[0]
     if len(layers) == 1 or not _fast_path(x, first.weight) or any(
             layer.weight.dtype != first.weight.dtype or (layer.bias is None) != (first.bias is None)
             for layer in layers):
         return tuple(layer(x) for layer in layers)
-    key = tuple(_weight_key(layer.weight) for layer in layers)
-    packed = first.__dict__.get("_fused_weight")
-    if packed is None or packed[0] != key:
-        with torch.inference_mode():
-            weight = torch.cat([layer.weight.detach() for layer in layers]).contiguous()
-            bias = None if first.bias is None else torch.cat([layer.bias.detach() for layer in layers])
-            packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight, REORDER_ROWS), bias)
-        first.__dict__["_fused_weight"] = packed
-    return _run(x, packed[1], packed[2]).split([layer.out_features for layer in layers], dim=-1)
+    return _run(x, *_reordered(layers)).split([layer.out_features for layer in layers], dim=-1)
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state dict) whose CPU inference runs oneDNN on a reordered weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if not _fast_path(x, weight):
-            return F.linear(x, weight, self.bias)
-        key = _weight_key(weight)
-        packed = self.__dict__.get("_onednn_weight")
-        if packed is None or packed[0] != key:
-            with torch.inference_mode():
-                packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), REORDER_ROWS))
-            self.__dict__["_onednn_weight"] = packed
-        return _run(x, packed[1], self.bias)
+        if not _fast_path(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        return _run(x, *_reordered((self,)))
 
     def __getstate__(self):
         # the reordered copies are caches (opaque tensors that do not pickle): copies rebuild their own

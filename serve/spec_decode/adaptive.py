@@ -137,18 +137,13 @@ class ScaleByBatch:
         self.decay, self.surprise = decay, surprise
         self.log: dict[int, float] = {}
         self.count: dict[int, float] = {}
-        self._factor: dict[int, float] = {}  # exp(log), read several times by every plan
 
     @staticmethod
     def bucket(rows: int) -> int:
         return max(rows, 1).bit_length()
 
     def get(self, rows: int, default: float = 1.0) -> float:
-        bucket = self.bucket(rows)
-        factor = self._factor.get(bucket)
-        if factor is not None:
-            return factor
-        return math.exp(self._log_at(bucket, math.log(default))) if self.log else default
+        return math.exp(self._log_at(self.bucket(rows), math.log(default))) if self.log else default
 
     def _log_at(self, bucket: int, default: float) -> float:
         """The log factor of this bucket, or of its nearest neighbour with evidence, or `default`."""
@@ -165,7 +160,6 @@ class ScaleByBatch:
             target = toward._log_at(b, 0.0) if isinstance(toward, ScaleByBatch) else math.log(toward)
             self.log[b] = target + factor * (self.log[b] - target)
             self.count[b] *= factor
-            self._factor[b] = math.exp(self.log[b])
 
     def observe(self, rows: int, ratio: float, default: float = 1.0) -> None:
         """`ratio`: what a step of `rows` rows took over what the uncorrected model said."""
@@ -177,7 +171,6 @@ class ScaleByBatch:
         weight = max(1 - self.decay, 1 / (n + self.FIRST_WEIGHT))
         self.log[b] = previous + weight * (log_ratio - previous)
         self.count[b] = n + 1
-        self._factor[b] = math.exp(self.log[b])
 
 
 class AcceptanceStats:

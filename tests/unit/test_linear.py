@@ -138,11 +138,15 @@ def test_fused_layers_compute_each_layer(dtype, bias):
                                        atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     if onednn_linear_available(dtype):
         assert "_fused_weight" in layers[0].__dict__  # the fused path ran
-    with torch.no_grad():
-        layers[1].weight.mul_(2)
-    with torch.inference_mode():
-        torch.testing.assert_close(fused(layers, x)[1].float(), F.linear(x, layers[1].weight, layers[1].bias).float(),
-                                   atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    updates = [lambda: layers[1].weight.mul_(2)] + ([lambda: layers[2].bias.add_(1)] if bias else [])
+    for update in updates:  # a weight changing rebuilds the stacked copy, and so does a bias alone
+        with torch.no_grad():
+            update()
+        with torch.inference_mode():
+            outputs = fused(layers, x)
+        for layer, out in zip(layers, outputs):
+            torch.testing.assert_close(out.float(), F.linear(x, layer.weight, layer.bias).float(),
+                                       atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     if dtype == torch.float32:
         fused(layers, x)[2].sum().backward()
         assert layers[2].weight.grad is not None and layers[0].weight.grad is None

@@ -225,14 +225,16 @@ class EagleFamilyProposer(Proposer):
         Built as one batch of `steps` queries per row, then sliced by step: one host build for all steps."""
         whole = ForwardBatch.build(slots, base, [steps] * len(slots), self.cache, None, self.device,
                                    key_starts=[self.context_start[s] for s in slots])
-        last = max(base)
-        if whole.key_positions is not None:  # rows read their own windows, wide enough for every step
-            return [replace(whole, positions=whole.positions[:, s : s + 1], write_slots=whole.write_slots[:, s : s + 1],
-                            mask=whole.mask[:, :, s : s + 1]) for s in range(steps)]
-        return [replace(whole, positions=whole.positions[:, s : s + 1], write_slots=whole.write_slots[:, s : s + 1],
-                        mask=whole.mask[:, :, s : s + 1, : min(last + s + 1, whole.kv_len) - whole.kv_start],
-                        kv_len=min(last + s + 1, whole.kv_len))
-                for s in range(steps)]
+        last, batches = max(base), []
+        for s in range(steps):
+            step = {"positions": whole.positions[:, s : s + 1], "write_slots": whole.write_slots[:, s : s + 1],
+                    "mask": whole.mask[:, :, s : s + 1]}
+            # keys up to this step's last position; rows reading their own windows read as many at every step
+            if whole.key_positions is None:
+                kv_len = min(last + s + 1, whole.kv_len)
+                step.update(mask=step["mask"][..., : kv_len - whole.kv_start], kv_len=kv_len)
+            batches.append(replace(whole, **step))
+        return batches
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling: DraftSampling | None = None) -> DraftBatch:

@@ -82,6 +82,8 @@ COST_IDLE_DECAY = 0.97
 # speculation really loses, a faded correction costs a few speculative steps every hundred or so, relearned
 # at the running-mean rate.
 CORRECTION_IDLE_DECAY = 0.99
+# Per plan, the weight kept by the running share of rows that found drafts (n-gram: 45-55% of steps on code)
+DRAFT_SHARE_DECAY = 0.9
 PRIOR_WEIGHT = 0.25  # the first guesses weigh as much as this many (decayed) observations
 
 
@@ -440,6 +442,7 @@ class SpeculationPlanner:
         self._hold, self._held_rows, self._held_slots, self._idle_steps = 0, 0, (), 0
         self._clear_losses = 0  # plain plans in a row where speculating lost clearly (MAX_PLAIN_HOLD)
         self._plain_run, self._probe_after, self._probing = 0, PROBE_AFTER, 0  # see PROBE_AFTER
+        self._draft_share = 1.0  # proposers that draft before the plan: the share of rows with drafts, lately
 
     def may_draft(self, rows: int) -> bool:
         """Whether a plan for this many rows can speculate at all (a fixed table may say 0 for them)."""
@@ -487,6 +490,8 @@ class SpeculationPlanner:
             return StepPlan(min(self.fixed_width(len(slots)), int(limits.max())))
         self._settle_idle()
         rows = len(slots)
+        if self.cost.drafts_before_plan:
+            self._draft_share = DRAFT_SHARE_DECAY * self._draft_share + (1 - DRAFT_SHARE_DECAY) * float((limits > 0).mean())
         gain = np.zeros((rows, self.k + 1))  # expected tokens from drafting w, per row: 0, a1, a1 + a1 a2, ...
         np.cumsum(self.acceptance.rates(slots).cumprod(1), 1, out=gain[:, 1:])
         drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
@@ -513,6 +518,14 @@ class SpeculationPlanner:
             best.stop_below = FLOOR_MARGIN * step * best.expected_tokens / best.expected_seconds / rows
         if best.width == 0:
             ratio = speculative.tokens_per_s / plain.tokens_per_s if speculative is not None else 0.0
+            if self.cost.drafts_before_plan:
+                # a step whose rows found few drafts says little about the next one's: hold by what a typical
+                # step would do. Held for 8 steps after each such step, house n-gram at 8 in flight ran 81
+                # of its 225 steps plain.
+                ratio = self._typical_ratio(gain, plain)
+                if ratio >= 1.0:
+                    self._hold = self._clear_losses = 0
+                    return best
             self._clear_losses = self._clear_losses + 1 if ratio < CLOSE_CALL else 0
             if ratio >= CLOSE_CALL:
                 hold = CLOSE_HOLD if rows <= CLOSE_CALL_ROWS else PLAIN_HOLD
@@ -525,6 +538,17 @@ class SpeculationPlanner:
         else:
             self._hold = self._clear_losses = 0
         return best
+
+    def _typical_ratio(self, gain: np.ndarray, plain: StepPlan) -> float:
+        """For proposers that draft before the plan: the best speculative width's tokens/s over plain decoding's
+        on a step where rows have drafts as often as they have lately (`_draft_share`), each up to k, with the
+        drafting that a held step skips priced in."""
+        rows, share = gain.shape[0], self._draft_share
+        widths = np.arange(1, self.k + 1)
+        tokens = rows + share * gain[:, 1:].sum(0)
+        seconds = np.asarray(self.cost.step_seconds_by_width(rows, [1.0, *(1 + share * widths).tolist()])[1:])
+        drafting = self.cost._draft_ratio(1) * self.cost.forward(rows, 1)
+        return float((tokens / (seconds + drafting)).max()) / plain.tokens_per_s
 
     def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan,
                  catch_up: tuple[int, int]) -> StepPlan:

@@ -145,6 +145,25 @@ def test_clear_losses_are_held_longer_each_time(monkeypatch):
     assert hold() == PLAIN_HOLD
 
 
+def test_a_step_short_of_drafts_holds_only_where_drafting_rarely_pays(monkeypatch):
+    """n-gram drafts before the plan: a step where one row of 8 found a match decodes plainly, but says nothing
+    about the next step, so it is not held where rows usually find drafts; where they rarely do (and a
+    typical step would lose), it is."""
+    slots = torch.arange(8)
+    everyone, one_row = torch.full((8,), 4), torch.tensor([4] + [0] * 7)
+    for usual, held in ((everyone, False), (one_row, True)):
+        planner = _planner(CHEAP)
+        _feed(planner, list(range(8)), accepted_each=4)
+        # plain: 1 s; a speculative step: 1 s of overhead plus 0.5 s per mean verified token per row, so all
+        # rows drafting 4 (40 tokens in 3.5 s) beats plain (8 in 1 s) and one row alone (12 in 1.75 s) does not
+        prices = lambda rows, query_lens, *args: [1.0] + [1.0 + 0.5 * q for q in query_lens[1:]]  # noqa: E731
+        monkeypatch.setattr(planner.cost, "step_seconds_by_width", prices)
+        for _ in range(30):
+            planner.plan(slots, usual)
+        assert planner.plan(slots, one_row).width == 0
+        assert planner.held(tuple(slots.tolist())) == held
+
+
 def test_held_steps_fade_evidence_as_plain_steps_do():
     held, stepped = _planner(EXPENSIVE), _planner(EXPENSIVE)
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])

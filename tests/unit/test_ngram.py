@@ -19,8 +19,10 @@ def test_vllm_docstring_example_and_tie_rules():
     assert _starts([[1, 2, 3, 4, 2, 3]], 2, 3) == [3]
     # the longest n wins even if a shorter one matches earlier
     assert _starts([[7, 3, 9, 1, 2, 3, 8, 1, 2, 3]], 1, 3) == [6]
-    # among equal n, the earliest occurrence wins
-    assert _starts([[5, 6, 1, 5, 6, 2, 5, 6]], 2, 2) == [2]
+    # among equal n, the most recent occurrence wins (vLLM: the earliest, here 2)
+    assert _starts([[5, 6, 1, 5, 6, 2, 5, 6]], 2, 2) == [5]
+    # the most recent one may overlap the suffix itself: a run continues
+    assert _starts([[3, 4, 5, 4, 5, 4, 5]], 2, 2) == [5]
     # no match, or history too short: -1; rows in one batch are independent
     assert _starts([[1, 2, 3, 4], [9, 9], [4, 5, 4, 5, 4]], 2, 2) == [-1, -1, 3]
 
@@ -58,13 +60,13 @@ def _rows(drafts):
 
 def _reference(history, min_n, max_n):
     """Prompt lookup written out: the longest suffix n-gram with an earlier occurrence followed by a token,
-    its earliest occurrence; where the proposal starts, or -1."""
+    its most recent occurrence; where the proposal starts, or -1."""
     length = len(history)
     for n in range(max_n, min_n - 1, -1):
         if length <= n:
             continue
         suffix = history[length - n :]
-        for start in range(0, length - n):
+        for start in reversed(range(0, length - n)):
             if history[start : start + n] == suffix:
                 return start + n
     return -1

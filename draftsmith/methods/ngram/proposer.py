@@ -1,8 +1,10 @@
 """N-gram (prompt lookup) proposer, vectorized over the batch.
 
 For each row, find the longest suffix n-gram (prompt_lookup_min <= n <= prompt_lookup_max) that occurred
-earlier in prompt + output; on ties the earliest occurrence wins (vLLM's rule); propose the tokens that
-followed it. Token histories live in one `[slots, max_model_len]` buffer, appended to incrementally, so a
+earlier in prompt + output, and propose the tokens that followed its most recent occurrence. vLLM takes the
+earliest; code repeats itself locally (the same call again, the loop body of a few lines up), and on the
+house model's greedy continuations of the 179 validation prompts the most recent occurrence's drafts were
+accepted 69% of the time against 60%, with 4% fewer steps for the same tokens (k = 4, n = 2..4). Token histories live in one `[slots, max_model_len]` buffer, appended to incrementally, so a
 step costs a few tensor compares, not a Python scan of every history; drafts are gathered from it with
 one indexed read into the persistent draft buffer.
 """
@@ -79,6 +81,7 @@ def find_continuations(tokens: torch.Tensor, lengths: torch.Tensor, min_n: int, 
     if width < 2:
         return best
     ends = torch.arange(width)[None, :]
+    after = ends + 1  # where the proposal starts for a match ending at p; 0 below means no match
     # an end p must leave a token to propose (p + 1 < length), so the history's own suffix never matches
     followed = ends + 1 < lengths[:, None]
     matched = torch.ones(rows, width, dtype=torch.bool)  # the n-gram ending at p matches, for n so far
@@ -93,6 +96,6 @@ def find_continuations(tokens: torch.Tensor, lengths: torch.Tensor, min_n: int, 
             matched[:, n - 2] = False
         if n < min_n:
             continue
-        found, first_end = (matched & followed).to(torch.int8).max(1)  # max: the earliest occurrence
-        best = torch.where((found > 0) & (lengths > n), first_end + 1, best)  # a longer n, later, wins
+        newest = torch.where(matched & followed, after, 0).amax(1)  # the most recent occurrence
+        best = torch.where((newest > 0) & (lengths > n), newest, best)  # a longer n, later, wins
     return best

@@ -22,6 +22,7 @@ from draftsmith.models.config import TargetConfig
 from draftsmith.models.dtypes import DTYPES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+NAMES_VERIFIER = ("speculators",)  # export formats whose config names the target model to load
 
 
 def validate_against_target(head: NormalizedHead, target_dir: Path, source_dir: Path) -> None:
@@ -39,6 +40,26 @@ def validate_against_target(head: NormalizedHead, target_dir: Path, source_dir: 
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise DraftsmithError(f"the checkpoint's tokenizer ({len(draft_tokenizer)} tokens) differs from the "
                                   f"target's ({len(tokenizer)} tokens): the head was trained for another tokenizer")
+
+
+def _locate_target(head: NormalizedHead, target_dir: Path | None, source_dir: Path, output: str) -> None:
+    """Names the target by a path that works from any directory: --target's, else the recorded one made absolute
+    where it is a directory here (relative to the working directory or to the source checkpoint). A recorded
+    path such as `assets/demo-code-7m` copied into an export as it is would load only from one directory, and
+    vLLM would look anywhere else for it on the hub. What is not found stays as it is (it may be a hub id),
+    with a warning where the export names its verifier."""
+    recorded = head.config.get("target_model") or ""
+    if target_dir is not None:
+        head.config["target_model"] = str(target_dir.resolve())
+        return
+    for base in (Path.cwd(), source_dir):
+        if recorded and (base / recorded).is_dir():
+            head.config["target_model"] = str((base / recorded).resolve())
+            return
+    if output in NAMES_VERIFIER:
+        found = f"the recorded target {recorded!r} is not a directory here" if recorded else "no target is recorded"
+        print(f"warning: {found}; the export names it as it is (vLLM resolves a name it cannot find on the hub); "
+              "pass --target TARGET_DIR to name a local one")
 
 
 def _cast(head: NormalizedHead, dtype: str | None) -> None:
@@ -82,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     _cast(head, args.dtype)
     if target_dir is not None:
         validate_against_target(head, target_dir, checkpoint.directory)
+    _locate_target(head, target_dir, checkpoint.directory, args.to)
     exported = exporter(args.to, head.head_type)(head)
     if args.inspect:
         print(_summary(source, head, exported, args.to))

@@ -50,7 +50,11 @@ def aux_layer_ids(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...
         return tuple(int(i) + 1 for i in nested), "eagle_config ids, SpecForge/SGLang convention (output of layer k = hs[k+1])"
     if n_aux != 3:
         raise DraftsmithError(f"fc reads {n_aux} target layers but the config names none (the default is 3)")
-    return Eagle3Method.default_aux_layers(layers), f"reference default for a {layers}-layer target"
+    ids = Eagle3Method.reference_aux_layers(layers)
+    if len(set(ids)) < len(ids):  # what the reference code trained on there; served as is, but say so
+        return ids, (f"reference default for a {layers}-layer target, which repeats a layer (draftsmith trains "
+                     f"{list(Eagle3Method.default_aux_layers(layers))} there; speculators refuses repeats)")
+    return ids, f"reference default for a {layers}-layer target"
 
 
 def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int) -> None:

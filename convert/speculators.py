@@ -143,6 +143,10 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
     c = head.config
     if c["fc_bias"] or c["own_embedding"]:
         raise DraftsmithError("the speculators EAGLE-3 layout has no fc bias and no separate draft embedding")
+    ids = list(c["aux_layer_ids"])
+    if len(set(ids)) < len(ids):
+        raise DraftsmithError(f"the head fuses target layers {ids}, repeating one, which speculators refuses; "
+                              "a head trained with distinct layers (the default now) exports")
     layer = llama_layer_config(c, ["LlamaForCausalLM"], eagle.head_dtype(head.tensors))
     if c["attention_bias"]:
         layer["attention_bias"] = True

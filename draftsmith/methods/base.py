@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from draftsmith.errors import DraftsmithError
 
@@ -123,6 +123,16 @@ class RecipeModelSection(BaseModel):
     aux_layer_ids: list[int] | None = None
     intermediate_size: int | None = Field(default=None, gt=0, description="default: the target's")
     init_from: str | None = Field(default=None, description="start from this saved head instead of random")
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _distinct_layers(cls, ids: list[int] | None) -> list[int] | None:
+        repeated = sorted({i for i in ids or () if ids.count(i) > 1})
+        if repeated:
+            raise ValueError(f"{ids} repeats layer {', '.join(map(str, repeated))}: each fused target layer must be "
+                             "distinct (e.g. [1, 3, 5] for a 6-layer target), or leave aux_layer_ids out for the "
+                             "method's default")
+        return ids
 
 
 class RecipeTrainingSection(BaseModel):

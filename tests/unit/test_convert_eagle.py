@@ -52,9 +52,11 @@ def test_yuhuili_eagle_maps_every_tensor(fc_bias, embed, qwen2, weights, tmp_pat
         assert "dropped embed_tokens.weight" in capsys.readouterr().out
 
 
-def test_yuhuili_eagle3_defaults_to_the_reference_layers(tmp_path):
+def test_yuhuili_eagle3_defaults_to_the_reference_layers(tmp_path, capsys):
     src = pub.yuhuili_eagle3(tmp_path / "src")
     assert convert(src, tmp_path / "out", "--target", DEMO_MODEL) == 0
+    # what the reference code trained on, repeats and all, and said so
+    assert "repeats a layer (draftsmith trains [1, 3, 5] there" in capsys.readouterr().out
     config, tensors = native(tmp_path / "out")
     original = source_tensors(src)
     assert tensors.keys() == original.keys() and all(torch.equal(tensors[k], original[k]) for k in original)
@@ -122,6 +124,37 @@ def test_exported_configs_follow_each_loader(tmp_path):
     assert spec["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
     keys = load_file(str(tmp_path / "speculators" / "model.safetensors")).keys()
     assert "layers.0.hidden_norm.weight" in keys and not any(k.startswith("midlayer.") for k in keys)
+
+
+def test_exports_name_the_target_by_a_path_that_works_anywhere(tmp_path, monkeypatch, capsys):
+    """The shipped head records its target as `assets/demo-code-7m`: copied as it is, the speculators export
+    would load only from the repository root (vLLM would go to the hub from anywhere else)."""
+    shipped = DEMO_MODEL.parent / "demo-code-7m-eagle3"
+    assert json.loads((shipped / "config.json").read_text())["target_model"] == "assets/demo-code-7m"
+
+    def verifier(out):
+        return json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+
+    monkeypatch.chdir(DEMO_MODEL.parents[1])  # where the recorded path resolves: made absolute
+    assert convert(shipped, tmp_path / "a", "--to", "speculators") == 0
+    assert verifier(tmp_path / "a") == str(DEMO_MODEL)
+    monkeypatch.chdir(tmp_path)  # where it does not: kept, with a warning naming the fix
+    capsys.readouterr()
+    assert convert(shipped, tmp_path / "b", "--to", "speculators") == 0
+    assert verifier(tmp_path / "b") == "assets/demo-code-7m"
+    warning = capsys.readouterr().out
+    assert "'assets/demo-code-7m' is not a directory here" in warning and "pass --target TARGET_DIR" in warning
+    copy = shutil.copytree(DEMO_MODEL, tmp_path / "my-target")  # --target names it, wherever the head says
+    assert convert(shipped, tmp_path / "c", "--to", "speculators", "--target", "my-target") == 0
+    assert verifier(tmp_path / "c") == str(copy.resolve())
+
+
+def test_a_head_fusing_a_layer_twice_does_not_export_to_speculators(tmp_path, capsys):
+    # yuhuili's reference default on a 6-layer target: [2, 3, 3], which speculators refuses
+    assert convert(pub.yuhuili_eagle3(tmp_path / "src"), tmp_path / "n", "--target", DEMO_MODEL) == 0
+    assert convert(tmp_path / "n", tmp_path / "s", "--to", "speculators") == 2
+    assert "fuses target layers [2, 3, 3], repeating one, which speculators refuses" in capsys.readouterr().err
+    assert convert(tmp_path / "n", tmp_path / "v", "--to", "vllm") == 0  # vLLM's loader takes them
 
 
 # -- validation -------------------------------------------------------------------------------------------------

@@ -60,3 +60,21 @@ def test_method_keys_are_valid_only_for_their_method():
         load_recipe(eagle, ["model.draft_vocab_size=512"])
     with pytest.raises(DraftsmithError, match="'medusa' is not available yet; available: eagle, eagle3"):
         load_recipe(eagle, ["model.head_type=medusa"])
+
+
+def test_repeated_fused_layers_are_refused_and_the_default_never_repeats():
+    """The EAGLE-3 reference formula gives [2, 3, 3] on a 6-layer target (speculators refuses it, and the head
+    would read layer 3 twice): named as an error in a recipe, and draftsmith's own default spreads distinct
+    layers there, keeping the reference choice wherever that is distinct."""
+    from draftsmith.methods.eagle3 import Eagle3Method
+
+    eagle3 = REPO / "recipes" / "eagle3-demo.yaml"
+    with pytest.raises(DraftsmithError, match=r"model.aux_layer_ids: .*\[2, 3, 3\] repeats layer 3: each fused"):
+        load_recipe(eagle3, ["model.aux_layer_ids=[2,3,3]"])
+    assert load_recipe(eagle3, ["model.aux_layer_ids=[1,3,5]"]).model.aux_layer_ids == [1, 3, 5]
+    assert Eagle3Method.reference_aux_layers(6) == (2, 3, 3) and Eagle3Method.default_aux_layers(6) == (1, 3, 5)
+    for layers in range(2, 81):
+        ids = Eagle3Method.default_aux_layers(layers)
+        assert len(ids) == 3 and ids[0] < ids[1] < ids[2] and 0 <= ids[0] and ids[2] <= layers, (layers, ids)
+        if layers >= 7:
+            assert ids == Eagle3Method.reference_aux_layers(layers)

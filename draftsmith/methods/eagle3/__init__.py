@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import RecipeModelSection, RecipeTrainingSection
 from draftsmith.methods.eagle import EagleFamilyMethod, HeadSpeculativeConfig
 from draftsmith.methods.registry import register_method
@@ -44,8 +45,25 @@ class Eagle3Method(EagleFamilyMethod):
         return eagle3_objective
 
     @classmethod
+    def reference_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+        """What the EAGLE-3 reference code fuses (HF hidden_states indexing), so what a checkpoint whose config
+        names no layers was trained on: it repeats or runs backwards on targets of 6 layers or fewer."""
+        return (2, num_layers // 2, num_layers - 3)
+
+    @classmethod
     def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
-        return (2, num_layers // 2, num_layers - 3)  # the EAGLE-3 reference choice, HF hidden_states indexing
+        """The reference choice where its three layers are distinct and in order; on targets of 6 layers or fewer
+        ([2, 3, 3] for 6, which speculators refuses), three distinct layers spread evenly over the decoder's
+        inner outputs instead ([1, 3, 5] for 6)."""
+        reference = cls.reference_aux_layers(num_layers)
+        if reference[0] < reference[1] < reference[2]:
+            return reference
+        if num_layers < 2:
+            raise DraftsmithError(f"an EAGLE-3 head fuses 3 distinct target layers; a {num_layers}-layer target "
+                                  "has too few (hidden_states indices 0..1)")
+        # inner outputs 1..L-1 where there are three, else the embedding and the final output too
+        low, high = (1, num_layers - 1) if num_layers >= 4 else (0, num_layers)
+        return tuple(round(low + (high - low) * i / 2) for i in range(3))
 
     @classmethod
     def head_config_overrides(cls, section: Eagle3Recipe) -> dict:

@@ -24,6 +24,7 @@ from draftsmith.convert.registry import (
     take,
 )
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.config import TargetConfig
 
 LAYER = "layers.0."
 LEGACY_LAYER = "transformer."
@@ -50,7 +51,7 @@ def _read_eagle3(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str) -> 
     raw = take(checkpoint, [LAYER + k for k in eagle3.MID_KEYS] + eagle3.HEAD_KEYS,
                optional=tuple(eagle3.OPTIONAL) + tuple(LAYER + k for k in eagle3.MID_BIAS))
     tensors = {eagle3.MID + k.removeprefix(LAYER) if k.startswith(LAYER) else k: v for k, v in raw.items()}
-    head = eagle3.normalize(tensors, layer_config, where, _with_verifier(ctx, config), checkpoint)
+    head = eagle3.normalize(tensors, layer_config, where, _with_verifier(ctx, config, checkpoint.directory), checkpoint)
     head.notes[:0] = [f"dropped {name}" for name in dropped]
     return head
 
@@ -72,7 +73,7 @@ def _read_legacy_eagle(checkpoint: SourceCheckpoint, ctx: ReadContext, where: st
                               f"{'present' if 'fc.bias' in tensors else 'absent'}")
     # Reuse the yuhuili reader's shape checks on a view with yuhuili names.
     view = _Renamed(checkpoint, tensors, layer_config)
-    head = eagle.YuhuiliEagle.read(view, _with_verifier(ctx, config))
+    head = eagle.YuhuiliEagle.read(view, _with_verifier(ctx, config, checkpoint.directory))
     head.notes[:0] = [f"dropped {name}" for name in dropped]
     return head
 
@@ -100,9 +101,18 @@ class _Renamed:
         return {n: self._tensors[n] for n in names}
 
 
-def _with_verifier(ctx: ReadContext, config: dict) -> ReadContext:
+def _with_verifier(ctx: ReadContext, config: dict, source_dir: Path) -> ReadContext:
+    """The target: --target's, else the verifier the config names where that is a model directory here (as
+    is, or relative to the checkpoint), which gives what the head needs of it (its layer count) without
+    --target. A hub name is never downloaded: the reader then asks for --target."""
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path", "")
-    return ReadContext(ctx.target, ctx.target_name or verifier)
+    if ctx.target is not None or not verifier:
+        return ReadContext(ctx.target, ctx.target_name or verifier)
+    for base in (Path.cwd(), source_dir):
+        if (base / verifier / "config.json").is_file():
+            found = (base / verifier).resolve()
+            return ReadContext(TargetConfig.from_model_dir(found), str(found))
+    return ReadContext(None, verifier)
 
 
 _READERS = {"eagle3": _read_eagle3, "eagle": _read_legacy_eagle}

@@ -149,6 +149,17 @@ def test_exports_name_the_target_by_a_path_that_works_anywhere(tmp_path, monkeyp
     assert verifier(tmp_path / "c") == str(copy.resolve())
 
 
+def test_speculators_heads_import_without_target_when_their_verifier_is_here(tmp_path, capsys):
+    local = pub.speculators_eagle3(tmp_path / "local", verifier=str(DEMO_MODEL))
+    assert convert(local, tmp_path / "a") == 0  # the verifier's config gives the layer count
+    config = native(tmp_path / "a")[0]
+    assert (config["target_model"], config["target_num_layers"], config["aux_layer_ids"]) == (str(DEMO_MODEL), 6, [1, 3, 5])
+    hub = pub.speculators_eagle3(tmp_path / "hub", verifier="org/demo-code-7m")  # never downloaded
+    assert convert(hub, tmp_path / "b") == 2
+    assert "pass --target TARGET_DIR" in capsys.readouterr().err
+    assert convert(hub, tmp_path / "b", "--target", DEMO_MODEL) == 0
+
+
 def test_a_head_fusing_a_layer_twice_does_not_export_to_speculators(tmp_path, capsys):
     # yuhuili's reference default on a 6-layer target: [2, 3, 3], which speculators refuses
     assert convert(pub.yuhuili_eagle3(tmp_path / "src"), tmp_path / "n", "--target", DEMO_MODEL) == 0

@@ -11,6 +11,8 @@ say them three ways, told apart by where they sit in the config:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from draftsmith.convert.checkpoint import SourceCheckpoint
@@ -55,6 +57,23 @@ def aux_layer_ids(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...
         return ids, (f"reference default for a {layers}-layer target, which repeats a layer (draftsmith trains "
                      f"{list(Eagle3Method.default_aux_layers(layers))} there; speculators refuses repeats)")
     return ids, f"reference default for a {layers}-layer target"
+
+
+def _trained_embedding(config: dict, embedding: torch.Tensor, ctx: ReadContext) -> str | None:
+    """Why a checkpoint's embed_tokens is the head's own rather than a frozen copy of the target's, or None.
+    speculators says (`embed_requires_grad`); for other sources the target, when known, tells: trained, it
+    differs. Dropped as a copy, a trained one left the head agreeing with itself only 96/88/71% at draft steps
+    1/2/3."""
+    if config.get("embed_requires_grad") is not None:
+        return "embed_requires_grad: true" if config["embed_requires_grad"] else None
+    if not ctx.target_name or not (Path(ctx.target_name) / "config.json").is_file():
+        return None
+    target = SourceCheckpoint(ctx.target_name)
+    name = "model.embed_tokens.weight"
+    if not target.has(name) or target.shape(name) != tuple(embedding.shape):
+        return None
+    theirs = target.read([name])[name]
+    return None if torch.equal(theirs.to(embedding.dtype), embedding) else "it differs from the target's"
 
 
 def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int) -> None:
@@ -105,12 +124,18 @@ def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: R
     check_vocab_maps(tensors["d2t"], tensors["t2d"], vocab)
     own_embedding = False
     if "embed_tokens.weight" in tensors:
+        trained = _trained_embedding(config, tensors["embed_tokens.weight"], ctx)
         if h != target_hidden:
             own_embedding = True
             notes.append(f"kept the head's own embed_tokens (hidden {h} differs from the target's {target_hidden})")
+        elif trained:
+            own_embedding = True
+            notes.append(f"kept the head's own trained embed_tokens ({trained})")
         else:
             del tensors["embed_tokens.weight"]
-            notes.append("dropped embed_tokens.weight (shared with the target at load time)")
+            notes.append("dropped embed_tokens.weight (a copy of the target's"
+                         + (")" if ctx.target_name else "; pass --target to check that it is")
+                         + ", shared with it at load time)")
     layers, target_name = target_layers_from(checkpoint, ctx, "EAGLE-3 checkpoints do not record the target's "
                                              "layer count, which native heads keep to check fused layer ids")
     aux, source = aux_layer_ids(config, layers, n_aux)

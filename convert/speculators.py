@@ -30,7 +30,7 @@ LAYER = "layers.0."
 LEGACY_LAYER = "transformer."
 IGNORABLE = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight", "rotary_emb.inv_freq")
 LAYER_FLAGS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
-               "norm_before_fc", "fc_norm", "norm_output")
+               "norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad")
 
 
 def _layer_config(config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -151,8 +151,11 @@ def _speculators_config(head: NormalizedHead, algorithm: str, tokens: int) -> di
 @register_exporter("speculators", "eagle3")
 def to_speculators_eagle3(head: NormalizedHead) -> Exported:
     c = head.config
-    if c["fc_bias"] or c["own_embedding"]:
-        raise DraftsmithError("the speculators EAGLE-3 layout has no fc bias and no separate draft embedding")
+    if c["fc_bias"]:
+        raise DraftsmithError("the speculators EAGLE-3 layout has no fc bias")
+    if c["own_embedding"] and c["hidden_size"] != c["target_hidden_size"]:
+        raise DraftsmithError("the speculators EAGLE-3 layout has no draft narrower than the target (own embedding "
+                              f"of hidden {c['hidden_size']}, target {c['target_hidden_size']})")
     ids = list(c["aux_layer_ids"])
     if len(set(ids)) < len(ids):
         raise DraftsmithError(f"the head fuses target layers {ids}, repeating one, which speculators refuses; "
@@ -166,7 +169,8 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
               "draft_vocab_size": c["draft_vocab_size"], "norm_before_residual": False,
               "target_hidden_size": c["target_hidden_size"] if c["target_hidden_size"] != c["hidden_size"] else None,
               "eagle_aux_hidden_state_layer_ids": list(c["aux_layer_ids"]), "norm_before_fc": False,
-              "fc_norm": False, "norm_output": False, "embed_requires_grad": False, **provenance(head)}
+              "fc_norm": False, "norm_output": False, "embed_requires_grad": bool(c["own_embedding"]),
+              **provenance(head)}
     tensors = {LAYER + k.removeprefix(eagle3.MID) if k.startswith(eagle3.MID) else k: v for k, v in head.tensors.items()}
     if c["draft_vocab_size"] == c["vocab_size"]:  # speculators writes the maps only for a reduced vocab
         tensors.pop("d2t"), tensors.pop("t2d")

@@ -142,8 +142,10 @@ def specforge_eagle3(directory: Path, layer_ids=(0, 2, 4), draft_vocab: int = 20
     return _write(directory, config, eagle3_tensors(draft_vocab=draft_vocab, dtype=torch.bfloat16), "model.safetensors")
 
 
-def speculators_eagle3(directory: Path, layer_ids=(1, 3, 5), verifier: str = "org/demo-code-7m") -> Path:
-    """speculators EAGLE-3: layers.0.* names, embed_tokens saved, transformer_layer_config (section 4)."""
+def speculators_eagle3(directory: Path, layer_ids=(1, 3, 5), verifier: str = "org/demo-code-7m",
+                       embed_requires_grad: bool = False) -> Path:
+    """speculators EAGLE-3: layers.0.* names, embed_tokens saved, transformer_layer_config (section 4); with
+    `embed_requires_grad` (speculators' training flag) that embedding is the head's own, trained."""
     torch.manual_seed(15)
     t = eagle3_tensors(prefix="layers.0.", dtype=torch.bfloat16)
     t["embed_tokens.weight"] = _w(V, H, dtype=torch.bfloat16)
@@ -155,7 +157,7 @@ def speculators_eagle3(directory: Path, layer_ids=(1, 3, 5), verifier: str = "or
               "transformer_layer_config": dict(LLAMA_LAYER_CONFIG, torch_dtype="bfloat16"),
               "draft_vocab_size": 2048, "norm_before_residual": False, "target_hidden_size": None,
               "eagle_aux_hidden_state_layer_ids": list(layer_ids), "norm_before_fc": False, "fc_norm": False,
-              "norm_output": False, "embed_requires_grad": False}
+              "norm_output": False, "embed_requires_grad": embed_requires_grad}
     return _write(directory, config, t, "model.safetensors")
 
 

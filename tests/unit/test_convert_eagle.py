@@ -160,6 +160,30 @@ def test_speculators_heads_import_without_target_when_their_verifier_is_here(tmp
     assert convert(hub, tmp_path / "b", "--target", DEMO_MODEL) == 0
 
 
+def test_a_trained_embedding_is_kept_a_copied_one_dropped(tmp_path, capsys):
+    """speculators' `embed_requires_grad: true` heads carry their own trained embedding: dropped as a copy of the
+    target's, the imported head drafted differently from the original. Sources without the flag are checked
+    against the target's embedding when --target is given."""
+    src = pub.speculators_eagle3(tmp_path / "trained", embed_requires_grad=True)
+    assert convert(src, tmp_path / "n", "--target", DEMO_MODEL) == 0
+    config, tensors = native(tmp_path / "n")
+    assert config["own_embedding"] is True
+    assert torch.equal(tensors["embed_tokens.weight"], source_tensors(src)["embed_tokens.weight"])
+    assert "kept the head's own trained embed_tokens (embed_requires_grad: true)" in capsys.readouterr().out
+    assert convert(tmp_path / "n", tmp_path / "s", "--to", "speculators") == 0  # and exports as speculators has it
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["embed_requires_grad"] is True
+    assert convert(tmp_path / "s", tmp_path / "back") == 0
+    assert native(tmp_path / "back")[1]["embed_tokens.weight"].equal(tensors["embed_tokens.weight"])
+    # a yuhuili-layout head with an embedding: the target's copy is dropped, anything else kept
+    target_embedding = load_file(str(DEMO_MODEL / "model.safetensors"))["model.embed_tokens.weight"]
+    for embedding, kept in ((target_embedding, False), (target_embedding + 0.01, True)):
+        head = pub.yuhuili_eagle3(tmp_path / f"y{kept}")
+        weights = torch.load(head / "pytorch_model.bin", weights_only=True)
+        torch.save({**weights, "embed_tokens.weight": embedding.half()}, head / "pytorch_model.bin")
+        assert convert(head, tmp_path / f"yn{kept}", "--target", DEMO_MODEL) == 0
+        assert native(tmp_path / f"yn{kept}")[0]["own_embedding"] is kept
+
+
 def test_a_head_fusing_a_layer_twice_does_not_export_to_speculators(tmp_path, capsys):
     # yuhuili's reference default on a 6-layer target: [2, 3, 3], which speculators refuses
     assert convert(pub.yuhuili_eagle3(tmp_path / "src"), tmp_path / "n", "--target", DEMO_MODEL) == 0

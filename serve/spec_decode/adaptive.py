@@ -293,8 +293,13 @@ class CostModel:
         return self.table.estimate(rows, query_len) * scale
 
     def draft(self, rows: int, width: int) -> float:
-        """Drafting seconds for `rows` steady rows drafting `width` tokens (a catch-up: `catch_up`)."""
-        if width == 0 or self.drafts_before_plan:
+        """Drafting seconds for `rows` steady rows drafting `width` tokens (a catch-up: `catch_up`), as a plan
+        prices them: nothing where drafting came before the plan."""
+        return 0.0 if self.drafts_before_plan else self.drafting(rows, width)
+
+    def drafting(self, rows: int, width: int) -> float:
+        """What drafting `width` tokens for `rows` steady rows costs, sunk or not."""
+        if width == 0:
             return 0.0
         forwards = width if self.sequential_drafts else 1
         return self._draft_ratio(forwards) * self.forward(rows, 1)
@@ -547,7 +552,7 @@ class SpeculationPlanner:
         widths = np.arange(1, self.k + 1)
         tokens = rows + share * gain[:, 1:].sum(0)
         seconds = np.asarray(self.cost.step_seconds_by_width(rows, [1.0, *(1 + share * widths).tolist()])[1:])
-        drafting = self.cost._draft_ratio(1) * self.cost.forward(rows, 1)
+        drafting = np.array([self.cost.drafting(rows, int(w)) for w in widths])
         return float((tokens / (seconds + drafting)).max()) / plain.tokens_per_s
 
     def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan,

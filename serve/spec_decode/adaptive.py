@@ -496,7 +496,8 @@ class SpeculationPlanner:
         self._settle_idle()
         rows = len(slots)
         if self.cost.drafts_before_plan:
-            self._draft_share = DRAFT_SHARE_DECAY * self._draft_share + (1 - DRAFT_SHARE_DECAY) * float((limits > 0).mean())
+            share = float((limits > 0).mean())
+            self._draft_share = DRAFT_SHARE_DECAY * self._draft_share + (1 - DRAFT_SHARE_DECAY) * share
         gain = np.zeros((rows, self.k + 1))  # expected tokens from drafting w, per row: 0, a1, a1 + a1 a2, ...
         np.cumsum(self.acceptance.rates(slots).cumprod(1), 1, out=gain[:, 1:])
         drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]

@@ -79,13 +79,6 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def exponential_noise(shape_per_row: tuple[int, ...], batch: SamplingBatch, device) -> torch.Tensor:
-    """Exp(1) noise [B, *shape_per_row], row b drawn from request b's own generator."""
-    return torch.stack([
-        torch.empty(shape_per_row, device=device).exponential_(generator=g) for g in batch.generators
-    ])
-
-
 def position_noise(batch: SamplingBatch, num_positions: int, vocab: int, device) -> torch.Tensor:
     """Exp(1) noise [B, N, V] for the next N positions of each sampled row (greedy rows get 1): from
     generators seeded by (seed, position) when the batch has seeds, else from each row's own stream."""
@@ -96,6 +89,21 @@ def position_noise(batch: SamplingBatch, num_positions: int, vocab: int, device)
             if keyed is not None:
                 keyed.manual_seed(_mix(batch.seeds[row], batch.positions[row] + j))
             noise[row, j].exponential_(generator=keyed or batch.generators[row])
+    return noise
+
+
+def verify_noise(batch: SamplingBatch, num_draft: list[int], vocab: int, device) -> torch.Tensor:
+    """Exp(1) noise [B, V] for the token a verify step draws per sampled row (greedy rows get 1). A row that
+    drafted draws it from its own stream; a row that drafted nothing (at its max_tokens, say, in a batch whose
+    other rows draft) draws as a plain step would, keyed by its position: alone, that step is a plain one, and
+    a seeded request must sample the same tokens batched or alone."""
+    noise = torch.ones(len(batch.generators), vocab, device=device)
+    keyed = torch.Generator(device=device) if batch.seeds is not None else None
+    for row in batch.sampled_rows:
+        generator = batch.generators[row]
+        if not num_draft[row] and keyed is not None:
+            generator = keyed.manual_seed(_mix(batch.seeds[row], batch.positions[row]))
+        noise[row].exponential_(generator=generator)
     return noise
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.methods.base import DraftBatch
-from draftsmith.serve.sampling import SamplingBatch, choose_tokens, exponential_noise, logits_to_probs
+from draftsmith.serve.sampling import SamplingBatch, choose_tokens, logits_to_probs, verify_noise
 from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
 from draftsmith.serve.spec_decode.rejection_triton import rejection_sample_triton, triton
 
@@ -89,7 +89,7 @@ def verify(logits: torch.Tensor, drafts: DraftBatch, num_draft: list[int], sampl
         for row, (g, n) in enumerate(zip(sampling.generators, num_draft)):
             if n:
                 uniforms[row, :n] = torch.rand(n, generator=g, device=device)
-        noise = exponential_noise((vocab,), sampling, device)
+        noise = verify_noise(sampling, num_draft, vocab, device)
         if drafts.probs is not None:
             draft_probs = _width(drafts.probs, k, 0.0).to(device)
     return sampler(probs, target_argmax, draft_tokens, counts, draft_probs, uniforms, noise, is_greedy, synthetic_rate)

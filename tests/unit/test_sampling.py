@@ -64,3 +64,25 @@ def test_greedy_rows_take_argmax_and_seeds_repeat():
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(DraftsmithError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_verify_row_without_drafts_draws_its_token_as_a_plain_step():
+    """In a verify step, a sampled row that drafted nothing (at its max_tokens while others draft) must draw
+    the token a plain step would, and leave its own stream alone: alone, that step is plain, and a seeded
+    request samples the same tokens batched or alone (this broke with the retrained demo head)."""
+    from draftsmith.serve.sampling import verify_noise
+
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=2)]
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+
+    def batch():
+        generators = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
+        return SamplingBatch.build(params, generators, "cpu", seeds=[1, 2], positions=[30, 40])
+
+    plain, verifying = batch(), batch()
+    noise = verify_noise(verifying, [3, 0], 64, "cpu")
+    probs = logits_to_probs(logits[:, None], plain)[:, 0]
+    assert (probs[1] / noise[1]).argmax() == sample(logits, plain)[1]  # row 1: the plain step's draw
+    # row 1's own stream untouched, row 0's advanced by its draw
+    assert torch.equal(verifying.generators[1].get_state(), torch.Generator().manual_seed(8).get_state())
+    assert not torch.equal(verifying.generators[0].get_state(), torch.Generator().manual_seed(7).get_state())

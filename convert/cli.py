@@ -45,8 +45,8 @@ def validate_against_target(head: NormalizedHead, target_dir: Path, source_dir: 
 def _locate_target(head: NormalizedHead, target_dir: Path | None, source_dir: Path, output: str) -> None:
     """Names the target by a path that works from any directory: --target's, else the recorded one made absolute
     where it is a directory here (relative to the working directory or to the source checkpoint). A recorded
-    path such as `assets/demo-code-7m` copied into an export as it is would load only from one directory, and
-    vLLM would look anywhere else for it on the hub. What is not found stays as it is (it may be a hub id),
+    path such as `assets/demo-code-7m` copied into an export as it is would load only from one directory; from
+    any other, vLLM would look for it on the hub. What is not found stays as it is (it may be a hub id),
     with a warning where the export names its verifier."""
     recorded = head.config.get("target_model") or ""
     if target_dir is not None:

@@ -82,7 +82,7 @@ COST_IDLE_DECAY = 0.97
 # speculation really loses, a faded correction costs a few speculative steps every hundred or so, relearned
 # at the running-mean rate.
 CORRECTION_IDLE_DECAY = 0.99
-# Per plan, the weight kept by the running share of rows that found drafts (n-gram: 45-55% of steps on code)
+# Per plan, the weight kept by the running share of rows that found drafts (n-gram on code: 43-53% of row steps)
 DRAFT_SHARE_DECAY = 0.9
 PRIOR_WEIGHT = 0.25  # the first guesses weigh as much as this many (decayed) observations
 

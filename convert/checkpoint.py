@@ -24,6 +24,16 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 
+def local_directory(name: str, beside: Path, holding: str | None = None) -> Path | None:
+    """`name` (a recorded target path, say) as a directory here, resolved: as it is (absolute, or relative to
+    the working directory), else relative to `beside` (the checkpoint naming it); with `holding`, only one
+    that holds that file. None where neither is (a hub id, say: draftsmith never downloads)."""
+    for base in (Path.cwd(), beside):
+        if name and (base / name).is_dir() and (holding is None or (base / name / holding).is_file()):
+            return (base / name).resolve()
+    return None
+
+
 def _unreadable(path: Path, exc: Exception) -> DraftsmithError:
     return DraftsmithError(f"{path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                            "the file may be truncated or corrupted")

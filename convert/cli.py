@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from draftsmith.convert import native as native_format
-from draftsmith.convert.checkpoint import SourceCheckpoint
+from draftsmith.convert.checkpoint import SourceCheckpoint, local_directory
 from draftsmith.convert.registry import (
     Exported,
     NormalizedHead,
@@ -52,10 +52,10 @@ def _locate_target(head: NormalizedHead, target_dir: Path | None, source_dir: Pa
     if target_dir is not None:
         head.config["target_model"] = str(target_dir.resolve())
         return
-    for base in (Path.cwd(), source_dir):
-        if recorded and (base / recorded).is_dir():
-            head.config["target_model"] = str((base / recorded).resolve())
-            return
+    found = local_directory(recorded, source_dir)
+    if found is not None:
+        head.config["target_model"] = str(found)
+        return
     if output in NAMES_VERIFIER:
         found = f"the recorded target {recorded!r} is not a directory here" if recorded else "no target is recorded"
         print(f"warning: {found}; the export names it as it is (vLLM resolves a name it cannot find on the hub); "

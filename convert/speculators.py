@@ -11,7 +11,7 @@ from typing import Any
 
 from draftsmith import __version__
 from draftsmith.convert import eagle, eagle3
-from draftsmith.convert.checkpoint import SourceCheckpoint
+from draftsmith.convert.checkpoint import SourceCheckpoint, local_directory
 from draftsmith.convert.layer_config import llama_layer_config
 from draftsmith.convert.registry import (
     Exported,
@@ -108,11 +108,10 @@ def _with_verifier(ctx: ReadContext, config: dict, source_dir: Path) -> ReadCont
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path", "")
     if ctx.target is not None or not verifier:
         return ReadContext(ctx.target, ctx.target_name or verifier)
-    for base in (Path.cwd(), source_dir):
-        if (base / verifier / "config.json").is_file():
-            found = (base / verifier).resolve()
-            return ReadContext(TargetConfig.from_model_dir(found), str(found))
-    return ReadContext(None, verifier)
+    found = local_directory(verifier, source_dir, holding="config.json")
+    if found is None:
+        return ReadContext(None, verifier)
+    return ReadContext(TargetConfig.from_model_dir(found), str(found))
 
 
 _READERS = {"eagle3": _read_eagle3, "eagle": _read_legacy_eagle}

@@ -83,12 +83,10 @@ def position_noise(batch: SamplingBatch, num_positions: int, vocab: int, device)
     """Exp(1) noise [B, N, V] for the next N positions of each sampled row (greedy rows get 1): from
     generators seeded by (seed, position) when the batch has seeds, else from each row's own stream."""
     noise = torch.ones(len(batch.generators), num_positions, vocab, device=device)
-    keyed = torch.Generator(device=device) if batch.seeds is not None else None
+    keyed = _keyed_generator(batch, device)
     for row in batch.sampled_rows:
         for j in range(num_positions):
-            if keyed is not None:
-                keyed.manual_seed(_mix(batch.seeds[row], batch.positions[row] + j))
-            noise[row, j].exponential_(generator=keyed or batch.generators[row])
+            noise[row, j].exponential_(generator=_position_generator(batch, row, j, keyed))
     return noise
 
 
@@ -98,13 +96,24 @@ def verify_noise(batch: SamplingBatch, num_draft: list[int], vocab: int, device)
     other rows draft) draws as a plain step would, keyed by its position: alone, that step is a plain one, and
     a seeded request must sample the same tokens batched or alone."""
     noise = torch.ones(len(batch.generators), vocab, device=device)
-    keyed = torch.Generator(device=device) if batch.seeds is not None else None
+    keyed = _keyed_generator(batch, device)
     for row in batch.sampled_rows:
-        generator = batch.generators[row]
-        if not num_draft[row] and keyed is not None:
-            generator = keyed.manual_seed(_mix(batch.seeds[row], batch.positions[row]))
+        generator = batch.generators[row] if num_draft[row] else _position_generator(batch, row, 0, keyed)
         noise[row].exponential_(generator=generator)
     return noise
+
+
+def _keyed_generator(batch: SamplingBatch, device) -> torch.Generator | None:
+    """A scratch generator to seed per (request seed, position), when the batch carries seeds."""
+    return torch.Generator(device=device) if batch.seeds is not None else None
+
+
+def _position_generator(batch: SamplingBatch, row: int, offset: int, keyed: torch.Generator | None):
+    """Row's generator for the token `offset` past its next position: `keyed` seeded by (seed, position), or
+    without seeds the row's own stream."""
+    if keyed is None:
+        return batch.generators[row]
+    return keyed.manual_seed(_mix(batch.seeds[row], batch.positions[row] + offset))
 
 
 def _mix(seed: int, position: int) -> int:

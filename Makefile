@@ -4,7 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftsmith-installed
+ORACLE_STAMP := $(VENV)/.speculators-oracle-installed
 TORCH_SPEC ?= torch==2.13.0
+SPECULATORS ?= 0.9.0
 SHARED ?= ../shared
 
 .PHONY: install test demo bench lint clean
@@ -17,7 +19,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,triton]"
 	touch $(STAMP)
 
-test: $(STAMP)
+# Test-only: speculators as an independent oracle (tests/speculators_oracle.py), with --no-deps because its
+# torchaudio/torchvision pins pull a CUDA torch; where it does not install, those tests skip and say why.
+$(ORACLE_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[oracle]"
+	$(PY) -m pip install -q --no-deps "speculators==$(SPECULATORS)" "hs-connectors==$(SPECULATORS)" || \
+		echo "speculators $(SPECULATORS) not installed: the tests that use it as an oracle will skip"
+	touch $(ORACLE_STAMP)
+
+test: $(STAMP) $(ORACLE_STAMP)
 	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
 

@@ -19,6 +19,7 @@ from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.convert.eagle import head_dtype, target_layers_from
 from draftsmith.convert.layer_config import layer_fields, llama_layer_config, native_config
 from draftsmith.convert.registry import (
+    PROVENANCE_KEY,
     Exported,
     NormalizedHead,
     ReadContext,
@@ -30,17 +31,28 @@ from draftsmith.convert.registry import (
 )
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.eagle3 import Eagle3Method
+from draftsmith.models.heads import DraftHeadConfig
 
 MID = "midlayer."
 MID_KEYS = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")] + [
     "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight"]
 MID_BIAS = [f"self_attn.{p}_proj.bias" for p in "qkv"]
+QK_NORMS = ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]  # Qwen3-style draft layers
 HEAD_KEYS = ["fc.weight", "norm.weight", "lm_head.weight"]
-OPTIONAL = ["fc.bias", "d2t", "t2d", "embed_tokens.weight"]
-# Variants draftsmith's EAGLE-3 layer does not compute; serving them as plain EAGLE-3 would be silently wrong.
-UNSUPPORTED_FLAGS = {"fc_norm": "per-layer norms before fc", "norm_before_fc": "a norm before fc",
-                     "norm_output": "feeding the post-norm hidden back (EAGLE 3.1)",
-                     "norm_before_residual": "a normed residual"}
+MAX_AUX = 16  # fc_norm.i names accepted, at most (EAGLE-3 fuses 3 target layers)
+FC_NORMS = [f"fc_norm.{i}.weight" for i in range(MAX_AUX)]
+OPTIONAL = ["fc.bias", "d2t", "t2d", "embed_tokens.weight", "input_norm.weight", *FC_NORMS]
+# older SpecForge names of the per-layer fc norms, which SGLang still maps
+LEGACY_FC_NORMS = {f"aux_norm_{level}.weight": f"fc_norm.{i}.weight" for i, level in enumerate(("low", "mid", "high"))}
+
+
+def known_names(layer_prefix: str) -> set[str]:
+    """Every tensor name an EAGLE-3 checkpoint may hold, its decoder layer under `layer_prefix`."""
+    return {layer_prefix + k for k in MID_KEYS + MID_BIAS + QK_NORMS} | set(HEAD_KEYS) | set(OPTIONAL)
+
+
+def optional_names(layer_prefix: str) -> tuple[str, ...]:
+    return tuple(OPTIONAL) + tuple(layer_prefix + k for k in MID_BIAS + QK_NORMS)
 
 
 def aux_layer_ids(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...], str]:
@@ -87,12 +99,72 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int) -> None:
         raise DraftsmithError("d2t and t2d disagree (t2d must mark exactly the ascending target ids d2t maps to)")
 
 
+def sliding_window(config: dict) -> int | None:
+    """The window of the draft layer (layer 0) an HF layer config describes, as transformers builds it:
+    `layer_types[0]` when given (what speculators' trainer writes: all draft layers slide by default), else
+    Qwen2/3's `use_sliding_window` from layer `max_window_layers` on; None for full attention."""
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    if types:
+        sliding = types[0] == "sliding_attention"
+    else:
+        sliding = bool(config.get("use_sliding_window")) and int(config.get("max_window_layers", 28)) <= 0
+    if sliding and not window:
+        raise DraftsmithError("the draft layer uses sliding-window attention but the config gives no sliding_window")
+    return int(window) if sliding else None
+
+
+def _variants(config: dict, tensors: dict[str, torch.Tensor], n_aux: int, where: str,
+              specforge_norm_output: bool) -> tuple[dict, list[str]]:
+    """(DraftHeadConfig variant fields, notes) from the config's flags (speculators' names; SpecForge writes
+    fc_norm and norm_output too, NVIDIA's checkpoints nest norm_before_fc in eagle_config) and the tensors that
+    go with them. `specforge_norm_output`: read norm_output as SpecForge trains it (see below)."""
+    nested = config.get("eagle_config") or {}
+    flag = lambda name: bool(config.get(name, nested.get(name, False)))  # noqa: E731
+    fields = {name: flag(name) for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+    notes = []
+    if specforge_norm_output:
+        # SpecForge's norm_output (default true) only says whether the final norm precedes the LM head; its
+        # training always feeds the pre-norm state back. speculators, vLLM and SGLang read `true` as feeding
+        # the normed state back: served their way, a SpecForge head would not draft as it was trained.
+        if config.get("norm_output", True) is False:
+            raise DraftsmithError(f"{where}: norm_output=false (SpecForge: no final norm before the LM head) is an "
+                                  "EAGLE-3 variant draftsmith does not serve")
+        if "norm_output" in config:
+            notes.append("norm_output=true read as SpecForge trains it: the final norm before the LM head, the "
+                         "pre-norm state fed back (vLLM and SGLang would feed the normed state back)")
+        fields["norm_output"] = False
+    if fields["norm_before_fc"] and fields["fc_norm"]:
+        raise DraftsmithError(f"{where}: norm_before_fc and fc_norm are both set, and they exclude each other")
+    if fields["norm_before_fc"] and "input_norm.weight" not in tensors:
+        # speculators loads such a checkpoint too, its norm left at ones
+        tensors["input_norm.weight"] = torch.ones(tensors["fc.weight"].shape[1], dtype=tensors["fc.weight"].dtype)
+        notes.append("norm_before_fc without input_norm.weight: the norm's weight is ones, as speculators loads it")
+    if "input_norm.weight" in tensors and not fields["norm_before_fc"]:
+        raise DraftsmithError(f"{where}: the checkpoint holds input_norm.weight but norm_before_fc is not set")
+    fc_norms = sorted(name for name in tensors if name.startswith("fc_norm."))
+    expected = FC_NORMS[:n_aux]
+    if fc_norms and not fields["fc_norm"]:
+        fields["fc_norm"] = True
+        notes.append(f"fc_norm: the checkpoint holds {', '.join(fc_norms)} (a norm per fused layer before fc)")
+    if fields["fc_norm"] and fc_norms != sorted(expected):
+        raise DraftsmithError(f"{where}: fc_norm expects {', '.join(expected)} (one per fused layer), the checkpoint "
+                              f"holds {', '.join(fc_norms) or 'none'}")
+    qk = [MID + name for name in QK_NORMS]
+    fields["qk_norm"] = all(name in tensors for name in qk)
+    if not fields["qk_norm"] and (any(name in tensors for name in qk) or config.get("model_type") == "qwen3"):
+        raise DraftsmithError(f"{where}: a Qwen3-style draft layer needs both {' and '.join(qk)}")
+    fields["sliding_window"] = sliding_window(config)
+    on = [name for name, value in fields.items() if value not in (False, None)]
+    if on:
+        notes.append("EAGLE-3 variant: " + ", ".join(f"{name}={fields[name]}" if name == "sliding_window" else name
+                                                     for name in on))
+    return fields, notes
+
+
 def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: ReadContext,
-              checkpoint: SourceCheckpoint) -> NormalizedHead:
+              checkpoint: SourceCheckpoint, specforge_norm_output: bool = False) -> NormalizedHead:
     """Shared tail of every EAGLE-3 reader, once tensors carry yuhuili names and `config` is Llama-style."""
-    for flag, what in UNSUPPORTED_FLAGS.items():
-        if config.get(flag):
-            raise DraftsmithError(f"{where}: {flag}=true ({what}) is an EAGLE-3 variant draftsmith does not serve")
     if int(config.get("num_hidden_layers", 1)) != 1:
         raise DraftsmithError(f"{where}: multi-layer EAGLE-3 heads (num_hidden_layers="
                               f"{config['num_hidden_layers']}) are not supported")
@@ -104,6 +176,7 @@ def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: R
         raise DraftsmithError(f"fc.weight has shape {(fc_out, fc_in)}; expected ({h}, n x {target_hidden}) for "
                               f"hidden size {h} and target hidden size {target_hidden}")
     n_aux = fc_in // target_hidden
+    variants, variant_notes = _variants(config, tensors, n_aux, where, specforge_norm_output)
     draft_vocab = tensors["lm_head.weight"].shape[0]
     if config.get("draft_vocab_size") and int(config["draft_vocab_size"]) != draft_vocab:
         raise DraftsmithError(f"config draft_vocab_size {config['draft_vocab_size']} but lm_head.weight has {draft_vocab} rows")
@@ -146,8 +219,8 @@ def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: R
     native = native_config("eagle3", layer, vocab_size=vocab, draft_vocab_size=draft_vocab,
                            target_hidden_size=target_hidden, target_num_layers=layers, aux_layer_ids=aux,
                            target_model=target_name, fc_bias="fc.bias" in tensors, attention_bias=attention_bias,
-                           own_embedding=own_embedding)
-    return NormalizedHead(native, tensors, notes)
+                           own_embedding=own_embedding, **variants)
+    return NormalizedHead(native, tensors, notes + variant_notes)
 
 
 @register_source("eagle3", "EAGLE-3 head with yuhuili key names (midlayer.*, d2t/t2d): yuhuili, SpecForge, "
@@ -165,11 +238,15 @@ class YuhuiliEagle3:
         config = checkpoint.config
         if not config:
             raise DraftsmithError(f"{checkpoint.directory} has no config.json: EAGLE-3 heads need their layer config")
-        known = {MID + k for k in MID_KEYS + MID_BIAS} | set(HEAD_KEYS) | set(OPTIONAL)
-        dropped = reject_unknown(checkpoint, known, "EAGLE-3", ("rotary_emb.inv_freq",))
+        dropped = reject_unknown(checkpoint, known_names(MID) | set(LEGACY_FC_NORMS), "EAGLE-3",
+                                 ("rotary_emb.inv_freq",))
         tensors = take(checkpoint, [MID + k for k in MID_KEYS] + HEAD_KEYS,
-                       optional=tuple(OPTIONAL) + tuple(MID + k for k in MID_BIAS))
-        head = normalize(tensors, config, f"{checkpoint.directory}/config.json", ctx, checkpoint)
+                       optional=optional_names(MID) + tuple(LEGACY_FC_NORMS))
+        tensors = {LEGACY_FC_NORMS.get(name, name): value for name, value in tensors.items()}
+        # midlayer checkpoints with norm flags come from SpecForge, or from draftsmith's vllm/sglang exports,
+        # which mean norm_output as those engines do
+        head = normalize(tensors, config, f"{checkpoint.directory}/config.json", ctx, checkpoint,
+                         specforge_norm_output=PROVENANCE_KEY not in config)
         head.notes[:0] = [f"dropped {name}" for name in dropped]
         return head
 
@@ -185,14 +262,35 @@ def _layer_config(head: NormalizedHead, architectures: list[str]) -> dict:
     return config
 
 
+# The variants each engine's llama_eagle3 computes, under speculators' flag names and tensor names: vLLM's
+# (vllm-project/vllm 055e47c2) the four norm flags; SGLang's main (not every release) fc_norm and norm_output.
+# Neither serves a Qwen3-style layer or a window from a midlayer checkpoint; speculators exports keep both.
+ENGINE_VARIANTS = {"vLLM": ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"),
+                   "SGLang": ("fc_norm", "norm_output")}
+
+
+def _engine_variants(head: NormalizedHead, engine: str) -> tuple[dict, list[str]]:
+    """(config flags, notes) for the head's variants in `engine`'s layout; a DraftsmithError for one it lacks."""
+    on = [name for name in DraftHeadConfig.VARIANTS if head.config.get(name) not in (None, False)]
+    missing = [name for name in on if name not in ENGINE_VARIANTS[engine]]
+    if missing:
+        raise DraftsmithError(f"{engine}'s llama_eagle3 does not compute {', '.join(missing)}: served there, this "
+                              "head would draft as another one; --to speculators keeps every variant")
+    notes = [f"{', '.join(on)}: older {engine} releases ignore these flags (and serve a different head); check that "
+             "yours reads them"] if on else []
+    return {name: True for name in on}, notes
+
+
 @register_exporter("vllm", "eagle3")
 def to_vllm(head: NormalizedHead) -> Exported:
     config = _layer_config(head, ["LlamaForCausalLMEagle3"])
+    flags, notes = _engine_variants(head, "vLLM")
     # vLLM reads the top-level ids as hs indices; norm_before_residual is spelled out because vLLM's
     # speculators path defaults a missing flag to true.
     config.update(eagle_aux_hidden_state_layer_ids=list(head.config["aux_layer_ids"]), norm_before_residual=False)
+    config.update(flags)
     config.update(provenance(head))
-    return Exported(config, dict(head.tensors))
+    return Exported(config, dict(head.tensors), notes=notes)
 
 
 @register_exporter("sglang", "eagle3")
@@ -201,10 +299,11 @@ def to_sglang(head: NormalizedHead) -> Exported:
     if min(aux) < 1:
         raise DraftsmithError(f"fused layer hs[0] (the embeddings) cannot be written in SGLang's output-of-layer ids {aux}")
     config = _layer_config(head, ["LlamaForCausalLMEagle3"])
+    flags, notes = _engine_variants(head, "SGLang")
     ids = [i - 1 for i in aux]
     config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+    config.update(flags)
     config.update(provenance(head))
-    notes = []
     if ids[0] != 1:
         notes.append(f"SGLang layer ids {ids} do not start at 1: SGLang releases after PR #25454 add +1 only when the "
                      "first id is 1, so check which convention your SGLang version applies")

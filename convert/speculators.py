@@ -46,10 +46,9 @@ def _read_eagle3(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str) -> 
     for key in LAYER_FLAGS:
         if config.get(key) is not None:
             layer_config[key] = config[key]
-    known = {LAYER + k for k in eagle3.MID_KEYS + eagle3.MID_BIAS} | set(eagle3.HEAD_KEYS) | set(eagle3.OPTIONAL)
-    dropped = reject_unknown(checkpoint, known, "speculators EAGLE-3", IGNORABLE)
+    dropped = reject_unknown(checkpoint, eagle3.known_names(LAYER), "speculators EAGLE-3", IGNORABLE)
     raw = take(checkpoint, [LAYER + k for k in eagle3.MID_KEYS] + eagle3.HEAD_KEYS,
-               optional=tuple(eagle3.OPTIONAL) + tuple(LAYER + k for k in eagle3.MID_BIAS))
+               optional=eagle3.optional_names(LAYER))
     tensors = {eagle3.MID + k.removeprefix(LAYER) if k.startswith(LAYER) else k: v for k, v in raw.items()}
     head = eagle3.normalize(tensors, layer_config, where, _with_verifier(ctx, config, checkpoint.directory), checkpoint)
     head.notes[:0] = [f"dropped {name}" for name in dropped]
@@ -159,21 +158,47 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
     if len(set(ids)) < len(ids):
         raise DraftsmithError(f"the head fuses target layers {ids}, repeating one, which speculators refuses; "
                               "a head trained with distinct layers (the default now) exports")
-    layer = llama_layer_config(c, ["LlamaForCausalLM"], eagle.head_dtype(head.tensors))
+    # speculators builds Llama and Qwen3 draft layers; a Qwen3 one is a Llama one with q/k norms
+    layer = llama_layer_config(c, ["Qwen3ForCausalLM" if c["qk_norm"] else "LlamaForCausalLM"],
+                               eagle.head_dtype(head.tensors), "qwen3" if c["qk_norm"] else "llama")
     if c["attention_bias"]:
         layer["attention_bias"] = True
+    window = c["sliding_window"]
+    if window is not None or c["qk_norm"]:  # Qwen3Config slides from a default layer on unless told
+        layer.update(layer_types=["sliding_attention" if window else "full_attention"],
+                     use_sliding_window=window is not None, sliding_window=window)
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
               "speculators_version": f"draftsmith-{__version__}",
               "speculators_config": _speculators_config(head, "eagle3", 3), "transformer_layer_config": layer,
-              "draft_vocab_size": c["draft_vocab_size"], "norm_before_residual": False,
+              "draft_vocab_size": c["draft_vocab_size"],
               "target_hidden_size": c["target_hidden_size"] if c["target_hidden_size"] != c["hidden_size"] else None,
-              "eagle_aux_hidden_state_layer_ids": list(c["aux_layer_ids"]), "norm_before_fc": False,
-              "fc_norm": False, "norm_output": False, "embed_requires_grad": bool(c["own_embedding"]),
-              **provenance(head)}
+              "eagle_aux_hidden_state_layer_ids": list(c["aux_layer_ids"]),
+              **{flag: bool(c[flag]) for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")},
+              "embed_requires_grad": bool(c["own_embedding"]), **provenance(head)}
     tensors = {LAYER + k.removeprefix(eagle3.MID) if k.startswith(eagle3.MID) else k: v for k, v in head.tensors.items()}
     if c["draft_vocab_size"] == c["vocab_size"]:  # speculators writes the maps only for a reduced vocab
         tensors.pop("d2t"), tensors.pop("t2d")
-    return Exported(config, tensors)
+    notes = []
+    if "embed_tokens.weight" not in tensors:
+        # speculators' own checkpoints carry the verifier's embedding; from one without it, speculators 0.9
+        # (transformers 5.23) builds a zero embedding rather than the verifier's
+        embedding = _target_embedding(c)
+        if embedding is None:
+            notes.append("embed_tokens.weight not written (the target is not a model directory here; pass "
+                         "--target): speculators 0.9 loads such a checkpoint with a zero embedding")
+        else:
+            tensors["embed_tokens.weight"] = embedding.to(tensors["fc.weight"].dtype)
+    return Exported(config, tensors, notes=notes)
+
+
+def _target_embedding(config: dict[str, Any]):
+    """The target's input embedding [V, H], read from its directory, or None where it is not one here."""
+    name = config.get("target_model", "")
+    if not name or not (Path(name) / "config.json").is_file():
+        return None
+    target = SourceCheckpoint(name)
+    weight = "model.embed_tokens.weight"
+    return target.read([weight])[weight] if target.has(weight) else None
 
 
 @register_exporter("speculators", "eagle")

@@ -22,13 +22,19 @@ from draftsmith.models.rope import apply_rope
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, in_dim: int, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False):
+    """`qk_norm`: Qwen3's per-head RMSNorm of queries and keys before RoPE. `window`: in training, each query
+    attends to the newest `window` positions (its own included); serving gets the same from its ForwardBatch."""
+
+    def __init__(self, in_dim: int, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
+                 qk_norm: bool = False, eps: float = 1e-6, window: int | None = None):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
         self.q_proj = Linear(in_dim, heads * head_dim, bias=bias)
         self.k_proj = Linear(in_dim, kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(in_dim, kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(heads * head_dim, hidden, bias=False)
+        if qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
 
     def fused_linears(self) -> tuple[tuple[Linear, ...], ...]:
         return ((self.q_proj, self.k_proj, self.v_proj),)
@@ -38,8 +44,11 @@ class DraftAttention(nn.Module):
                 ttt_history: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         rows, width, _ = x.shape
         q, k, v = fused(self.fused_linears()[0], x)
-        q = q.view(rows, width, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(rows, width, self.heads, self.head_dim)
+        k = k.view(rows, width, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -47,23 +56,35 @@ class DraftAttention(nn.Module):
             batch.write(cache[1], v)
             out = cached_attention(q, batch.read(cache[0]), batch.read(cache[1]), batch.mask, batch.memo)
         elif not ttt_history:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if self.window is None or self.window >= width:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(width, self.window, q.device),
+                                                     enable_gqa=True)
             if ttt_history is not None:
                 ttt_history.append((k, v))
         else:
             ttt_history.append((k, v))
-            out = _ttt_attention(q, ttt_history)
+            out = _ttt_attention(q, ttt_history, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
 
 
-def _ttt_attention(q: torch.Tensor, history: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """q [B, H, T, D]; history[0] = step-0 (k, v) [B, KV, T, D], history[1:] = later steps, this one last."""
+def _causal(width: int, window: int | None, device) -> torch.Tensor:
+    """[width, width] bool: query i may see key j <= i, and with a window only j > i - window."""
+    distance = torch.arange(width, device=device)[:, None] - torch.arange(width, device=device)[None, :]
+    return (distance >= 0) & (distance < window) if window is not None else distance >= 0
+
+
+def _ttt_attention(q: torch.Tensor, history: list[tuple[torch.Tensor, torch.Tensor]],
+                   window: int | None = None) -> torch.Tensor:
+    """q [B, H, T, D]; history[0] = step-0 (k, v) [B, KV, T, D], history[1:] = later steps, this one last.
+    The later steps' keys sit at the query's own position, inside any window."""
     groups = q.shape[1] // history[0][0].shape[1]
     expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
     scale = 1.0 / math.sqrt(q.shape[-1])
     k0, v0 = expand(history[0][0]), expand(history[0][1])
     width = q.shape[2]
-    causal = torch.ones(width, width, dtype=torch.bool, device=q.device).tril()
+    causal = _causal(width, window, q.device)
     scores = (q @ k0.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~causal, float("-inf"))
     diagonal = torch.stack([(q * expand(k)).sum(-1) * scale for k, _ in history[1:]], dim=-1)  # [B,H,T,S]
@@ -78,12 +99,14 @@ class DraftDecoderLayer(nn.Module):
     """Llama block whose attention input may be wider than the residual (EAGLE-3 feeds [emb; hidden])."""
 
     def __init__(self, in_dim: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
-                 eps: float, input_norms: bool = False, attention_bias: bool = False):
+                 eps: float, input_norms: bool = False, attention_bias: bool = False, qk_norm: bool = False,
+                 window: int | None = None):
         super().__init__()
         if input_norms:  # EAGLE-3 normalizes the embedding and the hidden input separately
             self.input_layernorm = RMSNorm(hidden, eps)
             self.hidden_norm = RMSNorm(hidden, eps)
-        self.self_attn = DraftAttention(in_dim, hidden, heads, kv_heads, head_dim, bias=attention_bias)
+        self.self_attn = DraftAttention(in_dim, hidden, heads, kv_heads, head_dim, bias=attention_bias,
+                                        qk_norm=qk_norm, eps=eps, window=window)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = _mlp(hidden, intermediate)
 

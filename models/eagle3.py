@@ -3,6 +3,11 @@ its own final norm and LM head over a reduced draft vocabulary mapped back with 
 
 `d2t[i]` is an offset: draft id i is target id `i + d2t[i]`; `t2d[v]` marks target ids in the draft vocab
 (the yuhuili/SpecForge convention, so these buffers convert as they are).
+
+The variants current trainers write (`DraftHeadConfig.VARIANTS`, as speculators 0.9 computes them): a norm
+over the fused features before fc (`input_norm`, one over all; `fc_norm.i`, one per layer), the normed hidden
+input as the layer's residual, the final norm's output fed back (EAGLE 3.1), a Qwen3-style layer (q/k norms)
+and a sliding attention window.
 """
 
 from __future__ import annotations
@@ -18,14 +23,20 @@ from draftsmith.models.llama import RMSNorm
 
 class Eagle3Head(DraftHead):
     head_type = "eagle3"
+    variants = DraftHeadConfig.VARIANTS
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
-        h = config.hidden_size
-        self.fc = Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=config.fc_bias)
+        h, n_aux, eps = config.hidden_size, len(config.aux_layer_ids), config.rms_norm_eps
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(n_aux * config.target_hidden_size, eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, eps) for _ in range(n_aux))
+        self.fc = Linear(n_aux * config.target_hidden_size, h, bias=config.fc_bias)
         self.midlayer = DraftDecoderLayer(2 * h, h, config.intermediate_size, config.num_attention_heads,
-                                          config.num_key_value_heads, config.head_dim, config.rms_norm_eps,
-                                          input_norms=True, attention_bias=config.attention_bias)
+                                          config.num_key_value_heads, config.head_dim, eps, input_norms=True,
+                                          attention_bias=config.attention_bias, qk_norm=config.qk_norm,
+                                          window=config.sliding_window)
         if config.own_embedding:
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -53,11 +64,24 @@ class Eagle3Head(DraftHead):
     def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None,
              logits_at=None):
         if from_target:
-            hidden = self.fc(hidden)
+            hidden = self.fc(self._fc_input(hidden))
         emb = self.embed(token_ids).to(hidden.dtype)
-        layer = self.midlayer
-        attn_input = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+        layer, c = self.midlayer, self.config
+        normed = layer.hidden_norm(hidden)
+        attn_input = torch.cat([layer.input_layernorm(emb), normed], dim=-1)
         cos, sin = self.rope(positions, hidden.dtype)
         layer_cache = (cache.k[0], cache.v[0]) if cache is not None else None
-        out = layer(attn_input, hidden, cos, sin, layer_cache, batch, ttt_history)
+        out = layer(attn_input, normed if c.norm_before_residual else hidden, cos, sin, layer_cache, batch,
+                    ttt_history)
+        if c.norm_output:  # the normed output is both read out and fed back
+            out = self.norm(out)
+            return out, self.lm_head(self._at(out, logits_at))
         return out, self.lm_head(self.norm(self._at(out, logits_at)))
+
+    def _fc_input(self, features: torch.Tensor) -> torch.Tensor:
+        if self.config.norm_before_fc:
+            return self.input_norm(features)
+        if self.config.fc_norm:
+            chunks = features.chunk(len(self.fc_norm), dim=-1)
+            return torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return features

@@ -45,6 +45,27 @@ class DraftHeadConfig(HeadConfig):
     fc_bias: bool | None = None  # None: the head type's default (EAGLE-1 True, EAGLE-3 False), resolved at build
     attention_bias: bool = False  # q/k/v biases (EAGLE-1 heads for Qwen2 targets)
     own_embedding: bool = False  # the head has its own token embedding (EAGLE-3 heads narrower than the target)
+    # EAGLE-3 variants current trainers write (speculators 0.9 trains the first three by default), under
+    # speculators' names; EAGLE-1 heads have none of them
+    norm_before_residual: bool = False  # the layer's residual is its normed hidden input, not the raw one
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated target features before fc (`input_norm`)
+    fc_norm: bool = False  # an RMSNorm per fused target layer before fc (`fc_norm.i`; the EAGLE 3.1 paper)
+    norm_output: bool = False  # the final norm's output is what the LM head reads and what is fed back (3.1)
+    qk_norm: bool = False  # Qwen3-style draft layer: per-head RMSNorm of queries and keys before RoPE
+    sliding_window: int | None = None  # the draft layer attends over the newest this many positions
+
+    VARIANTS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "qk_norm", "sliding_window")
+
+    def __post_init__(self) -> None:
+        if self.norm_before_fc and self.fc_norm:
+            raise DraftsmithError("norm_before_fc (one norm over all fused layers) and fc_norm (a norm per layer) "
+                                  "exclude each other: set one")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise DraftsmithError(f"sliding_window must be a positive number of positions, not {self.sliding_window}")
+
+    def variants(self) -> list[str]:
+        """The variant flags this config turns on."""
+        return [name for name in self.VARIANTS if getattr(self, name) not in (False, None)]
 
     @classmethod
     def for_target(cls, head_type: str, target: TargetConfig, aux_layer_ids: tuple[int, ...],
@@ -86,9 +107,13 @@ class DraftHead(nn.Module):
 
     head_type = ""
     default_fc_bias = False
+    variants: tuple[str, ...] = ()  # the DraftHeadConfig.VARIANTS this head computes
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__()
+        unknown = [name for name in config.variants() if name not in self.variants]
+        if unknown:  # built anyway, the head would compute the plain architecture: silently wrong drafts
+            raise DraftsmithError(f"{self.head_type} heads have no variant {', '.join(unknown)}")
         if config.fc_bias is None:
             config.fc_bias = self.default_fc_bias
         self.config = config

@@ -142,23 +142,62 @@ def specforge_eagle3(directory: Path, layer_ids=(0, 2, 4), draft_vocab: int = 20
     return _write(directory, config, eagle3_tensors(draft_vocab=draft_vocab, dtype=torch.bfloat16), "model.safetensors")
 
 
+def specforge_eagle3_1(directory: Path, legacy_names: bool = True) -> Path:
+    """SpecForge's "EAGLE-3.1" output (configs/*-eagle3.1.json): the SpecForge layout plus `fc_norm: true`
+    with a norm per fused layer, `fc_norm.{0,1,2}.weight` (older releases: `aux_norm_{low,mid,high}.weight`,
+    which SGLang still maps), and `norm_output: true` (SpecForge: the final norm precedes the LM head)."""
+    directory = specforge_eagle3(directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "fc_norm": True, "norm_output": True}, indent=2))
+    from safetensors.torch import load_file
+
+    t = load_file(str(directory / "model.safetensors"))
+    names = [f"aux_norm_{level}.weight" for level in ("low", "mid", "high")] if legacy_names else \
+        [f"fc_norm.{i}.weight" for i in range(3)]
+    t.update({name: _norm(H, torch.bfloat16) for name in names})
+    return _write(directory, None, t, "model.safetensors")
+
+
 def speculators_eagle3(directory: Path, layer_ids=(1, 3, 5), verifier: str = "org/demo-code-7m",
-                       embed_requires_grad: bool = False) -> Path:
+                       embed_requires_grad: bool = False, norm_before_residual: bool = False,
+                       norm_before_fc: bool = False, fc_norm: bool = False, norm_output: bool = False,
+                       qwen3: bool = False, sliding_window: int | None = None) -> Path:
     """speculators EAGLE-3: layers.0.* names, embed_tokens saved, transformer_layer_config (section 4); with
-    `embed_requires_grad` (speculators' training flag) that embedding is the head's own, trained."""
+    `embed_requires_grad` (speculators' training flag) that embedding is the head's own, trained. The variant
+    flags add what section 4.2 lists with them: `input_norm.weight` [3H] (norm_before_fc), `fc_norm.{i}.weight`
+    [H] (fc_norm), a Qwen3 layer's `self_attn.{q,k}_norm.weight` [head_dim]; a window is written as speculators'
+    trainer writes it (layer_types, use_sliding_window)."""
     torch.manual_seed(15)
     t = eagle3_tensors(prefix="layers.0.", dtype=torch.bfloat16)
     t["embed_tokens.weight"] = _w(V, H, dtype=torch.bfloat16)
+    if norm_before_fc:
+        t["input_norm.weight"] = _norm(3 * H, torch.bfloat16)
+    for i in range(3 if fc_norm else 0):
+        t[f"fc_norm.{i}.weight"] = _norm(H, torch.bfloat16)
+    layer = dict(LLAMA_LAYER_CONFIG, torch_dtype="bfloat16")
+    if qwen3:
+        t["layers.0.self_attn.q_norm.weight"] = _norm(HD, torch.bfloat16)
+        t["layers.0.self_attn.k_norm.weight"] = _norm(HD, torch.bfloat16)
+        layer.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=HD)
+    if sliding_window is not None:
+        layer.update(sliding_window=sliding_window, use_sliding_window=True, layer_types=["sliding_attention"])
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
               "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
                   {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                   "default_proposal_method": "greedy",
                   "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}},
-              "transformer_layer_config": dict(LLAMA_LAYER_CONFIG, torch_dtype="bfloat16"),
-              "draft_vocab_size": 2048, "norm_before_residual": False, "target_hidden_size": None,
-              "eagle_aux_hidden_state_layer_ids": list(layer_ids), "norm_before_fc": False, "fc_norm": False,
-              "norm_output": False, "embed_requires_grad": embed_requires_grad}
+              "transformer_layer_config": layer,
+              "draft_vocab_size": 2048, "norm_before_residual": norm_before_residual, "target_hidden_size": None,
+              "eagle_aux_hidden_state_layer_ids": list(layer_ids), "norm_before_fc": norm_before_fc,
+              "fc_norm": fc_norm, "norm_output": norm_output, "embed_requires_grad": embed_requires_grad}
     return _write(directory, config, t, "model.safetensors")
+
+
+def speculators_default(directory: Path, verifier: str = "org/demo-code-7m") -> Path:
+    """What speculators 0.9 trains by default (its TrainConfig): norm_before_residual, norm_before_fc and
+    norm_output on, every draft layer sliding with a 2048 window."""
+    return speculators_eagle3(directory, verifier=verifier, norm_before_residual=True, norm_before_fc=True,
+                              norm_output=True, sliding_window=2048)
 
 
 def speculators_legacy_eagle(directory: Path, fusion_bias: bool = True) -> Path:

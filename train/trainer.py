@@ -29,6 +29,7 @@ from draftsmith.corpus import load_records
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head, resolve_method
 from draftsmith.models.dtypes import DTYPES
+from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.models.loader import load_target
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.train.capture import CapturedDataset
@@ -92,6 +93,13 @@ def build_head(recipe: Recipe, target, train_ds):
         head = load_head(m.init_from)
         if head.head_type != m.head_type:
             raise DraftsmithError(f"model.init_from holds an {head.head_type!r} head, the recipe trains {m.head_type!r}")
+        # the saved head's architecture wins; a recipe asking for another variant would be ignored silently
+        differing = [f"{name}: {getattr(m, name)} (the head has {getattr(head.config, name, None)})"
+                     for name in sorted(m.model_fields_set & set(DraftHeadConfig.VARIANTS))
+                     if getattr(m, name) != getattr(head.config, name, None)]
+        if differing:
+            raise DraftsmithError(f"the recipe sets {'; '.join(differing)}, but model.init_from continues a saved "
+                                  "head as it is: drop those keys or start a new head")
         return head.attach_target(target)
     aux = aux_layers(recipe, target.config.num_hidden_layers)
     return resolve_method(m.head_type).build_head(m, target, aux, train_ds)

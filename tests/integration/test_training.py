@@ -40,11 +40,18 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-@pytest.mark.parametrize("head_type", ["eagle3", "eagle"])
-def test_loss_falls_and_head_is_saved(workspace, head_type):
+# the variants speculators trains by default, plus a Qwen3-style layer and a window shorter than the samples
+VARIANTS = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True, "qk_norm": True,
+            "sliding_window": 16}
+
+
+@pytest.mark.parametrize("head_type, variants", [("eagle3", {}), ("eagle", {}), ("eagle3", VARIANTS)])
+def test_loss_falls_and_head_is_saved(workspace, head_type, variants):
     root, target, data = workspace
-    out = root / f"run-{head_type}"
-    recipe = validate_recipe(tiny_recipe(target, data, out, head_type, epochs=3))
+    out = root / f"run-{head_type}-{len(variants)}"
+    raw = tiny_recipe(target, data, out, head_type, epochs=3)
+    raw["model"].update(variants)
+    recipe = validate_recipe(raw)
     final = train(recipe, ["test"])
     losses, agreement = _log(out, "loss"), _log(out, "acc_step0")
     assert len(losses) >= 20
@@ -54,6 +61,7 @@ def test_loss_falls_and_head_is_saved(workspace, head_type):
     assert _mean(agreement[-5:]) > _mean(agreement[:5]) + 0.15, agreement
     head = load_head(final)
     assert head.head_type == head_type
+    assert all(getattr(head.config, name) == value for name, value in variants.items())
     assert (out / "recipe.yaml").is_file() and (final / "recipe.yaml").is_file()
     checkpoint = sorted((out / "checkpoints").glob("step_*"))[-1]
     assert (checkpoint / "recipe.yaml").is_file() and (checkpoint / "command.txt").is_file()
@@ -154,3 +162,21 @@ def test_accelerate_launch_ddp_on_two_cpu_processes(workspace, tmp_path):
     assert saved.keys() == head.state_dict().keys()
     assert len(_log(tmp_path / "ddp", "loss")) == 4
     assert (tmp_path / "ddp" / "eval_final.json").is_file()
+
+
+def test_init_from_keeps_the_saved_architecture_and_says_so(workspace, tmp_path):
+    """Continuing a saved head, the recipe cannot ask for another variant: it would be ignored silently."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models import DraftHeadConfig
+
+    root, target_dir, data = workspace
+    target = load_target(target_dir, dtype="float32")
+    config = DraftHeadConfig.for_target("eagle3", target.config, (1, 2, 3), None, str(target_dir), norm_output=True)
+    resolve_method("eagle3").head_module(config).attach_target(target).save_pretrained(tmp_path / "saved")
+    raw = tiny_recipe(target_dir, data, tmp_path / "out", "eagle3")
+    raw["model"].update(init_from=str(tmp_path / "saved"), norm_output=True)
+    assert build_head(validate_recipe(raw), target, None).config.norm_output  # as saved: fine
+    raw["model"].update(norm_output=False, sliding_window=64)
+    with pytest.raises(DraftsmithError, match=r"norm_output: False \(the head has True\); sliding_window: 64 \(the "
+                                              r"head has None\), but model.init_from continues a saved head"):
+        build_head(validate_recipe(raw), target, None)

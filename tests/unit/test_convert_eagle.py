@@ -250,9 +250,12 @@ def test_yuhuili_heads_need_the_target(tmp_path, capsys):
 def test_unsupported_variants_are_named(tmp_path, capsys):
     src = pub.specforge_eagle3(tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "fc_norm": True}))
-    assert convert(src, tmp_path / "out", "--target", DEMO_MODEL) == 2
-    assert "fc_norm=true" in capsys.readouterr().err
+    for changes, message in [({"fc_norm": True}, "fc_norm expects fc_norm.0.weight, fc_norm.1.weight, fc_norm.2.weight"),
+                             ({"norm_output": False}, "norm_output=false (SpecForge: no final norm before the LM head)"),
+                             ({"num_hidden_layers": 2}, "multi-layer EAGLE-3 heads (num_hidden_layers=2)")]:
+        (src / "config.json").write_text(json.dumps({**config, **changes}))
+        assert convert(src, tmp_path / "out", "--target", DEMO_MODEL) == 2
+        assert message in capsys.readouterr().err
     src = pub.yuhuili_eagle(tmp_path / "src2")
     state = torch.load(src / "pytorch_model.bin", weights_only=True)
     state["layers.0.input_layernorm.weight"] = torch.ones(256)

@@ -62,6 +62,23 @@ def models(tmp_path_factory):
     return target, head_dir
 
 
+@pytest.fixture(scope="module")
+def windowed_models(models, tmp_path_factory):
+    """The same target with an EAGLE-3 head whose attention window (5) is shorter than most rows' context,
+    with the other variants a speculators-trained head has."""
+    target, _ = models
+    head_dir = tmp_path_factory.mktemp("windowed")
+    torch.manual_seed(0)
+    config = DraftHeadConfig.for_target("eagle3", target.config, (1, 2, 3), 64, "tiny", sliding_window=5,
+                                        norm_before_residual=True, norm_before_fc=True, norm_output=True)
+    head = resolve_method("eagle3").head_module(config).attach_target(target)
+    head.set_vocab(torch.arange(0, 128, 2))
+    with torch.no_grad():
+        head.lm_head.weight.mul_(8)
+    head.save_pretrained(head_dir)
+    return target, head_dir
+
+
 def make_proposer(models, max_num_seqs: int = 4, sampled: bool = False):
     target, head_dir = models
     # float32: the per-row reference must agree to the last bit, whatever batch shapes the proposer runs
@@ -99,14 +116,16 @@ def reference(proposer, row: Row, limit: int, temperature: float = 0.0, generato
     c = context_start
     n = len(ids) - 1 - c  # verified positions c..c+n-1 pair with tokens c+1..c+n
     cache = head.make_cache(1, MAX_LEN)
-    batch = ForwardBatch.build([0], [0], [n], cache)
+    window = head.config.sliding_window  # the catch-up slides by position; drafts read from W before them on
+    batch = ForwardBatch.build([0], [0], [n], cache, window)
     out, logits = head.step(torch.tensor([ids[c + 1:]]), features_of(proposer, ids)[None, c : c + n],
                             batch.positions, True, cache, batch)
     state, logit = out[:, -1], logits[0, -1]
     tokens, probs, qs = [], [], []
     for s in range(limit):
         if s:
-            batch = ForwardBatch.build([0], [n + s - 1], [1], cache)
+            draft_keys = None if window is None else [max(n - window, 0)]
+            batch = ForwardBatch.build([0], [n + s - 1], [1], cache, key_starts=draft_keys)
             out, logits = head.step(torch.tensor([[tokens[-1]]]), state[:, None], batch.positions, False, cache, batch)
             state, logit = out[:, 0], logits[0, 0]
         q = torch.softmax(logit.float() / (temperature or 1.0), -1)
@@ -185,6 +204,21 @@ def test_mixed_batch_matches_the_per_row_reference(models, sampled, monkeypatch)
         drafts = proposer.propose(rows, limits, sampling)
         assert proposer.steps_run == max(limits)
         check_against_reference(proposer, rows, limits, drafts, sampling, temperatures)
+        verify_step(proposer, rows, drafts, gen)
+
+
+def test_a_windowed_head_drafts_as_trained(windowed_models, monkeypatch):
+    """A head with a window shorter than the rows' contexts: the catch-up slides it by position, and draft
+    step s reads the verified prefix's newest W positions plus its own drafts, as speculators' training mask
+    has it (see `_step_batches`)."""
+    monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
+    gen = torch.Generator().manual_seed(2)
+    proposer = make_proposer(windowed_models)
+    rows = random_rows(gen, [3, 30, 7, 12], [2, 0, 3, 1])
+    prefill(proposer, rows, gen)
+    for limits in ([K, 1, K, 2], [K, K, 3, K], [2, K, K, 1]):
+        drafts = proposer.propose(rows, limits)
+        check_against_reference(proposer, rows, limits, drafts)
         verify_step(proposer, rows, drafts, gen)
 
 

@@ -60,6 +60,12 @@ def test_method_keys_are_valid_only_for_their_method():
         load_recipe(eagle, ["model.draft_vocab_size=512"])
     with pytest.raises(DraftsmithError, match="'medusa' is not available yet; available: eagle, eagle3"):
         load_recipe(eagle, ["model.head_type=medusa"])
+    variants = load_recipe(eagle3, ["model.norm_before_fc=true", "model.sliding_window=512"]).model
+    assert variants.norm_before_fc and variants.sliding_window == 512 and not variants.fc_norm
+    with pytest.raises(DraftsmithError, match="norm_before_fc and fc_norm exclude each other"):
+        load_recipe(eagle3, ["model.norm_before_fc=true", "model.fc_norm=true"])
+    with pytest.raises(DraftsmithError, match="model.norm_output: Extra inputs are not permitted"):
+        load_recipe(eagle, ["model.norm_output=true"])
 
 
 def test_repeated_fused_layers_are_refused_and_the_default_never_repeats():

@@ -78,6 +78,7 @@ class EagleFamilyProposer(Proposer):
         self.head.attach_target(target)
         self.head.init_rope(max_model_len)
         self.hidden_layer_ids = self.head.hidden_layer_ids
+        self.window = self.head.config.sliding_window  # the head's own attention window, if it has one
         self.cache = self.head.make_cache(max_num_seqs, max_model_len)
         self.device = weight.device
         self.k = config.num_speculative_tokens
@@ -198,7 +199,7 @@ class EagleFamilyProposer(Proposer):
             self.pending_len[request.slot] = 0
 
     def _head_batch(self, slots: list[int], starts, q_lens, tokens, hidden, logits_at):
-        batch = ForwardBatch.build(slots, starts, q_lens, self.cache, None, self.device,
+        batch = ForwardBatch.build(slots, starts, q_lens, self.cache, self.window, self.device,
                                    key_starts=[self.context_start[s] for s in slots])
         return self.head.step(tokens.to(self.device), hidden, batch.positions, True, self.cache, batch,
                               logits_at=logits_at)
@@ -223,8 +224,13 @@ class EagleFamilyProposer(Proposer):
     def _step_batches(self, slots: list[int], base: list[int], steps: int) -> list[ForwardBatch]:
         """One-token batches for draft steps 2..steps+1: step s sits at base + s - 1 in every row's own slot.
         Built as one batch of `steps` queries per row, then sliced by step: one host build for all steps."""
+        # A head with a window of W was trained (speculators' mask) with draft step s seeing the verified
+        # prefix's newest W positions plus its own s - 1 drafts: so every draft step reads from W before its
+        # row's first draft on, rather than the W newest positions of its own.
+        starts = [self.context_start[s] for s in slots] if self.window is None else \
+            [max(self.context_start[s], b - self.window) for s, b in zip(slots, base)]
         whole = ForwardBatch.build(slots, base, [steps] * len(slots), self.cache, None, self.device,
-                                   key_starts=[self.context_start[s] for s in slots])
+                                   key_starts=starts)
         last, batches = max(base), []
         for s in range(steps):
             step = {"positions": whole.positions[:, s : s + 1], "write_slots": whole.write_slots[:, s : s + 1],

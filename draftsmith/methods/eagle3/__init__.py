@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import RecipeModelSection, RecipeTrainingSection
 from draftsmith.methods.eagle import EagleFamilyMethod, HeadSpeculativeConfig
 from draftsmith.methods.registry import register_method
 from draftsmith.models.eagle3 import Eagle3Head
+from draftsmith.models.heads import DraftHeadConfig
 
 
 class Eagle3Config(HeadSpeculativeConfig):
@@ -21,6 +22,19 @@ class Eagle3Config(HeadSpeculativeConfig):
 class Eagle3Recipe(RecipeModelSection):
     head_type: Literal["eagle3"]
     draft_vocab_size: int | None = Field(default=None, gt=0, description="default: the target's vocab")
+    # the variants speculators trains (its names; its defaults turn on the first three)
+    norm_before_residual: bool = Field(default=False, description="the layer's residual is its normed input")
+    norm_before_fc: bool = Field(default=False, description="one RMSNorm over the fused target features before fc")
+    fc_norm: bool = Field(default=False, description="an RMSNorm per fused target layer before fc")
+    norm_output: bool = Field(default=False, description="feed the final norm's output back (EAGLE 3.1)")
+    qk_norm: bool = Field(default=False, description="Qwen3-style draft layer: RMSNorm of queries and keys")
+    sliding_window: int | None = Field(default=None, gt=0, description="draft attention window, in positions")
+
+    @model_validator(mode="after")
+    def _one_fc_norm(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm exclude each other: set one")
+        return self
 
 
 class Eagle3Training(RecipeTrainingSection):
@@ -67,7 +81,10 @@ class Eagle3Method(EagleFamilyMethod):
 
     @classmethod
     def head_config_overrides(cls, section: Eagle3Recipe) -> dict:
-        return {"draft_vocab_size": section.draft_vocab_size} if section.draft_vocab_size else {}
+        overrides = {name: getattr(section, name) for name in DraftHeadConfig.VARIANTS}
+        if section.draft_vocab_size:
+            overrides["draft_vocab_size"] = section.draft_vocab_size
+        return overrides
 
     @classmethod
     def build_head(cls, section, target, aux_layer_ids, token_records):

@@ -1,0 +1,97 @@
+"""vllm-project/speculators 0.9 as an independent test oracle for EAGLE-3 heads: its own trainer's defaults,
+its own save_pretrained, from_pretrained and forward. `make test` installs it test-only (the Makefile's
+ORACLE_STAMP rule, with --no-deps: its torchaudio/torchvision pins pull a CUDA torch); tests that need it
+skip, saying why, where it does not import.
+"""
+
+from __future__ import annotations
+
+import warnings
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+
+VERSION = "0.9.0"
+INSTALL = (f'pip install -e ".[oracle]" && pip install --no-deps "speculators=={VERSION}" '
+           f'"hs-connectors=={VERSION}" (what `make test` runs)')
+
+
+def require():
+    """The speculators modules these tests use, or a skip naming the install command."""
+    try:
+        from speculators.models.eagle3 import Eagle3DraftModel
+        from speculators.train.cli import create_transformer_layer_config
+        from speculators.train.config import TrainConfig
+    except ImportError as exc:
+        pytest.skip(f"speculators does not import here ({exc}); install it test-only with: {INSTALL}")
+    installed = version("speculators")
+    if installed != VERSION:
+        pytest.skip(f"speculators {installed} installed; these tests check {VERSION}")
+    return Eagle3DraftModel, create_transformer_layer_config, TrainConfig
+
+
+def train_config_defaults(**overrides) -> dict:
+    """speculators' training arguments as its CLI resolves them with no flags given (EAGLE-3)."""
+    _, _, TrainConfig = require()
+    return {**TrainConfig().flatten(), **overrides}
+
+
+def trained_head(directory: Path, verifier: Path, draft_vocab: int = 1024, seed: int = 0, **overrides) -> Path:
+    """A head built and saved the way speculators' trainer does it, with its default flags unless `overrides`
+    says otherwise (e.g. draft_arch="qwen3", fc_norm=True, norm_before_fc=False), its weights drawn at random
+    (norm weights around 1, so that every norm shows in the output), then `save_pretrained(directory)`."""
+    Eagle3DraftModel, create_transformer_layer_config, _ = require()
+    args = train_config_defaults(verifier_name_or_path=str(verifier), target_layer_ids=[1, 3, 5],
+                                 draft_vocab_size=draft_vocab, draft_attn_impl="sdpa", **overrides)
+    layer = create_transformer_layer_config(str(verifier), num_layers=args["num_layers"], draft_arch=args["draft_arch"],
+                                            hidden_act=None, sliding_window=args["sliding_window"],
+                                            full_attention_indices=args["full_attention_indices"])
+    generator = torch.Generator().manual_seed(seed)
+    t2d = torch.zeros(layer.vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(layer.vocab_size, generator=generator)[:draft_vocab]] = True
+    d2t = torch.nonzero(t2d).flatten() - torch.arange(draft_vocab)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = Eagle3DraftModel.from_training_args(layer, t2d=t2d, d2t=d2t, **args)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith(("embed_tokens", "verifier_")):
+                continue  # frozen copies of the verifier's
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def load(directory: Path):
+    """speculators' from_pretrained -> (model, keys it expected and the file lacks, keys the file holds and it
+    does not define). Its own ignore lists (the verifier's weights it fills in itself) do not count."""
+    Eagle3DraftModel, _, _ = require()
+    from safetensors import safe_open
+
+    config = Eagle3DraftModel.config_class.from_pretrained(str(directory))
+    # its default, flex attention, needs torch.compile on CPU: SDPA computes the same masks
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = Eagle3DraftModel.from_pretrained(str(directory), config=config)
+    with safe_open(str(Path(directory) / "model.safetensors"), "pt") as weights:
+        saved = set(weights.keys())
+    defined = set(model.state_dict())
+    optional = set(model._keys_to_ignore_on_load_missing) | set(model._keys_to_ignore_on_save)
+    return model.float().eval(), sorted(defined - saved - optional), sorted(saved - defined)
+
+
+@torch.no_grad()
+def logits_by_step(model, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Its forward's LM-head output [1, T, draft_vocab] at each training-time-test step: step 0 reads the
+    tokens and target features, step s the tokens shifted by s and its own step s-1 output."""
+    captured = []
+    hook = model.lm_head.register_forward_hook(lambda _module, _inputs, output: captured.append(output.float()))
+    try:
+        model(hidden_states=features, input_ids=input_ids, document_ids=torch.zeros_like(input_ids), ttt_steps=steps)
+    finally:
+        hook.remove()
+    return captured

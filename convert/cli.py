@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     native_format.write_atomically(exported, out, args.force)
     print(f"wrote {out} ({args.to} {head.head_type} head, {len(exported.tensors)} tensors)")
     if args.to == "native" and servable(head_method(head.head_type)):
+        k = min(5, read_head_config(head.config).max_drafts() or 5)  # a head or stage a draft: no more than it has
         print(f"serve it: draftsmith serve TARGET --speculative-config "
-              f"'{{\"method\": \"{head.head_type}\", \"model\": \"{out}\", \"num_speculative_tokens\": 5}}'")
+              f"'{{\"method\": \"{head.head_type}\", \"model\": \"{out}\", \"num_speculative_tokens\": {k}}}'")
     return 0

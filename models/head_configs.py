@@ -56,6 +56,10 @@ class HeadConfig:
         """Raises a DraftsmithError naming both values when the head does not fit `target`."""
         raise NotImplementedError
 
+    def max_drafts(self) -> int | None:
+        """The most tokens the head drafts per step (a head or stage each), or None where it has no limit."""
+        return None
+
 
 def check_sizes(what: str, hidden: int, vocab: int, target: TargetConfig) -> None:
     if hidden != target.hidden_size:
@@ -82,6 +86,9 @@ class MLPSpeculatorConfig(HeadConfig):
     def check_target(self, target: TargetConfig) -> None:
         check_sizes("MLP speculator", self.emb_dim, self.vocab_size, target)
 
+    def max_drafts(self) -> int:
+        return self.n_predict  # one per stage
+
 
 @dataclass
 class MedusaConfig(HeadConfig):
@@ -98,6 +105,9 @@ class MedusaConfig(HeadConfig):
 
     def check_target(self, target: TargetConfig) -> None:
         check_sizes("Medusa", self.hidden_size, self.vocab_size, target)
+
+    def max_drafts(self) -> int:
+        return self.num_heads  # one per head
 
 
 @dataclass

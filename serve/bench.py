@@ -26,7 +26,7 @@ import torch
 
 from draftsmith.corpus import code_prompts
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods import method_names, resolve_method, servable
+from draftsmith.methods import method_names, read_head_config, resolve_method, servable
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.serve.bench_plot import plot_speedups, require_matplotlib
 from draftsmith.serve.llm import LLM
@@ -77,7 +77,9 @@ def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dic
         methods[config.get("method", "?")] = config
     for name, head in shipped_heads(model_name).items():
         if name not in methods:  # the user's own config for a method wins over the shipped head
-            methods[name] = {"method": name, "model": str(head), "num_speculative_tokens": k}
+            # heads drafting one token per head or stage (Medusa, MLP speculator) draft no more than they have
+            most = read_head_config(json.loads((head / "config.json").read_text()), head).max_drafts()
+            methods[name] = {"method": name, "model": str(head), "num_speculative_tokens": min(k, most or k)}
     return methods
 
 

@@ -63,7 +63,7 @@ class HeadWithObjective(nn.Module):
     def features(self, batch):
         if "features" in batch:  # offline
             return {"features": batch["features"], "last": batch["last"]}
-        return target_features(self._target[0], self.head.config.aux_layer_ids, batch["input_ids"], self.feature_dtype)
+        return target_features(self._target[0], self.head.hidden_layer_ids, batch["input_ids"], self.feature_dtype)
 
     def forward(self, batch, acceptance_depth: int = 0):
         feats = self.features(batch)

@@ -554,10 +554,26 @@ def _eagle_head(tmp_path_factory) -> str:
     return str(directory)
 
 
+def _mlp_speculator(tmp_path_factory) -> str:
+    """A random 4-stage MLP speculator for the demo target."""
+    from draftsmith.models.head_configs import MLPSpeculatorConfig
+    from draftsmith.models.mlp_speculator import MLPSpeculatorHead
+
+    torch.manual_seed(2)
+    config = MLPSpeculatorConfig(emb_dim=256, inner_dim=128, vocab_size=8192, n_predict=4, target_model="demo")
+    directory = tmp_path_factory.mktemp("mlp_speculator")
+    MLPSpeculatorHead(config).save_pretrained(directory)
+    return str(directory)
+
+
 SERVABLE_CONFIGS = {
     "ngram": lambda _: {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "eagle": lambda factory: {"method": "eagle", "model": _eagle_head(factory)},
     "eagle3": lambda _: {"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3")},
+    # the shipped heads draft one token per head: 3
+    "medusa": lambda _: {"method": "medusa", "model": str(REPO / "assets" / "demo-code-7m-medusa"),
+                         "num_speculative_tokens": 3},
+    "mlp_speculator": lambda factory: {"method": "mlp_speculator", "model": _mlp_speculator(factory)},
 }
 
 
@@ -567,7 +583,7 @@ def test_every_servable_method_is_covered():
 
 @pytest.mark.parametrize("method", sorted(SERVABLE_CONFIGS))
 def test_greedy_equality_with_adaptive_k(method, reference_ids, tmp_path_factory):
-    config = {**SERVABLE_CONFIGS[method](tmp_path_factory), "num_speculative_tokens": 4}
+    config = {"num_speculative_tokens": 4, **SERVABLE_CONFIGS[method](tmp_path_factory)}
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
     # verification made nearly free, so the planner drafts and k varies with what each request accepts
     llm.engine.planner.cost.table = synthetic_table(0.02)

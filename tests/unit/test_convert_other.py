@@ -122,7 +122,7 @@ def test_medusa2_without_lm_heads_takes_the_vocab_from_the_target(tmp_path, caps
 
 
 def test_convert_only_heads_say_they_cannot_be_served_yet(tmp_path):
-    assert convert(pub.medusa(tmp_path / "src"), tmp_path / "native") == 0
+    assert convert(pub.deepseek_target_with_mtp(tmp_path / "src"), tmp_path / "native") == 0
     with pytest.raises(DraftsmithError, match="cannot serve them yet"):
         load_head(tmp_path / "native")
 

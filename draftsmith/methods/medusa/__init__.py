@@ -1,19 +1,40 @@
-"""Medusa: parallel ResBlock heads over the target's last hidden state.
-
-Converts (`draftsmith convert`) to and from the native format; no proposer or objective yet, so
-`--speculative-config` and recipes refuse it with a message listing the methods that can."""
+"""Medusa-1: parallel ResBlock heads over the target's final normed hidden state, head i drafting token
+t + 2 + i. Converts (`draftsmith convert`) to and from the native format, trains by distillation from the
+frozen target, and serves a top-1 chain (candidate trees come with tree verification)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from draftsmith.methods.base import MethodNeeds, SpecMethod, SpeculativeConfig
+from pydantic import Field
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.base import (
+    MethodNeeds,
+    RecipeModelSection,
+    RecipeTrainingSection,
+    SpecMethod,
+    SpeculativeConfig,
+)
 from draftsmith.methods.registry import register_method
 from draftsmith.models.head_configs import MedusaConfig
+from draftsmith.models.medusa import MedusaHead
 
 
 class MedusaSpecConfig(SpeculativeConfig):
     method: Literal["medusa"]
+
+
+class MedusaRecipe(RecipeModelSection):
+    head_type: Literal["medusa"]
+    num_heads: int = Field(default=3, gt=0, description="heads, one draft each: the most num_speculative_tokens")
+    num_layers: int = Field(default=1, gt=0, description="ResBlocks per head")
+    own_lm_heads: bool = Field(default=True, description="false: every head reads out through the target's LM "
+                               "head (Medusa-2 style, far fewer parameters)")
+
+
+class MedusaTraining(RecipeTrainingSection):
+    head_decay: float = Field(default=0.8, gt=0, description="loss weight of head i is decay**i (Medusa's 0.8)")
 
 
 @register_method
@@ -23,4 +44,42 @@ class MedusaMethod(SpecMethod):
     needs = MethodNeeds(hidden_states=True, head=True)
     head_type = "medusa"
     head_config = MedusaConfig
+    head_module = MedusaHead
+    recipe_section = MedusaRecipe
+    training_section = MedusaTraining
     converters = ("draftsmith.convert.medusa",)
+
+    @classmethod
+    def objective(cls):
+        from draftsmith.methods.medusa.objective import medusa_objective
+
+        return medusa_objective
+
+    @classmethod
+    def acceptance_eval(cls):
+        from draftsmith.methods.medusa.objective import simulated_acceptance
+
+        return simulated_acceptance
+
+    @classmethod
+    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+        return (num_layers,)  # the final normed hidden state, which the target's LM head reads too
+
+    @classmethod
+    def build_head(cls, section: MedusaRecipe, target, aux_layer_ids, token_records):
+        if tuple(aux_layer_ids) != cls.default_aux_layers(target.config.num_hidden_layers):
+            raise DraftsmithError(f"Medusa heads read the target's final hidden state only; drop model.aux_layer_ids "
+                                  f"({list(aux_layer_ids)})")
+        c = target.config
+        config = MedusaConfig(hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_heads=section.num_heads,
+                              num_layers=section.num_layers, own_lm_heads=section.own_lm_heads,
+                              target_model=section.target)
+        head = MedusaHead(config).attach_target(target)
+        head.init_from_target()
+        return head
+
+    @classmethod
+    def proposer_class(cls):
+        from draftsmith.methods.medusa.proposer import MedusaProposer
+
+        return MedusaProposer

@@ -1,7 +1,6 @@
-"""IBM/fms MLP speculator: n_predict MLP stages over the target's last hidden state.
-
-Converts (`draftsmith convert`) to and from the native format; no proposer or objective yet, so
-`--speculative-config` and recipes refuse it with a message listing the methods that can."""
+"""IBM/fms MLP speculator: n_predict MLP stages over the target's last hidden state. Converts
+(`draftsmith convert`) to and from the native format and serves (greedy drafts); no objective yet, so
+recipes refuse it with a message listing the methods that train."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from typing import Literal
 from draftsmith.methods.base import MethodNeeds, SpecMethod, SpeculativeConfig
 from draftsmith.methods.registry import register_method
 from draftsmith.models.head_configs import MLPSpeculatorConfig
+from draftsmith.models.mlp_speculator import MLPSpeculatorHead
 
 
 class MLPSpeculatorSpecConfig(SpeculativeConfig):
@@ -23,4 +23,11 @@ class MLPSpeculatorMethod(SpecMethod):
     needs = MethodNeeds(hidden_states=True, head=True)
     head_type = "mlp_speculator"
     head_config = MLPSpeculatorConfig
+    head_module = MLPSpeculatorHead
     converters = ("draftsmith.convert.mlp_speculator",)
+
+    @classmethod
+    def proposer_class(cls):
+        from draftsmith.methods.mlp_speculator.proposer import MLPSpeculatorProposer
+
+        return MLPSpeculatorProposer

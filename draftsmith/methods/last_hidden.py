@@ -1,0 +1,78 @@
+"""What proposers whose head reads only the target's final normed hidden state at the last verified position
+share (Medusa, MLP speculator): the head loaded and attached, that one hidden state kept per slot and
+replaced by each forward's newest, and the draft buffers. A subclass drafts from them (`_draft`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.base import DraftBatch, Proposer, RowState
+from draftsmith.methods.heads import load_head
+
+
+class LastHiddenProposer(Proposer):
+    def __init__(self, config, target, max_num_seqs: int, max_model_len: int):
+        super().__init__(config, target, max_num_seqs, max_model_len)
+        weight = target.model.embed_tokens.weight
+        # the target's dtype: heads without LM heads of their own read out through the target's
+        self.head = load_head(config.model, dtype=weight.dtype, device=weight.device)
+        if self.head.head_type != config.method:
+            raise DraftsmithError(f"{config.model} holds an {self.head.head_type!r} head but the speculative config "
+                                  f"says method {config.method!r}")
+        self.head.attach_target(target)
+        self.k = config.num_speculative_tokens
+        most = self.head.config.max_drafts()
+        if most is not None and self.k > most:
+            raise DraftsmithError(f"num_speculative_tokens={self.k}, but the {self.head.head_type} head {config.model} "
+                                  f"drafts at most {most} tokens a step; set num_speculative_tokens <= {most}")
+        self.hidden_layer_ids = self.head.hidden_layer_ids
+        self.observe_window = 1  # only the newest position's hidden state is ever read
+        self.device = weight.device
+        self.last = torch.zeros(max_num_seqs, target.config.hidden_size, dtype=weight.dtype, device=self.device)
+        self.draft_tokens = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
+        self.draft_counts = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
+
+    def draft_models(self) -> list[torch.nn.Module]:
+        return [self.head]
+
+    def features(self, hidden_states):
+        return self.head.features(hidden_states)
+
+    def observe(self, rows: Sequence[RowState], starts: list[int], counts: list[int], features: torch.Tensor) -> None:
+        # every forward calls this, plain ones included: a decode step of rows in consecutive slots (the
+        # engine's usual order) is one slice copy, with no index tensors built (they were 2% of a plain step)
+        if max(counts) == 1:
+            newest = features[:, 0]
+        else:
+            newest = features[torch.arange(len(rows), device=self.device),
+                              torch.tensor(counts, device=self.device) - 1]
+        slots = [r.slot for r in rows]
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            self.last[slots[0] : slots[0] + len(slots)] = newest
+        else:
+            self.last[torch.tensor(slots, device=self.device)] = newest
+
+    @torch.inference_mode()
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling=None) -> DraftBatch:
+        n = len(rows)
+        tokens, counts = self.draft_tokens[:n], self.draft_counts[:n]
+        tokens.fill_(-1)
+        width = min(max(max_drafts, default=0), self.k)
+        self.steps_run = 0
+        if not width:
+            counts.zero_()
+            return DraftBatch(tokens, counts)
+        slots = torch.tensor([r.slot for r in rows], device=self.device)
+        drafted = self._draft(rows, self.last[slots], width)  # [n, width]
+        limits = torch.tensor(max_drafts, device=self.device).clamp(max=width)
+        keep = torch.arange(width, device=self.device)[None, :] < limits[:, None]
+        tokens[:, :width] = drafted.masked_fill(~keep, -1)
+        counts.copy_(limits)
+        return DraftBatch(tokens, counts)
+
+    def _draft(self, rows: Sequence[RowState], hidden: torch.Tensor, width: int) -> torch.Tensor:
+        """[n, width] greedy drafts from the rows' last hidden states [n, H]; sets `steps_run`."""
+        raise NotImplementedError

@@ -1,0 +1,103 @@
+"""Medusa-1 heads: K parallel heads over the target's final normed hidden state at position t; head i
+predicts token t + 2 + i (the target's own LM head predicts t + 1). Each head is `num_layers` ResBlocks
+(x + SiLU(W x + b)) and an LM head of its own, or the target's (`own_lm_heads` false). Key names are vLLM's
+(`blocks.{i}.layers.{j}`, `lm_heads.{i}`), as `draftsmith convert` writes them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.head_configs import MedusaConfig
+from draftsmith.models.linear import Linear
+
+
+class ResBlock(Linear):
+    """x + SiLU(W x + b); a Linear itself, so its tensors are `weight` and `bias` as vLLM names them."""
+
+    def __init__(self, hidden: int):
+        super().__init__(hidden, hidden, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(super().forward(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(ResBlock(hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class MedusaHead(nn.Module):
+    head_type = "medusa"
+
+    def __init__(self, config: MedusaConfig):
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(_Block(config.hidden_size, config.num_layers) for _ in range(config.num_heads))
+        if config.own_lm_heads:
+            self.lm_heads = nn.ModuleList(Linear(config.hidden_size, config.vocab_size, bias=False)
+                                          for _ in range(config.num_heads))
+        self._target: list = []
+
+    def attach_target(self, target) -> MedusaHead:
+        self.config.check_target(target.config)
+        self._target[:] = [target]
+        return self
+
+    @property
+    def target(self):
+        if not self._target:
+            raise RuntimeError("Medusa head has no target attached (call attach_target)")
+        return self._target[0]
+
+    @property
+    def hidden_layer_ids(self) -> tuple[int, ...]:
+        """HF hidden_states index of the final normed hidden state, which every head reads."""
+        return (self.target.config.num_hidden_layers,)
+
+    def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
+        return hidden_states[self.hidden_layer_ids[0]]
+
+    def forward(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., heads, V] of the first `heads` heads (all by default)."""
+        outs = []
+        for i in range(heads or self.config.num_heads):
+            x = self.blocks[i](hidden)
+            lm_head = self.lm_heads[i] if self.config.own_lm_heads else self.target.lm_head
+            outs.append(lm_head(x.to(lm_head.weight.dtype)).float())
+        return torch.stack(outs, dim=-2)
+
+    @torch.no_grad()
+    def init_from_target(self) -> None:
+        """Medusa's initialization: every ResBlock the identity (zero weights) and every LM head a copy of the
+        target's, so that each head starts out predicting what the target predicts next."""
+        for block in self.blocks:
+            for layer in block.layers:
+                layer.weight.zero_()
+                layer.bias.zero_()
+        if self.config.own_lm_heads:
+            for lm_head in self.lm_heads:
+                lm_head.weight.copy_(self.target.lm_head.weight.float())
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        import json
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if not state:
+            raise DraftsmithError("a Medusa head without weights cannot be saved")
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,108 @@
+"""IBM's MLP speculator (fms-extras): n_predict stages, each mixing the running state with the embedding of
+the last token, then an RMS-style norm with scale and shift, GELU, and a stage LM head. Stage i drafts token
+t + 2 + i; its input token is stage i - 1's draft (the target's own next token for stage 0). The state starts
+as the target's final normed hidden state at t (`scale_input`: normed again without weights, / sqrt 2).
+
+    state = proj[i](state) + (emb_weight / state_weight) * emb[i](token)
+    state = GELU(ln[i](state)),  logits_i = head[i](state)
+
+with state_weight = 0.5 ** (0.5 / n_predict) and emb_weight = sqrt((1 - state_weight^2) * inner_dim / 2).
+Tied speculators share emb, head and ln of stage 0 and proj of stage 1 (from stage 1 on). Key names are
+the native ones `draftsmith convert` writes (`emb.i`, `proj.i`, `head.i`, `ln.i`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from draftsmith.models.head_configs import MLPSpeculatorConfig
+from draftsmith.models.linear import Linear
+
+EPS = 1e-6  # fms LayerNormParameterized's default
+
+
+class StageNorm(nn.Module):
+    """fms's LayerNormParameterized as the speculator uses it: no mean subtraction, then scale and shift."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)
+        return normed.to(x.dtype) * self.weight + self.bias
+
+
+class MLPSpeculatorHead(nn.Module):
+    head_type = "mlp_speculator"
+
+    def __init__(self, config: MLPSpeculatorConfig):
+        super().__init__()
+        self.config = config
+        n, inner, tied = config.n_predict, config.inner_dim or config.emb_dim, config.tie_weights
+        own = 1 if tied else n
+        self.emb = nn.ModuleList(nn.Embedding(config.vocab_size, inner) for _ in range(own))
+        self.proj = nn.ModuleList(Linear(config.emb_dim if i == 0 else inner, inner, bias=False)
+                                  for i in range(min(n, 2) if tied else n))
+        self.head = nn.ModuleList(Linear(inner, config.vocab_size, bias=False) for _ in range(own))
+        self.ln = nn.ModuleList(StageNorm(inner) for _ in range(own))
+        state_weight = 0.5 ** (0.5 / n)
+        self.emb_scale = math.sqrt((1 - state_weight**2) * inner / 2) / state_weight
+        self._target: list = []
+
+    def attach_target(self, target) -> MLPSpeculatorHead:
+        self.config.check_target(target.config)
+        self._target[:] = [target]
+        return self
+
+    @property
+    def target(self):
+        if not self._target:
+            raise RuntimeError("MLP speculator has no target attached (call attach_target)")
+        return self._target[0]
+
+    @property
+    def hidden_layer_ids(self) -> tuple[int, ...]:
+        return (self.target.config.num_hidden_layers,)
+
+    def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
+        return hidden_states[self.hidden_layer_ids[0]]
+
+    def start(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The state stage 0 reads, from the target's final normed hidden state."""
+        if not self.config.scale_input:
+            return hidden
+        normed = hidden.float() * torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + EPS)
+        return (normed / math.sqrt(2)).to(hidden.dtype)
+
+    def stage(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage i: (its state, its logits [..., V]) from the previous state and the last token's ids."""
+        own = 0 if self.config.tie_weights else i
+        proj = self.proj[min(i, 1) if self.config.tie_weights else i]
+        state = proj(state) + self.emb_scale * self.emb[own](tokens).to(state.dtype)
+        state = F.gelu(self.ln[own](state))
+        return state, self.head[own](state)
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, stages: int | None = None) -> torch.Tensor:
+        """Teacher-forced: hidden [..., H] and tokens [..., n] (the token each stage reads) -> logits
+        [..., stages, V]."""
+        state, out = self.start(hidden), []
+        for i in range(stages or self.config.n_predict):
+            state, logits = self.stage(i, state, tokens[..., i])
+            out.append(logits.float())
+        return torch.stack(out, dim=-2)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})

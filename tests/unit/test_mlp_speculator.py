@@ -1,0 +1,104 @@
+"""IBM MLP speculators: the stage math as TGI writes it, save/reload, and lossless serving of random and
+converted public (tied, untied, scale_input) speculators on the demo model."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import public_checkpoints as pub
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods import load_head
+from draftsmith.models import load_target
+from draftsmith.models.head_configs import MLPSpeculatorConfig
+from draftsmith.models.mlp_speculator import MLPSpeculatorHead
+from draftsmith.serve import LLM, SamplingParams
+from helpers import DEMO_MODEL
+
+PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa",
+           "for i in ra", "class A:\n    def __init__(self):\n        self.x = 1\n        self.y"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(DEMO_MODEL, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def greedy_reference():
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32),
+                                                           use_tqdm=False)]
+
+
+def _random(target, tied=False, scale_input=False, n=3, inner=192):
+    torch.manual_seed(6)
+    config = MLPSpeculatorConfig(emb_dim=256, inner_dim=inner, vocab_size=8192, n_predict=n, tie_weights=tied,
+                                 scale_input=scale_input, target_model=str(DEMO_MODEL))
+    head = MLPSpeculatorHead(config).attach_target(target)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.normal_(0, 0.05)
+    return head
+
+
+@pytest.mark.parametrize("tied, scale_input", [(False, False), (True, True)])
+def test_stages_compute_what_tgi_writes(tied, scale_input, target):
+    """TGI's form: state_weight * proj(state) + emb_weight * emb(token), then the RMS-style norm with scale
+    and shift (x rsqrt(mean x^2 + 1e-6) w + b), GELU, head; stages i >= 2 of a tied speculator reuse proj.1."""
+    head = _random(target, tied, scale_input)
+    n, inner = 3, 192
+    state_weight = 0.5 ** (0.5 / n)
+    emb_weight = math.sqrt((1 - state_weight**2) * inner / 2)
+    hidden, tokens = torch.randn(4, 256), torch.randint(0, 8192, (4, n))
+    state = hidden
+    if scale_input:
+        state = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + 1e-6) / math.sqrt(2)
+    expected = []
+    for i in range(n):
+        s = 0 if tied else i
+        proj = head.proj[min(i, 1) if tied else i].weight
+        mixed = state_weight * (state @ proj.T) + emb_weight * head.emb[s].weight[tokens[:, i]]
+        normed = mixed * torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + 1e-6) * head.ln[s].weight + head.ln[s].bias
+        state = F.gelu(normed)
+        expected.append(state @ head.head[s].weight.T)
+    torch.testing.assert_close(head(hidden, tokens), torch.stack(expected, 1), atol=2e-4, rtol=1e-4)
+
+
+def test_saved_head_reloads_bit_exactly(target, tmp_path):
+    head = _random(target, tied=True)
+    head.save_pretrained(tmp_path)
+    again = load_head(tmp_path)
+    assert again.config == head.config
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
+
+
+def _serve(head_dir, k=3):
+    return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
+               speculative_config={"method": "mlp_speculator", "model": str(head_dir), "num_speculative_tokens": k,
+                                   "adaptive": False})
+
+
+def test_a_random_speculator_decodes_with_greedy_equality(target, tmp_path, greedy_reference):
+    _random(target).save_pretrained(tmp_path)
+    llm = _serve(tmp_path)  # 4 prompts, 3 slots: rows join and leave a mixed batch
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("build", [lambda d: pub.mlp_speculator(d), lambda d: pub.mlp_speculator(d, tied=True),
+                                   lambda d: pub.mlp_speculator(d, tied=True, all_names=False, scale_input=True)])
+def test_converted_public_speculators_decode_with_greedy_equality(build, tmp_path, greedy_reference):
+    assert pub.convert(build(tmp_path / "src"), tmp_path / "head", "--target", DEMO_MODEL) == 0
+    llm = _serve(tmp_path / "head")
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_more_drafts_than_stages_is_a_clear_error(target, tmp_path):
+    _random(target).save_pretrained(tmp_path)
+    with pytest.raises(DraftsmithError, match=r"num_speculative_tokens=4, but the mlp_speculator head .* drafts at most 3"):
+        _serve(tmp_path, k=4)

@@ -7,6 +7,10 @@ say them three ways, told apart by where they sit in the config:
 - top-level `eagle_aux_hidden_state_layer_ids`: vLLM's convention, already hs indices;
 - `eagle_config.eagle_aux_hidden_state_layer_ids`: SpecForge/SGLang "output of layer k", i.e. hs[k + 1];
 - absent: the reference default hs[2], hs[L//2], hs[L-3], which needs the target's layer count L.
+
+The variants current trainers write (norm placements, Qwen3-style q/k norms, a window: `DraftHeadConfig.VARIANTS`)
+are read from speculators' flag names and the tensors that go with them (`_variants`); each engine's export
+writes those its loader computes and refuses the rest by name (`ENGINE_VARIANTS`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ HEAD_KEYS = ["fc.weight", "norm.weight", "lm_head.weight"]
 MAX_AUX = 16  # fc_norm.i names accepted, at most (EAGLE-3 fuses 3 target layers)
 FC_NORMS = [f"fc_norm.{i}.weight" for i in range(MAX_AUX)]
 OPTIONAL = ["fc.bias", "d2t", "t2d", "embed_tokens.weight", "input_norm.weight", *FC_NORMS]
+# Flags of EAGLE-3 variants trainers write that draftsmith does not compute: read as plain EAGLE-3, these heads
+# would draft as another model (SpecForge configs, e.g. configs/gemma3-27b-eagle3.json)
+UNSUPPORTED_FLAGS = {"reuse_target_lm_head": "the target's LM head instead of the head's own",
+                     "additional_fc": "a second fc projection"}
 # older SpecForge names of the per-layer fc norms, which SGLang still maps
 LEGACY_FC_NORMS = {f"aux_norm_{level}.weight": f"fc_norm.{i}.weight" for i, level in enumerate(("low", "mid", "high"))}
 
@@ -121,6 +129,9 @@ def _variants(config: dict, tensors: dict[str, torch.Tensor], n_aux: int, where:
     go with them. `specforge_norm_output`: read norm_output as SpecForge trains it (see below)."""
     nested = config.get("eagle_config") or {}
     flag = lambda name: bool(config.get(name, nested.get(name, False)))  # noqa: E731
+    for name, what in UNSUPPORTED_FLAGS.items():
+        if flag(name):
+            raise DraftsmithError(f"{where}: {name}=true ({what}) is an EAGLE-3 variant draftsmith does not serve")
     fields = {name: flag(name) for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
     notes = []
     if specforge_norm_output:
@@ -155,6 +166,12 @@ def _variants(config: dict, tensors: dict[str, torch.Tensor], n_aux: int, where:
     if not fields["qk_norm"] and (any(name in tensors for name in qk) or config.get("model_type") == "qwen3"):
         raise DraftsmithError(f"{where}: a Qwen3-style draft layer needs both {' and '.join(qk)}")
     fields["sliding_window"] = sliding_window(config)
+    if specforge_norm_output and fields["sliding_window"] is not None:
+        # SpecForge's Llama draft attends without a window (window_size (-1, -1)), and vLLM's and SGLang's
+        # llama_eagle3 serve this layout without one: window keys here are copies of the target's config
+        notes.append(f"ignored the config's sliding window ({fields['sliding_window']}): SpecForge trains this layout "
+                     "with full attention, and vLLM and SGLang serve it so")
+        fields["sliding_window"] = None
     on = [name for name, value in fields.items() if value not in (False, None)]
     if on:
         notes.append("EAGLE-3 variant: " + ", ".join(f"{name}={fields[name]}" if name == "sliding_window" else name

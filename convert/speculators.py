@@ -184,8 +184,9 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
         # (transformers 5.23) builds a zero embedding rather than the verifier's
         embedding = _target_embedding(c)
         if embedding is None:
-            notes.append("embed_tokens.weight not written (the target is not a model directory here; pass "
-                         "--target): speculators 0.9 loads such a checkpoint with a zero embedding")
+            notes.append("embed_tokens.weight not written (no input embedding of the head's shape found in the "
+                         "target, or the target is not a model directory here: pass --target): speculators 0.9 "
+                         "loads such a checkpoint with a zero embedding")
         else:
             tensors["embed_tokens.weight"] = embedding.to(tensors["fc.weight"].dtype)
     return Exported(config, tensors, notes=notes)
@@ -197,8 +198,11 @@ def _target_embedding(config: dict[str, Any]):
     if not name or not (Path(name) / "config.json").is_file():
         return None
     target = SourceCheckpoint(name)
-    weight = "model.embed_tokens.weight"
-    return target.read([weight])[weight] if target.has(weight) else None
+    expected = (config["vocab_size"], config["target_hidden_size"])
+    for weight in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+        if target.has(weight) and target.shape(weight) == expected:
+            return target.read([weight])[weight]
+    return None
 
 
 @register_exporter("speculators", "eagle")

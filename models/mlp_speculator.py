@@ -58,6 +58,17 @@ class MLPSpeculatorHead(nn.Module):
         self.emb_scale = math.sqrt((1 - state_weight**2) * inner / 2) / state_weight
         self._target: list = []
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """A training start as fms-extras makes it: every embedding and linear weight N(0, 1/sqrt(inner_dim)),
+        norms the identity."""
+        std = (self.config.inner_dim or self.config.emb_dim) ** -0.5
+        for module in [*self.proj, *self.head, *self.emb]:
+            module.weight.normal_(0, std)
+        for norm in self.ln:
+            norm.weight.fill_(1.0)
+            norm.bias.zero_()
+
     def attach_target(self, target) -> MLPSpeculatorHead:
         self.config.check_target(target.config)
         self._target[:] = [target]

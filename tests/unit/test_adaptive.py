@@ -23,11 +23,10 @@ from draftsmith.serve.spec_decode.adaptive import (
     PROBE_AFTER,
     PROBE_STEPS,
     STEP_SURPRISE,
-    AcceptanceStats,
     CostModel,
-    ScaleByBatch,
     SpeculationPlanner,
 )
+from draftsmith.serve.spec_decode.estimators import AcceptanceStats, ScaleByBatch
 from helpers import DEMO_MODEL, REPO, synthetic_table
 
 PROMPTS = [
@@ -479,6 +478,23 @@ def test_acceptance_counts_each_position_reached():
         stats.idle(torch.tensor([0]))  # old evidence fades back to the method's rate
     after = stats.rates(torch.tensor([0]))[0, 1].item()
     assert before < after
+
+
+def test_a_poor_method_stays_priced_poor_through_plain_steps_and_is_retried_much_later():
+    """While nothing is drafted the method's running rates fade toward its long-run rates, not the first guesses
+    (0.7, 0.8): fading to those, a head accepting 20% looked worth speculating with again some 30 plain steps
+    on. The long-run rates fade too, far more slowly, so another workload gets its chance."""
+    stats = AcceptanceStats(num_slots=2, k=2)
+    for _ in range(300):  # drafts 2 a step, 1 in 5 first drafts accepted
+        stats.observe([0], [2], [1])
+        for _ in range(4):
+            stats.observe([0], [2], [0])
+    poor = stats.rates([1])[0, 0]  # a new request's rate: the method's
+    assert poor < 0.3
+    stats.idle([0], 60)
+    assert stats.rates([1])[0, 0] < 0.3  # a first guess of 0.7 would have been back by now
+    stats.idle([0], 10_000)
+    assert stats.rates([1])[0, 0] > 0.6
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,18 @@ def test_specforge_norm_output_means_what_specforge_trains(tmp_path, capsys):
     assert pub.read_native(tmp_path / "head")[0]["norm_output"] is False
 
 
+def test_window_keys_in_a_specforge_config_are_not_a_window(tmp_path, capsys):
+    """SpecForge configs copy the target's window keys; its Llama draft attends without a window, and vLLM and
+    SGLang serve the layout so: kept as full attention, with a note."""
+    src = pub.specforge_eagle3(tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    window = {"sliding_window": 64, "use_sliding_window": True, "layer_types": ["sliding_attention"]}
+    (src / "config.json").write_text(json.dumps({**config, **window}))
+    assert pub.convert(src, tmp_path / "head", "--target", DEMO_MODEL) == 0
+    assert "ignored the config's sliding window (64)" in capsys.readouterr().out
+    assert pub.read_native(tmp_path / "head")[0]["sliding_window"] is None
+
+
 @pytest.mark.parametrize("name", ["speculators defaults", "Qwen3 layer, fc_norm, a window the prompts outgrow"])
 def test_variants_round_trip_through_speculators(name, tmp_path):
     build, _ = CHECKPOINTS[name]
@@ -130,8 +142,8 @@ def _variant_head(target, **variants):
 def test_cached_drafting_matches_training_time_test_for_variants(variants, target):
     """The serving path (the head's cache) computes what training computes (causal or windowed attention,
     diagonal TTT keys), with a window shorter than the prefix: the catch-up slides the window by position,
-    and draft steps read from W before the first draft on (the proposer's `_step_batches`), as speculators'
-    training mask has them."""
+    and draft steps read from W before the first draft on, as speculators' training mask has them. That rule
+    is the one the proposer's `_step_batches` applies (test_eagle_proposer's windowed test checks it there)."""
     head = _variant_head(target, **variants)
     ids = torch.randint(0, 8192, (1, 20))
     feats = head.features(target(ids, hidden_layer_ids=head.hidden_layer_ids).hidden_states)

@@ -104,9 +104,8 @@ def test_more_drafts_than_heads_is_a_clear_error(target, tmp_path):
 
 
 def test_a_head_that_copies_the_target_drafts_what_the_target_says_next(target, tmp_path):
-    """Medusa's own initialization (ResBlocks the identity, LM heads the target's) makes head i draft token
-    t + 1 instead of t + 2 + i: the drafts are the bonus token, shifted, so none verifies. Shifting the
-    features one position back in the test makes head 0 exact: the draft is then what the target decodes."""
+    """Medusa's own initialization (ResBlocks the identity, LM heads the target's) makes every head predict
+    what the target's own LM head predicts at t (token t + 1): training starts from the target's readout."""
     head = MedusaHead(MedusaConfig(hidden_size=256, vocab_size=8192, num_heads=2, num_layers=1)).attach_target(target)
     head.init_from_target()
     ids = torch.randint(0, 8192, (1, 12))

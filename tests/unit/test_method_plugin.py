@@ -226,7 +226,8 @@ def test_unregistered_toy_is_gone_everywhere(toy_head):
     try:
         with pytest.raises(DraftsmithError, match="'toy_bigram' is unknown; available: eagle, eagle3, medusa, mlp_speculator, ngram"):
             parse_speculative_config({"method": "toy_bigram", "model": "x", "num_speculative_tokens": 2})
-        with pytest.raises(DraftsmithError, match="'toy_bigram' is unknown; available: eagle, eagle3, medusa$"):
+        with pytest.raises(DraftsmithError,
+                           match="'toy_bigram' is unknown; available: eagle, eagle3, medusa, mlp_speculator$"):
             validate_recipe(_recipe("toy_bigram"))
         with pytest.raises(DraftsmithError, match="draftsmith_head_type 'toy_bigram' is not one of"):
             load_head(toy_head)

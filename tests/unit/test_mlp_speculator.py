@@ -102,3 +102,26 @@ def test_more_drafts_than_stages_is_a_clear_error(target, tmp_path):
     _random(target).save_pretrained(tmp_path)
     with pytest.raises(DraftsmithError, match=r"num_speculative_tokens=4, but the mlp_speculator head .* drafts at most 3"):
         _serve(tmp_path, k=4)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_training_on_a_tiny_target_lowers_the_loss(tied, tmp_path):
+    import json
+
+    from draftsmith.train.recipe import validate_recipe
+    from draftsmith.train.trainer import train
+    from helpers import make_tiny_target_with_tokenizer, tiny_recipe, write_code_corpus
+
+    target_dir = make_tiny_target_with_tokenizer(tmp_path / "target")
+    data = write_code_corpus(tmp_path / "code.jsonl")
+    raw = tiny_recipe(target_dir, data, tmp_path / "run", "mlp_speculator", epochs=3)
+    raw["model"].update(n_predict=2, tie_weights=tied)  # the target's width: stage heads start as its LM head
+    final = train(validate_recipe(raw), ["test"])
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    losses, agreement = [r["loss"] for r in log], [r["acc_stage0"] for r in log]
+    assert sum(losses[-5:]) < sum(losses[:5]), losses
+    assert sum(agreement[-5:]) / 5 > sum(agreement[:5]) / 5 + 0.1, agreement
+    report = json.loads((tmp_path / "run" / "eval_epoch3.json").read_text())
+    assert report["sim_mean_acceptance_length_k2"] >= report["sim_mean_acceptance_length_k1"] > 1.0
+    head = load_head(final)
+    assert head.config.n_predict == 2 and head.config.tie_weights == tied

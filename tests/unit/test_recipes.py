@@ -16,9 +16,9 @@ LAUNCH_CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipe_validates(path):
-    assert re.fullmatch(r"(eagle|eagle3|medusa)-[a-z0-9.]+(-[a-z0-9.]+)*\.yaml", path.name)
+    assert re.fullmatch(r"(eagle|eagle3|medusa|mlp)-[a-z0-9.]+(-[a-z0-9.]+)*\.yaml", path.name)
     recipe = load_recipe(path)
-    assert recipe.model.head_type == path.name.split("-")[0]
+    assert recipe.model.head_type == {"mlp": "mlp_speculator"}.get(*[path.name.split("-")[0]] * 2)
 
 
 def test_expected_launch_configs_exist_and_parse():
@@ -58,7 +58,7 @@ def test_method_keys_are_valid_only_for_their_method():
         load_recipe(eagle3, ["training.noise_std=0.1"])
     with pytest.raises(DraftsmithError, match="model.draft_vocab_size: Extra inputs are not permitted"):
         load_recipe(eagle, ["model.draft_vocab_size=512"])
-    with pytest.raises(DraftsmithError, match="'mtp' is not available yet; available: eagle, eagle3, medusa"):
+    with pytest.raises(DraftsmithError, match="'mtp' is not available yet; available: eagle, eagle3, medusa, mlp_speculator"):
         load_recipe(eagle, ["model.head_type=mtp"])
     variants = load_recipe(eagle3, ["model.norm_before_fc=true", "model.sliding_window=512"]).model
     assert variants.norm_before_fc and variants.sliding_window == 512 and not variants.fc_norm

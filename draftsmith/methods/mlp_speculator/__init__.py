@@ -1,12 +1,22 @@
 """IBM/fms MLP speculator: n_predict MLP stages over the target's last hidden state. Converts
-(`draftsmith convert`) to and from the native format and serves (greedy drafts); no objective yet, so
-recipes refuse it with a message listing the methods that train."""
+(`draftsmith convert`) to and from the native format, trains by distillation from the frozen target, and
+serves (greedy drafts)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from draftsmith.methods.base import MethodNeeds, SpecMethod, SpeculativeConfig
+import torch
+from pydantic import Field
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.base import (
+    MethodNeeds,
+    RecipeModelSection,
+    RecipeTrainingSection,
+    SpecMethod,
+    SpeculativeConfig,
+)
 from draftsmith.methods.registry import register_method
 from draftsmith.models.head_configs import MLPSpeculatorConfig
 from draftsmith.models.mlp_speculator import MLPSpeculatorHead
@@ -14,6 +24,19 @@ from draftsmith.models.mlp_speculator import MLPSpeculatorHead
 
 class MLPSpeculatorSpecConfig(SpeculativeConfig):
     method: Literal["mlp_speculator"]
+
+
+class MLPSpeculatorRecipe(RecipeModelSection):
+    head_type: Literal["mlp_speculator"]
+    n_predict: int = Field(default=3, gt=0, description="stages, one draft each: the most num_speculative_tokens")
+    inner_dim: int | None = Field(default=None, gt=0, description="the stages' width; default: the target's hidden")
+    tie_weights: bool = Field(default=False, description="every stage shares stage 0's embedding, norm and head, "
+                              "and stage 1's projection")
+    scale_input: bool = Field(default=False, description="norm the target's hidden state (no weights) and / sqrt 2")
+
+
+class MLPSpeculatorTraining(RecipeTrainingSection):
+    stage_decay: float = Field(default=0.8, gt=0, description="loss weight of stage i is decay**i")
 
 
 @register_method
@@ -24,7 +47,43 @@ class MLPSpeculatorMethod(SpecMethod):
     head_type = "mlp_speculator"
     head_config = MLPSpeculatorConfig
     head_module = MLPSpeculatorHead
+    recipe_section = MLPSpeculatorRecipe
+    training_section = MLPSpeculatorTraining
     converters = ("draftsmith.convert.mlp_speculator",)
+
+    @classmethod
+    def objective(cls):
+        from draftsmith.methods.mlp_speculator.objective import mlp_speculator_objective
+
+        return mlp_speculator_objective
+
+    @classmethod
+    def acceptance_eval(cls):
+        from draftsmith.methods.mlp_speculator.objective import simulated_acceptance
+
+        return simulated_acceptance
+
+    @classmethod
+    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+        return (num_layers,)  # the final normed hidden state
+
+    @classmethod
+    def build_head(cls, section: MLPSpeculatorRecipe, target, aux_layer_ids, token_records):
+        if tuple(aux_layer_ids) != cls.default_aux_layers(target.config.num_hidden_layers):
+            raise DraftsmithError(f"MLP speculators read the target's final hidden state only; drop "
+                                  f"model.aux_layer_ids ({list(aux_layer_ids)})")
+        c = target.config
+        config = MLPSpeculatorConfig(emb_dim=c.hidden_size, inner_dim=section.inner_dim or c.hidden_size,
+                                     vocab_size=c.vocab_size, n_predict=section.n_predict,
+                                     tie_weights=section.tie_weights, scale_input=section.scale_input,
+                                     target_model=section.target)
+        head = MLPSpeculatorHead(config).attach_target(target)
+        head.reset_parameters()
+        if config.inner_dim == c.hidden_size:  # as Medusa starts: each stage reads out as the target does
+            with torch.no_grad():
+                for stage_head in head.head:
+                    stage_head.weight.copy_(target.lm_head.weight.float())
+        return head
 
     @classmethod
     def proposer_class(cls):

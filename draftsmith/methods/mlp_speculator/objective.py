@@ -1,0 +1,55 @@
+"""MLP speculator training, by distillation from the frozen target: stage i at position t reads the target's
+final normed hidden state at t and the token at t + 1 + i (teacher-forced: the text's, where serving feeds
+the previous stage's draft) and learns the target's distribution of token t + 2 + i (its softmax at
+t + 1 + i), by soft cross-entropy weighted decay**i. IBM trains in two stages (on text, then on the target's
+generations); the demo recipe's data are the target's generations already, so one stage does both."""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.methods.eagle.training import soft_ce, top1_agreement
+
+
+def _stage_inputs(head, feats, batch):
+    """(hidden [B, W, H], tokens [B, W, n], W): every position t with the tokens of all n stages in the batch."""
+    last, ids = feats["last"], batch["input_ids"]
+    n = head.config.n_predict
+    width = last.shape[1] - n
+    tokens = torch.stack([ids[:, 1 + i : 1 + i + width] for i in range(n)], dim=-1)
+    return last[:, :width].to(next(head.parameters()).dtype), tokens, width
+
+
+def mlp_speculator_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+    hidden, tokens, width = _stage_inputs(head, feats, batch)
+    if width <= 0:
+        raise ValueError(f"samples of {feats['last'].shape[1]} tokens are too short for {head.config.n_predict} stages")
+    with torch.no_grad():
+        teacher = target.lm_head(feats["last"].to(target.lm_head.weight.dtype)).float().softmax(-1)
+    logits = head(hidden, tokens)  # [B, W, n, V]
+    total, logs = 0.0, {}
+    for i in range(head.config.n_predict):
+        mask = batch["loss_mask"][:, 1 + i : 1 + i + width].float()
+        expected = teacher[:, 1 + i : 1 + i + width]
+        loss = soft_ce(logits[:, :, i], expected, mask)
+        total = total + cfg.stage_decay**i * loss
+        logs[f"loss_stage{i}"] = loss.item()
+        logs[f"acc_stage{i}"] = top1_agreement(logits[:, :, i], expected, mask)
+    return total, logs
+
+
+@torch.no_grad()
+def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.Tensor, int]:
+    """Teacher-forced greedy chains, as the EAGLE family's eval: each stage reads the text's token, and stage
+    i's draft survives while it and every draft before it equal the target's greedy token there."""
+    hidden, tokens, width = _stage_inputs(head, feats, batch)
+    greedy = target.lm_head(feats["last"].to(target.lm_head.weight.dtype)).argmax(-1)  # token t + 1 at t
+    depth = min(max_k, head.config.n_predict)
+    drafted = head(hidden, tokens, stages=depth).argmax(-1)  # [B, W, depth]
+    starts = batch["loss_mask"][:, 1 : 1 + width] > 0
+    alive = starts.clone()
+    counts = torch.zeros(max_k, dtype=torch.long)  # past the last stage nothing is drafted: 0
+    for i in range(depth):
+        alive &= drafted[..., i] == greedy[:, 1 + i : 1 + i + width]
+        counts[i] = alive.sum()
+    return counts, int(starts.sum())

@@ -1,5 +1,5 @@
 """Native head configs: one `HeadConfig` base whose `draftsmith_head_type` key is the discriminator, and the
-configs of the head formats draftsmith converts but does not run yet (MLP speculator, Medusa, MTP).
+configs of the heads that are not EAGLE-style (MLP speculator, Medusa; MTP, which converts but does not run yet).
 
 Every native head directory has the same shape (`config.json` with `draftsmith_head_type`, one
 `model.safetensors`); which subclass reads a config.json is decided by the method registry

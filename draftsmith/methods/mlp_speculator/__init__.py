@@ -31,7 +31,7 @@ class MLPSpeculatorRecipe(RecipeModelSection):
     n_predict: int = Field(default=3, gt=0, description="stages, one draft each: the most num_speculative_tokens")
     inner_dim: int | None = Field(default=None, gt=0, description="the stages' width; default: the target's hidden")
     tie_weights: bool = Field(default=False, description="every stage shares stage 0's embedding, norm and head, "
-                              "and stage 1's projection")
+                              "and stages 2 on stage 1's projection")
     scale_input: bool = Field(default=False, description="norm the target's hidden state (no weights) and / sqrt 2")
 
 

@@ -74,6 +74,19 @@ def test_saved_head_reloads_bit_exactly(target, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
 
 
+@pytest.mark.parametrize("tied, scale_input", [(False, False), (True, True)])
+def test_saved_speculators_round_trip_through_the_vllm_layout(tied, scale_input, target, tmp_path):
+    head = _random(target, tied, scale_input)
+    head.save_pretrained(tmp_path / "native")
+    assert pub.convert(tmp_path / "native", tmp_path / "vllm", "--to", "vllm") == 0
+    assert pub.convert(tmp_path / "vllm", tmp_path / "back") == 0
+    config, tensors = pub.read_native(tmp_path / "back")
+    again = MLPSpeculatorConfig.from_json(config)
+    assert (again.n_predict, again.inner_dim, again.tie_weights, again.scale_input) == (3, 192, tied, scale_input)
+    assert tensors.keys() == head.state_dict().keys()
+    assert all(torch.equal(tensors[k], v) for k, v in head.state_dict().items())
+
+
 def _serve(head_dir, k=3):
     return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
                speculative_config={"method": "mlp_speculator", "model": str(head_dir), "num_speculative_tokens": k,

@@ -156,3 +156,19 @@ class SourceCheckpoint:
         for file, file_names in by_file.items():
             out.update(self._file(file).read(file_names))
         return out
+
+
+# where HF checkpoints keep the input embedding (text models; multimodal ones nest the language model)
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
+def target_embedding(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The input embedding of the model directory `name`, where it is one here and holds one of `shape`."""
+    if not name or not (Path(name) / "config.json").is_file():
+        return None
+    target = SourceCheckpoint(name)
+    for weight in EMBEDDING_NAMES:
+        if target.has(weight) and target.shape(weight) == tuple(shape):
+            return target.read([weight])[weight]
+    return None
+

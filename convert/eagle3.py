@@ -15,11 +15,9 @@ writes those its loader computes and refuses the rest by name (`ENGINE_VARIANTS`
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from draftsmith.convert.checkpoint import SourceCheckpoint
+from draftsmith.convert.checkpoint import SourceCheckpoint, target_embedding
 from draftsmith.convert.eagle import head_dtype, target_layers_from
 from draftsmith.convert.layer_config import layer_fields, llama_layer_config, native_config
 from draftsmith.convert.registry import (
@@ -86,13 +84,9 @@ def _trained_embedding(config: dict, embedding: torch.Tensor, ctx: ReadContext) 
     1/2/3."""
     if config.get("embed_requires_grad") is not None:
         return "embed_requires_grad: true" if config["embed_requires_grad"] else None
-    if not ctx.target_name or not (Path(ctx.target_name) / "config.json").is_file():
+    theirs = target_embedding(ctx.target_name, tuple(embedding.shape))
+    if theirs is None:
         return None
-    target = SourceCheckpoint(ctx.target_name)
-    name = "model.embed_tokens.weight"
-    if not target.has(name) or target.shape(name) != tuple(embedding.shape):
-        return None
-    theirs = target.read([name])[name]
     return None if torch.equal(theirs.to(embedding.dtype), embedding) else "it differs from the target's"
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from draftsmith import __version__
 from draftsmith.convert import eagle, eagle3
-from draftsmith.convert.checkpoint import SourceCheckpoint, local_directory
+from draftsmith.convert.checkpoint import SourceCheckpoint, local_directory, target_embedding
 from draftsmith.convert.layer_config import llama_layer_config
 from draftsmith.convert.registry import (
     Exported,
@@ -182,7 +182,7 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
     if "embed_tokens.weight" not in tensors:
         # speculators' own checkpoints carry the verifier's embedding; from one without it, speculators 0.9
         # (transformers 5.23) builds a zero embedding rather than the verifier's
-        embedding = _target_embedding(c)
+        embedding = target_embedding(c.get("target_model", ""), (c["vocab_size"], c["target_hidden_size"]))
         if embedding is None:
             notes.append("embed_tokens.weight not written (no input embedding of the head's shape found in the "
                          "target, or the target is not a model directory here: pass --target): speculators 0.9 "
@@ -190,19 +190,6 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
         else:
             tensors["embed_tokens.weight"] = embedding.to(tensors["fc.weight"].dtype)
     return Exported(config, tensors, notes=notes)
-
-
-def _target_embedding(config: dict[str, Any]):
-    """The target's input embedding [V, H], read from its directory, or None where it is not one here."""
-    name = config.get("target_model", "")
-    if not name or not (Path(name) / "config.json").is_file():
-        return None
-    target = SourceCheckpoint(name)
-    expected = (config["vocab_size"], config["target_hidden_size"])
-    for weight in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"):
-        if target.has(weight) and target.shape(weight) == expected:
-            return target.read([weight])[weight]
-    return None
 
 
 @register_exporter("speculators", "eagle")

@@ -102,27 +102,18 @@ class DraftHeadConfig(HeadConfig):
             raise DraftsmithError(f"aux_layer_ids {bad} out of range for a {target.num_hidden_layers}-layer target")
 
 
-class DraftHead(nn.Module):
-    """Base of EAGLE-style heads: one `step` used by training (with TTT history) and serving (with a cache)."""
+class AttachedHead(nn.Module):
+    """Base of every head module: its native config, the target it is attached to (not a submodule: the
+    target's weights are neither trained nor saved with the head) and the native save format."""
 
     head_type = ""
-    default_fc_bias = False
-    variants: tuple[str, ...] = ()  # the DraftHeadConfig.VARIANTS this head computes
 
-    def __init__(self, config: DraftHeadConfig):
+    def __init__(self, config: HeadConfig):
         super().__init__()
-        unknown = [name for name in config.variants() if name not in self.variants]
-        if unknown:  # built anyway, the head would compute the plain architecture: silently wrong drafts
-            raise DraftsmithError(f"{self.head_type} heads have no variant {', '.join(unknown)}")
-        if config.fc_bias is None:
-            config.fc_bias = self.default_fc_bias
         self.config = config
-        self._target: list = []  # not a submodule: the target's weights are neither trained nor saved here
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
+        self._target: list = []
 
-    # -- wiring ----------------------------------------------------------------------------------------
-    def attach_target(self, target) -> DraftHead:
+    def attach_target(self, target):
         self.config.check_target(target.config)
         self._target[:] = [target]
         return self
@@ -130,9 +121,45 @@ class DraftHead(nn.Module):
     @property
     def target(self):
         if not self._target:
-            raise RuntimeError("draft head has no target attached (call attach_target)")
+            raise RuntimeError(f"{self.head_type} head has no target attached (call attach_target)")
         return self._target[0]
 
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+class FinalHiddenHead(AttachedHead):
+    """Base of heads that read only the target's final normed hidden state (Medusa, MLP speculator)."""
+
+    @property
+    def hidden_layer_ids(self) -> tuple[int, ...]:
+        return (self.target.config.num_hidden_layers,)
+
+    def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
+        return hidden_states[self.hidden_layer_ids[0]]
+
+
+class DraftHead(AttachedHead):
+    """Base of EAGLE-style heads: one `step` used by training (with TTT history) and serving (with a cache)."""
+
+    default_fc_bias = False
+    variants: tuple[str, ...] = ()  # the DraftHeadConfig.VARIANTS this head computes
+
+    def __init__(self, config: DraftHeadConfig):
+        super().__init__(config)
+        unknown = [name for name in config.variants() if name not in self.variants]
+        if unknown:  # built anyway, the head would compute the plain architecture: silently wrong drafts
+            raise DraftsmithError(f"{self.head_type} heads have no variant {', '.join(unknown)}")
+        if config.fc_bias is None:
+            config.fc_bias = self.default_fc_bias
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    # -- wiring ----------------------------------------------------------------------------------------
     @property
     def hidden_layer_ids(self) -> tuple[int, ...]:
         return self.config.aux_layer_ids
@@ -176,14 +203,6 @@ class DraftHead(nn.Module):
         if logits_at is None:
             return out
         return out[torch.arange(out.shape[0], device=out.device), logits_at][:, None]
-
-    # -- persistence -------------------------------------------------------------------------------------
-    def save_pretrained(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def load_head_weights(head: nn.Module, directory: str | Path) -> nn.Module:

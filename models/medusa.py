@@ -6,15 +6,12 @@ predicts token t + 2 + i (the target's own LM head predicts t + 1). Each head is
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 
-from draftsmith.errors import DraftsmithError
 from draftsmith.models.head_configs import MedusaConfig
+from draftsmith.models.heads import FinalHiddenHead
 from draftsmith.models.linear import Linear
 
 
@@ -39,36 +36,15 @@ class _Block(nn.Module):
         return x
 
 
-class MedusaHead(nn.Module):
+class MedusaHead(FinalHiddenHead):
     head_type = "medusa"
 
     def __init__(self, config: MedusaConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.blocks = nn.ModuleList(_Block(config.hidden_size, config.num_layers) for _ in range(config.num_heads))
         if config.own_lm_heads:
             self.lm_heads = nn.ModuleList(Linear(config.hidden_size, config.vocab_size, bias=False)
                                           for _ in range(config.num_heads))
-        self._target: list = []
-
-    def attach_target(self, target) -> MedusaHead:
-        self.config.check_target(target.config)
-        self._target[:] = [target]
-        return self
-
-    @property
-    def target(self):
-        if not self._target:
-            raise RuntimeError("Medusa head has no target attached (call attach_target)")
-        return self._target[0]
-
-    @property
-    def hidden_layer_ids(self) -> tuple[int, ...]:
-        """HF hidden_states index of the final normed hidden state, which every head reads."""
-        return (self.target.config.num_hidden_layers,)
-
-    def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
-        return hidden_states[self.hidden_layer_ids[0]]
 
     def forward(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """hidden [..., H] -> logits [..., heads, V] of the first `heads` heads (all by default)."""
@@ -90,14 +66,3 @@ class MedusaHead(nn.Module):
         if self.config.own_lm_heads:
             for lm_head in self.lm_heads:
                 lm_head.weight.copy_(self.target.lm_head.weight.float())
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        import json
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        if not state:
-            raise DraftsmithError("a Medusa head without weights cannot be saved")
-        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})

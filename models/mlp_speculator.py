@@ -13,19 +13,22 @@ the native ones `draftsmith convert` writes (`emb.i`, `proj.i`, `head.i`, `ln.i`
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 
 from draftsmith.models.head_configs import MLPSpeculatorConfig
+from draftsmith.models.heads import FinalHiddenHead
 from draftsmith.models.linear import Linear
 
 EPS = 1e-6  # fms LayerNormParameterized's default
+
+
+def _rms_normalized(x: torch.Tensor) -> torch.Tensor:
+    """x rsqrt(mean(x^2) + EPS), with fp32 statistics, in x's dtype."""
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
 
 
 class StageNorm(nn.Module):
@@ -37,16 +40,14 @@ class StageNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)
-        return normed.to(x.dtype) * self.weight + self.bias
+        return _rms_normalized(x) * self.weight + self.bias
 
 
-class MLPSpeculatorHead(nn.Module):
+class MLPSpeculatorHead(FinalHiddenHead):
     head_type = "mlp_speculator"
 
     def __init__(self, config: MLPSpeculatorConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         n, inner, tied = config.n_predict, config.inner_dim or config.emb_dim, config.tie_weights
         own = 1 if tied else n
         self.emb = nn.ModuleList(nn.Embedding(config.vocab_size, inner) for _ in range(own))
@@ -56,43 +57,27 @@ class MLPSpeculatorHead(nn.Module):
         self.ln = nn.ModuleList(StageNorm(inner) for _ in range(own))
         state_weight = 0.5 ** (0.5 / n)
         self.emb_scale = math.sqrt((1 - state_weight**2) * inner / 2) / state_weight
-        self._target: list = []
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """A training start as fms-extras makes it: every embedding and linear weight N(0, 1/sqrt(inner_dim)),
-        norms the identity."""
-        std = (self.config.inner_dim or self.config.emb_dim) ** -0.5
+    def init_from_target(self) -> None:
+        """A training start as fms-extras makes it (every embedding and linear weight N(0, 1/sqrt(inner_dim)),
+        norms the identity), except that where the stages are as wide as the target, each stage's head starts
+        as the target's LM head, as Medusa starts."""
+        inner = self.config.inner_dim or self.config.emb_dim
         for module in [*self.proj, *self.head, *self.emb]:
-            module.weight.normal_(0, std)
+            module.weight.normal_(0, inner**-0.5)
         for norm in self.ln:
             norm.weight.fill_(1.0)
             norm.bias.zero_()
-
-    def attach_target(self, target) -> MLPSpeculatorHead:
-        self.config.check_target(target.config)
-        self._target[:] = [target]
-        return self
-
-    @property
-    def target(self):
-        if not self._target:
-            raise RuntimeError("MLP speculator has no target attached (call attach_target)")
-        return self._target[0]
-
-    @property
-    def hidden_layer_ids(self) -> tuple[int, ...]:
-        return (self.target.config.num_hidden_layers,)
-
-    def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
-        return hidden_states[self.hidden_layer_ids[0]]
+        if inner == self.target.config.hidden_size:
+            for head in self.head:
+                head.weight.copy_(self.target.lm_head.weight.float())
 
     def start(self, hidden: torch.Tensor) -> torch.Tensor:
         """The state stage 0 reads, from the target's final normed hidden state."""
         if not self.config.scale_input:
             return hidden
-        normed = hidden.float() * torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + EPS)
-        return (normed / math.sqrt(2)).to(hidden.dtype)
+        return _rms_normalized(hidden) / math.sqrt(2)
 
     def stage(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage i: (its state, its logits [..., V]) from the previous state and the last token's ids."""
@@ -110,10 +95,3 @@ class MLPSpeculatorHead(nn.Module):
             state, logits = self.stage(i, state, tokens[..., i])
             out.append(logits.float())
         return torch.stack(out, dim=-2)
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})

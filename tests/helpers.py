@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,10 @@ from draftsmith.serve.cost_profile import ForwardCostTable
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "assets" / "demo-code-7m"
+# code prompts ending mid-token or mid-line, for greedy-equality runs on the demo model (the `greedy_reference`
+# fixture: 32 tokens each, 3 slots, so that rows join and leave a mixed batch)
+CODE_PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa",
+                "for i in ra", "class A:\n    def __init__(self):\n        self.x = 1\n        self.y"]
 SHARED = Path(os.environ.get("DRAFTSMITH_SHARED", REPO.parent / "shared"))
 
 
@@ -110,3 +115,20 @@ def make_speculation_pay(llm):
     happen (lossless outputs, metrics that move) do not depend on how fast the machine running them is."""
     llm.engine.planner.cost.table = synthetic_table(0.0)
     llm.engine.planner.cost.live_scaling = False
+
+
+@dataclass
+class Row:
+    """What a proposer reads of a running request (`RowState`), for driving proposers without an engine."""
+
+    request_id: str
+    slot: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

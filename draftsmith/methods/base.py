@@ -135,6 +135,18 @@ class RecipeModelSection(BaseModel):
         return ids
 
 
+class FinalHiddenRecipe(RecipeModelSection):
+    """The `model:` section of heads that read the target's final normed hidden state only (Medusa, MLP
+    speculator): there are no fused layers to choose."""
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _final_hidden_only(cls, ids: list[int] | None) -> None:
+        if ids is not None:
+            raise ValueError(f"{ids}: these heads read the target's final hidden state only; drop aux_layer_ids")
+        return ids
+
+
 class RecipeTrainingSection(BaseModel):
     """The `training:` section of a recipe: what every method's training shares. A method with knobs of its
     own (loss weights, unroll depth) subclasses it as its `training_section`."""
@@ -300,4 +312,15 @@ class SpecMethod:
     def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
         """HF hidden_states indices its head reads from a `num_layers` target, when a recipe names none."""
         raise DraftsmithError(f"method {cls.name!r} reads no target layers")
+
+
+class FinalHiddenMethod(SpecMethod):
+    """What methods whose head reads only the target's final normed hidden state share (Medusa, MLP
+    speculator): their needs and the one layer they read."""
+
+    needs: ClassVar[MethodNeeds] = MethodNeeds(hidden_states=True, head=True)
+
+    @classmethod
+    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+        return (num_layers,)  # HF hidden_states[L]: after the final norm, what the target's LM head reads
 

@@ -13,7 +13,7 @@ from draftsmith.cli import build_parser
 from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.convert.registry import detect_source, load_formats
 from draftsmith.serve import LLM, SamplingParams
-from helpers import DEMO_MODEL
+from helpers import CODE_PROMPTS, DEMO_MODEL
 
 convert, native, source_tensors = pub.convert, pub.read_native, pub.source_tensors
 
@@ -320,17 +320,6 @@ def test_unknown_layouts_ask_for_from(tmp_path, capsys):
 
 # -- converted heads decode losslessly --------------------------------------------------------------------------
 
-PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa",
-           "class A:\n    def __init__(self):\n        self.x = 1\n        self.y"]
-
-
-@pytest.fixture(scope="module")
-def greedy_reference():
-    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32),
-                                                           use_tqdm=False)]
-
-
 @pytest.mark.parametrize("build, method", [
     (lambda d: pub.yuhuili_eagle(d, qwen2=True), "eagle"), (pub.speculators_legacy_eagle, "eagle"),
     (pub.yuhuili_eagle3, "eagle3"), (pub.specforge_eagle3, "eagle3"), (pub.yuhuili_eagle3_narrow, "eagle3"),
@@ -341,6 +330,6 @@ def test_converted_heads_keep_greedy_outputs(build, method, tmp_path, greedy_ref
               # fixed k: these heads are random, so the adaptive planner may rightly stop drafting with them
               speculative_config={"method": method, "model": str(tmp_path / "head"), "num_speculative_tokens": 3,
                                   "adaptive": False})
-    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0

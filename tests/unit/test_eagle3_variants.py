@@ -11,25 +11,11 @@ import speculators_oracle as oracle
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head, resolve_method
 from draftsmith.methods.eagle.training import unroll
-from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
+from draftsmith.models import DraftHeadConfig, ForwardBatch
 from draftsmith.serve import LLM, SamplingParams
-from helpers import DEMO_MODEL
+from helpers import CODE_PROMPTS, DEMO_MODEL
 
-PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa",
-           "class A:\n    def __init__(self):\n        self.x = 1\n        self.y"]
 VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "qk_norm", "sliding_window")
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target(DEMO_MODEL, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def greedy_reference():
-    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32),
-                                                           use_tqdm=False)]
 
 
 def _serves_losslessly(head_dir, greedy_reference) -> None:
@@ -37,7 +23,7 @@ def _serves_losslessly(head_dir, greedy_reference) -> None:
               # fixed k: random heads, which the adaptive planner may rightly stop drafting with
               speculative_config={"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3,
                                   "adaptive": False})
-    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0
 

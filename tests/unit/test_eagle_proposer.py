@@ -9,8 +9,6 @@ a context start off by one, a row's output taken past its limit) changes some ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.sampling import SamplingBatch
 from draftsmith.serve.spec_decode.config import parse_speculative_config
-from helpers import DEMO_MODEL, REPO, make_tiny_checkpoint
+from helpers import DEMO_MODEL, REPO, Row, make_tiny_checkpoint
 
 K = 4
 MAX_LEN = 96
@@ -28,21 +26,6 @@ MAX_LEN = 96
 # catch-up vs one pass): only float rounding differs.
 PROB_ATOL = 1e-5
 SEED = 100  # row b's generator is seeded SEED + b, in the proposer and in the reference
-
-
-@dataclass
-class Row:
-    request_id: str
-    slot: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
 
 @pytest.fixture(scope="module")

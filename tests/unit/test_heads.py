@@ -7,16 +7,11 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head, resolve_method
 from draftsmith.methods.eagle.training import unroll
 from draftsmith.methods.heads import draft_dtype
-from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
+from draftsmith.models import DraftHeadConfig, ForwardBatch
 from draftsmith.serve import LLM, SamplingParams
 from helpers import DEMO_MODEL, REPO
 
 AUX = {"eagle": (6,), "eagle3": (1, 3, 5)}
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target(DEMO_MODEL, dtype="float32")
 
 
 def _random_head(kind, target, tmp_path=None):

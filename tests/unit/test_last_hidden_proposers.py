@@ -2,38 +2,15 @@
 slot order, verify steps of several positions, decode steps of one) and, for the MLP speculator, from its
 newest token; each row drafts no more than its limit."""
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
 from draftsmith.methods import resolve_method
-from draftsmith.models import load_target
 from draftsmith.models.head_configs import MedusaConfig, MLPSpeculatorConfig
 from draftsmith.models.medusa import MedusaHead
 from draftsmith.models.mlp_speculator import MLPSpeculatorHead
 from draftsmith.serve.spec_decode.config import parse_speculative_config
-from helpers import DEMO_MODEL
-
-
-@dataclass
-class Row:
-    request_id: str
-    slot: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target(DEMO_MODEL, dtype="float32")
+from helpers import Row
 
 
 def _head(method, target):

@@ -13,22 +13,7 @@ from draftsmith.models.medusa import MedusaHead
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.train.recipe import validate_recipe
 from draftsmith.train.trainer import train
-from helpers import DEMO_MODEL, make_tiny_target_with_tokenizer, tiny_recipe, write_code_corpus
-
-PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa",
-           "for i in ra", "class A:\n    def __init__(self):\n        self.x = 1\n        self.y"]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target(DEMO_MODEL, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def greedy_reference():
-    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32),
-                                                           use_tqdm=False)]
+from helpers import CODE_PROMPTS, DEMO_MODEL, make_tiny_target_with_tokenizer, tiny_recipe, write_code_corpus
 
 
 def _random_head(target, own_lm_heads=True, heads=3, layers=2, directory=None):
@@ -81,7 +66,7 @@ def test_saved_head_reloads_bit_exactly_and_round_trips_through_vllm(target, tmp
 def test_random_heads_decode_with_greedy_equality(own_lm_heads, target, tmp_path, greedy_reference):
     _random_head(target, own_lm_heads=own_lm_heads, directory=tmp_path / "head")
     llm = _serve(tmp_path / "head")  # 4 prompts, 3 slots: rows join and leave a mixed batch
-    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
@@ -92,7 +77,7 @@ def test_random_heads_decode_with_greedy_equality(own_lm_heads, target, tmp_path
 def test_converted_public_heads_decode_with_greedy_equality(build, tmp_path, greedy_reference):
     assert pub.convert(build(tmp_path / "src"), tmp_path / "head", "--target", DEMO_MODEL) == 0
     llm = _serve(tmp_path / "head")
-    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0
 

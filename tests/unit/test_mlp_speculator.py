@@ -10,26 +10,10 @@ import torch.nn.functional as F
 import public_checkpoints as pub
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head
-from draftsmith.models import load_target
 from draftsmith.models.head_configs import MLPSpeculatorConfig
 from draftsmith.models.mlp_speculator import MLPSpeculatorHead
 from draftsmith.serve import LLM, SamplingParams
-from helpers import DEMO_MODEL
-
-PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa",
-           "for i in ra", "class A:\n    def __init__(self):\n        self.x = 1\n        self.y"]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target(DEMO_MODEL, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def greedy_reference():
-    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32),
-                                                           use_tqdm=False)]
+from helpers import CODE_PROMPTS, DEMO_MODEL
 
 
 def _random(target, tied=False, scale_input=False, n=3, inner=192):
@@ -96,7 +80,7 @@ def _serve(head_dir, k=3):
 def test_a_random_speculator_decodes_with_greedy_equality(target, tmp_path, greedy_reference):
     _random(target).save_pretrained(tmp_path)
     llm = _serve(tmp_path)  # 4 prompts, 3 slots: rows join and leave a mixed batch
-    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
@@ -106,7 +90,7 @@ def test_a_random_speculator_decodes_with_greedy_equality(target, tmp_path, gree
 def test_converted_public_speculators_decode_with_greedy_equality(build, tmp_path, greedy_reference):
     assert pub.convert(build(tmp_path / "src"), tmp_path / "head", "--target", DEMO_MODEL) == 0
     llm = _serve(tmp_path / "head")
-    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.methods.eagle.training import soft_ce, top1_agreement
+from draftsmith.methods.eagle.training import soft_ce, target_logits, top1_agreement
 
 
 def eagle_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict[str, float]]:
@@ -22,8 +22,7 @@ def eagle_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict
     goal = last[:, 1:]
     mask = loss_mask[:, 1:].float()
     feature_loss = (F.smooth_l1_loss(pred.float(), goal.float(), reduction="none").mean(-1) * mask).sum() / mask.sum().clamp(min=1)
-    with torch.no_grad():
-        teacher_p = target.lm_head(goal.to(target.lm_head.weight.dtype)).float().softmax(-1)
+    teacher_p = target_logits(target, goal).softmax(-1)
     token_loss = soft_ce(logits, teacher_p, mask)
     total = cfg.feature_loss_weight * feature_loss + cfg.token_loss_weight * token_loss
     return total, {"feature_loss": feature_loss.item(), "token_loss": token_loss.item(),

@@ -33,6 +33,12 @@ def unroll(head: DraftHead, input_ids: torch.Tensor, features: torch.Tensor, ste
         yield s, logits
 
 
+@torch.no_grad()
+def target_logits(target, last: torch.Tensor) -> torch.Tensor:
+    """The frozen target's next-token logits (fp32) from its final normed hidden states [..., H]."""
+    return target.lm_head(last.to(target.lm_head.weight.dtype)).float()
+
+
 def soft_ce(logits: torch.Tensor, teacher_p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     ce = -(teacher_p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
     return (ce * mask).sum() / mask.sum().clamp(min=1)
@@ -55,7 +61,7 @@ def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.
     draft so far equals the target's argmax."""
     input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     width = input_ids.shape[1] - 1
-    target_next = target.lm_head(feats["last"][:, 1:].to(target.lm_head.weight.dtype)).argmax(-1)  # [B, T-1]
+    target_next = target_logits(target, feats["last"][:, 1:]).argmax(-1)  # [B, T-1]
     starts = (loss_mask[:, 1:] > 0) & (torch.arange(width, device=input_ids.device)[None, :] < width - max_k)
     alive = starts.clone()
     counts = torch.zeros(max_k, dtype=torch.long)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.methods.eagle.training import shift, soft_ce, top1_agreement, unroll
+from draftsmith.methods.eagle.training import shift, soft_ce, target_logits, top1_agreement, unroll
 
 
 def eagle3_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict[str, float]]:
     input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     width = input_ids.shape[1] - 1
     with torch.no_grad():
-        teacher = target.lm_head(feats["last"][:, 1:].to(target.lm_head.weight.dtype)).float()  # [B, T-1, V]
+        teacher = target_logits(target, feats["last"][:, 1:])  # [B, T-1, V]
         in_vocab = head.t2d[teacher.argmax(-1)]
         teacher_p = teacher[..., head.t2d].softmax(-1)  # draft ids ascend like target ids: same order
     valid = torch.arange(width, device=input_ids.device)[None, :]

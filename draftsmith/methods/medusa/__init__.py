@@ -8,12 +8,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import (
-    MethodNeeds,
-    RecipeModelSection,
+    FinalHiddenMethod,
+    FinalHiddenRecipe,
     RecipeTrainingSection,
-    SpecMethod,
     SpeculativeConfig,
 )
 from draftsmith.methods.registry import register_method
@@ -25,7 +23,7 @@ class MedusaSpecConfig(SpeculativeConfig):
     method: Literal["medusa"]
 
 
-class MedusaRecipe(RecipeModelSection):
+class MedusaRecipe(FinalHiddenRecipe):
     head_type: Literal["medusa"]
     num_heads: int = Field(default=3, gt=0, description="heads, one draft each: the most num_speculative_tokens")
     num_layers: int = Field(default=1, gt=0, description="ResBlocks per head")
@@ -38,10 +36,9 @@ class MedusaTraining(RecipeTrainingSection):
 
 
 @register_method
-class MedusaMethod(SpecMethod):
+class MedusaMethod(FinalHiddenMethod):
     name = "medusa"
     section = MedusaSpecConfig
-    needs = MethodNeeds(hidden_states=True, head=True)
     head_type = "medusa"
     head_config = MedusaConfig
     head_module = MedusaHead
@@ -62,14 +59,7 @@ class MedusaMethod(SpecMethod):
         return simulated_acceptance
 
     @classmethod
-    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
-        return (num_layers,)  # the final normed hidden state, which the target's LM head reads too
-
-    @classmethod
     def build_head(cls, section: MedusaRecipe, target, aux_layer_ids, token_records):
-        if tuple(aux_layer_ids) != cls.default_aux_layers(target.config.num_hidden_layers):
-            raise DraftsmithError(f"Medusa heads read the target's final hidden state only; drop model.aux_layer_ids "
-                                  f"({list(aux_layer_ids)})")
         c = target.config
         config = MedusaConfig(hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_heads=section.num_heads,
                               num_layers=section.num_layers, own_lm_heads=section.own_lm_heads,

@@ -7,19 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.methods.eagle.training import soft_ce, top1_agreement
-
-
-def _teacher(target, last: torch.Tensor) -> torch.Tensor:
-    """[B, T, V] the target's next-token distribution at every position, from its final normed hidden."""
-    with torch.no_grad():
-        return target.lm_head(last.to(target.lm_head.weight.dtype)).float().softmax(-1)
+from draftsmith.methods.eagle.training import soft_ce, target_logits, top1_agreement
 
 
 def medusa_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict[str, float]]:
     last, loss_mask = feats["last"], batch["loss_mask"]
     width = last.shape[1]
-    teacher = _teacher(target, last)
+    teacher = target_logits(target, last).softmax(-1)  # token t + 1's distribution at t
     logits = head(last.to(next(head.parameters()).dtype))  # [B, T, K, V]
     total, logs = 0.0, {}
     for i in range(head.config.num_heads):
@@ -39,7 +33,7 @@ def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.
     last, loss_mask = feats["last"], batch["loss_mask"]
     depth = min(max_k, head.config.num_heads)
     width = last.shape[1]
-    greedy = target.lm_head(last.to(target.lm_head.weight.dtype)).argmax(-1)  # [B, T]: token t + 1 at t
+    greedy = target_logits(target, last).argmax(-1)  # [B, T]: token t + 1 at t
     drafted = head(last.to(next(head.parameters()).dtype), heads=depth).argmax(-1)  # [B, T, depth]
     starts = (loss_mask[:, 1:] > 0)[:, : width - depth]
     alive = starts.clone()

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
-from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import (
-    MethodNeeds,
-    RecipeModelSection,
+    FinalHiddenMethod,
+    FinalHiddenRecipe,
     RecipeTrainingSection,
-    SpecMethod,
     SpeculativeConfig,
 )
 from draftsmith.methods.registry import register_method
@@ -26,7 +23,7 @@ class MLPSpeculatorSpecConfig(SpeculativeConfig):
     method: Literal["mlp_speculator"]
 
 
-class MLPSpeculatorRecipe(RecipeModelSection):
+class MLPSpeculatorRecipe(FinalHiddenRecipe):
     head_type: Literal["mlp_speculator"]
     n_predict: int = Field(default=3, gt=0, description="stages, one draft each: the most num_speculative_tokens")
     inner_dim: int | None = Field(default=None, gt=0, description="the stages' width; default: the target's hidden")
@@ -40,10 +37,9 @@ class MLPSpeculatorTraining(RecipeTrainingSection):
 
 
 @register_method
-class MLPSpeculatorMethod(SpecMethod):
+class MLPSpeculatorMethod(FinalHiddenMethod):
     name = "mlp_speculator"
     section = MLPSpeculatorSpecConfig
-    needs = MethodNeeds(hidden_states=True, head=True)
     head_type = "mlp_speculator"
     head_config = MLPSpeculatorConfig
     head_module = MLPSpeculatorHead
@@ -64,25 +60,14 @@ class MLPSpeculatorMethod(SpecMethod):
         return simulated_acceptance
 
     @classmethod
-    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
-        return (num_layers,)  # the final normed hidden state
-
-    @classmethod
     def build_head(cls, section: MLPSpeculatorRecipe, target, aux_layer_ids, token_records):
-        if tuple(aux_layer_ids) != cls.default_aux_layers(target.config.num_hidden_layers):
-            raise DraftsmithError(f"MLP speculators read the target's final hidden state only; drop "
-                                  f"model.aux_layer_ids ({list(aux_layer_ids)})")
         c = target.config
         config = MLPSpeculatorConfig(emb_dim=c.hidden_size, inner_dim=section.inner_dim or c.hidden_size,
                                      vocab_size=c.vocab_size, n_predict=section.n_predict,
                                      tie_weights=section.tie_weights, scale_input=section.scale_input,
                                      target_model=section.target)
         head = MLPSpeculatorHead(config).attach_target(target)
-        head.reset_parameters()
-        if config.inner_dim == c.hidden_size:  # as Medusa starts: each stage reads out as the target does
-            with torch.no_grad():
-                for stage_head in head.head:
-                    stage_head.weight.copy_(target.lm_head.weight.float())
+        head.init_from_target()
         return head
 
     @classmethod

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.methods.eagle.training import soft_ce, top1_agreement
+from draftsmith.methods.eagle.training import soft_ce, target_logits, top1_agreement
 
 
 def _stage_inputs(head, feats, batch):
@@ -24,8 +24,7 @@ def mlp_speculator_objective(head, target, batch, feats, cfg) -> tuple[torch.Ten
     hidden, tokens, width = _stage_inputs(head, feats, batch)
     if width <= 0:
         raise ValueError(f"samples of {feats['last'].shape[1]} tokens are too short for {head.config.n_predict} stages")
-    with torch.no_grad():
-        teacher = target.lm_head(feats["last"].to(target.lm_head.weight.dtype)).float().softmax(-1)
+    teacher = target_logits(target, feats["last"]).softmax(-1)
     logits = head(hidden, tokens)  # [B, W, n, V]
     total, logs = 0.0, {}
     for i in range(head.config.n_predict):
@@ -43,7 +42,7 @@ def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.
     """Teacher-forced greedy chains, as the EAGLE family's eval: each stage reads the text's token, and stage
     i's draft survives while it and every draft before it equal the target's greedy token there."""
     hidden, tokens, width = _stage_inputs(head, feats, batch)
-    greedy = target.lm_head(feats["last"].to(target.lm_head.weight.dtype)).argmax(-1)  # token t + 1 at t
+    greedy = target_logits(target, feats["last"]).argmax(-1)  # token t + 1 at t
     depth = min(max_k, head.config.n_predict)
     drafted = head(hidden, tokens, stages=depth).argmax(-1)  # [B, W, depth]
     starts = batch["loss_mask"][:, 1 : 1 + width] > 0

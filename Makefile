@@ -4,9 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftsmith-installed
-ORACLE_STAMP := $(VENV)/.speculators-oracle-installed
+ORACLE_STAMP := $(VENV)/.test-oracles-installed
 TORCH_SPEC ?= torch==2.13.0
 SPECULATORS ?= 0.9.0
+ARCTIC ?= 0.3.0
 SHARED ?= ../shared
 
 .PHONY: install test demo bench lint clean
@@ -19,12 +20,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,triton]"
 	touch $(STAMP)
 
-# Test-only: speculators as an independent oracle (tests/speculators_oracle.py), with --no-deps because its
-# torchaudio/torchvision pins pull a CUDA torch; where it does not install, those tests skip and say why.
+# Test-only oracles, with --no-deps because their pins pull a CUDA torch (speculators' torchaudio/torchvision,
+# arctic-inference's vllm): speculators (tests/speculators_oracle.py) and Arctic Inference's suffix cache
+# (tests/unit/test_suffix.py, its C++ tree builds from source); where one does not install, its tests skip
+# and say why.
 $(ORACLE_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[oracle]"
 	$(PY) -m pip install -q --no-deps "speculators==$(SPECULATORS)" "hs-connectors==$(SPECULATORS)" || \
 		echo "speculators $(SPECULATORS) not installed: the tests that use it as an oracle will skip"
+	$(PY) -m pip install -q --no-deps "arctic-inference==$(ARCTIC)" || \
+		echo "arctic-inference $(ARCTIC) not installed: the suffix decoding oracle test will skip"
 	touch $(ORACLE_STAMP)
 
 test: $(STAMP) $(ORACLE_STAMP)

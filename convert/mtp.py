@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
 from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.convert.registry import (
     Exported,
@@ -107,6 +109,7 @@ class MTP:
                 raise DraftsmithError(f"MTP layer {k} lacks {', '.join(missing)} in {checkpoint.path}")
         read = checkpoint.read(list(tensors.values()))
         out = {native: read[src] for native, src in tensors.items()}
+        config = _undo_mimo_block(config, out)
         hidden = int(config.get("hidden_size") or out["layers.0.input_proj.weight"].shape[0])
         vocab = int(config["vocab_size"])
         head = MTPConfig(layout=name, num_layers=count, hidden_size=hidden, vocab_size=vocab, target_num_layers=layers,
@@ -114,6 +117,45 @@ class MTP:
                          target_model=(config.get("draftsmith") or {}).get("target_model") or ctx.target_name
                          or str(checkpoint.directory), source_config=_original_config(config))
         return NormalizedHead(head.to_json(), out, [f"{name} layout: {count} MTP layer(s), {len(out)} tensors read"])
+
+
+# A Qwen2 block (MiMo's) is a Llama block with q/k/v biases: a Llama-family MTP layer exports as MiMo's layout,
+# the one vLLM's mimo_mtp loads, with zero biases
+QKV_BIASES = tuple(f"self_attn.{p}_proj.bias" for p in "qkv")
+
+
+def _as_mimo_block(config: dict, tensors: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Rewrites a Llama-family MTP export in place into MiMo's block kind, recorded in the provenance block so
+    that reading it back restores the original."""
+    mark = config["draftsmith"]
+    mark["zero_biases"] = []
+    mark["source_block"] = {key: config.get(key) for key in ("model_type", "architectures", "attention_bias")}
+    config.update(model_type="mimo", architectures=["MiMoForCausalLM"], attention_bias=True)
+    for k in range(num_layers):
+        prefix = LAYOUTS["mimo"].layer_prefix.format(k=k)
+        for bias in QKV_BIASES:
+            name = prefix + bias
+            if name not in tensors:
+                weight = tensors[name.removesuffix("bias") + "weight"]
+                tensors[name] = torch.zeros(weight.shape[0], dtype=weight.dtype)
+                mark["zero_biases"].append(f"layers.{k}.block.{bias}")
+
+
+def _undo_mimo_block(config: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """The inverse of `_as_mimo_block` (biases that are no longer zero keep the MiMo block)."""
+    mark = config.get("draftsmith") or {}
+    original, added = mark.get("source_block"), mark.get("zero_biases") or []
+    if original is None or any(name not in tensors or tensors[name].any() for name in added):
+        return config
+    for name in added:
+        del tensors[name]
+    config = {**config, "draftsmith": {k: v for k, v in mark.items() if k not in ("zero_biases", "source_block")}}
+    for key, value in original.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    return config
 
 
 def _original_config(config: dict) -> dict:
@@ -160,8 +202,21 @@ def _to_source_layout(head: NormalizedHead, architectures: list[str] | None) -> 
 @register_exporter("vllm", "mtp")
 def to_vllm(head: NormalizedHead) -> Exported:
     """A standalone checkpoint holding only the MTP tensors under their target names, with the target's config:
-    what vLLM's deepseek_mtp / qwen3_next_mtp / mimo_mtp loaders read."""
-    return _to_source_layout(head, None)
+    what vLLM's deepseek_mtp / qwen3_next_mtp / mimo_mtp loaders read. An MTP layer draftsmith trained for a
+    Llama-family target is written as MiMo's (vLLM has no MTP model of the Llama kind)."""
+    exported = _to_source_layout(head, None)
+    c = MTPConfig.from_json(head.config)
+    if c.layout == "mimo" and c.source_config.get("model_type") != "mimo":
+        block, kind = c.block_config(), c.source_config.get("model_type")
+        # vLLM's Qwen2 layer: no q/k norms, no window in this layout, head_dim = hidden / heads
+        lacks = [what for what, has in (("q/k norms", block.qk_norm), ("a sliding window", block.sliding_window),
+                                        ("a head_dim other than hidden / heads",
+                                         block.head_dim * block.num_attention_heads != block.hidden_size)) if has]
+        if lacks:
+            raise DraftsmithError(f"vLLM has no MTP model for this {kind} block ({', '.join(lacks)}): MiMo's, the "
+                                  "one a Llama-family block exports as, is a plain Qwen2 layer")
+        _as_mimo_block(exported.config, exported.tensors, c.num_layers)
+    return exported
 
 
 @register_exporter("sglang", "mtp")

@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "a drain where fewer than c requests are left, which says little about c in flight "
                        "(default: %(default)s)")
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
+    bench.add_argument("--repeat", type=_positive_int, default=1,
+                       help="send each level's prompts this many times, pass after pass: a repetitive workload, "
+                       "where suffix decoding drafts from earlier outputs (default: %(default)s)")
     bench.add_argument("--rounds", type=_positive_int, default=1,
                        help="run each level this many times (all methods side by side each time) and report "
                        "each method's median (default: %(default)s)")

@@ -1,5 +1,5 @@
 """Native head configs: one `HeadConfig` base whose `draftsmith_head_type` key is the discriminator, and the
-configs of the heads that are not EAGLE-style (MLP speculator, Medusa; MTP, which converts but does not run yet).
+configs of the heads that are not EAGLE-style (MLP speculator, Medusa, MTP).
 
 Every native head directory has the same shape (`config.json` with `draftsmith_head_type`, one
 `model.safetensors`); which subclass reads a config.json is decided by the method registry
@@ -110,11 +110,16 @@ class MedusaConfig(HeadConfig):
         return self.num_heads  # one per head
 
 
+# MTP blocks of these model types are a family the runtime runs (MiMo's is a Qwen2 decoder layer)
+BLOCK_FAMILIES = {"mimo": "qwen2"}
+
+
 @dataclass
 class MTPConfig(HeadConfig):
-    """Multi-token-prediction layers taken out of a target checkpoint. Per layer k: token_norm(embedding) and
-    hidden_norm(previous hidden) concatenated in `concat_order`, input_proj, a decoder block of the target's
-    own kind (kept under its source names, described by `source_config`), final_norm, the shared LM head."""
+    """Multi-token-prediction layers: taken out of a target checkpoint, or trained by draftsmith for a target
+    that has none. Per layer k: token_norm(embedding) and hidden_norm(previous hidden) concatenated in
+    `concat_order`, input_proj, a decoder block of the target's own kind (kept under its source names,
+    described by `source_config`), final_norm, the shared LM head."""
 
     head_type: ClassVar[str] = "mtp"
     layout: str  # deepseek | qwen3_next | mimo: how the layers sit in the target checkpoint
@@ -129,3 +134,27 @@ class MTPConfig(HeadConfig):
 
     def check_target(self, target: TargetConfig) -> None:
         check_sizes("MTP", self.hidden_size, self.vocab_size, target)
+
+    @property
+    def feeds_back_normed(self) -> bool:
+        """MiMo's layer returns its final_norm output, which the next step reads (vLLM mimo_mtp.py); DeepSeek's
+        returns the block output and norms it for the LM head only (deepseek_mtp.py)."""
+        return self.layout == "mimo"
+
+    def block_config(self) -> TargetConfig:
+        """The decoder block's architecture, as the runtime's config of a target of that kind; a
+        DraftsmithError naming the model type where the block is not one the runtime runs (MLA, MoE)."""
+        from draftsmith.errors import UnsupportedModelError
+
+        model_type = self.source_config.get("model_type")
+        config = {**self.source_config, "model_type": BLOCK_FAMILIES.get(model_type, model_type)}
+        try:
+            block = TargetConfig.from_hf_dict(config)
+        except (UnsupportedModelError, DraftsmithError) as exc:
+            raise DraftsmithError(f"MTP layers of a {model_type!r} model cannot be served by draftsmith: its decoder "
+                                  f"block is not one the runtime runs ({exc}); `draftsmith convert --to vllm` "
+                                  "writes them for vLLM") from None
+        if block.o_bias or block.mlp_bias:
+            raise DraftsmithError(f"MTP block of a {model_type!r} model has output-projection or MLP biases, which "
+                                  "draftsmith's draft layer lacks")
+        return block

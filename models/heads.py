@@ -143,50 +143,50 @@ class FinalHiddenHead(AttachedHead):
         return hidden_states[self.hidden_layer_ids[0]]
 
 
-class DraftHead(AttachedHead):
-    """Base of EAGLE-style heads: one `step` used by training (with TTT history) and serving (with a cache)."""
+class RecurrentHead(AttachedHead):
+    """Base of heads that draft token by token from their own outputs through one attention layer with a
+    per-slot cache (EAGLE family, MTP): one `step` used by training (with TTT history) and serving.
+    `layer_shape` describes that layer (rope, head_dim, num_key_value_heads, max_position_embeddings)."""
 
-    default_fc_bias = False
-    variants: tuple[str, ...] = ()  # the DraftHeadConfig.VARIANTS this head computes
-
-    def __init__(self, config: DraftHeadConfig):
+    def __init__(self, config: HeadConfig, layer_shape):
         super().__init__(config)
-        unknown = [name for name in config.variants() if name not in self.variants]
-        if unknown:  # built anyway, the head would compute the plain architecture: silently wrong drafts
-            raise DraftsmithError(f"{self.head_type} heads have no variant {', '.join(unknown)}")
-        if config.fc_bias is None:
-            config.fc_bias = self.default_fc_bias
+        self.layer_shape = layer_shape
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
     # -- wiring ----------------------------------------------------------------------------------------
     @property
     def hidden_layer_ids(self) -> tuple[int, ...]:
-        return self.config.aux_layer_ids
+        raise NotImplementedError
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The newest this many positions the draft layer attends over (None: all)."""
+        return None
 
     def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target features this head reads, [B, T, F], from a target forward's hidden states."""
-        return torch.cat([hidden_states[i] for i in self.config.aux_layer_ids], dim=-1)
+        return torch.cat([hidden_states[i] for i in self.hidden_layer_ids], dim=-1)
 
     def init_rope(self, max_len: int) -> None:
         device = next(self.parameters()).device
-        self.rope_cos, self.rope_sin = rope_tables(self.config.rope, self.config.head_dim, max_len, device)
+        self.rope_cos, self.rope_sin = rope_tables(self.layer_shape.rope, self.layer_shape.head_dim, max_len, device)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rope_cos is None or self.rope_cos.device != positions.device:
-            self.init_rope(max(self.config.max_position_embeddings, 4096))
+            self.init_rope(max(self.layer_shape.max_position_embeddings, 4096))
         return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
 
     def make_cache(self, num_slots: int, max_len: int) -> KVCache:
-        w = next(self.parameters())
-        return KVCache(1, num_slots, max_len, self.config.num_key_value_heads, self.config.head_dim, w.dtype, w.device)
+        w, shape = next(self.parameters()), self.layer_shape
+        return KVCache(1, num_slots, max_len, shape.num_key_value_heads, shape.head_dim, w.dtype, w.device)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.config.own_embedding else self.target.model.embed_tokens
-        return table(token_ids)
 
     # -- the model ---------------------------------------------------------------------------------------
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, from_target: bool,
@@ -203,6 +203,37 @@ class DraftHead(AttachedHead):
         if logits_at is None:
             return out
         return out[torch.arange(out.shape[0], device=out.device), logits_at][:, None]
+
+
+class DraftHead(RecurrentHead):
+    """Base of EAGLE-style heads (`DraftHeadConfig`): the fused target layers, the variants, the embedding."""
+
+    default_fc_bias = False
+    variants: tuple[str, ...] = ()  # the DraftHeadConfig.VARIANTS this head computes
+
+    def __init__(self, config: DraftHeadConfig):
+        super().__init__(config, config)
+        unknown = [name for name in config.variants() if name not in self.variants]
+        if unknown:  # built anyway, the head would compute the plain architecture: silently wrong drafts
+            raise DraftsmithError(f"{self.head_type} heads have no variant {', '.join(unknown)}")
+        if config.fc_bias is None:
+            config.fc_bias = self.default_fc_bias
+
+    @property
+    def hidden_layer_ids(self) -> tuple[int, ...]:
+        return self.config.aux_layer_ids
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.draft_vocab_size
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.config.sliding_window
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.config.own_embedding else self.target.model.embed_tokens
+        return table(token_ids)
 
 
 def load_head_weights(head: nn.Module, directory: str | Path) -> nn.Module:

@@ -207,11 +207,13 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows = []
     for c in levels:
-        batch = prompts[: level_prompts(args, c)]
+        batch = prompts[: level_prompts(args, c)] * args.repeat
         runs = {m: [] for m in llms}  # per method: a finished _Run per round
         for _ in range(args.rounds):
             for llm in llms.values():
                 llm.engine.reset_metrics()  # drops the warm-up's and the previous run's counts
+                if llm.engine.proposer is not None:
+                    llm.engine.proposer.forget()  # every round starts without earlier rounds' outputs
             for method, run in drive(llms, batch, params, c).items():
                 runs[method].append(run)
         level: list[dict] = []  # no speculation's row first: every ratio at this level divides by it
@@ -293,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"concurrency {','.join(map(str, levels))}: max({args.waves} x c, {args.num_prompts}) validation code "
           "prompts per level, "
           f"greedy, {args.max_tokens} new tokens, fp32, {torch.get_num_threads()} CPU threads, "
-          f"median of {args.rounds} round(s)", flush=True)
+          f"median of {args.rounds} round(s)" + (f", the prompts sent {args.repeat} times" if args.repeat > 1 else ""),
+          flush=True)
     rows = []
     for name in filter(None, map(str.strip, args.models.split(","))):
         model_rows = bench_model(args, name, levels, texts)

@@ -409,6 +409,7 @@ class LLMEngine:
         if self.proposer is not None:
             metrics.update(self.spec_metrics.as_dict())
             metrics.update(self.planner.metrics())
+            metrics.update(self.proposer.metrics())
         return metrics
 
     def reset_metrics(self) -> None:

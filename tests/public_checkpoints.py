@@ -336,3 +336,26 @@ def mimo_target_with_mtp(directory: Path, layers: int = 2) -> Path:
     config = {"architectures": ["MiMoForCausalLM"], "model_type": "mimo", "hidden_size": MTP_H, "vocab_size": MTP_V,
               "num_hidden_layers": layers, "num_nextn_predict_layers": 1}
     return _write(directory, config, _main_model(layers) | mtp, "model.safetensors")
+
+
+def mimo_mtp_for(target_dir: Path, directory: Path, mtp_layers: int = 1) -> Path:
+    """A MiMo-layout checkpoint (section 7.3) whose MTP layers fit the target at `target_dir`: its shapes, a Qwen2
+    block (q/k/v biases) per layer, random weights; only the MTP tensors, as `convert --to vllm` writes them."""
+    torch.manual_seed(22)
+    shape = json.loads((Path(target_dir) / "config.json").read_text())
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    tensors = {}
+    for k in range(mtp_layers):
+        p = f"model.mtp_layers.{k}."
+        tensors |= {f"{p}token_layernorm.weight": _norm(h), f"{p}hidden_layernorm.weight": _norm(h),
+                    f"{p}input_proj.weight": _w(h, 2 * h), f"{p}final_layernorm.weight": _norm(h),
+                    f"{p}input_layernorm.weight": _norm(h), f"{p}post_attention_layernorm.weight": _norm(h),
+                    f"{p}self_attn.q_proj.weight": _w(q, h), f"{p}self_attn.q_proj.bias": _w(q),
+                    f"{p}self_attn.k_proj.weight": _w(kv, h), f"{p}self_attn.k_proj.bias": _w(kv),
+                    f"{p}self_attn.v_proj.weight": _w(kv, h), f"{p}self_attn.v_proj.bias": _w(kv),
+                    f"{p}self_attn.o_proj.weight": _w(h, q), f"{p}mlp.gate_proj.weight": _w(inter, h),
+                    f"{p}mlp.up_proj.weight": _w(inter, h), f"{p}mlp.down_proj.weight": _w(h, inter)}
+    config = {**shape, "architectures": ["MiMoForCausalLM"], "model_type": "mimo", "attention_bias": True,
+              "num_nextn_predict_layers": mtp_layers}
+    return _write(directory, config, tensors, "model.safetensors")

@@ -87,6 +87,10 @@ class Progress:
         self.__dict__.update(state)
 
 
+def _as_recipe(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
 def build_head(recipe: Recipe, target, train_ds):
     m = recipe.model
     if m.init_from:
@@ -94,9 +98,11 @@ def build_head(recipe: Recipe, target, train_ds):
         if head.head_type != m.head_type:
             raise DraftsmithError(f"model.init_from holds an {head.head_type!r} head, the recipe trains {m.head_type!r}")
         # the saved head's architecture wins; a recipe asking for another variant would be ignored silently
-        differing = [f"{name}: {getattr(m, name)} (the head has {getattr(head.config, name, None)})"
-                     for name in sorted(m.model_fields_set & set(DraftHeadConfig.VARIANTS))
-                     if getattr(m, name) != getattr(head.config, name, None)]
+        # keys the recipe set that shape the head; null asks for the default (a variant's null means "off")
+        shaped = [name for name in sorted(set(m.model_fields_set) - {"target", "head_type", "init_from"})
+                  if getattr(m, name) is not None or name in DraftHeadConfig.VARIANTS]
+        differing = [f"{name}: {getattr(m, name)} (the head has {_as_recipe(getattr(head.config, name, None))})"
+                     for name in shaped if getattr(m, name) != _as_recipe(getattr(head.config, name, None))]
         if differing:
             raise DraftsmithError(f"the recipe sets {'; '.join(differing)}, but model.init_from continues a saved "
                                   "head as it is: drop those keys or start a new head")

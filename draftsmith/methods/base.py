@@ -146,6 +146,13 @@ class FinalHiddenRecipe(RecipeModelSection):
             raise ValueError(f"{ids}: these heads read the target's final hidden state only; drop aux_layer_ids")
         return ids
 
+    @field_validator("intermediate_size")
+    @classmethod
+    def _no_intermediate_size(cls, size: int | None) -> None:
+        if size is not None:
+            raise ValueError("these heads have no decoder layer to size; drop intermediate_size")
+        return size
+
 
 class RecipeTrainingSection(BaseModel):
     """The `training:` section of a recipe: what every method's training shares. A method with knobs of its
@@ -269,6 +276,13 @@ class Proposer:
 
     def release(self, request: RowState) -> None:
         """The request finished or was aborted: drop whatever was kept for it."""
+
+    def metrics(self) -> dict:
+        """Numbers of its own for the engine's metrics (a cache's size), if any."""
+        return {}
+
+    def forget(self) -> None:
+        """Drops what it learned from earlier requests (a benchmark's rounds then start alike)."""
 
 
 class SpecMethod:

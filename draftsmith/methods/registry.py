@@ -16,7 +16,7 @@ from draftsmith.methods.base import SpecMethod
 METHODS: dict[str, type[SpecMethod]] = {}
 # Methods vLLM's --speculative-config knows that draftsmith has not registered yet: refused with "not
 # available yet" rather than "unknown", so a vLLM user sees it is planned, not a typo.
-PLANNED_METHODS = ("suffix", "draft_model", "dflash")
+PLANNED_METHODS = ("draft_model", "dflash")
 
 
 def register_method(cls: type[SpecMethod]) -> type[SpecMethod]:
@@ -68,6 +68,8 @@ def resolve_method(name: str) -> type[SpecMethod]:
 def unknown_method_message(name: str, role: str = "") -> str:
     """`name` is not registered (or cannot be `role`: "served", "trained"): say which methods can."""
     able = method_names(servable if role == "served" else trainable if role == "trained" else lambda m: True)
+    if name in METHODS and role == "trained":
+        return f"method {name!r} trains no head; trainable: {', '.join(able)}"
     if name in METHODS or name in PLANNED_METHODS:
         return f"method {name!r} is not available yet; available: {', '.join(able)}"
     return f"method {name!r} is unknown; available: {', '.join(able)}"

@@ -165,17 +165,17 @@ def test_accelerate_launch_ddp_on_two_cpu_processes(workspace, tmp_path):
 
 
 def test_init_from_keeps_the_saved_architecture_and_says_so(workspace, tmp_path):
-    """Continuing a saved head, the recipe cannot ask for another variant: it would be ignored silently."""
+    """Continuing a saved head, the recipe cannot ask for another shape or variant: it would be ignored silently."""
     from draftsmith.errors import DraftsmithError
     from draftsmith.models import DraftHeadConfig
 
     root, target_dir, data = workspace
     target = load_target(target_dir, dtype="float32")
-    config = DraftHeadConfig.for_target("eagle3", target.config, (1, 2, 3), None, str(target_dir), norm_output=True)
+    config = DraftHeadConfig.for_target("eagle3", target.config, (1, 2, 3), 512, str(target_dir), norm_output=True)
     resolve_method("eagle3").head_module(config).attach_target(target).save_pretrained(tmp_path / "saved")
     raw = tiny_recipe(target_dir, data, tmp_path / "out", "eagle3")
-    raw["model"].update(init_from=str(tmp_path / "saved"), norm_output=True)
-    assert build_head(validate_recipe(raw), target, None).config.norm_output  # as saved: fine
+    raw["model"].update(init_from=str(tmp_path / "saved"), norm_output=True, intermediate_size=None)
+    assert build_head(validate_recipe(raw), target, None).config.norm_output  # as saved (null: the default): fine
     raw["model"].update(norm_output=False, sliding_window=64)
     with pytest.raises(DraftsmithError, match=r"norm_output: False \(the head has True\); sliding_window: 64 \(the "
                                               r"head has None\), but model.init_from continues a saved head"):

@@ -29,18 +29,44 @@ SEED = 100  # row b's generator is seeded SEED + b, in the proposer and in the r
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(target, head directory, head): a tiny Llama and a random EAGLE-3 head with a peaked LM head, so that
-    draft confidences spread over (0, 1) instead of sitting near 1 / vocab."""
-    target_dir, head_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("head")
+def target_dir(tmp_path_factory):
+    target_dir = tmp_path_factory.mktemp("target")
     torch.manual_seed(0)
     make_tiny_checkpoint("llama", target_dir)
+    return target_dir
+
+
+@pytest.fixture(scope="module")
+def models(target_dir, tmp_path_factory):
+    """(target, head directory, head): a tiny Llama and a random EAGLE-3 head with a peaked LM head, so that
+    draft confidences spread over (0, 1) instead of sitting near 1 / vocab."""
+    head_dir = tmp_path_factory.mktemp("head")
+    torch.manual_seed(0)
     target = load_target(target_dir, dtype="float32")
     config = DraftHeadConfig.for_target("eagle3", target.config, (1, 2, 3), 64, "tiny")
     head = resolve_method("eagle3").head_module(config).attach_target(target)
     head.set_vocab(torch.arange(0, 128, 2))  # draft id i is target id 2i: the id mapping is exercised
     with torch.no_grad():
         head.lm_head.weight.mul_(8)
+    head.save_pretrained(head_dir)
+    return target, head_dir
+
+
+@pytest.fixture(scope="module")
+def mtp_models(models, target_dir, tmp_path_factory):
+    """The same target with a random MTP layer (MiMo's layout: the normed state fed back), its readout
+    sharpened like the EAGLE-3 head's LM head."""
+    import json
+
+    from draftsmith.models.mtp import MTPHead
+
+    target, _ = models
+    head_dir = tmp_path_factory.mktemp("mtp")
+    torch.manual_seed(0)
+    head = MTPHead.for_target(target.config, json.loads((target_dir / "config.json").read_text()))
+    head.attach_target(target)
+    with torch.no_grad():
+        head.layers[0].final_norm.weight.mul_(8)
     head.save_pretrained(head_dir)
     return target, head_dir
 
@@ -63,12 +89,15 @@ def windowed_models(models, tmp_path_factory):
 
 
 def make_proposer(models, max_num_seqs: int = 4, sampled: bool = False):
+    import json
+
     target, head_dir = models
+    method = json.loads((head_dir / "config.json").read_text())["draftsmith_head_type"]
     # float32: the per-row reference must agree to the last bit, whatever batch shapes the proposer runs
-    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": K, "draft_dtype": "float32"}
+    spec = {"method": method, "model": str(head_dir), "num_speculative_tokens": K, "draft_dtype": "float32"}
     if sampled:
         spec["draft_sample_method"] = "probabilistic"
-    return resolve_method("eagle3").proposer_class()(parse_speculative_config(spec), target, max_num_seqs, MAX_LEN)
+    return resolve_method(method).proposer_class()(parse_speculative_config(spec), target, max_num_seqs, MAX_LEN)
 
 
 def features_of(proposer, ids: list[int]) -> torch.Tensor:
@@ -84,32 +113,35 @@ def observe(proposer, rows: list[Row], counts: list[int], extra: list[list[int]]
     last token, or 0 while it has no output), whose ids past the row's end are `extra[b]` (accepted drafts)."""
     extra = extra or [[] for _ in rows]
     starts = starts or [r.num_tokens - 1 if r.output_token_ids else 0 for r in rows]
-    feats = torch.zeros(len(rows), max(counts), proposer.head.fc.in_features)
-    for b, (row, start, count) in enumerate(zip(rows, starts, counts)):
-        feats[b, :count] = features_of(proposer, row.all_token_ids() + extra[b])[start : start + count]
+    per_row = [features_of(proposer, row.all_token_ids() + more) for row, more in zip(rows, extra)]
+    feats = torch.zeros(len(rows), max(counts), per_row[0].shape[-1])
+    for b, (start, count) in enumerate(zip(starts, counts)):
+        feats[b, :count] = per_row[b][start : start + count]
     proposer.observe(rows, starts, counts, feats)
 
 
 @torch.inference_mode()
 def reference(proposer, row: Row, limit: int, temperature: float = 0.0, generator=None, context_start: int = 0):
     """One row alone, old-style: (target ids, probability of each, q over the draft vocab per draft). The
-    head sees positions from `context_start` on, run from a fresh cache at positions shifted to start at 0:
-    rotary attention depends on position differences only, so no mask is needed to hide what came before."""
+    head sees positions from `context_start` on, run from a fresh cache whose slot 0 holds that position: no
+    mask is needed to hide what came before."""
     head, ids = proposer.head, row.all_token_ids()
     c = context_start
     n = len(ids) - 1 - c  # verified positions c..c+n-1 pair with tokens c+1..c+n
     cache = head.make_cache(1, MAX_LEN)
-    window = head.config.sliding_window  # the catch-up slides by position; drafts read from W before them on
+    window = head.sliding_window  # the catch-up slides by position; drafts read from W before them on
     batch = ForwardBatch.build([0], [0], [n], cache, window)
+    # the cache from slot 0, rope and the head's own position rules (MTP's position 0) at the real positions
     out, logits = head.step(torch.tensor([ids[c + 1:]]), features_of(proposer, ids)[None, c : c + n],
-                            batch.positions, True, cache, batch)
+                            batch.positions + c, True, cache, batch)
     state, logit = out[:, -1], logits[0, -1]
     tokens, probs, qs = [], [], []
     for s in range(limit):
         if s:
             draft_keys = None if window is None else [max(n - window, 0)]
             batch = ForwardBatch.build([0], [n + s - 1], [1], cache, key_starts=draft_keys)
-            out, logits = head.step(torch.tensor([[tokens[-1]]]), state[:, None], batch.positions, False, cache, batch)
+            out, logits = head.step(torch.tensor([[tokens[-1]]]), state[:, None], batch.positions + c, False, cache,
+                                    batch)
             state, logit = out[:, 0], logits[0, 0]
         q = torch.softmax(logit.float() / (temperature or 1.0), -1)
         if temperature:
@@ -167,14 +199,16 @@ def random_rows(gen, lengths, slots):
     return [Row(f"r{slot}", slot, torch.randint(0, 128, (n,), generator=gen).tolist()) for n, slot in zip(lengths, slots)]
 
 
+@pytest.mark.parametrize("head", ["models", "mtp_models"])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_mixed_batch_matches_the_per_row_reference(models, sampled, monkeypatch):
+def test_mixed_batch_matches_the_per_row_reference(head, sampled, monkeypatch, request):
     """Limits 0, 1, k and in between, prompts shorter and longer than the pending buffer (the head's context
     then starts at the prompt's last W positions), slots out of order, several rounds with random
-    acceptance (pending lengths 1..k+1), and a row whose limit 0 makes its pending accumulate."""
+    acceptance (pending lengths 1..k+1), and a row whose limit 0 makes its pending accumulate; an EAGLE-3
+    head and an MTP layer."""
     monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
     gen = torch.Generator().manual_seed(1)
-    proposer = make_proposer(models, sampled=sampled)
+    proposer = make_proposer(request.getfixturevalue(head), sampled=sampled)
     rows = random_rows(gen, [3, 30, 7, 12], [2, 0, 3, 1])
     temperatures = [0.0, 0.7, 1.0, 1.3] if sampled else None
     prefill(proposer, rows, gen)
@@ -188,6 +222,28 @@ def test_mixed_batch_matches_the_per_row_reference(models, sampled, monkeypatch)
         assert proposer.steps_run == max(limits)
         check_against_reference(proposer, rows, limits, drafts, sampling, temperatures)
         verify_step(proposer, rows, drafts, gen)
+
+
+@pytest.mark.parametrize("head", ["models", "mtp_models"])
+def test_drafts_are_what_training_unrolls(head, request):
+    """Serving and training run one model: a row's k drafts are the argmax of the training unroll's steps
+    at the row's last verified position, unrolled over the row with its drafts appended (step s reads the
+    token s after the row's last, which is draft s). Position, pairing, feedback or mask slips show here."""
+    from draftsmith.methods.eagle.training import unroll
+
+    gen = torch.Generator().manual_seed(3)
+    proposer = make_proposer(request.getfixturevalue(head))
+    rows = random_rows(gen, [9, 20], [1, 0])
+    prefill(proposer, rows, gen)
+    drafts = proposer.propose(rows, [K, K])
+    with torch.inference_mode():
+        for b, row in enumerate(rows):
+            drafted = drafts.tokens[b].tolist()
+            ids = row.all_token_ids() + drafted
+            steps = unroll(proposer.head, torch.tensor([ids]), features_of(proposer, ids)[None], K)
+            last = row.num_tokens - 2  # the newest position with a verified feature
+            unrolled = [int(proposer.head.to_target_ids(logits[0, last].argmax())) for _, logits in steps]
+            assert unrolled == drafted, f"row {b}"
 
 
 def test_a_windowed_head_drafts_as_trained(windowed_models, monkeypatch):

@@ -122,3 +122,28 @@ def test_training_on_a_tiny_target_lowers_the_loss(tied, tmp_path):
     assert report["sim_mean_acceptance_length_k2"] >= report["sim_mean_acceptance_length_k1"] > 1.0
     head = load_head(final)
     assert head.config.n_predict == 2 and head.config.tie_weights == tied
+
+
+def test_stage_one_learns_the_texts_own_tokens(target):
+    """IBM's stage 1 (`labels: text`): stage i at t is scored by cross-entropy against the text's token t + 2 + i,
+    counted where that token exists and carries loss, written out here position by position."""
+    from types import SimpleNamespace
+
+    from draftsmith.methods.mlp_speculator.objective import mlp_speculator_objective
+
+    head = _random(target, n=2)
+    ids = torch.randint(0, 8192, (2, 9))
+    loss_mask = torch.ones(2, 9, dtype=torch.long)
+    loss_mask[1, 7:] = 0  # the second row is padded after 7 tokens
+    last = target(ids, hidden_layer_ids=(6,)).hidden_states[6]
+    cfg = SimpleNamespace(labels="text", stage_decay=0.5)
+    total, logs = mlp_speculator_objective(head, target, {"input_ids": ids, "loss_mask": loss_mask}, {"last": last}, cfg)
+    width = 9 - 2
+    logits = head(last[:, :width], torch.stack([ids[:, 1 + i : 1 + i + width] for i in range(2)], dim=-1))
+    expected = 0.0
+    for i in range(2):
+        terms = [F.cross_entropy(logits[b, t, i], ids[b, t + 2 + i]) for b in range(2) for t in range(width)
+                 if t + 2 + i < 9 and loss_mask[b, t + 2 + i] and loss_mask[b, t + 1 + i]]
+        expected += 0.5**i * torch.stack(terms).mean()
+    torch.testing.assert_close(total, expected, atol=1e-4, rtol=1e-4)
+    assert logs["acc_stage1"] >= 0

@@ -16,7 +16,7 @@ LAUNCH_CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipe_validates(path):
-    assert re.fullmatch(r"(eagle|eagle3|medusa|mlp)-[a-z0-9.]+(-[a-z0-9.]+)*\.yaml", path.name)
+    assert re.fullmatch(r"(eagle|eagle3|medusa|mlp|mtp)-[a-z0-9.]+(-[a-z0-9.]+)*\.yaml", path.name)
     recipe = load_recipe(path)
     assert recipe.model.head_type == {"mlp": "mlp_speculator"}.get(*[path.name.split("-")[0]] * 2)
 
@@ -58,8 +58,14 @@ def test_method_keys_are_valid_only_for_their_method():
         load_recipe(eagle3, ["training.noise_std=0.1"])
     with pytest.raises(DraftsmithError, match="model.draft_vocab_size: Extra inputs are not permitted"):
         load_recipe(eagle, ["model.draft_vocab_size=512"])
-    with pytest.raises(DraftsmithError, match="'mtp' is not available yet; available: eagle, eagle3, medusa, mlp_speculator"):
-        load_recipe(eagle, ["model.head_type=mtp"])
+    with pytest.raises(DraftsmithError, match="'dflash' is not available yet; available: eagle, eagle3, medusa, mlp_speculator, mtp"):
+        load_recipe(eagle, ["model.head_type=dflash"])
+    with pytest.raises(DraftsmithError, match="'suffix' trains no head; trainable: eagle, eagle3, medusa, mlp_speculator, mtp$"):
+        load_recipe(eagle, ["model.head_type=suffix"])
+    with pytest.raises(DraftsmithError, match="an MTP layer is shaped like a layer of the target"):
+        load_recipe(eagle, ["model.head_type=mtp", "model.intermediate_size=64"])
+    with pytest.raises(DraftsmithError, match="these heads have no decoder layer to size; drop intermediate_size"):
+        load_recipe(eagle, ["model.head_type=medusa", "model.intermediate_size=64"])
     variants = load_recipe(eagle3, ["model.norm_before_fc=true", "model.sliding_window=512"]).model
     assert variants.norm_before_fc and variants.sliding_window == 512 and not variants.fc_norm
     with pytest.raises(DraftsmithError, match="norm_before_fc and fc_norm exclude each other"):

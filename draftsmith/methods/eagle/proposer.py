@@ -78,14 +78,14 @@ class EagleFamilyProposer(Proposer):
         self.head.attach_target(target)
         self.head.init_rope(max_model_len)
         self.hidden_layer_ids = self.head.hidden_layer_ids
-        self.window = self.head.config.sliding_window  # the head's own attention window, if it has one
+        self.window = self.head.sliding_window  # the head's own attention window, if it has one
         self.cache = self.head.make_cache(max_num_seqs, max_model_len)
         self.device = weight.device
         self.k = config.num_speculative_tokens
         self.vocab_size = target.config.vocab_size
         self.max_num_seqs = max_num_seqs
         # target id of each draft-vocabulary id: where a sampled draft's q lands in the target vocabulary
-        self.draft_to_target = self.head.to_target_ids(torch.arange(self.head.config.draft_vocab_size,
+        self.draft_to_target = self.head.to_target_ids(torch.arange(self.head.draft_vocab_size,
                                                                     device=self.device))
         self.draft_tokens = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
         self.draft_counts = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.models.heads import DraftHead
+from draftsmith.models.heads import RecurrentHead
 
 
 def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
@@ -21,7 +21,7 @@ def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, s:], pad], dim=1)
 
 
-def unroll(head: DraftHead, input_ids: torch.Tensor, features: torch.Tensor, steps: int):
+def unroll(head: RecurrentHead, input_ids: torch.Tensor, features: torch.Tensor, steps: int):
     """Yields (step, head logits [B, T-1, Vd]) for TTT steps 0..steps-1 over positions t = 0..T-2."""
     width = input_ids.shape[1] - 1
     hidden = features[:, :width].to(next(head.parameters()).dtype)

@@ -34,6 +34,9 @@ class MLPSpeculatorRecipe(FinalHiddenRecipe):
 
 class MLPSpeculatorTraining(RecipeTrainingSection):
     stage_decay: float = Field(default=0.8, gt=0, description="loss weight of stage i is decay**i")
+    labels: Literal["target", "text"] = Field(default="target", description="IBM's two stages: 'text' learns the "
+                                              "text's own next tokens (stage 1, plain text), 'target' the "
+                                              "target's distribution (stage 2, its own generations)")
 
 
 @register_method

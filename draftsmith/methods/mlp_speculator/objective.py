@@ -1,14 +1,16 @@
-"""MLP speculator training, by distillation from the frozen target: stage i at position t reads the target's
-final normed hidden state at t and the token at t + 1 + i (teacher-forced: the text's, where serving feeds
-the previous stage's draft) and learns the target's distribution of token t + 2 + i (its softmax at
-t + 1 + i), by soft cross-entropy weighted decay**i. IBM trains in two stages (on text, then on the target's
-generations); the demo recipe's data are the target's generations already, so one stage does both."""
+"""MLP speculator training: stage i at position t reads the target's final normed hidden state at t and the
+token at t + 1 + i (teacher-forced: the text's, where serving feeds the previous stage's draft) and learns
+token t + 2 + i, losses weighted decay**i. IBM trains in two stages, which `training.labels` selects: "text"
+(stage 1, on plain text: cross-entropy against the text's own token t + 2 + i) and "target" (stage 2, on the
+target's generations: soft cross-entropy against the target's distribution there, its softmax at t + 1 + i).
+The demo recipe's data are the target's generations already, so its one "target" stage does both."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from draftsmith.methods.eagle.training import soft_ce, target_logits, top1_agreement
+from draftsmith.methods.eagle.training import shift, soft_ce, target_logits, top1_agreement
 
 
 def _stage_inputs(head, feats, batch):
@@ -24,16 +26,25 @@ def mlp_speculator_objective(head, target, batch, feats, cfg) -> tuple[torch.Ten
     hidden, tokens, width = _stage_inputs(head, feats, batch)
     if width <= 0:
         raise ValueError(f"samples of {feats['last'].shape[1]} tokens are too short for {head.config.n_predict} stages")
-    teacher = target_logits(target, feats["last"]).softmax(-1)
+    by_text = cfg.labels == "text"
+    teacher = None if by_text else target_logits(target, feats["last"]).softmax(-1)
     logits = head(hidden, tokens)  # [B, W, n, V]
     total, logs = 0.0, {}
     for i in range(head.config.n_predict):
         mask = batch["loss_mask"][:, 1 + i : 1 + i + width].float()
-        expected = teacher[:, 1 + i : 1 + i + width]
-        loss = soft_ce(logits[:, :, i], expected, mask)
+        if by_text:  # the text's token t + 2 + i; the last stage has none at the batch's last position
+            labels = shift(batch["input_ids"], 2 + i)[:, :width]
+            mask = mask * shift(batch["loss_mask"], 2 + i)[:, :width]
+            ce = F.cross_entropy(logits[:, :, i].flatten(0, 1).float(), labels.flatten(), reduction="none")
+            loss = (ce * mask.flatten()).sum() / mask.sum().clamp(min=1)
+            hits = (logits[:, :, i].argmax(-1) == labels).float()
+            logs[f"acc_stage{i}"] = ((hits * mask).sum() / mask.sum().clamp(min=1)).item()
+        else:
+            expected = teacher[:, 1 + i : 1 + i + width]
+            loss = soft_ce(logits[:, :, i], expected, mask)
+            logs[f"acc_stage{i}"] = top1_agreement(logits[:, :, i], expected, mask)
         total = total + cfg.stage_decay**i * loss
         logs[f"loss_stage{i}"] = loss.item()
-        logs[f"acc_stage{i}"] = top1_agreement(logits[:, :, i], expected, mask)
     return total, logs
 
 

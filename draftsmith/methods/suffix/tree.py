@@ -1,0 +1,163 @@
+"""Suffix trees for suffix decoding (Arctic Inference's SuffixDecoding, arXiv 2411.04975), with its semantics.
+
+A `SuffixTree` holds every substring of up to `max_depth` tokens of the sequences added to it, as paths from
+the root (a trie, not path-compressed: Arctic's C++ tree compresses chains, which changes memory, not what
+it proposes). Each node counts the suffixes that reach it. From a node, the proposal follows the child with
+the highest count; its estimated probability is the product of child count / parent count along the way,
+and it stops at the token budget, at a leaf or once the probability falls below `min_token_prob`.
+
+Ties among children of equal count go as in Arctic's sibling lists: the child that reached its count most
+recently first, and among children that never changed since they were made, the oldest first. Probabilities
+and scores are float32 sums, as there, so that equal scores compare equal the same way.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+F32 = np.float32
+
+
+class _Node:
+    __slots__ = ("token", "count", "stamp", "parent", "children", "best")
+
+    def __init__(self, token: int, parent: _Node | None, stamp: int):
+        self.token, self.parent, self.count, self.stamp = token, parent, 1, stamp
+        self.children: dict[int, _Node] | None = None
+        self.best: _Node | None = None  # the child a proposal follows
+
+
+def _rank(node: _Node) -> tuple[int, int]:
+    return node.count, node.stamp
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    score: float = 0.0
+    match_len: int = 0
+
+
+class SuffixTree:
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self.root = _Node(-1, None, 0)
+        self.root.count = 0
+        self.num_nodes = 1
+        self._tick = 0  # stamps of count changes: later changes rank first among equal counts
+        self._made = 0  # creation order: older untouched children rank first (negative stamps)
+        self._seqs: dict[int, list[int]] = {}
+        self._active: dict[int, deque[_Node]] = {}  # per sequence: the nodes of its newest suffixes
+
+    # -- building ---------------------------------------------------------------------------------------
+    def extend(self, seq_id: int, tokens) -> None:
+        seq = self._seqs.setdefault(seq_id, [])
+        active = self._active.setdefault(seq_id, deque())
+        for token in tokens:
+            token = int(token)
+            active.append(self.root)
+            self.root.count += 1
+            if len(active) > self.max_depth:
+                active.popleft()
+            seq.append(token)
+            for i, node in enumerate(active):
+                active[i] = self._step_into(node, token)
+
+    def _step_into(self, node: _Node, token: int) -> _Node:
+        children = node.children
+        child = children.get(token) if children is not None else None
+        if child is None:
+            self._made += 1
+            child = _Node(token, node, -self._made)
+            if children is None:
+                node.children = {}
+            node.children[token] = child
+            if node.best is None and node is not self.root:  # the root's best is never followed
+                node.best = child
+            self.num_nodes += 1
+            return child
+        child.count += 1
+        self._tick += 1
+        child.stamp = self._tick
+        if node is not self.root and child is not node.best and _rank(node.best) <= _rank(child):
+            node.best = child
+        return child
+
+    def remove(self, seq_id: int) -> None:
+        """Takes a sequence's suffixes out again (the global tree's eviction)."""
+        seq = self._seqs.pop(seq_id, None)
+        self._active.pop(seq_id, None)
+        for start in range(len(seq or ())):
+            self.root.count -= 1
+            path = seq[start : start + self.max_depth]
+            parent = self.root
+            for depth, token in enumerate(path):
+                node = parent.children[token]
+                node.count -= 1
+                self._tick += 1
+                node.stamp = self._tick  # as Arctic: a count that changed ranks first among its equals
+                if node.count == 0:  # and so is every node below it on this path: the rest of the path
+                    del parent.children[token]
+                    self.num_nodes -= len(path) - depth
+                if parent is not self.root and parent.best is node:
+                    parent.best = max(parent.children.values(), key=_rank) if parent.children else None
+                if node.count == 0:
+                    break
+                parent = node
+
+    # -- matching -----------------------------------------------------------------------------------------
+    def suffix_nodes(self, seq_id: int) -> list[_Node]:
+        """The nodes of sequence `seq_id`'s newest suffixes, of lengths 1.. up to max_depth (shortest first)."""
+        return list(reversed(self._active.get(seq_id, ())))
+
+    def match(self, context: list[int]) -> list[_Node]:
+        """nodes[m - 1] is where context[-m:] ends, for m = 1.. as long as it is in the tree."""
+        nodes = []
+        for m in range(1, len(context)):
+            node = self.root
+            for token in context[-m:]:
+                node = node.children.get(token) if node.children else None
+                if node is None:
+                    return nodes
+            nodes.append(node)
+        return nodes
+
+    def speculate(self, matched: list[_Node], max_tokens: int, factor: float, offset: float,
+                  min_prob: float) -> Draft:
+        """Arctic's choice over match lengths m = 1..len(matched): the path draft of highest score, the longest
+        match winning ties. Longest first, so that shorter matches whose budget cannot beat the best stop it."""
+        best = Draft()
+        for m in range(len(matched), 0, -1):
+            budget = max(min(max_tokens, int(float(F32(F32(m) * F32(factor) + F32(offset))) + 1e-6)), 0)
+            if budget <= best.score:  # a draft of n tokens scores at most n
+                break
+            draft = _path(matched[m - 1], budget, min_prob)
+            if draft.score > best.score:
+                draft.match_len = m
+                best = draft
+        return best
+
+    def memory_bytes(self) -> int:
+        """About what the tree holds: a node with its slot in its parent's dict, and the sequences' tokens."""
+        return self.num_nodes * 200 + sum(len(s) for s in self._seqs.values()) * 8
+
+
+def _path(node: _Node, budget: int, min_prob: float) -> Draft:
+    draft, prob, score = Draft(), F32(1.0), F32(0.0)
+    while len(draft.tokens) < budget:
+        child = node.best
+        if child is None:
+            break
+        prob = F32(prob * (F32(child.count) / F32(node.count)))
+        if prob < F32(min_prob):
+            break
+        draft.tokens.append(child.token)
+        draft.probs.append(float(prob))
+        score = F32(score + prob)
+        node = child
+    draft.score = float(score)
+    return draft

@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--speculative-config", default=json.dumps(CODE_DEFAULTS),
                        help="speculation to compare against no speculation, besides the shipped heads ('' to skip); "
                        "default: %(default)s")
+    bench.add_argument("--methods", default=None,
+                       help="comma-separated methods to run beside no speculation (default: every one found)")
     bench.add_argument("--head-k", "--eagle-k", dest="head_k", type=_positive_int, default=5,
                        help="draft tokens for the shipped heads (assets/MODEL-HEADTYPE, e.g. demo-code-7m-eagle3)")
     bench.add_argument("--profile", action="store_true",

@@ -34,5 +34,4 @@ class EagleHead(DraftHead):
         cos, sin = self.rope(positions, x.dtype)
         layer_cache = (cache.k[0], cache.v[0]) if cache is not None else None
         out = self.layers[0](x, x, cos, sin, layer_cache, batch, ttt_history)
-        lm_head = self.target.lm_head  # the target's, in the target's dtype (the head may run in another)
-        return out, lm_head(self._at(out, logits_at).to(lm_head.weight.dtype))
+        return out, self.readout(self._at(out, logits_at))

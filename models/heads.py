@@ -22,6 +22,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.config import RopeConfig, TargetConfig
 from draftsmith.models.head_configs import HeadConfig
 from draftsmith.models.kv_cache import KVCache
+from draftsmith.models.linear import Linear
 from draftsmith.models.rope import rope_tables
 
 
@@ -153,6 +154,7 @@ class RecurrentHead(AttachedHead):
         self.layer_shape = layer_shape
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self._readout: list = []  # (the target's LM head in the head's dtype, the weight it copies)
 
     # -- wiring ----------------------------------------------------------------------------------------
     @property
@@ -187,6 +189,19 @@ class RecurrentHead(AttachedHead):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
+
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from the target's own LM head: a bfloat16 head under a float32 target reads a bfloat16 copy,
+        made once (the LM head is the largest matrix a draft step reads; not saved); otherwise x is cast to
+        the LM head's dtype."""
+        lm_head = self.target.lm_head
+        if x.dtype == lm_head.weight.dtype or x.element_size() >= lm_head.weight.element_size():
+            return lm_head(x.to(lm_head.weight.dtype))  # never a wider copy of a big matrix
+        if not self._readout or self._readout[0].weight.dtype != x.dtype or self._readout[1] is not lm_head.weight:
+            copy = Linear(lm_head.in_features, lm_head.out_features, bias=False, device="meta")
+            copy.weight = nn.Parameter(lm_head.weight.detach().to(x.dtype), requires_grad=False)
+            self._readout[:] = [copy, lm_head.weight]
+        return self._readout[0](x)
 
     # -- the model ---------------------------------------------------------------------------------------
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, from_target: bool,

@@ -88,8 +88,7 @@ class MTPHead(RecurrentHead):
         cos, sin = self.rope(positions, x.dtype)
         layer_cache = (cache.k[0], cache.v[0]) if cache is not None else None
         out = layer.block(layer.block.input_layernorm(x), x, cos, sin, layer_cache, batch, ttt_history)
-        lm_head = self.target.lm_head  # the target's, in the target's dtype (the head may run in another)
         if self.config.feeds_back_normed:
             out = layer.final_norm(out)
-            return out, lm_head(self._at(out, logits_at).to(lm_head.weight.dtype))
-        return out, lm_head(layer.final_norm(self._at(out, logits_at)).to(lm_head.weight.dtype))
+            return out, self.readout(self._at(out, logits_at))
+        return out, self.readout(layer.final_norm(self._at(out, logits_at)))

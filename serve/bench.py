@@ -193,7 +193,13 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
         raise DraftsmithError(f"model {model_dir} not found (--models names folders under SHARED/models)")
     tokenizer = load_tokenizer(model_dir)
     prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
-    configs = {NO_SPEC: None, **speculation_methods(name, args.speculative_config, args.head_k)}
+    found = speculation_methods(name, args.speculative_config, args.head_k)
+    wanted = [m.strip() for m in args.methods.split(",")] if args.methods else list(found)
+    missing = [m for m in wanted if m not in found and m != NO_SPEC]
+    if missing:
+        raise DraftsmithError(f"--methods {', '.join(missing)}: not run for {name} (found: {', '.join(found) or 'none'}; "
+                              "a method without a shipped head needs --speculative-config)")
+    configs = {NO_SPEC: None, **{m: c for m, c in found.items() if m in wanted}}
     # one engine per method, reused at every level: loading and cost profiling stay out of the timings; all
     # on one copy of the target's weights, so that where each copy sits in memory (worth a few percent of
     # forward speed between otherwise identical engines) favours no method

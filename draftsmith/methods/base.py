@@ -332,7 +332,7 @@ class FinalHiddenMethod(SpecMethod):
     """What methods whose head reads only the target's final normed hidden state share (Medusa, MLP
     speculator): their needs and the one layer they read."""
 
-    needs: ClassVar[MethodNeeds] = MethodNeeds(hidden_states=True, head=True)
+    needs: ClassVar[MethodNeeds] = MethodNeeds(hidden_states=True, head=True, draft_probs=True)
 
     @classmethod
     def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:

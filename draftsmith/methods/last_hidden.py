@@ -1,6 +1,7 @@
 """What proposers whose head reads only the target's final normed hidden state at the last verified position
 share (Medusa, MLP speculator): the head loaded and attached, that one hidden state kept per slot and
-replaced by each forward's newest, and the draft buffers. A subclass drafts from them (`_draft`)."""
+replaced by each forward's newest, the draft buffers, and choosing each draft from logits (greedy, or
+sampled with its q reported). A subclass drafts from them (`_draft`, choosing with `_pick`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods.base import DraftBatch, Proposer, RowState
+from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
+from draftsmith.methods.draft_sampling import choose
 from draftsmith.methods.heads import load_head
 
 
@@ -34,6 +36,9 @@ class LastHiddenProposer(Proposer):
         self.last = torch.zeros(max_num_seqs, target.config.hidden_size, dtype=weight.dtype, device=self.device)
         self.draft_tokens = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
         self.draft_counts = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
+        self.draft_probs: torch.Tensor | None = None  # [max_num_seqs, k, V], allocated on first sampled draft
+        self._sampling: tuple[torch.Tensor, list] | None = None  # this propose's (temperatures, draws)
+        self._qs: list[torch.Tensor] = []
 
     def draft_models(self) -> list[torch.nn.Module]:
         return [self.head]
@@ -56,23 +61,45 @@ class LastHiddenProposer(Proposer):
             self.last[torch.tensor(slots, device=self.device)] = newest
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling=None) -> DraftBatch:
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int],
+                sampling: DraftSampling | None = None) -> DraftBatch:
         n = len(rows)
         tokens, counts = self.draft_tokens[:n], self.draft_counts[:n]
         tokens.fill_(-1)
         width = min(max(max_drafts, default=0), self.k)
         self.steps_run = 0
+        sampled = sampling is not None and not sampling.all_greedy
+        if sampled and self.draft_probs is None:
+            self.draft_probs = torch.zeros(self.draft_tokens.shape + (self.head.config.vocab_size,), device=self.device)
+        probs = self.draft_probs[:n] if sampled else None
         if not width:
             counts.zero_()
-            return DraftBatch(tokens, counts)
+            return DraftBatch(tokens, counts, probs)
+        self._sampling, self._qs = None, []
+        if sampled:
+            temps = sampling.temperature.tolist()
+            self._sampling = (sampling.temperature.to(self.device),
+                              [(b, sampling.generators[b]) for b in range(n) if temps[b] > 0])
         slots = torch.tensor([r.slot for r in rows], device=self.device)
         drafted = self._draft(rows, self.last[slots], width)  # [n, width]
         limits = torch.tensor(max_drafts, device=self.device).clamp(max=width)
         keep = torch.arange(width, device=self.device)[None, :] < limits[:, None]
         tokens[:, :width] = drafted.masked_fill(~keep, -1)
         counts.copy_(limits)
-        return DraftBatch(tokens, counts)
+        if sampled:
+            probs.zero_()
+            probs[:, :width] = torch.stack(self._qs, dim=1)
+        return DraftBatch(tokens, counts, probs)
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """One draft per row [n] from logits [n, V]: the argmax, or for sampling rows a draw whose q is kept."""
+        if self._sampling is None:
+            return logits.argmax(-1)
+        drawn, _, q = choose(logits, *self._sampling)
+        self._qs.append(q)
+        return drawn
 
     def _draft(self, rows: Sequence[RowState], hidden: torch.Tensor, width: int) -> torch.Tensor:
-        """[n, width] greedy drafts from the rows' last hidden states [n, H]; sets `steps_run`."""
+        """[n, width] drafts from the rows' last hidden states [n, H], each chosen by `_pick` in order; sets
+        `steps_run`."""
         raise NotImplementedError

@@ -62,6 +62,18 @@ def test_bench_writes_a_row_per_method_and_level_and_a_chart(shared_with_demo, t
     assert "demo-code-7m: tok/s with c requests in flight and speedup" in printed and "c=2" in printed
 
 
+def test_methods_choose_the_rows_and_repeat_sends_the_prompts_again(shared_with_demo, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    base = ["bench", "--shared", str(shared_with_demo), "--models", "demo-code-7m", "--concurrency", "1",
+            "--num-prompts", "1", "--max-tokens", "8", "--no-hf", "--no-plot"]
+    args = build_parser().parse_args([*base, "--methods", "ngram", "--repeat", "2", "--json", str(out)])
+    assert bench.run(args) == 0
+    assert sorted(r["method"] for r in json.loads(out.read_text())) == ["ngram", "none"]
+    assert "the prompts sent 2 times" in capsys.readouterr().out
+    assert main([*base, "--methods", "lookahead"]) == 2
+    assert "--methods lookahead: not run for demo-code-7m" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("levels,expected", [("0", "levels must be >= 1, got 0"), ("a", "'a' is not an integer"),
                                              ("1,,4", "'' is not an integer")])
 def test_bad_concurrency_is_one_line_naming_the_flag(levels, expected, capsys):

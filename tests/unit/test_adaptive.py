@@ -590,6 +590,8 @@ SERVABLE_CONFIGS = {
     "medusa": lambda _: {"method": "medusa", "model": str(REPO / "assets" / "demo-code-7m-medusa"),
                          "num_speculative_tokens": 3},
     "mlp_speculator": lambda factory: {"method": "mlp_speculator", "model": _mlp_speculator(factory)},
+    "mtp": lambda _: {"method": "mtp", "model": str(REPO / "assets" / "demo-code-7m-mtp")},
+    "suffix": lambda _: {"method": "suffix"},
 }
 
 

@@ -1,6 +1,6 @@
-"""Sampled drafting (draft_sample_method "probabilistic") with real draft probabilities: the EAGLE-3 proposer
-samples its drafts from its own q and hands q to the rejection sampler, and the emitted tokens follow the
-target's distribution, not the draft's."""
+"""Sampled drafting (draft_sample_method "probabilistic") with real draft probabilities: each shipped head's
+proposer (EAGLE-3, MTP, MLP speculator, Medusa) samples its drafts from its own q and hands q to the
+rejection sampler, and the emitted tokens follow the target's distribution, not the draft's."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from draftsmith.serve.spec_decode.verify import verify
 from helpers import DEMO_MODEL, REPO
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
+HEAD_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa"]
 # A context where the demo model is unsure (top probabilities about 0.41, 0.22, 0.15, 0.06) and where the
-# shipped head disagrees with it (total variation about 0.7): emitting the drafts as they are would be
-# far off, so only a correct use of q passes.
+# shipped EAGLE-3 head disagrees with it (total variation about 0.7): emitting the drafts as they are would
+# be far off, so only a correct use of q passes.
 PROMPT = "import numpy as np\n\n\ndef "
 TRIALS = 2000
 # Sampling noise of a 7-bucket total variation at 2000 trials is about 0.015; the drafts' own distribution
@@ -53,15 +54,16 @@ def _bucketed_tv(a: torch.Tensor, b: torch.Tensor, top: torch.Tensor) -> float:
     return 0.5 * (bucket(a) - bucket(b)).abs().sum().item()
 
 
-@pytest.fixture(scope="module")
-def sampled_step():
-    """TRIALS identical requests one step after the prompt: the proposer drafts 2 tokens each with its own
-    generator; the target scores them; returns what verification needs."""
+@pytest.fixture(scope="module", params=HEAD_METHODS)
+def sampled_step(request):
+    """TRIALS identical requests one step after the prompt: the proposer of a shipped head drafts 2 tokens
+    each with its own generator; the target scores them; returns what verification needs."""
+    method = request.param
     target = load_target(DEMO_MODEL, dtype="float32")
     tokenizer_ids = load_tokenizer(DEMO_MODEL)(PROMPT, add_special_tokens=False).input_ids
-    config = parse_speculative_config({"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 2,
-                                       "draft_sample_method": "probabilistic"})
-    proposer = resolve_method("eagle3").proposer_class()(config, target, TRIALS, 64)
+    config = parse_speculative_config({"method": method, "model": str(REPO / "assets" / f"demo-code-7m-{method}"),
+                                       "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})
+    proposer = resolve_method(method).proposer_class()(config, target, TRIALS, 64)
     with torch.inference_mode():
         out = target(torch.tensor([tokenizer_ids]), hidden_layer_ids=proposer.hidden_layer_ids)
     first = int(out.logits[0, -1].argmax())  # the token the prefill emitted
@@ -74,11 +76,11 @@ def sampled_step():
     ids = torch.cat([torch.tensor(tokenizer_ids + [first]).expand(TRIALS, -1), drafts.tokens], dim=1)
     with torch.inference_mode():
         logits = target(ids, logits_index=torch.tensor([length, length + 1, length + 2]).expand(TRIALS, -1)).logits
-    return drafts, logits, sampling, torch.softmax(logits[0, 0], -1)
+    return drafts, logits, sampling, torch.softmax(logits[0, 0], -1), method
 
 
 def test_proposer_samples_from_the_q_it_reports(sampled_step):
-    drafts, _, _, p_first = sampled_step
+    drafts, _, _, p_first, method = sampled_step
     assert drafts.probs is not None and drafts.counts.tolist() == [2] * TRIALS
     q_first = drafts.probs[0, 0]
     torch.testing.assert_close(drafts.probs.sum(-1), torch.ones(TRIALS, 2))
@@ -88,11 +90,12 @@ def test_proposer_samples_from_the_q_it_reports(sampled_step):
     drawn = torch.bincount(drafts.tokens[:, 0], minlength=q_first.numel()).float() / TRIALS
     assert _bucketed_tv(drawn, q_first, q_first.topk(6).indices) < TV_TOLERANCE  # drafts ~ q
     assert drafts.tokens[:, 0].unique().numel() > 3  # sampled, not the argmax
-    assert _bucketed_tv(q_first, p_first, top) > 0.5  # the head really disagrees with the target here
+    if method == "eagle3":
+        assert _bucketed_tv(q_first, p_first, top) > 0.5  # the head really disagrees with the target here
 
 
 def test_emitted_tokens_follow_the_target_distribution(sampled_step):
-    drafts, logits, sampling, p_first = sampled_step
+    drafts, logits, sampling, p_first, _ = sampled_step
     num_draft = drafts.counts.tolist()
     tokens, counts = verify(logits, drafts, num_draft, sampling, rejection_sample_reference, None)
     top = p_first.topk(6).indices
@@ -110,7 +113,7 @@ def test_one_hot_treatment_of_sampled_drafts_is_not_what_runs(sampled_step):
     """The engine passes the proposer's q: verifying the same drafts as if q were one-hot accepts different
     drafts (p(x) instead of min(1, p(x)/q(x))), which is what `rejection_sample_method: probabilistic`
     silently did before draft probabilities existed."""
-    drafts, logits, sampling, _ = sampled_step
+    drafts, logits, sampling, _, _ = sampled_step
     num_draft = drafts.counts.tolist()
     with_q, n_q = verify(logits, drafts, num_draft, sampling, rejection_sample_reference, None)
     one_hot, n_one_hot = verify(logits, dataclasses.replace(drafts, probs=None), num_draft, sampling,

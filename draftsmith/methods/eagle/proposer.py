@@ -39,6 +39,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
+from draftsmith.methods.draft_sampling import choose
 from draftsmith.methods.heads import draft_dtype, load_head
 from draftsmith.models.kv_cache import ForwardBatch
 
@@ -205,21 +206,9 @@ class EagleFamilyProposer(Proposer):
                               logits_at=logits_at)
 
     def _choose(self, logits: torch.Tensor, temperature: torch.Tensor | None, draws: list[tuple[int, torch.Generator]]):
-        """logits [A, draft_vocab] -> (target token ids [A], probability of each choice [A], q over the draft
-        vocab [A, draft_vocab] or None when every row is greedy). `draws` pairs the rows that sample now
-        with their generators."""
-        logits = logits.float()
-        if temperature is None:  # one fused softmax gives the argmax and its probability together
-            top, argmax = torch.softmax(logits, dim=-1).max(-1)
-            return self.head.to_target_ids(argmax), top, None
-        argmax = logits.argmax(-1)
-        greedy = temperature == 0
-        probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
-        noise = torch.ones_like(probs)
-        for row, generator in draws:  # each request draws from its own generator: seeded runs repeat
-            noise[row].exponential_(generator=generator)
-        drawn = torch.where(greedy, argmax, (probs / noise).argmax(-1))
-        return self.head.to_target_ids(drawn), probs.gather(1, drawn[:, None])[:, 0], probs
+        """`draft_sampling.choose` over the draft vocab, its choices as target token ids."""
+        drawn, p, probs = choose(logits, temperature, draws)
+        return self.head.to_target_ids(drawn), p, probs
 
     def _step_batches(self, slots: list[int], base: list[int], steps: int) -> list[ForwardBatch]:
         """One-token batches for draft steps 2..steps+1: step s sits at base + s - 1 in every row's own slot.

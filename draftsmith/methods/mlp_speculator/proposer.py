@@ -1,5 +1,6 @@
 """MLP speculator proposer: stage i drafts from the running state and the token before it (the row's
-newest token for stage 0, then each stage's greedy draft), all rows at once, one small MLP per draft."""
+newest token for stage 0, then each stage's draft, greedy or sampled), all rows at once, one small MLP per
+draft."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ class MLPSpeculatorProposer(LastHiddenProposer):
         state, drafts = self.head.start(hidden), []
         for i in range(width):
             state, logits = self.head.stage(i, state, tokens)
-            tokens = logits.argmax(-1)
+            tokens = self._pick(logits)
             drafts.append(tokens)
         self.steps_run = width
         return torch.stack(drafts, dim=1)

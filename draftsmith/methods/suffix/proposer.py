@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from draftsmith.methods.base import DraftBatch, Proposer, RowState
-from draftsmith.methods.suffix.tree import Draft, SuffixTree
+from draftsmith.methods.suffix.tree import Draft, OwnSequence, SuffixTree
 
 
 class SuffixProposer(Proposer):
@@ -29,7 +29,7 @@ class SuffixProposer(Proposer):
         self.max_cached = config.suffix_decoding_max_cached_requests
         self.factor = config.suffix_decoding_max_spec_factor
         self.min_prob = config.suffix_decoding_min_token_prob
-        self.local: dict[str, SuffixTree] = {}
+        self.local: dict[str, OwnSequence] = {}
         self.synced: dict[str, int] = {}  # tokens of the request already in its trees
         self.global_tree = SuffixTree(self.depth)
         self.cached: OrderedDict[str, int] = OrderedDict()  # request id -> sequence id in the global tree
@@ -40,13 +40,13 @@ class SuffixProposer(Proposer):
     def _sync(self, row: RowState) -> None:
         rid = row.request_id
         if rid not in self.local:
-            self.local[rid] = tree = SuffixTree(self.depth)
-            tree.extend(0, row.prompt_token_ids)
+            self.local[rid] = own = OwnSequence(self.depth)
+            own.extend(row.prompt_token_ids)
             self.synced[rid] = len(row.prompt_token_ids)
             self._cache(rid)
         new = row.output_token_ids[self.synced[rid] - len(row.prompt_token_ids):]
         if new:
-            self.local[rid].extend(0, new)
+            self.local[rid].extend(new)
             if rid in self.cached:
                 self.global_tree.extend(self.cached[rid], new)
             self.synced[rid] += len(new)
@@ -78,8 +78,7 @@ class SuffixProposer(Proposer):
         out = row.output_token_ids
         context = out[-self.depth:] if len(out) >= self.depth else \
             row.prompt_token_ids[len(out) - self.depth:] + out
-        local = self.local[row.request_id]
-        mine = local.speculate(local.suffix_nodes(0)[: len(context) - 1], limit, self.factor, 0.0, self.min_prob)
+        mine = self.local[row.request_id].speculate(limit, self.factor, 0.0, self.min_prob)
         if not self.cached:
             return mine
         others = self.global_tree.speculate(self.global_tree.match(context), limit, self.factor, 0.0, self.min_prob)
@@ -96,7 +95,6 @@ class SuffixProposer(Proposer):
         self.cached.clear()
 
     def metrics(self) -> dict:
-        trees = [self.global_tree, *self.local.values()]
-        return {"suffix_cache_nodes": sum(t.num_nodes for t in trees),
-                "suffix_cache_bytes": sum(t.memory_bytes() for t in trees),
+        return {"suffix_cache_nodes": self.global_tree.num_nodes,
+                "suffix_cache_bytes": self.global_tree.memory_bytes() + sum(o.memory_bytes() for o in self.local.values()),
                 "suffix_cached_requests": len(self.cached)}

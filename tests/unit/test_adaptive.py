@@ -592,6 +592,7 @@ SERVABLE_CONFIGS = {
     "mlp_speculator": lambda factory: {"method": "mlp_speculator", "model": _mlp_speculator(factory)},
     "mtp": lambda _: {"method": "mtp", "model": str(REPO / "assets" / "demo-code-7m-mtp")},
     "suffix": lambda _: {"method": "suffix"},
+    "draft_model": lambda _: {"method": "draft_model", "model": str(DEMO_MODEL)},
 }
 
 

@@ -22,7 +22,7 @@ from draftsmith.serve.spec_decode.verify import verify
 from helpers import DEMO_MODEL, REPO
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
-HEAD_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa"]
+HEAD_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model"]
 # A context where the demo model is unsure (top probabilities about 0.41, 0.22, 0.15, 0.06) and where the
 # shipped EAGLE-3 head disagrees with it (total variation about 0.7): emitting the drafts as they are would
 # be far off, so only a correct use of q passes.
@@ -54,22 +54,41 @@ def _bucketed_tv(a: torch.Tensor, b: torch.Tensor, top: torch.Tensor) -> float:
     return 0.5 * (bucket(a) - bucket(b)).abs().sum().item()
 
 
+def _flattened_demo(directory):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (DEMO_MODEL / name).is_file():
+            shutil.copy(DEMO_MODEL / name, directory / name)
+    tensors = load_file(str(DEMO_MODEL / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 0.4
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
 @pytest.fixture(scope="module", params=HEAD_METHODS)
-def sampled_step(request):
+def sampled_step(request, tmp_path_factory):
     """TRIALS identical requests one step after the prompt: the proposer of a shipped head drafts 2 tokens
     each with its own generator; the target scores them; returns what verification needs."""
     method = request.param
     target = load_target(DEMO_MODEL, dtype="float32")
     tokenizer_ids = load_tokenizer(DEMO_MODEL)(PROMPT, add_special_tokens=False).input_ids
-    config = parse_speculative_config({"method": method, "model": str(REPO / "assets" / f"demo-code-7m-{method}"),
-                                       "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})
+    model = REPO / "assets" / f"demo-code-7m-{method}"
+    if method == "draft_model":  # the demo model with a flattened readout: a draft that disagrees with it
+        model = _flattened_demo(tmp_path_factory.mktemp("draft"))
+    config = parse_speculative_config({"method": method, "model": str(model), "num_speculative_tokens": 2,
+                                       "draft_sample_method": "probabilistic"})
     proposer = resolve_method(method).proposer_class()(config, target, TRIALS, 64)
     with torch.inference_mode():
         out = target(torch.tensor([tokenizer_ids]), hidden_layer_ids=proposer.hidden_layer_ids)
     first = int(out.logits[0, -1].argmax())  # the token the prefill emitted
     rows = [Row(str(i), i, list(tokenizer_ids), [first]) for i in range(TRIALS)]
     length = len(tokenizer_ids)
-    proposer.observe(rows, [0] * TRIALS, [length] * TRIALS, proposer.features(out.hidden_states).expand(TRIALS, -1, -1))
+    if proposer.hidden_layer_ids:  # a draft model reads the tokens only
+        proposer.observe(rows, [0] * TRIALS, [length] * TRIALS,
+                         proposer.features(out.hidden_states).expand(TRIALS, -1, -1))
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(TRIALS)]
     sampling = SamplingBatch.build(params, [torch.Generator().manual_seed(i) for i in range(TRIALS)], "cpu")
     drafts = proposer.propose(rows, [2] * TRIALS, sampling)
@@ -149,7 +168,7 @@ def test_draft_sampling_config():
     strict = parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,
                                        "rejection_sample_method": "strict"})
     assert (strict.rejection_sample_method, strict.draft_sample_method) == ("standard", "greedy")
-    with pytest.raises(DraftsmithError, match="'ngram' drafts deterministically.*methods that do: eagle, eagle3"):
+    with pytest.raises(DraftsmithError, match="'ngram' drafts deterministically.*methods that do: draft_model, eagle, eagle3, medusa, mlp_speculator, mtp\)"):
         parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})
     with pytest.raises(DraftsmithError, match="contradicts"):
         parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,

@@ -1,0 +1,128 @@
+"""The draft-model proposer. Per slot it remembers which token ids its KV cache holds (positions 0..len-1:
+what it was fed, verified or drafted); each propose keeps the longest prefix the request still has, feeds the
+rest (the prompt the first time, then the tokens the last verify added) in one forward for all drafting
+rows, and drafts from there one forward per token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
+from draftsmith.methods.draft_sampling import choose
+from draftsmith.methods.heads import draft_dtype
+from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.models.loader import load_target
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config, target, max_num_seqs: int, max_model_len: int):
+        super().__init__(config, target, max_num_seqs, max_model_len)
+        weight = target.model.embed_tokens.weight
+        self.device = weight.device
+        self.draft = load_target(config.model, dtype=draft_dtype(config.draft_dtype, weight.dtype, self.device),
+                                 device=self.device, max_len=max_model_len)
+        vocab, target_vocab = self.draft.config.vocab_size, target.config.vocab_size
+        if vocab != target_vocab:
+            raise DraftsmithError(f"draft model {config.model} has a vocabulary of {vocab} tokens, the target "
+                                  f"{target_vocab}: a draft model must share the target's tokenizer")
+        self.cache = self.draft.make_cache(max_num_seqs, max_model_len)
+        self.window = self.draft.config.sliding_window
+        self.k = config.num_speculative_tokens
+        self.owner: list[str | None] = [None] * max_num_seqs
+        self.fed: list[list[int]] = [[] for _ in range(max_num_seqs)]  # ids whose KV the slot's cache holds
+        self.checked = [0] * max_num_seqs  # a prefix of `fed` known to be the request's own tokens
+        self.draft_tokens = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
+        self.draft_counts = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
+        self.draft_probs: torch.Tensor | None = None  # [max_num_seqs, k, V], on the first sampled draft
+
+    def draft_models(self) -> list[torch.nn.Module]:
+        return [self.draft]
+
+    def _kept(self, row: RowState, tokens: list[int]) -> int:
+        """How many of the slot's cached positions still hold the request's tokens (the rest are dropped)."""
+        slot = row.slot
+        if self.owner[slot] != row.request_id:
+            self.owner[slot], self.fed[slot], self.checked[slot] = row.request_id, [], 0
+        fed, kept = self.fed[slot], self.checked[slot]
+        while kept < len(fed) and kept < len(tokens) and fed[kept] == tokens[kept]:
+            kept += 1
+        kept = min(kept, len(tokens) - 1)  # the newest token is always fed: its logits give the first draft
+        del fed[kept:]
+        return kept
+
+    def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
+        extra = [r.num_tokens - (len(self.fed[r.slot]) if self.owner[r.slot] == r.request_id else 0) - (self.k + 1)
+                 for r in rows]
+        long = [e for e in extra if e > 0]
+        return len(long), max(long, default=0)
+
+    @torch.inference_mode()
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int],
+                sampling: DraftSampling | None = None) -> DraftBatch:
+        n = len(rows)
+        tokens_out, counts_out = self.draft_tokens[:n], self.draft_counts[:n]
+        tokens_out.fill_(-1)
+        counts_out.zero_()
+        sampled = sampling is not None and not sampling.all_greedy
+        if sampled and self.draft_probs is None:
+            self.draft_probs = torch.zeros(self.draft_tokens.shape + (self.draft.config.vocab_size,),
+                                           device=self.device)
+        probs_out = self.draft_probs[:n] if sampled else None
+        if sampled:
+            probs_out.zero_()
+        active = [b for b in range(n) if max_drafts[b] > 0]
+        self.steps_run, self.steady = 0, True
+        if not active:
+            return DraftBatch(tokens_out, counts_out, probs_out)
+        width = min(max(max_drafts[b] for b in active), self.k)
+        temperature, draws = None, []
+        if sampled:
+            temperature = sampling.temperature.to(self.device)[torch.tensor(active, device=self.device)]
+            temps = sampling.temperature.tolist()
+            draws = [(j, sampling.generators[b]) for j, b in enumerate(active) if temps[b] > 0]
+        # one forward feeds every row what its cache lacks; its last position yields draft 1
+        slots, starts, news = [], [], []
+        for b in active:
+            row = rows[b]
+            tokens = row.all_token_ids()
+            kept = self._kept(row, tokens)
+            slots.append(row.slot)
+            starts.append(kept)
+            news.append(tokens[kept:])
+            self.fed[row.slot] += tokens[kept:]
+            self.checked[row.slot] = len(tokens)
+        q_lens = [len(t) for t in news]
+        self.steady = max(q_lens) <= self.k + 1  # a prompt's catch-up is a one-off the planner prices apart
+        ids = torch.zeros(len(active), max(q_lens), dtype=torch.long)
+        for j, new in enumerate(news):
+            ids[j, : len(new)] = torch.tensor(new)
+        batch = ForwardBatch.build(slots, starts, q_lens, self.cache, self.window, self.device, pack=True)
+        last = torch.tensor(q_lens, device=self.device)[:, None] - 1
+        logits = self.draft(ids.to(self.device), cache=self.cache, batch=batch, logits_index=last).logits[:, 0]
+        active_t = torch.tensor(active, device=self.device)
+        positions = [s + q for s, q in zip(starts, q_lens)]  # where each row's next draft is fed
+        for step in range(width):
+            drawn, _, q = choose(logits, temperature, draws)
+            tokens_out[active_t, step] = drawn
+            if sampled:
+                probs_out[active_t, step] = q
+            if step + 1 == width:
+                break
+            for slot, token in zip(slots, drawn.tolist()):
+                self.fed[slot].append(token)
+            batch = ForwardBatch.build(slots, [p + step for p in positions], [1] * len(slots), self.cache,
+                                       self.window, self.device)
+            logits = self.draft(drawn[:, None], cache=self.cache, batch=batch).logits[:, 0]
+        self.steps_run = width
+        limits = torch.tensor([min(max_drafts[b], width) for b in active], device=self.device)
+        counts_out[active_t] = limits
+        keep = torch.arange(self.k, device=self.device)[None, :] < counts_out[:, None]
+        tokens_out.masked_fill_(~keep, -1)
+        return DraftBatch(tokens_out, counts_out, probs_out)
+
+    def release(self, request: RowState) -> None:
+        if request.slot is not None and self.owner[request.slot] == request.request_id:
+            self.owner[request.slot] = None

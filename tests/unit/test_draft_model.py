@@ -1,0 +1,66 @@
+"""Draft models (`method: draft_model`): lossless decoding with drafts from a model of the target's own
+tokenizer, its cache kept in step with what is accepted, and one-line errors for what cannot work."""
+
+import pytest
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.spec_decode.config import parse_speculative_config
+from helpers import CODE_PROMPTS, DEMO_MODEL, make_tiny_checkpoint, make_tiny_target_with_tokenizer
+
+
+def _serve(draft_dir, k=4, adaptive=False, max_num_seqs=3):
+    return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=max_num_seqs, max_model_len=256,
+               speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k,
+                                   "adaptive": adaptive})
+
+
+def test_the_target_drafting_for_itself_is_accepted_almost_always(greedy_reference):
+    """The demo model as its own draft (in bfloat16): every row's cache follows accepted drafts, rejected
+    ones and rows joining and leaving (4 prompts, 3 slots), or acceptance would fall."""
+    llm = _serve(DEMO_MODEL)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    metrics = llm.get_metrics()
+    assert metrics["num_accepted_tokens"] >= 0.9 * metrics["num_draft_tokens"] > 0
+
+
+def test_a_random_draft_model_decodes_with_greedy_equality(tmp_path, greedy_reference):
+    draft = make_tiny_target_with_tokenizer(tmp_path / "draft")  # the demo tokenizer, random weights
+    llm = _serve(draft, k=3)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_adaptive_k_keeps_greedy_equality(greedy_reference):
+    from helpers import make_speculation_pay
+
+    llm = _serve(DEMO_MODEL, adaptive=True)
+    make_speculation_pay(llm)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_drafts"] > 0
+
+
+def test_seeded_sampling_repeats_alone_and_batched():
+    """Sampled drafts come from the draft model's own distribution with the request's generator: a seeded
+    request samples the same text alone and in a batch (fixed k)."""
+    llm = _serve(DEMO_MODEL, k=3)
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=24) for s in range(3)]
+    batched = [o.outputs[0].token_ids for o in llm.generate(CODE_PROMPTS[:3], params, use_tqdm=False)]
+    alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(CODE_PROMPTS, params)]
+    assert batched == alone
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_one_line(tmp_path):
+    make_tiny_checkpoint("llama", tmp_path / "draft")  # vocab 128
+    with pytest.raises(DraftsmithError, match="vocabulary of 128 tokens, the target 8192"):
+        _serve(tmp_path / "draft")
+
+
+def test_parallel_drafting_is_refused_until_pard_arrives():
+    with pytest.raises(DraftsmithError, match=r"parallel_drafting \(PARD\) is not available yet"):
+        parse_speculative_config({"method": "draft_model", "model": "x", "num_speculative_tokens": 4,
+                                  "parallel_drafting": True})

@@ -168,7 +168,7 @@ def test_draft_sampling_config():
     strict = parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,
                                        "rejection_sample_method": "strict"})
     assert (strict.rejection_sample_method, strict.draft_sample_method) == ("standard", "greedy")
-    with pytest.raises(DraftsmithError, match="'ngram' drafts deterministically.*methods that do: draft_model, eagle, eagle3, medusa, mlp_speculator, mtp\)"):
+    with pytest.raises(DraftsmithError, match=r"'ngram' drafts deterministically.*methods that do: draft_model, eagle, eagle3, medusa, mlp_speculator, mtp\)"):
         parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})
     with pytest.raises(DraftsmithError, match="contradicts"):
         parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,

@@ -41,6 +41,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --rounds 3 --json build/bench.json
+	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models house-code-28m --methods draft_model --concurrency 1,8 \
+		--speculative-config '{"method": "draft_model", "model": "assets/demo-code-7m", "num_speculative_tokens": 4}' \
+		--rounds 3 --no-hf --json build/bench-draft-model.json
+	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --methods suffix --repeat 2 \
+		--speculative-config '{"method": "suffix", "num_speculative_tokens": 16}' --concurrency 1,8 \
+		--rounds 3 --no-hf --json build/bench-suffix.json
 	$(VENV)/bin/draftsmith bench-serve --shared $(SHARED)
 
 lint: $(STAMP)

@@ -210,6 +210,7 @@ def to_vllm(head: NormalizedHead) -> Exported:
         block, kind = c.block_config(), c.source_config.get("model_type")
         # vLLM's Qwen2 layer: no q/k norms, no window in this layout, head_dim = hidden / heads
         lacks = [what for what, has in (("q/k norms", block.qk_norm), ("a sliding window", block.sliding_window),
+                                        ("MLP biases", block.mlp_bias),
                                         ("a head_dim other than hidden / heads",
                                          block.head_dim * block.num_attention_heads != block.hidden_size)) if has]
         if lacks:

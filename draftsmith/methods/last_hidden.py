@@ -78,8 +78,10 @@ class LastHiddenProposer(Proposer):
         self._sampling, self._qs = None, []
         if sampled:
             temps = sampling.temperature.tolist()
+            # (row, its limit, its generator): a row draws only for the drafts it keeps, so that a seeded
+            # request's draws do not depend on the rest of the batch
             self._sampling = (sampling.temperature.to(self.device),
-                              [(b, sampling.generators[b]) for b in range(n) if temps[b] > 0])
+                              [(b, max_drafts[b], sampling.generators[b]) for b in range(n) if temps[b] > 0])
         slots = torch.tensor([r.slot for r in rows], device=self.device)
         drafted = self._draft(rows, self.last[slots], width)  # [n, width]
         limits = torch.tensor(max_drafts, device=self.device).clamp(max=width)
@@ -95,7 +97,9 @@ class LastHiddenProposer(Proposer):
         """One draft per row [n] from logits [n, V]: the argmax, or for sampling rows a draw whose q is kept."""
         if self._sampling is None:
             return logits.argmax(-1)
-        drawn, _, q = choose(logits, *self._sampling)
+        temperature, rows = self._sampling
+        position = len(self._qs)
+        drawn, _, q = choose(logits, temperature, [(b, g) for b, limit, g in rows if limit > position])
         self._qs.append(q)
         return drawn
 

@@ -67,7 +67,13 @@ def test_methods_choose_the_rows_and_repeat_sends_the_prompts_again(shared_with_
     base = ["bench", "--shared", str(shared_with_demo), "--models", "demo-code-7m", "--concurrency", "1",
             "--num-prompts", "1", "--max-tokens", "8", "--no-hf", "--no-plot"]
     args = build_parser().parse_args([*base, "--methods", "ngram", "--repeat", "2", "--json", str(out)])
-    assert bench.run(args) == 0
+    sizes, drive = [], bench.drive
+    bench.drive = lambda llms, batch, params, c: sizes.append(len(batch)) or drive(llms, batch, params, c)
+    try:
+        assert bench.run(args) == 0
+    finally:
+        bench.drive = drive
+    assert sizes == [2 * bench.level_prompts(args, 1)]  # the level's prompts, twice
     assert sorted(r["method"] for r in json.loads(out.read_text())) == ["ngram", "none"]
     assert "the prompts sent 2 times" in capsys.readouterr().out
     assert main([*base, "--methods", "lookahead"]) == 2

@@ -6,7 +6,13 @@ import pytest
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.spec_decode.config import parse_speculative_config
-from helpers import CODE_PROMPTS, DEMO_MODEL, make_tiny_checkpoint, make_tiny_target_with_tokenizer
+from helpers import (
+    CODE_PROMPTS,
+    DEMO_MODEL,
+    flattened_demo_copy,
+    make_tiny_checkpoint,
+    make_tiny_target_with_tokenizer,
+)
 
 
 def _serve(draft_dir, k=4, adaptive=False, max_num_seqs=3):
@@ -43,15 +49,35 @@ def test_adaptive_k_keeps_greedy_equality(greedy_reference):
     assert llm.get_metrics()["num_drafts"] > 0
 
 
-def test_seeded_sampling_repeats_alone_and_batched():
-    """Sampled drafts come from the draft model's own distribution with the request's generator: a seeded
-    request samples the same text alone and in a batch (fixed k)."""
-    llm = _serve(DEMO_MODEL, k=3)
-    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=24) for s in range(3)]
+def test_seeded_sampled_drafts_repeat_alone_and_batched(tmp_path):
+    """Drafts sampled from a draft that disagrees with the target, rows reaching their limits at different
+    steps: a seeded request draws only for the drafts it keeps, so it samples the same text alone and in a
+    batch (fixed k)."""
+    draft = flattened_demo_copy(tmp_path)
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
+              speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+                                  "adaptive": False, "draft_sample_method": "probabilistic"})
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=n) for s, n in enumerate((17, 22, 26))]
     batched = [o.outputs[0].token_ids for o in llm.generate(CODE_PROMPTS[:3], params, use_tqdm=False)]
     alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(CODE_PROMPTS, params)]
     assert batched == alone
-    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    metrics = llm.get_metrics()
+    assert 0 < metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]  # draws both kept and rejected
+
+
+def test_rows_at_the_end_of_the_context_draft_no_further(greedy_reference):
+    """A row whose context is nearly full drafts fewer tokens than the rows beside it, and feeds the draft
+    model no position past its cache (max_model_len 48: the long prompt runs into it)."""
+    kwargs = dict(dtype="float32", device="cpu", max_num_seqs=3, max_model_len=48)
+    plain = LLM(DEMO_MODEL, **kwargs)
+    long = {"prompt_token_ids": plain.encode(CODE_PROMPTS[1] * 3)[1][:36]}  # 12 tokens of room
+    prompts, params = [long, *CODE_PROMPTS[:2]], SamplingParams(temperature=0, max_tokens=40)
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert len(reference[0]) == 12  # it ran into max_model_len
+    llm = LLM(DEMO_MODEL, **kwargs, speculative_config={"method": "draft_model", "model": str(DEMO_MODEL),
+                                                          "num_speculative_tokens": 4, "adaptive": False})
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == reference
 
 
 def test_a_draft_model_of_another_vocabulary_is_one_line(tmp_path):

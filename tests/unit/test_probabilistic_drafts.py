@@ -19,7 +19,7 @@ from draftsmith.serve.sampling import SamplingBatch
 from draftsmith.serve.spec_decode.config import parse_speculative_config
 from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
 from draftsmith.serve.spec_decode.verify import verify
-from helpers import DEMO_MODEL, REPO
+from helpers import DEMO_MODEL, REPO, flattened_demo_copy
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
 HEAD_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model"]
@@ -54,20 +54,6 @@ def _bucketed_tv(a: torch.Tensor, b: torch.Tensor, top: torch.Tensor) -> float:
     return 0.5 * (bucket(a) - bucket(b)).abs().sum().item()
 
 
-def _flattened_demo(directory):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (DEMO_MODEL / name).is_file():
-            shutil.copy(DEMO_MODEL / name, directory / name)
-    tensors = load_file(str(DEMO_MODEL / "model.safetensors"))
-    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 0.4
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
-
-
 @pytest.fixture(scope="module", params=HEAD_METHODS)
 def sampled_step(request, tmp_path_factory):
     """TRIALS identical requests one step after the prompt: the proposer of a shipped head drafts 2 tokens
@@ -77,7 +63,7 @@ def sampled_step(request, tmp_path_factory):
     tokenizer_ids = load_tokenizer(DEMO_MODEL)(PROMPT, add_special_tokens=False).input_ids
     model = REPO / "assets" / f"demo-code-7m-{method}"
     if method == "draft_model":  # the demo model with a flattened readout: a draft that disagrees with it
-        model = _flattened_demo(tmp_path_factory.mktemp("draft"))
+        model = flattened_demo_copy(tmp_path_factory.mktemp("draft"))
     config = parse_speculative_config({"method": method, "model": str(model), "num_speculative_tokens": 2,
                                        "draft_sample_method": "probabilistic"})
     proposer = resolve_method(method).proposer_class()(config, target, TRIALS, 64)

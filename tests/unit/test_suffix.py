@@ -146,3 +146,44 @@ def test_a_finished_output_drafts_for_a_later_request_until_forgotten():
     again = Row("c", 0, [9, 9], [1, 2, 3])
     assert proposer.propose([again], [4]).counts.tolist() == [0]
     assert proposer.metrics()["suffix_cached_requests"] == 1  # "c" itself
+
+
+TIE_STREAMS = [[5, 1, 5, 2, 5, 3, 5, 3, 5, 2, 5],  # 2 reaches count 2 after 3 did, but was not first at 1
+               [7, 1, 7, 2, 7, 2, 7, 1, 7, 3, 7, 3, 7, 1, 7],
+               [4, 4, 1, 4, 2, 4, 1, 4, 2, 4, 3, 4, 3, 4]]
+
+
+@pytest.mark.parametrize("stream", TIE_STREAMS)
+def test_ties_follow_arctics_sibling_order(stream):
+    """Children of equal count, ordered as Arctic's sibling lists order them (a rising count goes first only
+    if it was first before), in the request's own tokens and in the global tree of earlier outputs."""
+    arctic = pytest.importorskip("arctic_inference.suffix_decoding",
+                                 reason="arctic-inference is not installed (make test installs it)")
+    for limit in (1, 2, 3):
+        cache = arctic.SuffixDecodingCache(max_tree_depth=8, max_cached_requests=10)
+        proposer = config_proposer(parse_speculative_config(
+            {"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_tree_depth": 8,
+             "suffix_decoding_min_token_prob": 0.0}))
+        earlier = Row("earlier", 0, [99], list(stream))  # its output goes to the global tree
+        cache.start_request("earlier", [99])
+        cache.add_active_response("earlier", stream)
+        proposer.propose([earlier], [1])
+        proposer.release(earlier)
+        cache.stop_request("earlier")
+        for rid, row in (("own", Row("own", 0, list(stream))), ("other", Row("other", 0, [98, stream[-1]]))):
+            cache.start_request(rid, row.prompt_token_ids)
+            theirs = cache.speculate(rid, row.all_token_ids()[-8:], max_spec_tokens=limit, min_token_prob=0.0).token_ids
+            ours = proposer.propose([row], [limit])
+            assert ours.tokens[0, : int(ours.counts[0])].tolist() == list(theirs), (rid, limit)
+            proposer.release(row)
+            cache.stop_request(rid)
+
+
+def test_a_request_id_used_again_replaces_its_cached_output():
+    proposer = config_proposer(parse_speculative_config({"method": "suffix", "num_speculative_tokens": 4}))
+    for output in ([1, 2, 3, 4, 5], [6, 7, 8]):
+        row = Row("same", 0, [9], output)
+        proposer.propose([row], [2])
+        proposer.release(row)
+    assert proposer.metrics()["suffix_cached_requests"] == 1
+    assert proposer.global_tree.num_tokens == 3  # the first output is gone from the tree

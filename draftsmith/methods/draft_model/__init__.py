@@ -1,6 +1,6 @@
 """Draft models: an independent small LM with the target's tokenizer drafts k tokens autoregressively from its
 own KV cache, kept in step with what the target accepts. Needs no training (any model of a family the
-runtime runs); samples its drafts from its own distribution when the request samples."""
+runtime runs); with `draft_sample_method: probabilistic` it samples its drafts from its own distribution."""
 
 from __future__ import annotations
 

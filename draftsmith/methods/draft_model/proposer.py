@@ -78,11 +78,13 @@ class DraftModelProposer(Proposer):
         if not active:
             return DraftBatch(tokens_out, counts_out, probs_out)
         width = min(max(max_drafts[b] for b in active), self.k)
-        temperature, draws = None, []
+        limits = [min(max_drafts[b], width) for b in active]
+        generators = {}
+        temperature = None
         if sampled:
             temperature = sampling.temperature.to(self.device)[torch.tensor(active, device=self.device)]
             temps = sampling.temperature.tolist()
-            draws = [(j, sampling.generators[b]) for j, b in enumerate(active) if temps[b] > 0]
+            generators = {j: sampling.generators[b] for j, b in enumerate(active) if temps[b] > 0}
         # one forward feeds every row what its cache lacks; its last position yields draft 1
         slots, starts, news = [], [], []
         for b in active:
@@ -102,25 +104,28 @@ class DraftModelProposer(Proposer):
         batch = ForwardBatch.build(slots, starts, q_lens, self.cache, self.window, self.device, pack=True)
         last = torch.tensor(q_lens, device=self.device)[:, None] - 1
         logits = self.draft(ids.to(self.device), cache=self.cache, batch=batch, logits_index=last).logits[:, 0]
-        active_t = torch.tensor(active, device=self.device)
-        positions = [s + q for s, q in zip(starts, q_lens)]  # where each row's next draft is fed
+        live = list(range(len(active)))  # rows (indices into `active`) drafting this position
         for step in range(width):
-            drawn, _, q = choose(logits, temperature, draws)
-            tokens_out[active_t, step] = drawn
+            # a row draws only for the drafts it keeps: a seeded request's draws do not depend on the batch
+            draws = [(i, generators[j]) for i, j in enumerate(live) if j in generators]
+            drawn, _, q = choose(logits, None if temperature is None else temperature[live], draws)
+            rows_t = torch.tensor([active[j] for j in live], device=self.device)
+            tokens_out[rows_t, step] = drawn
             if sampled:
-                probs_out[active_t, step] = q
-            if step + 1 == width:
+                probs_out[rows_t, step] = q
+            # only rows that draft another token feed this one (past its limit a row could pass the cache)
+            further = [i for i, j in enumerate(live) if limits[j] > step + 1]
+            if not further:
                 break
-            for slot, token in zip(slots, drawn.tolist()):
-                self.fed[slot].append(token)
-            batch = ForwardBatch.build(slots, [p + step for p in positions], [1] * len(slots), self.cache,
-                                       self.window, self.device)
-            logits = self.draft(drawn[:, None], cache=self.cache, batch=batch).logits[:, 0]
+            live = [live[i] for i in further]
+            fed = drawn[torch.tensor(further, device=self.device)]
+            for j, token in zip(live, fed.tolist()):
+                self.fed[slots[j]].append(token)
+            batch = ForwardBatch.build([slots[j] for j in live], [starts[j] + q_lens[j] + step for j in live],
+                                       [1] * len(live), self.cache, self.window, self.device)
+            logits = self.draft(fed[:, None], cache=self.cache, batch=batch).logits[:, 0]
         self.steps_run = width
-        limits = torch.tensor([min(max_drafts[b], width) for b in active], device=self.device)
-        counts_out[active_t] = limits
-        keep = torch.arange(self.k, device=self.device)[None, :] < counts_out[:, None]
-        tokens_out.masked_fill_(~keep, -1)
+        counts_out[torch.tensor(active, device=self.device)] = torch.tensor(limits, device=self.device)
         return DraftBatch(tokens_out, counts_out, probs_out)
 
     def release(self, request: RowState) -> None:

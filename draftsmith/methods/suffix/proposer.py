@@ -55,6 +55,8 @@ class SuffixProposer(Proposer):
         """A slot in the global tree for the request's output; the oldest other request gives up its own."""
         if self.max_cached == 0:
             return
+        if rid in self.cached:  # a request id used again: its earlier output goes, as in Arctic
+            self.global_tree.remove(self.cached.pop(rid))
         self.cached[rid] = self._next_seq
         self._next_seq += 1
         while len(self.cached) > self.max_cached:

@@ -1,14 +1,18 @@
 """Suffix trees for suffix decoding (Arctic Inference's SuffixDecoding, arXiv 2411.04975), with its semantics.
 
 A `SuffixTree` holds every substring of up to `max_depth` tokens of the sequences added to it, as paths from
-the root (a trie, not path-compressed: Arctic's C++ tree compresses chains, which changes memory, not what
-it proposes). Each node counts the suffixes that reach it. From a node, the proposal follows the child with
-the highest count; its estimated probability is the product of child count / parent count along the way,
-and it stops at the token budget, at a leaf or once the probability falls below `min_token_prob`.
+the root. It is a trie, not path-compressed as Arctic's C++ tree is: the same proposals, but up to max_depth
+nodes per varied token where Arctic keeps about one (`memory_bytes`, reported in the engine's metrics). Each
+node counts the suffixes that reach it. From a node, the proposal follows the child with the highest count;
+its estimated probability is the product of child count / parent count along the way, and it stops at the
+token budget, at a leaf or once the probability falls below `min_token_prob`.
 
-Ties among children of equal count go as in Arctic's sibling lists: the child that reached its count most
-recently first, and among children that never changed since they were made, the oldest first. Probabilities
-and scores are float32 sums, as there, so that equal scores compare equal the same way.
+Ties among children of equal count go as in Arctic's sibling lists (suffix_tree.cc `_increment_count`,
+`_decrement_count`, `_insert_into_siblings_after`): a new child goes last among its equals; a child whose
+count rises goes first among its new equals if it was first among its old ones, else last; a child whose
+count falls goes first among its new equals. Each node keeps a stamp that orders it among equal counts:
+"first" takes a rising tick, "last" a falling one. Probabilities and scores are float32 sums, as there, so
+that equal scores compare equal the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +38,39 @@ def _rank(node: _Node) -> tuple[int, int]:
     return node.count, node.stamp
 
 
+class _Order:
+    """Stamps that place a node first (above every stamp so far) or last (below every one) among equals."""
+
+    def __init__(self):
+        self.high, self.low = 0, 0
+
+    def first(self) -> int:
+        self.high += 1
+        return self.high
+
+    def last(self) -> int:
+        self.low -= 1
+        return self.low
+
+
+def arctic_choice(followers: list[int]) -> tuple[int, int]:
+    """(token, count) of the child Arctic follows, from the tokens that followed a node's occurrences, in the
+    order they were appended: the highest count, ties by the sibling-list rules replayed."""
+    counts: dict[int, int] = {}
+    stamps: dict[int, int] = {}
+    order = _Order()
+    for token in followers:
+        count = counts.get(token, 0)
+        if count == 0:
+            stamps[token] = order.last()
+        else:
+            first = not any(counts[t] == count and stamps[t] > stamps[token] for t in counts)
+            stamps[token] = order.first() if first else order.last()
+        counts[token] = count + 1
+    token = max(counts, key=lambda t: (counts[t], stamps[t]))
+    return token, counts[token]
+
+
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
@@ -48,8 +85,8 @@ class SuffixTree:
         self.root = _Node(-1, None, 0)
         self.root.count = 0
         self.num_nodes = 1
-        self._tick = 0  # stamps of count changes: later changes rank first among equal counts
-        self._made = 0  # creation order: older untouched children rank first (negative stamps)
+        self.num_tokens = 0  # in all sequences held
+        self._order = _Order()
         self._seqs: dict[int, list[int]] = {}
         self._active: dict[int, deque[_Node]] = {}  # per sequence: the nodes of its newest suffixes
 
@@ -64,6 +101,7 @@ class SuffixTree:
             if len(active) > self.max_depth:
                 active.popleft()
             seq.append(token)
+            self.num_tokens += 1
             for i, node in enumerate(active):
                 active[i] = self._step_into(node, token)
 
@@ -71,8 +109,7 @@ class SuffixTree:
         children = node.children
         child = children.get(token) if children is not None else None
         if child is None:
-            self._made += 1
-            child = _Node(token, node, -self._made)
+            child = _Node(token, node, self._order.last())
             if children is None:
                 node.children = {}
             node.children[token] = child
@@ -80,10 +117,13 @@ class SuffixTree:
                 node.best = child
             self.num_nodes += 1
             return child
+        if node is self.root:  # the order of the root's children is never read
+            child.count += 1
+            return child
+        was_first = not any(c.count == child.count and c.stamp > child.stamp for c in children.values())
         child.count += 1
-        self._tick += 1
-        child.stamp = self._tick
-        if node is not self.root and child is not node.best and _rank(node.best) <= _rank(child):
+        child.stamp = self._order.first() if was_first else self._order.last()
+        if child is not node.best and _rank(node.best) < _rank(child):
             node.best = child
         return child
 
@@ -91,6 +131,7 @@ class SuffixTree:
         """Takes a sequence's suffixes out again (the global tree's eviction)."""
         seq = self._seqs.pop(seq_id, None)
         self._active.pop(seq_id, None)
+        self.num_tokens -= len(seq or ())
         for start in range(len(seq or ())):
             self.root.count -= 1
             path = seq[start : start + self.max_depth]
@@ -98,8 +139,7 @@ class SuffixTree:
             for depth, token in enumerate(path):
                 node = parent.children[token]
                 node.count -= 1
-                self._tick += 1
-                node.stamp = self._tick  # as Arctic: a count that changed ranks first among its equals
+                node.stamp = self._order.first()  # as Arctic: first among its new equals
                 if node.count == 0:  # and so is every node below it on this path: the rest of the path
                     del parent.children[token]
                     self.num_nodes -= len(path) - depth
@@ -133,8 +173,10 @@ class SuffixTree:
                           factor, offset)
 
     def memory_bytes(self) -> int:
-        """About what the tree holds: a node with its slot in its parent's dict, and the sequences' tokens."""
-        return self.num_nodes * 200 + sum(len(s) for s in self._seqs.values()) * 8
+        """About what the tree holds: a node with its slot in its parent's dict, and the sequences' tokens.
+        Uncompressed, a varied output of n tokens takes up to n * max_depth nodes (Arctic's C++ tree compresses
+        chains, about one node per token): hence the metric."""
+        return self.num_nodes * 200 + self.num_tokens * 8
 
 
 def best_draft(num_matched: int, path, max_tokens: int, factor: float, offset: float) -> Draft:
@@ -159,8 +201,8 @@ class OwnSequence:
     400 varied tokens here), the search costs a pass over the occurrences of the context's last token.
 
     A node of that tree at depth d is the occurrences of its path (their end positions); its count is how
-    many, its children the tokens that follow them within the depth. In one sequence a child's count last
-    changed at its newest occurrence, and a child of count 1 was made at its only one: hence the ties."""
+    many, its children the tokens that follow them within the depth, whose order among equal counts is
+    Arctic's sibling-list rules replayed over the occurrences in order (`arctic_choice`)."""
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
@@ -191,20 +233,11 @@ class OwnSequence:
         seq, length = self.tokens, len(self.tokens)
         draft, prob, score, count, floor = Draft(), F32(1.0), F32(0.0), len(ends), F32(min_prob)
         while len(draft.tokens) < budget and depth < self.max_depth:
-            follow: dict[int, list[int]] = {}  # next token -> where it sits, in order
-            for e in ends:
-                if e + 1 < length:
-                    follow.setdefault(seq[e + 1], []).append(e + 1)
+            follow = [e + 1 for e in ends if e + 1 < length]  # where the followers sit, in order
             if not follow:
                 break
-            top = max(len(at) for at in follow.values())
-            tied = [(token, at) for token, at in follow.items() if len(at) == top]
-            if len(tied) == 1:
-                token, at = tied[0]
-            elif top > 1:  # the count that changed last
-                token, at = max(tied, key=lambda item: item[1][-1])
-            else:  # made first
-                token, at = min(tied, key=lambda item: item[1][0])
+            token, top = arctic_choice([seq[f] for f in follow])
+            at = [f for f in follow if seq[f] == token]
             prob = F32(prob * (F32(top) / F32(count)))
             if prob < floor:
                 break

@@ -453,3 +453,21 @@ def test_engine_prefill_hands_over_each_prompts_newest_positions():
         positions = torch.arange(len(ids) - kept, len(ids))
         torch.testing.assert_close(proposer.pending[slot, positions % width], features_of(proposer, ids)[positions],
                                    atol=2e-2, rtol=2e-2)  # bf16 features, batched differently
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_row_at_the_end_of_its_context_beside_rows_drafting_more(method):
+    """Draft steps run every row at one width: a row whose context is nearly full (its limit 0-2) goes on
+    beside rows drafting 5, into room past max_model_len, with greedy equality (it used to index past the
+    head's cache)."""
+    from helpers import CODE_PROMPTS
+
+    kwargs = dict(dtype="float32", device="cpu", max_num_seqs=3, max_model_len=48)
+    plain = LLM(DEMO_MODEL, **kwargs)
+    prompts = [{"prompt_token_ids": plain.encode(CODE_PROMPTS[1] * 3)[1][:40]}, *CODE_PROMPTS[:2]]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(DEMO_MODEL, **kwargs, speculative_config={
+        "method": method, "model": str(REPO / "assets" / f"demo-code-7m-{method}"), "num_speculative_tokens": 5,
+        "adaptive": False})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference

@@ -77,12 +77,14 @@ class EagleFamilyProposer(Proposer):
             raise DraftsmithError(f"{config.model} holds an {self.head.head_type!r} head but the speculative config "
                                   f"says method {config.method!r}")
         self.head.attach_target(target)
-        self.head.init_rope(max_model_len)
+        self.k = config.num_speculative_tokens
+        # k positions of room past max_model_len: draft steps run all rows at one width, so a row whose
+        # context is nearly full goes on drafting (its drafts discarded) past where its own limit stopped it
+        self.head.init_rope(max_model_len + self.k)
         self.hidden_layer_ids = self.head.hidden_layer_ids
         self.window = self.head.sliding_window  # the head's own attention window, if it has one
-        self.cache = self.head.make_cache(max_num_seqs, max_model_len)
+        self.cache = self.head.make_cache(max_num_seqs, max_model_len + self.k)
         self.device = weight.device
-        self.k = config.num_speculative_tokens
         self.vocab_size = target.config.vocab_size
         self.max_num_seqs = max_num_seqs
         # target id of each draft-vocabulary id: where a sampled draft's q lands in the target vocabulary

@@ -187,3 +187,18 @@ def test_a_request_id_used_again_replaces_its_cached_output():
         proposer.release(row)
     assert proposer.metrics()["suffix_cached_requests"] == 1
     assert proposer.global_tree.num_tokens == 3  # the first output is gone from the tree
+
+
+def test_the_global_tree_stays_under_its_memory_bound():
+    """suffix_decoding_max_cache_mb bounds the trie: past it the oldest outputs are evicted (the running
+    request's own stays), and the bound is what the metrics report against."""
+    bound = 0.25  # MiB
+    proposer = config_proposer(parse_speculative_config({"method": "suffix", "num_speculative_tokens": 4,
+                                                         "suffix_decoding_max_cache_mb": bound}))
+    rng = random.Random(3)
+    for i in range(12):
+        row = Row(f"r{i}", 0, [1], [rng.randrange(5000) for _ in range(100)])  # varied: ~24 nodes a token
+        proposer.propose([row], [2])
+        proposer.release(row)
+        assert proposer.metrics()["suffix_cache_bytes"] <= bound * 2**20 + 64 * 200 * 24  # one output's worth over
+    assert 1 <= proposer.metrics()["suffix_cached_requests"] < 12

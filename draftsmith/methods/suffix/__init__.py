@@ -22,6 +22,10 @@ class SuffixConfig(SpeculativeConfig):
                                                    "the matched length")
     suffix_decoding_min_token_prob: float = Field(default=0.1, ge=0, le=1, description="drafting stops where the "
                                                   "continuation's estimated probability falls below this")
+    # draftsmith: the global tree's memory bound (its trie keeps up to max_tree_depth nodes per varied output
+    # token, where Arctic's compressed tree keeps about one): the oldest outputs go first past it
+    suffix_decoding_max_cache_mb: float = Field(default=1024.0, gt=0, description="the global tree's memory "
+                                                "bound in MiB; the oldest cached outputs are evicted past it")
 
     @model_validator(mode="before")
     @classmethod

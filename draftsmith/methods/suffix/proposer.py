@@ -27,6 +27,7 @@ class SuffixProposer(Proposer):
         self.k = config.num_speculative_tokens
         self.depth = config.suffix_decoding_max_tree_depth
         self.max_cached = config.suffix_decoding_max_cached_requests
+        self.max_bytes = config.suffix_decoding_max_cache_mb * 2**20
         self.factor = config.suffix_decoding_max_spec_factor
         self.min_prob = config.suffix_decoding_min_token_prob
         self.local: dict[str, OwnSequence] = {}
@@ -49,6 +50,7 @@ class SuffixProposer(Proposer):
             self.local[rid].extend(new)
             if rid in self.cached:
                 self.global_tree.extend(self.cached[rid], new)
+                self._evict(lambda: self.global_tree.memory_bytes() > self.max_bytes and len(self.cached) > 1)
             self.synced[rid] += len(new)
 
     def _cache(self, rid: str) -> None:
@@ -59,7 +61,11 @@ class SuffixProposer(Proposer):
             self.global_tree.remove(self.cached.pop(rid))
         self.cached[rid] = self._next_seq
         self._next_seq += 1
-        while len(self.cached) > self.max_cached:
+        self._evict(lambda: len(self.cached) > self.max_cached)
+
+    def _evict(self, over) -> None:
+        """Oldest cached outputs out while `over()` (never the newest: the request that is running)."""
+        while over():
             old, seq_id = next(iter(self.cached.items()))
             del self.cached[old]
             self.global_tree.remove(seq_id)

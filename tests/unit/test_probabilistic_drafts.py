@@ -22,7 +22,7 @@ from draftsmith.serve.spec_decode.verify import verify
 from helpers import DEMO_MODEL, REPO, flattened_demo_copy
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
-HEAD_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model"]
+SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model"]
 # A context where the demo model is unsure (top probabilities about 0.41, 0.22, 0.15, 0.06) and where the
 # shipped EAGLE-3 head disagrees with it (total variation about 0.7): emitting the drafts as they are would
 # be far off, so only a correct use of q passes.
@@ -54,7 +54,7 @@ def _bucketed_tv(a: torch.Tensor, b: torch.Tensor, top: torch.Tensor) -> float:
     return 0.5 * (bucket(a) - bucket(b)).abs().sum().item()
 
 
-@pytest.fixture(scope="module", params=HEAD_METHODS)
+@pytest.fixture(scope="module", params=SAMPLING_METHODS)
 def sampled_step(request, tmp_path_factory):
     """TRIALS identical requests one step after the prompt: the proposer of a shipped head drafts 2 tokens
     each with its own generator; the target scores them; returns what verification needs."""

@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "a drain where fewer than c requests are left, which says little about c in flight "
                        "(default: %(default)s)")
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
+    bench.add_argument("--workload", choices=("code", "edit"), default="code",
+                       help="code: validation files cut inside a block, to be continued; edit: a whole file, then "
+                       "a request to rewrite it (the continuation mostly repeats the file) (default: %(default)s)")
     bench.add_argument("--repeat", type=_positive_int, default=1,
                        help="send each level's prompts this many times, pass after pass: a repetitive workload, "
                        "where suffix decoding drafts from earlier outputs (default: %(default)s)")

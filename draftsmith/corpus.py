@@ -58,6 +58,25 @@ def code_prompts(path: str | Path, num_prompts: int, min_chars: int = 600, max_c
     return prompts
 
 
+EDIT_INSTRUCTION = "\n\n# The same code again, rewritten with type hints and docstrings:\n\n"
+
+
+def edit_prompts(path: str | Path, num_prompts: int, min_chars: int = 600, max_chars: int = 2000) -> list[str]:
+    """Code-edit requests for a base code model: a whole file, a comment asking for it rewritten, and the
+    file's first line to start the rewrite. What comes next mostly repeats the file: the workload where
+    lookup drafting (suffix decoding, n-gram) pays most."""
+    prompts: list[str] = []
+    for record in read_jsonl(path):
+        text = record.get("text", "").strip("\n")
+        if min_chars <= len(text) <= max_chars:
+            prompts.append(text + EDIT_INSTRUCTION + text.split("\n", 1)[0] + "\n")
+            if len(prompts) == num_prompts:
+                break
+    if len(prompts) < num_prompts:
+        raise DraftsmithError(f"{path} yields only {len(prompts)} edit prompts, {num_prompts} requested")
+    return prompts
+
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant"}
 

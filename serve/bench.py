@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.corpus import code_prompts
+from draftsmith.corpus import code_prompts, edit_prompts
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import method_names, read_head_config, resolve_method, servable
 from draftsmith.models.tokenizer import load_tokenizer
@@ -297,9 +297,9 @@ def run(args: argparse.Namespace) -> int:
     data = shared / "data" / "code-validation.jsonl.xz"
     if not data.is_file():
         raise DraftsmithError(f"benchmark data {data} not found; pass --shared DIR (the folder holding data/ and models/)")
-    texts = code_prompts(data, level_prompts(args, levels[-1]))
-    print(f"concurrency {','.join(map(str, levels))}: max({args.waves} x c, {args.num_prompts}) validation code "
-          "prompts per level, "
+    texts = (edit_prompts if args.workload == "edit" else code_prompts)(data, level_prompts(args, levels[-1]))
+    print(f"concurrency {','.join(map(str, levels))}: max({args.waves} x c, {args.num_prompts}) validation "
+          f"{'code-edit' if args.workload == 'edit' else 'code'} prompts per level, "
           f"greedy, {args.max_tokens} new tokens, fp32, {torch.get_num_threads()} CPU threads, "
           f"median of {args.rounds} round(s)" + (f", the prompts sent {args.repeat} times" if args.repeat > 1 else ""),
           flush=True)

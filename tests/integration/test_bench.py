@@ -80,6 +80,21 @@ def test_methods_choose_the_rows_and_repeat_sends_the_prompts_again(shared_with_
     assert "--methods lookahead: not run for demo-code-7m" in capsys.readouterr().err
 
 
+def test_the_edit_workload_asks_to_rewrite_whole_files(shared_with_demo, tmp_path, capsys):
+    from draftsmith.corpus import EDIT_INSTRUCTION, edit_prompts
+
+    data = shared_with_demo / "data" / "code-validation.jsonl.xz"
+    prompts = edit_prompts(data, 3)
+    for prompt in prompts:
+        file, rewrite = prompt.split(EDIT_INSTRUCTION)
+        assert 600 <= len(file) <= 2000 and rewrite == file.split("\n", 1)[0] + "\n"
+    args = build_parser().parse_args(["bench", "--shared", str(shared_with_demo), "--models", "demo-code-7m",
+                                      "--concurrency", "1", "--num-prompts", "1", "--max-tokens", "8", "--no-hf",
+                                      "--no-plot", "--methods", "ngram", "--workload", "edit"])
+    assert bench.run(args) == 0
+    assert "validation code-edit prompts per level" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("levels,expected", [("0", "levels must be >= 1, got 0"), ("a", "'a' is not an integer"),
                                              ("1,,4", "'' is not an integer")])
 def test_bad_concurrency_is_one_line_naming_the_flag(levels, expected, capsys):

@@ -53,6 +53,12 @@ class ServerMetrics:
                                      registry=r)
         self.spec_plain_steps = Counter("draftsmith:spec_decode_steps_without_speculation",
                                         "Decode steps the planner ran without drafting", labels, registry=r)
+        # what a proposer reports of its own state (`Proposer.metrics`): suffix decoding's trees
+        self.proposer_gauges = {
+            "suffix_cache_bytes": Gauge("draftsmith:suffix_cache_bytes", "Memory the suffix trees hold (about)",
+                                        labels, registry=r),
+            "suffix_cached_requests": Gauge("draftsmith:suffix_cached_requests",
+                                            "Requests whose outputs the global suffix tree holds", labels, registry=r)}
         self.model_name = model_name
         for position in range(num_speculative_tokens):  # exported from the start, at 0
             self.spec_per_pos.labels(model_name, str(position))
@@ -77,6 +83,9 @@ class ServerMetrics:
         for k, count in enumerate(now.get("spec_k_histogram", [])):
             previous = self._last.get("spec_k_histogram", [0] * (k + 1))
             self.spec_chosen_k.labels(name, str(k)).inc(count - previous[k])
+        for key, gauge in self.proposer_gauges.items():
+            if key in now:
+                gauge.labels(name).set(now[key])
         self._last = now
 
     def render(self) -> bytes:

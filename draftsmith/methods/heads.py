@@ -41,6 +41,20 @@ def load_head(directory: str | Path, dtype: torch.dtype = torch.float32, device:
     return load_head_weights(head, directory).to(device=device, dtype=dtype).eval()
 
 
+def load_attached_head(config, target, dtype: torch.dtype):
+    """The head a `--speculative-config` names (`model`), loaded in `dtype` on the target's device, checked
+    against the config's method and the k it asks for, and attached to `target`."""
+    head = load_head(config.model, dtype=dtype, device=target.model.embed_tokens.weight.device)
+    if head.head_type != config.method:
+        raise DraftsmithError(f"{config.model} holds an {head.head_type!r} head but the speculative config "
+                              f"says method {config.method!r}")
+    most = head.config.max_drafts()
+    if most is not None and config.num_speculative_tokens > most:
+        raise DraftsmithError(f"num_speculative_tokens={config.num_speculative_tokens}, but the {head.head_type} head "
+                              f"{config.model} drafts at most {most} tokens a step; set num_speculative_tokens <= {most}")
+    return head.attach_target(target)
+
+
 def draft_dtype(requested: str, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a head drafts in: the config's `draft_dtype`, or for "auto" the target's, except under a
     float32 target on a device with fast bfloat16 matmuls (CUDA that has them, or a CPU oneDNN runs them on),

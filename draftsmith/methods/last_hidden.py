@@ -9,10 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose
-from draftsmith.methods.heads import load_head
+from draftsmith.methods.heads import load_attached_head
 
 
 class LastHiddenProposer(Proposer):
@@ -20,16 +19,8 @@ class LastHiddenProposer(Proposer):
         super().__init__(config, target, max_num_seqs, max_model_len)
         weight = target.model.embed_tokens.weight
         # the target's dtype: heads without LM heads of their own read out through the target's
-        self.head = load_head(config.model, dtype=weight.dtype, device=weight.device)
-        if self.head.head_type != config.method:
-            raise DraftsmithError(f"{config.model} holds an {self.head.head_type!r} head but the speculative config "
-                                  f"says method {config.method!r}")
-        self.head.attach_target(target)
+        self.head = load_attached_head(config, target, weight.dtype)
         self.k = config.num_speculative_tokens
-        most = self.head.config.max_drafts()
-        if most is not None and self.k > most:
-            raise DraftsmithError(f"num_speculative_tokens={self.k}, but the {self.head.head_type} head {config.model} "
-                                  f"drafts at most {most} tokens a step; set num_speculative_tokens <= {most}")
         self.hidden_layer_ids = self.head.hidden_layer_ids
         self.observe_window = 1  # only the newest position's hidden state is ever read
         self.device = weight.device

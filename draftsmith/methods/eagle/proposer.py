@@ -40,7 +40,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose
-from draftsmith.methods.heads import draft_dtype, load_head
+from draftsmith.methods.heads import draft_dtype, load_attached_head
 from draftsmith.models.kv_cache import ForwardBatch
 
 # Pending positions kept per slot, at most: the head's context when a row starts or resumes drafting (64 keeps
@@ -72,11 +72,7 @@ class EagleFamilyProposer(Proposer):
         super().__init__(config, target, max_num_seqs, max_model_len)
         weight = target.model.embed_tokens.weight
         self.dtype = draft_dtype(config.draft_dtype, weight.dtype, weight.device)
-        self.head = load_head(config.model, dtype=self.dtype, device=weight.device)
-        if self.head.head_type != config.method:
-            raise DraftsmithError(f"{config.model} holds an {self.head.head_type!r} head but the speculative config "
-                                  f"says method {config.method!r}")
-        self.head.attach_target(target)
+        self.head = load_attached_head(config, target, self.dtype)
         self.k = config.num_speculative_tokens
         # k positions of room past max_model_len: draft steps run all rows at one width, so a row whose
         # context is nearly full goes on drafting (its drafts discarded) past where its own limit stopped it

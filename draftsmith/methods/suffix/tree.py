@@ -206,22 +206,26 @@ class OwnSequence:
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
-        self.tokens: list[int] = []
-        self._array = np.empty(0, dtype=np.int64)
+        self.tokens: list[int] = []  # read token by token while drafting
+        self._array = np.empty(256, dtype=np.int64)  # the same, appended in place, for the vectorized match
 
     def extend(self, tokens) -> None:
+        start = len(self.tokens)
         self.tokens += [int(t) for t in tokens]
+        if len(self.tokens) > len(self._array):
+            grown = np.empty(max(2 * len(self._array), len(self.tokens)), dtype=np.int64)
+            grown[:start] = self._array[:start]
+            self._array = grown
+        self._array[start : len(self.tokens)] = self.tokens[start:]
 
     def speculate(self, max_tokens: int, factor: float, offset: float, min_prob: float) -> Draft:
         seq, length = self.tokens, len(self.tokens)
-        if len(self._array) != length:
-            self._array = np.asarray(seq, dtype=np.int64)
         # ends[m - 1]: where the occurrences of the context's last m tokens end (the context is the newest
         # min(length, max_depth) tokens, matched over lengths 1..its length - 1, as Arctic does)
         longest = min(length, self.max_depth) - 1
         if longest < 1:
             return Draft()
-        ends = [np.flatnonzero(self._array == seq[-1]).tolist()]
+        ends = [np.flatnonzero(self._array[:length] == seq[-1]).tolist()]
         while len(ends) < longest and len(ends[-1]) > 1:  # only the context itself left: nothing follows
             m = len(ends) + 1
             want = seq[length - m]

@@ -41,8 +41,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --rounds 3 --json build/bench.json
-	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models house-code-28m --methods draft_model --concurrency 1,8 \
-		--speculative-config '{"method": "draft_model", "model": "assets/demo-code-7m", "num_speculative_tokens": 4}' \
+	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models house-code-28m --methods draft_model,pard --concurrency 1,8 \
+		--speculative-config '[{"method": "draft_model", "model": "assets/demo-code-7m", "num_speculative_tokens": 4}, \
+		{"method": "draft_model", "model": "assets/demo-code-7m-pard", "num_speculative_tokens": 6, "parallel_drafting": true}]' \
 		--rounds 3 --no-hf --json build/bench-draft-model.json
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --methods suffix --repeat 2 \
 		--speculative-config '{"method": "suffix", "num_speculative_tokens": 16}' --concurrency 1,8 \

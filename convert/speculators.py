@@ -116,7 +116,17 @@ def _with_verifier(ctx: ReadContext, config: dict, source_dir: Path) -> ReadCont
 _READERS = {"eagle3": _read_eagle3, "eagle": _read_legacy_eagle}
 
 
-@register_source("speculators", "vllm-project/speculators checkpoint (speculators_model_type eagle3, or legacy eagle)")
+def register_speculators_reader(kind: str):
+    """For a method's own converter module: reads checkpoints of `speculators_model_type` `kind`."""
+    def decorate(read):
+        _READERS[kind] = read
+        return read
+
+    return decorate
+
+
+@register_source("speculators", "vllm-project/speculators checkpoint (speculators_model_type eagle3, dflash, or legacy "
+                 "eagle)")
 class Speculators:
     @staticmethod
     def detect(checkpoint: SourceCheckpoint) -> bool:

@@ -187,11 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     bench.add_argument("--speculative-config", default=json.dumps(CODE_DEFAULTS),
                        help="speculation to compare against no speculation, besides the shipped heads ('' to skip); "
+                       "a JSON list runs several (a draft model with parallel_drafting is named pard); "
                        "default: %(default)s")
     bench.add_argument("--methods", default=None,
-                       help="comma-separated methods to run beside no speculation (default: every one found)")
+                       help="comma-separated methods to run beside no speculation (default: every one found; "
+                       "pard: a draft_model config with parallel_drafting)")
     bench.add_argument("--head-k", "--eagle-k", dest="head_k", type=_positive_int, default=5,
-                       help="draft tokens for the shipped heads (assets/MODEL-HEADTYPE, e.g. demo-code-7m-eagle3)")
+                       help="draft tokens for the shipped heads (assets/MODEL-HEADTYPE, e.g. demo-code-7m-eagle3); heads "
+                       "drafting a whole block in one forward (DFlash) draft all of it")
     bench.add_argument("--profile", action="store_true",
                        help="also print where each decode step's time goes (draft, target forward, verify and "
                        "sample, bookkeeping) in ms per step and share")

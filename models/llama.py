@@ -186,7 +186,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, batch: ForwardBatch | None = None,
                 hidden_layer_ids: Sequence[int] = (), logits_index: torch.Tensor | None = None,
-                compute_logits: bool = True, hidden_index: torch.Tensor | None = None) -> ForwardOutput:
+                compute_logits: bool = True, hidden_index: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> ForwardOutput:
         """Runs input_ids [B, Q].
 
         Args:
@@ -196,23 +197,31 @@ class CausalLM(nn.Module):
             logits_index: [B, n] query indices whose logits to compute; None = all Q.
             hidden_index: [B, m] query indices whose hidden states to return (real tokens only: in a packed
                 batch a padding index would read another row's token); None = all Q.
+            attention_mask: without a cache, [B, 1, Q, Q] bool (True = may attend) instead of causal order:
+                training layouts whose tokens are not one causal sequence (PARD's mask-token segments).
         """
         if positions is None:
             positions = batch.positions if batch is not None else torch.arange(
                 input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         # Tables are sized at load time (the engine passes max_model_len); no host sync on positions here.
-        if self.rope_cos is None or (cache is None and input_ids.shape[1] > self.rope_cos.shape[0]):
-            self.init_rope(max(self.config.max_position_embeddings, input_ids.shape[1]))
+        if self.rope_cos is None or self.rope_cos.device != input_ids.device or \
+                (cache is None and input_ids.shape[1] > self.rope_cos.shape[0]):
+            # plain attributes, not buffers: a model moved by accelerate (PARD training) leaves them behind
+            self.init_rope(max(self.config.max_position_embeddings, input_ids.shape[1],
+                               self.rope_cos.shape[0] if self.rope_cos is not None else 0))
         packed = batch is not None and batch.tokens is not None
         if packed:  # per-token work on the real tokens only: [T, ...] until the logits
             input_ids, positions = input_ids.reshape(-1)[batch.tokens], positions.reshape(-1)[batch.tokens]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
-        window_mask = None
+        if attention_mask is not None and cache is not None:
+            raise ValueError("attention_mask is for forwards without a cache; a cached batch carries its own mask")
+        window_mask = attention_mask
         if cache is None and self.config.sliding_window is not None:
             # Without a cache the batch carries no mask; build the causal sliding-window one here.
             distance = positions[:, :, None] - positions[:, None, :]
-            window_mask = ((distance >= 0) & (distance < self.config.sliding_window))[:, None]
+            window = ((distance >= 0) & (distance < self.config.sliding_window))[:, None]
+            window_mask = window if attention_mask is None else window & attention_mask
         wanted = set(hidden_layer_ids)
         last = self.config.num_hidden_layers
         hidden: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}

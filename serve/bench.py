@@ -67,19 +67,33 @@ def shipped_heads(model_name: str) -> dict[str, Path]:
     return found
 
 
+def row_name(config: dict) -> str:
+    """A bench row's method name: the config's method, but `pard` for a draft model drafting in parallel, so
+    that a draft model's two ways of drafting can be compared in one run."""
+    method = config.get("method", "?")
+    return "pard" if method == "draft_model" and config.get("parallel_drafting") else method
+
+
 def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dict[str, dict]:
     methods = {}
     if spec_config:
         try:
-            config = json.loads(spec_config)
+            configs = json.loads(spec_config)
         except json.JSONDecodeError as exc:
             raise DraftsmithError(f"--speculative-config is not valid JSON ({exc.msg})") from None
-        methods[config.get("method", "?")] = config
+        for config in configs if isinstance(configs, list) else [configs]:
+            if not isinstance(config, dict):
+                raise DraftsmithError("--speculative-config must be a JSON object, or a list of them")
+            if row_name(config) in methods:
+                raise DraftsmithError(f"--speculative-config names {row_name(config)!r} twice: one config a method")
+            methods[row_name(config)] = config
     for name, head in shipped_heads(model_name).items():
         if name not in methods:  # the user's own config for a method wins over the shipped head
-            # heads drafting one token per head or stage (Medusa, MLP speculator) draft no more than they have
+            # heads drafting one token per head or stage (Medusa, MLP speculator) draft no more than they have;
+            # heads drafting a whole block in one forward (DFlash) draft all of it
             most = read_head_config(json.loads((head / "config.json").read_text()), head).max_drafts()
-            methods[name] = {"method": name, "model": str(head), "num_speculative_tokens": min(k, most or k)}
+            wanted = most if resolve_method(name).needs.parallel and most else min(k, most or k)
+            methods[name] = {"method": name, "model": str(head), "num_speculative_tokens": wanted}
     return methods
 
 

@@ -134,15 +134,20 @@ class Row:
         return self.prompt_token_ids + self.output_token_ids
 
 
-def flattened_demo_copy(directory: Path) -> Path:
+def flattened_demo_copy(directory: Path, pard_token: int | None = None) -> Path:
     """The demo model with its final norm scaled down (a flatter readout): a draft model of the demo
-    tokenizer that disagrees with the demo model enough for sampled drafts to matter."""
+    tokenizer that disagrees with the demo model enough for sampled drafts to matter. `pard_token`: written to
+    its config.json, so that it serves with parallel_drafting (untrained for it: masks draft poorly)."""
+    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO_MODEL / name, directory / name)
+    if pard_token is not None:
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "pard_token": pard_token}))
     tensors = load_file(str(DEMO_MODEL / "model.safetensors"))
     tensors["model.norm.weight"] = tensors["model.norm.weight"] * 0.4
     save_file(tensors, str(directory / "model.safetensors"))

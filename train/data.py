@@ -69,7 +69,7 @@ def collate(records: list[dict[str, Any]], pad_id: int = 0) -> dict[str, torch.T
         n = len(r["input_ids"])
         ids[i, :n] = torch.tensor(r["input_ids"])
         mask[i, :n] = torch.tensor(r["loss_mask"])
-    batch = {"input_ids": ids, "loss_mask": mask}
+    batch = {"input_ids": ids, "loss_mask": mask, "lengths": torch.tensor([len(r["input_ids"]) for r in records])}
     for key in ("features", "last"):  # offline (captured) hidden states, padded like the ids
         if key in records[0]:
             dim = records[0][key].shape[-1]

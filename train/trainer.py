@@ -63,6 +63,8 @@ class HeadWithObjective(nn.Module):
     def features(self, batch):
         if "features" in batch:  # offline
             return {"features": batch["features"], "last": batch["last"]}
+        if not self.head.hidden_layer_ids:  # a draft LM trained on text alone (PARD)
+            return {}
         return target_features(self._target[0], self.head.hidden_layer_ids, batch["input_ids"], self.feature_dtype)
 
     def forward(self, batch, acceptance_depth: int = 0):

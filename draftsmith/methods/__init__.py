@@ -32,7 +32,7 @@ from draftsmith.methods.registry import (
 
 # isort: split
 # Importing a built-in method registers it (explicit, in one place: no import-time scanning).
-from draftsmith.methods import draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix  # noqa: F401
+from draftsmith.methods import dflash, draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix  # noqa: F401
 
 __all__ = ["METHODS", "DraftBatch", "MethodNeeds", "Proposer", "RecipeModelSection", "RecipeTrainingSection",
            "SpecMethod", "SpeculativeConfig", "head_method", "load_head", "method_names", "read_head_config",

@@ -31,8 +31,8 @@ class MethodNeeds:
 
     Read today: `hidden_states` (the engine hands the proposer target features), `draft_probs` (whether
     draft_sample_method "probabilistic" is allowed), `head` ("model" required), `tree` (refused: the engine
-    verifies chains). `own_kv_cache` and `parallel` are declared for the scheduling and drafting work that
-    will use them; nothing reads them yet."""
+    verifies chains), `parallel` (the bench drafts a shipped head's whole block). `own_kv_cache` is declared
+    for the scheduling work that will use it; nothing reads it yet."""
 
     hidden_states: bool = False  # needs target features from every forward (EAGLE family, MTP)
     draft_probs: bool = False  # can sample its drafts and hand back q (draft_sample_method=probabilistic)

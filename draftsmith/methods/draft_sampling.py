@@ -1,6 +1,6 @@
 """Choosing a draft token from a head's logits, greedy or sampled, for every proposer that drafts from
-logits (EAGLE family, MTP, MLP speculator, Medusa): one rule, so that what a proposer reports as q is what
-it sampled from."""
+logits (EAGLE family, MTP, MLP speculator, Medusa, draft models, DFlash): one rule, so that what a proposer
+reports as q is what it sampled from."""
 
 from __future__ import annotations
 
@@ -24,3 +24,22 @@ def choose(logits: torch.Tensor, temperature: torch.Tensor | None,
         noise[row].exponential_(generator=generator)
     drawn = torch.where(greedy, argmax, (probs / noise).argmax(-1))
     return drawn, probs.gather(1, drawn[:, None])[:, 0], probs
+
+
+def choose_block(logits: torch.Tensor, limits: list[int], rows: torch.Tensor, temperature: torch.Tensor | None,
+                 generators: dict[int, torch.Generator], tokens_out: torch.Tensor, probs_out: torch.Tensor | None) -> None:
+    """Drafts from one forward's logits [R, W, V] (position j of row r: its draft j + 1; parallel drafting):
+    row r keeps its first `limits[r]` and writes them, and q where sampled, to `rows[r]` of the outputs.
+    `temperature` [R] (None: all greedy), `generators`: row -> generator of the rows that sample. A row draws
+    only for the drafts it keeps, and draft j's q does not depend on drafts 1..j-1 (one forward made them all),
+    so each position is chosen on its own."""
+    for step in range(logits.shape[1]):
+        live = [r for r, limit in enumerate(limits) if limit > step]
+        if not live:
+            break
+        live_t = torch.tensor(live, device=logits.device)
+        draws = [(i, generators[r]) for i, r in enumerate(live) if r in generators]
+        drawn, _, q = choose(logits[live_t, step], None if temperature is None else temperature[live_t], draws)
+        tokens_out[rows[live_t], step] = drawn
+        if probs_out is not None:
+            probs_out[rows[live_t], step] = q

@@ -68,3 +68,26 @@ def draft_dtype(requested: str, target_dtype: torch.dtype, device: torch.device)
     fast_bf16 = (torch.cuda.is_available() and torch.cuda.is_bf16_supported()) if device.type == "cuda" else \
         device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return torch.bfloat16 if fast_bf16 else target_dtype
+
+
+def default_mask_token(model_dir: str | Path, key: str) -> int:
+    """The pad token of a model directory's tokenizer, when it is a special token distinct from EOS/BOS: no text
+    encodes to it and no training label is it, the role of PARD's and DFlash's reserved mask token. `key`: the
+    recipe key that sets one instead, named in the error."""
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        tokens = json.loads((model_dir / "tokenizer.json").read_text()).get("added_tokens", [])
+    except (OSError, json.JSONDecodeError):
+        config, tokens = {}, []
+    ids = {t.get("content"): t.get("id") for t in tokens if t.get("special")}
+
+    def token_id(name: str):
+        value = config.get(name)
+        return ids.get(value.get("content") if isinstance(value, dict) else value)  # AddedToken dicts too
+
+    pad = token_id("pad_token")
+    if pad is not None and pad not in {token_id("eos_token"), token_id("bos_token")}:
+        return pad
+    raise DraftsmithError(f"{model_dir}: its tokenizer has no pad token apart from EOS/BOS to serve as the mask "
+                          f"token; set {key} to an id no text encodes to (a reserved special token)")

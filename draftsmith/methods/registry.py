@@ -16,7 +16,7 @@ from draftsmith.methods.base import SpecMethod
 METHODS: dict[str, type[SpecMethod]] = {}
 # Methods vLLM's --speculative-config knows that draftsmith has not registered yet: refused with "not
 # available yet" rather than "unknown", so a vLLM user sees it is planned, not a typo.
-PLANNED_METHODS = ("dflash",)
+PLANNED_METHODS: tuple[str, ...] = ()
 
 
 def register_method(cls: type[SpecMethod]) -> type[SpecMethod]:

@@ -5,7 +5,6 @@ import pytest
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.spec_decode.config import parse_speculative_config
 from helpers import (
     CODE_PROMPTS,
     DEMO_MODEL,
@@ -84,9 +83,3 @@ def test_a_draft_model_of_another_vocabulary_is_one_line(tmp_path):
     make_tiny_checkpoint("llama", tmp_path / "draft")  # vocab 128
     with pytest.raises(DraftsmithError, match="vocabulary of 128 tokens, the target 8192"):
         _serve(tmp_path / "draft")
-
-
-def test_parallel_drafting_is_refused_until_pard_arrives():
-    with pytest.raises(DraftsmithError, match=r"parallel_drafting \(PARD\) is not available yet"):
-        parse_speculative_config({"method": "draft_model", "model": "x", "num_speculative_tokens": 4,
-                                  "parallel_drafting": True})

@@ -22,7 +22,7 @@ from draftsmith.serve.spec_decode.verify import verify
 from helpers import DEMO_MODEL, REPO, flattened_demo_copy
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
-SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model"]
+SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "dflash"]
 # A context where the demo model is unsure (top probabilities about 0.41, 0.22, 0.15, 0.06) and where the
 # shipped EAGLE-3 head disagrees with it (total variation about 0.7): emitting the drafts as they are would
 # be far off, so only a correct use of q passes.
@@ -59,13 +59,16 @@ def sampled_step(request, tmp_path_factory):
     """TRIALS identical requests one step after the prompt: the proposer of a shipped head drafts 2 tokens
     each with its own generator; the target scores them; returns what verification needs."""
     method = request.param
+    parallel = method == "pard"  # a draft model drafting both tokens in one forward from a mask token
+    method = "draft_model" if parallel else method
     target = load_target(DEMO_MODEL, dtype="float32")
     tokenizer_ids = load_tokenizer(DEMO_MODEL)(PROMPT, add_special_tokens=False).input_ids
     model = REPO / "assets" / f"demo-code-7m-{method}"
     if method == "draft_model":  # the demo model with a flattened readout: a draft that disagrees with it
-        model = flattened_demo_copy(tmp_path_factory.mktemp("draft"))
+        model = flattened_demo_copy(tmp_path_factory.mktemp("draft"), pard_token=3 if parallel else None)
     config = parse_speculative_config({"method": method, "model": str(model), "num_speculative_tokens": 2,
-                                       "draft_sample_method": "probabilistic"})
+                                       "draft_sample_method": "probabilistic",
+                                       **({"parallel_drafting": True} if parallel else {})})
     proposer = resolve_method(method).proposer_class()(config, target, TRIALS, 64)
     with torch.inference_mode():
         out = target(torch.tensor([tokenizer_ids]), hidden_layer_ids=proposer.hidden_layer_ids)
@@ -154,7 +157,7 @@ def test_draft_sampling_config():
     strict = parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,
                                        "rejection_sample_method": "strict"})
     assert (strict.rejection_sample_method, strict.draft_sample_method) == ("standard", "greedy")
-    with pytest.raises(DraftsmithError, match=r"'ngram' drafts deterministically.*methods that do: draft_model, eagle, eagle3, medusa, mlp_speculator, mtp\)"):
+    with pytest.raises(DraftsmithError, match=r"'ngram' drafts deterministically.*methods that do: dflash, draft_model, eagle, eagle3, medusa, mlp_speculator, mtp\)"):
         parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})
     with pytest.raises(DraftsmithError, match="contradicts"):
         parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,

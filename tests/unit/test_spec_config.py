@@ -20,10 +20,9 @@ def test_vllm_prompt_lookup_defaults_and_mirroring():
 
 @pytest.mark.parametrize("config,message", [
     ({"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}, "bogus.*valid keys: method"),
-    ({"method": "dflash", "num_speculative_tokens": 3},
-     "'dflash' is not available yet; available: draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix"),
+    ({"method": "dflash", "num_speculative_tokens": 3}, "needs \"model\""),
     ({"method": "lookahead", "num_speculative_tokens": 3},
-     "'lookahead' is unknown; available: draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix"),
+     "'lookahead' is unknown; available: dflash, draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "greater than"),
@@ -68,6 +67,19 @@ def test_bench_keeps_the_users_config_for_a_method_that_also_ships_a_head():
     methods = speculation_methods("demo-code-7m", json.dumps(mine), k=5)
     assert methods["eagle3"] == mine  # not replaced by assets/demo-code-7m-eagle3
     assert speculation_methods("demo-code-7m", "", k=5)["eagle3"]["num_speculative_tokens"] == 5
+
+
+def test_bench_runs_a_list_of_configs_and_names_parallel_draft_models_pard():
+    from draftsmith.serve.bench import speculation_methods
+
+    draft = {"method": "draft_model", "model": "/draft", "num_speculative_tokens": 4}
+    pard = {**draft, "parallel_drafting": True}
+    methods = speculation_methods("house-code-28m", json.dumps([draft, pard]), k=5)
+    assert methods == {"draft_model": draft, "pard": pard}
+    with pytest.raises(DraftsmithError, match="names 'draft_model' twice"):
+        speculation_methods("house-code-28m", json.dumps([draft, draft]), k=5)
+    with pytest.raises(DraftsmithError, match="a JSON object, or a list of them"):
+        speculation_methods("house-code-28m", "[3]", k=5)
 
 
 def test_validation_errors_format_in_one_line():

@@ -1,20 +1,26 @@
 """The draft-model proposer. Per slot it remembers which token ids its KV cache holds (positions 0..len-1:
 what it was fed, verified or drafted); each propose keeps the longest prefix the request still has, feeds the
 rest (the prompt the first time, then the tokens the last verify added) in one forward for all drafting
-rows, and drafts from there one forward per token."""
+rows, and drafts from there one forward per token. With `parallel_drafting` (PARD) that same forward also
+reads w - 1 mask tokens after the row's tokens and its last w outputs are the w drafts: one forward a step.
+The masks' keys and values land past what the slot holds (`fed` never lists them) and are overwritten by
+the next feed."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
-from draftsmith.methods.draft_sampling import choose
+from draftsmith.methods.draft_sampling import choose, choose_block
 from draftsmith.methods.heads import draft_dtype
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.loader import load_target
+from draftsmith.models.pard import MASK_TOKEN_KEYS, mask_token_id
 
 
 class DraftModelProposer(Proposer):
@@ -23,12 +29,24 @@ class DraftModelProposer(Proposer):
         weight = target.model.embed_tokens.weight
         self.device = weight.device
         self.draft = load_target(config.model, dtype=draft_dtype(config.draft_dtype, weight.dtype, self.device),
-                                 device=self.device, max_len=max_model_len)
+                                 device=self.device, max_len=max_model_len + config.num_speculative_tokens)
         vocab, target_vocab = self.draft.config.vocab_size, target.config.vocab_size
         if vocab != target_vocab:
             raise DraftsmithError(f"draft model {config.model} has a vocabulary of {vocab} tokens, the target "
                                   f"{target_vocab}: a draft model must share the target's tokenizer")
-        self.cache = self.draft.make_cache(max_num_seqs, max_model_len)
+        self.pard_token = None
+        if config.parallel_drafting:
+            self.pard_token = mask_token_id(json.loads((Path(config.model) / "config.json").read_text()))
+            if self.pard_token is None:
+                raise DraftsmithError(f"parallel_drafting needs a PARD draft, and {config.model}/config.json names no "
+                                      f"mask token ({' / '.join(MASK_TOKEN_KEYS)}): adapt it with `draftsmith train` "
+                                      "(recipes/pard-house.yaml) or drop parallel_drafting")
+            if not 0 <= self.pard_token < vocab:
+                raise DraftsmithError(f"{config.model}: mask token {self.pard_token} is outside its vocabulary of {vocab}")
+        # one forward drafts every token: the cost model prices drafting as one draft forward
+        self.sequential = not config.parallel_drafting
+        # the masks of a parallel draft sit past the row's tokens: room for them in the draft's cache
+        self.cache = self.draft.make_cache(max_num_seqs, max_model_len + config.num_speculative_tokens)
         self.window = self.draft.config.sliding_window
         self.k = config.num_speculative_tokens
         self.owner: list[str | None] = [None] * max_num_seqs
@@ -98,6 +116,12 @@ class DraftModelProposer(Proposer):
             self.checked[row.slot] = len(tokens)
         q_lens = [len(t) for t in news]
         self.steady = max(q_lens) <= self.k + 1  # a prompt's catch-up is a one-off the planner prices apart
+        if self.pard_token is not None:
+            self._propose_parallel(active, slots, starts, news, limits, width, generators, temperature,
+                                   tokens_out, probs_out)
+            self.steps_run = 1
+            counts_out[torch.tensor(active, device=self.device)] = torch.tensor(limits, device=self.device)
+            return DraftBatch(tokens_out, counts_out, probs_out)
         ids = torch.zeros(len(active), max(q_lens), dtype=torch.long)
         for j, new in enumerate(news):
             ids[j, : len(new)] = torch.tensor(new)
@@ -127,6 +151,22 @@ class DraftModelProposer(Proposer):
         self.steps_run = width
         counts_out[torch.tensor(active, device=self.device)] = torch.tensor(limits, device=self.device)
         return DraftBatch(tokens_out, counts_out, probs_out)
+
+    def _propose_parallel(self, active, slots, starts, news, limits, width, generators, temperature,
+                          tokens_out, probs_out) -> None:
+        """PARD: each row's new tokens, then its limit - 1 masks, in one forward; outputs from the row's last
+        real token on are its drafts."""
+        q_lens = [len(new) + limit - 1 for new, limit in zip(news, limits)]
+        ids = torch.full((len(active), max(q_lens)), self.pard_token, dtype=torch.long)
+        for j, new in enumerate(news):
+            ids[j, : len(new)] = torch.tensor(new)
+        last = torch.tensor([len(new) - 1 for new in news])[:, None] + torch.arange(width)[None]
+        last = last.minimum(torch.tensor(q_lens)[:, None] - 1)  # past a row's limit: repeats, never kept
+        batch = ForwardBatch.build(slots, starts, q_lens, self.cache, self.window, self.device, pack=True)
+        logits = self.draft(ids.to(self.device), cache=self.cache, batch=batch,
+                            logits_index=last.to(self.device)).logits  # [rows, width, V]
+        choose_block(logits, limits, torch.tensor(active, device=self.device), temperature, generators, tokens_out,
+                     probs_out)
 
     def release(self, request: RowState) -> None:
         if request.slot is not None and self.owner[request.slot] == request.request_id:

@@ -1,0 +1,173 @@
+"""DFlash heads: z-lab's layout (a flat Qwen3 config with `block_size`, `num_target_layers` and `dflash_config`
+{mask_token_id, target_layer_ids}; tensors `fc`, `hidden_norm`, `layers.N.*`, `norm`), which vLLM and SGLang
+load, and speculators' `dflash` (`transformer_layer_config`, `aux_hidden_state_layer_ids`, `block_size`,
+`mask_token_id`, plus copies of the verifier's embedding and LM head, which draftsmith writes (the embedding)
+and skips on reading). The tensor names are draftsmith's own,
+so only configs are mapped.
+
+z-lab's `target_layer_ids` index decoder layers (feature i is the output of layer i, HF `hidden_states[i +
+1]`); speculators, vLLM's `aux_hidden_state_layer_ids` and draftsmith's `aux_layer_ids` are hidden_states
+indices: one more.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from draftsmith import __version__
+from draftsmith.convert.checkpoint import SourceCheckpoint, target_embedding
+from draftsmith.convert.eagle import head_dtype
+from draftsmith.convert.layer_config import layer_fields, rope_keys
+from draftsmith.convert.registry import (
+    PROVENANCE_KEY,
+    Exported,
+    NormalizedHead,
+    ReadContext,
+    provenance,
+    register_exporter,
+    register_source,
+    reject_unknown,
+    take,
+)
+from draftsmith.convert.speculators import _speculators_config, _with_verifier, register_speculators_reader
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.dflash import DFlashConfig
+
+LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+              "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+              "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")
+BIAS_KEYS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+HEAD_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+VERIFIER_COPIES = ("embed_tokens.weight", "lm_head.weight")  # speculators stores them; the target has them
+LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
+
+
+def _layer_count(names: list[str], where: str) -> int:
+    indices = {int(m[1]) for n in names if (m := LAYER_INDEX.match(n))}
+    if not indices or indices != set(range(max(indices) + 1)):
+        raise DraftsmithError(f"{where}: DFlash layers must be numbered 0..N-1 (found {sorted(indices)})")
+    return len(indices)
+
+
+def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], aux_layer_ids: list[int], block_size,
+               mask_token_id, num_target_layers, target_name: str, where: str, ignorable=()) -> NormalizedHead:
+    if mask_token_id is None:
+        raise DraftsmithError(f"{where}: no mask_token_id: a DFlash head fills its block with that token")
+    if not isinstance(block_size, int) or block_size < 2:
+        raise DraftsmithError(f"{where}: block_size {block_size!r} must be an integer of at least 2")
+    layers = _layer_count(checkpoint.names, where)
+    biased = bool(layer_config.get("attention_bias"))
+    names = [f"layers.{i}.{k}" for i in range(layers) for k in LAYER_KEYS + (BIAS_KEYS if biased else ())]
+    dropped = reject_unknown(checkpoint, set(names) | set(HEAD_KEYS), "DFlash", ignorable)
+    tensors = take(checkpoint, names + list(HEAD_KEYS))
+    fields = layer_fields(layer_config, where)
+    fc_in = tensors["fc.weight"].shape[1]
+    if fc_in % len(aux_layer_ids):
+        raise DraftsmithError(f"{where}: fc reads {fc_in} features, not a multiple of {len(aux_layer_ids)} target layers")
+    try:
+        vocab, target_layers, mask = int(layer_config["vocab_size"]), int(num_target_layers), int(mask_token_id)
+    except KeyError:
+        raise DraftsmithError(f"{where} lacks the layer config key 'vocab_size'") from None
+    except (TypeError, ValueError) as exc:
+        raise DraftsmithError(f"{where}: vocab_size, the target's layer count and mask_token_id must be integers "
+                              f"({exc})") from None
+    config = DFlashConfig(**fields, num_hidden_layers=layers, vocab_size=vocab,
+                          target_hidden_size=fc_in // len(aux_layer_ids), target_num_layers=target_layers,
+                          aux_layer_ids=tuple(aux_layer_ids), block_size=block_size, mask_token_id=mask,
+                          attention_bias=biased, target_model=target_name)
+    return NormalizedHead(config.to_json(), tensors, [f"dropped {n} (the target's own)" for n in dropped])
+
+
+def _target_layers(config: dict, ctx: ReadContext, given) -> tuple[int, str]:
+    mark = config.get(PROVENANCE_KEY) or {}
+    if given:
+        return given, mark.get("target_model", "") or ctx.target_name  # checked an integer in _normalize
+    if mark.get("target_num_layers"):
+        return int(mark["target_num_layers"]), mark.get("target_model", "")
+    return ctx.target_layers("the checkpoint does not say how many layers its target has"), ctx.target_name
+
+
+@register_source("dflash", "DFlash head, z-lab layout (dflash_config, fc/hidden_norm/layers.N.*), as vLLM loads it")
+class ZLabDFlash:
+    @staticmethod
+    def detect(checkpoint: SourceCheckpoint) -> bool:
+        return isinstance(checkpoint.config.get("dflash_config"), dict) and "speculators_model_type" not in checkpoint.config
+
+    @staticmethod
+    def read(checkpoint: SourceCheckpoint, ctx: ReadContext) -> NormalizedHead:
+        config, where = checkpoint.config, f"{checkpoint.directory}/config.json"
+        dflash = config["dflash_config"]
+        ids = dflash.get("target_layer_ids")
+        if not isinstance(ids, list) or not ids:
+            raise DraftsmithError(f"{where}: dflash_config.target_layer_ids must be a non-empty list")
+        layers, target = _target_layers(config, ctx, config.get("num_target_layers"))
+        mask = dflash.get("mask_token_id", config.get("mask_token_id"))
+        block = dflash.get("block_size", config.get("block_size"))
+        return _normalize(checkpoint, config, [i + 1 for i in ids], block, mask, layers, target, where)
+
+
+@register_speculators_reader("dflash")
+def read_speculators(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str) -> NormalizedHead:
+    config = checkpoint.config
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise DraftsmithError(f"{where}: transformer_layer_config must be an object")
+    if config.get("draft_vocab_size") not in (None, layer.get("vocab_size")):
+        raise DraftsmithError(f"{where}: draft_vocab_size {config['draft_vocab_size']} of {layer.get('vocab_size')}: "
+                              "draftsmith's DFlash head reads out with the target's whole LM head")
+    if config.get("sample_from_anchor"):
+        raise DraftsmithError(f"{where}: sample_from_anchor=true (the anchor drafted too) is not DFlash's layout")
+    ids = config.get("aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or not ids:
+        raise DraftsmithError(f"{where}: aux_hidden_state_layer_ids must be a non-empty list")
+    ctx = _with_verifier(ctx, config, checkpoint.directory)
+    layers, target = _target_layers(config, ctx, None)
+    return _normalize(checkpoint, layer, ids, config.get("block_size"), config.get("mask_token_id"), layers, target,
+                      where, ignorable=VERIFIER_COPIES + ("d2t", "t2d", "verifier_"))
+
+
+def _qwen3_layer(c: DFlashConfig, dtype: str, architectures: list[str]) -> dict[str, Any]:
+    return {"architectures": architectures, "model_type": "qwen3", "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
+            "max_position_embeddings": c.max_position_embeddings, **rope_keys(c.rope), "attention_bias": c.attention_bias,
+            "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": dtype}
+
+
+@register_exporter("vllm", "dflash")
+@register_exporter("sglang", "dflash")
+def to_zlab(head: NormalizedHead) -> Exported:
+    c = DFlashConfig.from_json(head.config)
+    if 0 in c.aux_layer_ids:
+        raise DraftsmithError("the head reads the target's embedding output (hidden_states index 0), which z-lab's "
+                              "target_layer_ids (decoder-layer outputs) cannot name")
+    config = {**_qwen3_layer(c, head_dtype(head.tensors), ["DFlashDraftModel"]),
+              "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": c.block_size,
+              "num_target_layers": c.target_num_layers,
+              "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.aux_layer_ids]},
+              **provenance(head)}
+    return Exported(config, dict(head.tensors),
+                    notes=[f'serve with {{"method": "dflash", "num_speculative_tokens": {c.block_size - 1}}}'])
+
+
+@register_exporter("speculators", "dflash")
+def to_speculators(head: NormalizedHead) -> Exported:
+    c = DFlashConfig.from_json(head.config)
+    dtype = head_dtype(head.tensors)
+    config = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+              "speculators_version": f"draftsmith-{__version__}",
+              "speculators_config": _speculators_config(head, "dflash", c.block_size - 1),
+              "transformer_layer_config": _qwen3_layer(c, dtype, ["Qwen3ForCausalLM"]),
+              "draft_vocab_size": c.vocab_size, "block_size": c.block_size, "target_hidden_size": c.target_hidden_size,
+              "aux_hidden_state_layer_ids": list(c.aux_layer_ids), "mask_token_id": c.mask_token_id,
+              "sample_from_anchor": False, **provenance(head)}
+    tensors, notes = dict(head.tensors), []
+    embedding = target_embedding(c.target_model, (c.vocab_size, c.target_hidden_size))
+    if embedding is None:
+        notes.append("embed_tokens.weight not written (the target is not a model directory here): speculators "
+                     "stores a copy of the verifier's, which vLLM does not need")
+    else:
+        tensors["embed_tokens.weight"] = embedding.to(tensors["fc.weight"].dtype)
+    return Exported(config, tensors, notes=notes)

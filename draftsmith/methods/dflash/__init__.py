@@ -1,0 +1,106 @@
+"""DFlash: a block drafter. Target features from a few layers become every draft layer's context keys and
+values; one non-causal forward over [bonus token, masks] drafts the whole block through the target's own
+LM head (`draftsmith.models.dflash`). Trained on anchors sampled along each sequence, a block predicted from
+each, the loss of block position j weighted exp(-(j - 1) / gamma) (speculators' and SpecForge's scheme)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.base import MethodNeeds, RecipeModelSection, RecipeTrainingSection, SpecMethod
+from draftsmith.methods.eagle import HeadSpeculativeConfig
+from draftsmith.methods.registry import register_method
+from draftsmith.models.dflash import DFlashConfig, DFlashHead
+
+
+class DFlashSpecConfig(HeadSpeculativeConfig):
+    method: Literal["dflash"]
+
+
+class DFlashRecipe(RecipeModelSection):
+    head_type: Literal["dflash"]
+    block_size: int = Field(default=9, ge=2, le=64, description="bonus token + masks: drafts block_size - 1 a step")
+    num_draft_layers: int = Field(default=1, gt=0, description="decoder layers (z-lab's Qwen3 drafts have 5)")
+    mask_token_id: int | None = Field(default=None, description="default: the target tokenizer's pad token")
+
+
+class DFlashTraining(RecipeTrainingSection):
+    num_anchors: int = Field(default=16, gt=0, description="blocks predicted per sequence, from random anchors")
+    loss_decay_gamma: float = Field(default=4.0, gt=0, description="block position j weighs exp(-(j-1)/gamma)")
+
+
+@register_method
+class DFlashMethod(SpecMethod):
+    name = "dflash"
+    section = DFlashSpecConfig
+    needs = MethodNeeds(hidden_states=True, draft_probs=True, own_kv_cache=True, head=True, parallel=True)
+    head_type = "dflash"
+    head_config = DFlashConfig
+    head_module = DFlashHead
+    recipe_section = DFlashRecipe
+    training_section = DFlashTraining
+    converters = ("draftsmith.convert.dflash",)
+
+    @classmethod
+    def proposer_class(cls):
+        from draftsmith.methods.dflash.proposer import DFlashProposer
+
+        return DFlashProposer
+
+    @classmethod
+    def objective(cls):
+        from draftsmith.methods.dflash.objective import dflash_objective
+
+        return dflash_objective
+
+    @classmethod
+    def acceptance_eval(cls):
+        from draftsmith.methods.dflash.objective import simulated_acceptance
+
+        return simulated_acceptance
+
+    @classmethod
+    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+        """Three target layers spread from the first to the last decoder layer (HF hidden_states indices)."""
+        if num_layers < 3:
+            return tuple(range(1, num_layers + 1))
+        return tuple(sorted({round(1 + i * (num_layers - 2) / 2) for i in range(3)}))
+
+    @classmethod
+    def build_head(cls, section: DFlashRecipe, target, aux_layer_ids, token_records):
+        from draftsmith.methods.heads import default_mask_token
+
+        t = target.config
+        mask = section.mask_token_id if section.mask_token_id is not None else \
+            default_mask_token(section.target, "model.mask_token_id")
+        config = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=section.intermediate_size or t.intermediate_size,
+                              num_hidden_layers=section.num_draft_layers, num_attention_heads=t.num_attention_heads,
+                              num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
+                              target_hidden_size=t.hidden_size, target_num_layers=t.num_hidden_layers,
+                              aux_layer_ids=tuple(aux_layer_ids), block_size=section.block_size, mask_token_id=mask,
+                              rms_norm_eps=t.rms_norm_eps, rope=t.rope, max_position_embeddings=t.max_position_embeddings,
+                              attention_bias=t.qkv_bias, target_model=section.target)
+        config.check_target(t)
+        head = DFlashHead(config).attach_target(target)
+        if section.intermediate_size in (None, t.intermediate_size) and section.num_draft_layers <= t.num_hidden_layers:
+            _start_from_last_layers(head, target)
+        return head
+
+
+@torch.no_grad()
+def _start_from_last_layers(head: DFlashHead, target) -> None:
+    """Draft layers start as copies of the target's last ones (q/k norms at 1), the final norm as the
+    target's: the block's outputs are read by the target's LM head from the first step. (A head with other
+    shapes, or more layers than the target, starts random.)"""
+    for mine, theirs in zip(head.layers, target.model.layers[-len(head.layers):]):
+        state = {k: v.float() for k, v in theirs.state_dict().items()}
+        missing, unexpected = mine.load_state_dict(state, strict=False)
+        if unexpected or any(not k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing):
+            raise DraftsmithError(f"the target's decoder layer does not fit a DFlash layer (missing {missing}, "
+                                  f"unexpected {unexpected}): set model.intermediate_size to start it random")
+    head.norm.weight.copy_(target.model.norm.weight.float())
+

@@ -1,0 +1,93 @@
+"""DFlash training: blocks from random anchors along each sequence, each block position j >= 1 learning the
+target's distribution of the token at anchor + j (soft cross-entropy, weighted exp(-(j - 1) / gamma)), and
+the simulated acceptance of whole blocks against the target's greedy choices."""
+
+from __future__ import annotations
+
+import torch
+
+EVAL_STRIDE = 4  # the acceptance eval drafts a block from every EVAL_STRIDE-th position
+
+
+def sample_anchors(lengths: list[int], count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors [B, A], valid [B, A]): per row up to `count` distinct positions in [1, length - 2] (a block
+    needs context before it and a token after its anchor), drawn at random; short rows repeat their first
+    anchor with valid False."""
+    anchors = torch.ones(len(lengths), count, dtype=torch.long)
+    valid = torch.zeros(len(lengths), count, dtype=torch.bool)
+    for b, length in enumerate(lengths):
+        choices = max(length - 2, 0)
+        if not choices:
+            continue
+        picked = torch.randperm(choices)[:count] + 1
+        anchors[b, : len(picked)], valid[b, : len(picked)] = picked, True
+        anchors[b, len(picked):] = picked[0]
+    return anchors.to(device), valid.to(device)
+
+
+def _block_targets(head, target, batch, features, anchors):
+    """For block positions j = 1..size-1 of each anchor: the position whose token it predicts (anchor + j),
+    whether that is a real token, and the target's logits for it (read at anchor + j - 1)."""
+    ids = batch["input_ids"]
+    rows, length = ids.shape
+    size = head.config.block_size
+    lengths = batch["lengths"].to(ids.device)
+    predicted = anchors[:, :, None] + torch.arange(1, size, device=ids.device)  # [B, A, size - 1]
+    real = predicted < lengths[:, None, None]
+    read_at = (predicted - 1).clamp(max=length - 1).view(rows, -1)
+    last = features["last"].gather(1, read_at[:, :, None].expand(-1, -1, features["last"].shape[-1]))
+    with torch.no_grad():
+        target_logits = target.lm_head(last.to(target.lm_head.weight.dtype)).float()
+    return predicted, real, target_logits.view(rows, anchors.shape[1], size - 1, -1)
+
+
+def dflash_objective(head, target, batch, features, cfg):
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    rows, length = ids.shape
+    size = head.config.block_size
+    anchors, valid = sample_anchors(batch["lengths"].tolist(), cfg.num_anchors, ids.device)
+    hidden = head.training_forward(features["features"], ids, anchors)
+    hidden = hidden.view(rows, anchors.shape[1], size, -1)[:, :, 1:]  # position 0 is the bonus token: no draft
+    logits = head.readout(hidden)
+    predicted, real, target_logits = _block_targets(head, target, batch, features, anchors)
+    trained = real & valid[:, :, None] & loss_mask.gather(1, predicted.clamp(max=length - 1).view(rows, -1)).view(
+        predicted.shape).bool()
+    decay = torch.exp(-torch.arange(size - 1, device=ids.device, dtype=torch.float32) / cfg.loss_decay_gamma)
+    weights = trained.float() * decay
+    soft_ce = -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    loss = (soft_ce * weights).sum() / weights.sum().clamp(min=1e-6)
+    logs = {}
+    with torch.no_grad():
+        hits = logits.argmax(-1) == target_logits.argmax(-1)
+        for j in range(min(size - 1, 4)):
+            where = trained[:, :, j]
+            if where.any():
+                logs[f"acc_pos{j + 1}"] = hits[:, :, j][where].float().mean().item()
+    return loss, logs
+
+
+@torch.no_grad()
+def simulated_acceptance(head, target, batch, features, max_k: int):
+    """(accepted chains per depth [max_k], chain starts): a block from every EVAL_STRIDE-th position; draft j is
+    accepted if drafts 1..j all equal the target's greedy choices given the text (given the text, not the
+    drafts: exact where the text is the target's greedy continuation, as regenerated data is)."""
+    ids = batch["input_ids"]
+    size = head.config.block_size
+    counts, starts = torch.zeros(max_k, dtype=torch.long), 0  # depths past the block stay 0: never drafted
+    max_k = min(max_k, size - 1)
+    lengths = batch["lengths"].tolist()
+    for b, length in enumerate(lengths):
+        anchor_list = torch.arange(1, length - max_k, EVAL_STRIDE, device=ids.device)
+        if not len(anchor_list):
+            continue
+        row = {key: batch[key][b : b + 1] for key in ("input_ids", "loss_mask", "lengths")}
+        feats = {key: value[b : b + 1] for key, value in features.items()}
+        anchors = anchor_list[None]
+        hidden = head.training_forward(feats["features"], row["input_ids"], anchors)
+        drafts = head.readout(hidden.view(1, len(anchor_list), size, -1)[:, :, 1 : max_k + 1]).argmax(-1)
+        _, _, target_logits = _block_targets(head, target, row, feats, anchors)
+        chain = (drafts == target_logits[:, :, :max_k].argmax(-1)).long().cumprod(-1)[0]
+        counts[:max_k] += chain.sum(0).cpu()
+        starts += len(anchor_list)
+    return counts, starts
+

@@ -1,0 +1,267 @@
+"""DFlash: the teacher-forced training layout computes what serving computes from its cache, serving is
+lossless (fp32, mixed batch) with one draft forward a step, bad configs are one-line errors, and training
+learns the target's next tokens."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods import load_head
+from draftsmith.models import load_target
+from draftsmith.models.attention import cached_attention
+from draftsmith.models.dflash import DFlashConfig, DFlashHead
+from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.train.recipe import validate_recipe
+from draftsmith.train.trainer import train
+from helpers import CODE_PROMPTS, DEMO_MODEL, REPO, tiny_recipe, write_code_corpus
+
+SHIPPED = REPO / "assets" / "demo-code-7m-dflash"
+
+
+@pytest.fixture(scope="module")
+def demo_target():
+    return load_target(DEMO_MODEL, dtype="float32")
+
+
+def _random_head(target, block_size=5, layers=2, seed=0):
+    t = target.config
+    config = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                          head_dim=t.head_dim, vocab_size=t.vocab_size, target_hidden_size=t.hidden_size,
+                          target_num_layers=t.num_hidden_layers, aux_layer_ids=(1, 3, 5), block_size=block_size,
+                          mask_token_id=3, rms_norm_eps=t.rms_norm_eps, rope=t.rope)
+    torch.manual_seed(seed)
+    head = DFlashHead(config)
+    for name, p in head.named_parameters():
+        torch.nn.init.normal_(p, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.1)
+    return head.attach_target(target).eval()
+
+
+def test_training_blocks_equal_blocks_drafted_from_the_cache(demo_target):
+    """A block from anchor a in one teacher-forced forward over the whole sequence equals the block the
+    proposer's way computes: context keys and values of positions < a written to the cache, then the block
+    attending over them and over itself."""
+    head = _random_head(demo_target)
+    ids = torch.randint(4, 8000, (1, 24))
+    with torch.no_grad():
+        out = demo_target(ids, hidden_layer_ids=head.hidden_layer_ids)
+        features = head.features(out.hidden_states)
+        anchors = torch.tensor([[5, 13, 17]])
+        taught = head.training_forward(features, ids, anchors).view(1, 3, 5, -1)
+        cache = head.make_cache(1, 64)
+        for n, a in enumerate(anchors[0].tolist()):
+            context = ForwardBatch.build([0], [0], [a], cache, None, "cpu")
+            for layer, (k, v) in enumerate(head.context_kv(features[:, :a], context.positions)):
+                context.write(cache.k[layer], k)
+                context.write(cache.v[layer], v)
+            block = ForwardBatch.build([0], [a], [5], cache, None, "cpu")
+            keys = torch.arange(block.kv_start, block.kv_len)
+            mask = (keys <= a + 4)[None, None, None, :].expand(1, 1, 5, -1)
+
+            def attend(layer, q, k, v, block=block, mask=mask):
+                block.write(cache.k[layer], k)
+                block.write(cache.v[layer], v)
+                return cached_attention(q, block.read(cache.k[layer]), block.read(cache.v[layer]), mask)
+
+            served = head.block_forward(head.embed_block(ids[:, a : a + 1]), block.positions, attend)
+            torch.testing.assert_close(taught[0, n], served[0], atol=1e-4, rtol=1e-4)
+
+
+def _save(head, directory):
+    head.save_pretrained(directory)
+    return directory
+
+
+def _serve(head_dir, k=4, adaptive=False, **extra):
+    return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
+               speculative_config={"method": "dflash", "model": str(head_dir), "num_speculative_tokens": k,
+                                   "adaptive": adaptive, "draft_dtype": "float32", **extra})
+
+
+def test_a_random_head_decodes_with_greedy_equality_one_draft_forward_a_step(demo_target, tmp_path, greedy_reference):
+    llm = _serve(_save(_random_head(demo_target), tmp_path / "head"))
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+    assert llm.engine.proposer.steps_run == 1 and llm.engine.proposer.sequential is False
+
+
+def test_adaptive_dflash_keeps_greedy_equality(demo_target, tmp_path, greedy_reference):
+    from helpers import make_speculation_pay
+
+    llm = _serve(_save(_random_head(demo_target, seed=1), tmp_path / "head"), adaptive=True)
+    make_speculation_pay(llm)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+
+
+def test_k_beyond_the_block_is_one_line(demo_target, tmp_path):
+    head_dir = _save(_random_head(demo_target, block_size=5), tmp_path / "head")
+    with pytest.raises(DraftsmithError, match=r"num_speculative_tokens=6, but the dflash head .* drafts at most 4"):
+        _serve(head_dir, k=6)
+    config = json.loads((head_dir / "config.json").read_text())
+    (head_dir / "config.json").write_text(json.dumps({**config, "mask_token_id": 9000}))
+    with pytest.raises(DraftsmithError, match="mask_token_id 9000 is outside the target's vocabulary of 8192"):
+        _serve(head_dir)
+
+
+def test_training_learns_the_targets_next_tokens(tmp_path):
+    """On the demo target (a random tiny one predicts near-uniformly: nothing to agree on), a regular corpus."""
+    data = write_code_corpus(tmp_path / "code.jsonl")
+    raw = tiny_recipe(DEMO_MODEL, data, tmp_path / "run", "dflash", epochs=4, num_anchors=8, learning_rate=1e-3)
+    raw["model"].update(block_size=4)
+    final = train(validate_recipe(raw), ["test"])
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    assert mean(log[-5:], "loss") < mean(log[:5], "loss")
+    assert mean(log[-5:], "acc_pos1") > mean(log[:5], "acc_pos1") + 0.15, [r["acc_pos1"] for r in log]
+    head = load_head(final)
+    assert head.head_type == "dflash" and head.config.block_size == 4 and head.config.mask_token_id == 3
+    report = json.loads((tmp_path / "run" / "eval_epoch4.json").read_text())
+    assert report["sim_mean_acceptance_length_k3"] >= report["sim_mean_acceptance_length_k1"] > 1.0
+
+
+# -- conversion -------------------------------------------------------------------------------------------------
+def _zlab_checkpoint(head, directory, **dflash_extra):
+    """A head written the way z-lab publishes DFlash drafts (a flat Qwen3 config, dflash_config, bare names)."""
+    from safetensors.torch import save_file
+
+    c = head.config
+    directory.mkdir(parents=True)
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
+              "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+              "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+              "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope.theta,
+              "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+              "block_size": c.block_size, "num_target_layers": c.target_num_layers,
+              "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [0, 2, 4], **dflash_extra}}
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_a_zlab_checkpoint_converts_and_decodes_losslessly(demo_target, tmp_path, greedy_reference):
+    import public_checkpoints as pub
+
+    head = _random_head(demo_target, seed=2)
+    source = _zlab_checkpoint(head, tmp_path / "zlab")
+    assert pub.convert(source, tmp_path / "native") == 0
+    config, tensors = pub.read_native(tmp_path / "native")
+    assert config["draftsmith_head_type"] == "dflash" and config["aux_layer_ids"] == [1, 3, 5]  # z-lab ids + 1
+    assert (config["block_size"], config["mask_token_id"], config["target_num_layers"]) == (5, 3, 6)
+    assert all(torch.equal(tensors[k], v) for k, v in head.state_dict().items())
+    llm = _serve(tmp_path / "native")
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+
+
+@pytest.mark.parametrize("to", ["vllm", "speculators"])
+def test_round_trips_are_lossless(demo_target, tmp_path, to):
+    import public_checkpoints as pub
+
+    head = _random_head(demo_target, seed=3)
+    head.config.target_model = str(DEMO_MODEL)
+    head.save_pretrained(tmp_path / "native")
+    config, tensors = pub.read_native(tmp_path / "native")
+    assert pub.convert(tmp_path / "native", tmp_path / to, "--to", to) == 0
+    exported = json.loads((tmp_path / to / "config.json").read_text())
+    if to == "vllm":  # z-lab's layout, which vLLM loads
+        assert exported["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [0, 2, 4]}
+    else:
+        assert exported["speculators_model_type"] == "dflash" and exported["aux_hidden_state_layer_ids"] == [1, 3, 5]
+        assert exported["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert pub.convert(tmp_path / to, tmp_path / "back") == 0
+    config_back, tensors_back = pub.read_native(tmp_path / "back")
+    assert config_back == config and tensors_back.keys() == tensors.keys()
+    assert all(torch.equal(tensors[k], tensors_back[k]) for k in tensors)
+
+
+def test_a_checkpoint_without_a_mask_token_is_one_line(demo_target, tmp_path, capsys):
+    import public_checkpoints as pub
+
+    source = _zlab_checkpoint(_random_head(demo_target), tmp_path / "zlab")
+    config = json.loads((source / "config.json").read_text())
+    del config["dflash_config"]["mask_token_id"]
+    (source / "config.json").write_text(json.dumps(config))
+    assert pub.convert(source, tmp_path / "native") == 2
+    assert "no mask_token_id: a DFlash head fills its block with that token" in capsys.readouterr().err
+
+
+def test_plain_steps_projected_later_draft_as_if_projected_at_once(monkeypatch):
+    """Plain steps' hidden states are kept and projected in one batch when drafting resumes: the shipped
+    head then drafts exactly what it drafts when every plain step projects its own (k = 0 while 2-3 requests
+    run, 8 once one is left; requests of unequal length)."""
+    from draftsmith.methods.dflash.proposer import DFlashProposer
+
+    def run():
+        llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
+                  speculative_config={"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8,
+                                      "num_speculative_tokens_per_batch_size": [[2, 3, 0], [1, 1, 8]]})
+        params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 48)]
+        out = llm.generate(CODE_PROMPTS[:3], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in out], llm.get_metrics()
+
+    lazy_tokens, lazy = run()
+    monkeypatch.setattr(DFlashProposer, "observe_later", lambda self, rows, starts, hidden: False)
+    eager_tokens, eager = run()
+    assert lazy_tokens == eager_tokens
+    assert lazy["num_steps_without_speculation"] > 10 and lazy["num_draft_tokens"] > 0
+    assert (lazy["num_draft_tokens"], lazy["num_accepted_tokens"]) == (eager["num_draft_tokens"], eager["num_accepted_tokens"])
+
+
+def test_served_blocks_are_the_teacher_forced_blocks_step_after_step(demo_target):
+    """The proposer's drafts (context projected as the engine hands it over: the prompt, then each step's
+    verified positions) equal the teacher-forced block from the same position over the whole text, over steps
+    that accept part of the drafts: the block's own keys and values never leak into a later step."""
+    from dataclasses import dataclass
+
+    from draftsmith.methods.dflash.proposer import DFlashProposer
+    from draftsmith.models.tokenizer import load_tokenizer
+    from draftsmith.serve.spec_decode.config import parse_speculative_config
+
+    @dataclass
+    class Row:
+        request_id: str
+        slot: int
+        prompt_token_ids: list
+        output_token_ids: list
+
+        @property
+        def num_tokens(self):
+            return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+        def all_token_ids(self):
+            return self.prompt_token_ids + self.output_token_ids
+
+    config = parse_speculative_config({"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8,
+                                       "draft_dtype": "float32"})
+    proposer = DFlashProposer(config, demo_target, 2, 256)
+    head = proposer.head
+    prompt = load_tokenizer(DEMO_MODEL)(CODE_PROMPTS[1], add_special_tokens=False).input_ids
+
+    def features(ids):
+        with torch.no_grad():
+            out = demo_target(torch.tensor([ids]), hidden_layer_ids=head.hidden_layer_ids)
+        return out, head.features(out.hidden_states)
+
+    out, feats = features(prompt)
+    row = Row("a", 1, prompt, [int(out.logits[0, -1].argmax())])
+    proposer.observe([row], [0], [len(prompt)], feats)
+    accepted = 0
+    for step in range(4):
+        drafts = proposer.propose([row], [8]).tokens[0].tolist()
+        ids = row.all_token_ids()
+        _, feats = features(ids)
+        with torch.no_grad():
+            taught = head.training_forward(feats, torch.tensor([ids]), torch.tensor([[len(ids) - 1]]))
+            assert drafts == head.readout(taught[:, 1:]).argmax(-1)[0].tolist()
+        keep = step % 3  # 0, 1 or 2 drafts accepted, then a token that is not the next draft
+        accepted += keep
+        start = len(ids) - 1
+        row.output_token_ids += drafts[:keep] + [(drafts[keep] + 1) % 8000 + 4]
+        _, feats = features(row.all_token_ids())
+        proposer.observe([row], [start], [keep + 1], feats[:, start : start + keep + 1])
+    assert accepted == 3

@@ -57,7 +57,7 @@ class DFlashConfig(HeadConfig):
 
     @classmethod
     def _parse_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
-        return {**data, "rope": RopeConfig(**data.get("rope", {})), "aux_layer_ids": tuple(data["aux_layer_ids"])}
+        return {**data, "rope": RopeConfig(**data.get("rope", {})), "aux_layer_ids": tuple(data.get("aux_layer_ids", ()))}
 
     def layer_config(self) -> TargetConfig:
         """The draft layers' architecture: Qwen3 decoder layers (q/k norms)."""

@@ -593,6 +593,7 @@ SERVABLE_CONFIGS = {
     "mtp": lambda _: {"method": "mtp", "model": str(REPO / "assets" / "demo-code-7m-mtp")},
     "suffix": lambda _: {"method": "suffix"},
     "draft_model": lambda _: {"method": "draft_model", "model": str(DEMO_MODEL)},
+    "dflash": lambda _: {"method": "dflash", "model": str(REPO / "assets" / "demo-code-7m-dflash")},
 }
 
 

@@ -121,7 +121,7 @@ def test_training_learns_the_targets_next_tokens(tmp_path):
     head = load_head(final)
     assert head.head_type == "dflash" and head.config.block_size == 4 and head.config.mask_token_id == 3
     report = json.loads((tmp_path / "run" / "eval_epoch4.json").read_text())
-    assert report["sim_mean_acceptance_length_k3"] >= report["sim_mean_acceptance_length_k1"] > 1.0
+    assert report["sim_mean_acceptance_length_k1"] > 1.0 and report["sim_accept_pos2"] > 0, report
 
 
 # -- conversion -------------------------------------------------------------------------------------------------

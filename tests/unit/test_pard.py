@@ -152,7 +152,7 @@ def test_adaptation_learns_the_masks_and_saves_an_hf_checkpoint_that_serves(adap
     deep = lambda rows: sum(r["top1_depth2"] for r in rows) / len(rows)  # noqa: E731
     assert deep(last) > deep(first) + 0.1, [r["top1_depth2"] for r in log]
     report = json.loads((root / "run" / "eval_epoch6.json").read_text())
-    assert report["sim_mean_acceptance_length_k4"] >= report["sim_mean_acceptance_length_k1"] >= 1.0
+    assert report["sim_accept_pos2"] > 0, report  # the second draft, from a mask, is accepted sometimes
     config = json.loads((final / "config.json").read_text())
     assert config["pard_token"] == 3 and config["vocab_size"] == 8192  # the pad token, vLLM's equal vocab
     assert (final / "tokenizer.json").is_file()
@@ -163,6 +163,9 @@ def test_adaptation_learns_the_masks_and_saves_an_hf_checkpoint_that_serves(adap
     params = SamplingParams(temperature=0, max_tokens=16)
     assert [o.outputs[0].token_ids for o in llm.generate(CODE_PROMPTS[:3], params, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in plain.generate(CODE_PROMPTS[:3], params, use_tqdm=False)]
+    # it drafted from the saved checkpoint, all k in one forward (a tiny random target's greedy text is not the
+    # corpus the draft adapted to, so acceptance is not asked here: the eval above and the shipped draft are)
+    assert llm.get_metrics()["num_draft_tokens"] > 0 and llm.engine.proposer.steps_run == 1
 
 
 def test_draft_model_recipes_refuse_head_keys():

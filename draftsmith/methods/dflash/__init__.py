@@ -101,6 +101,6 @@ def _start_from_last_layers(head: DFlashHead, target) -> None:
         missing, unexpected = mine.load_state_dict(state, strict=False)
         if unexpected or any(not k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing):
             raise DraftsmithError(f"the target's decoder layer does not fit a DFlash layer (missing {missing}, "
-                                  f"unexpected {unexpected}): set model.intermediate_size to start it random")
+                                  f"unexpected {unexpected}): set model.intermediate_size to a value other than the target's to start it random")
     head.norm.weight.copy_(target.model.norm.weight.float())
 

@@ -27,7 +27,10 @@ def pard_objective(head, target, batch, features, cfg):
     out = head(layout.input_ids.to(device), positions=layout.positions.to(device),
                attention_mask=layout.attention_mask.to(device))
     labels = layout.labels.to(device)
-    loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)
+    # summed over the labelled tokens and divided by at least one: a batch with none (prompt tokens only)
+    # trains nothing instead of a NaN mean
+    loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    loss = loss / (labels != IGNORE).sum().clamp(min=1)
     logs = {}
     with torch.no_grad():
         hits = out.logits.argmax(-1) == labels

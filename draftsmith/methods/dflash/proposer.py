@@ -40,11 +40,16 @@ class DFlashProposer(Proposer):
         # per slot: the request whose context it holds and how many positions of it (0..n-1) are written
         self.owner: list[str | None] = [None] * max_num_seqs
         self.context_len = [0] * max_num_seqs
+        # per slot, bumped whenever it changes hands: kept plain steps of an earlier holder are stale (a request
+        # id may come back in the same slot)
+        self.generation = [0] * max_num_seqs
         self.draft_tokens = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
         self.draft_counts = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
         self.draft_probs: torch.Tensor | None = None
-        # plain steps not yet projected: (slots, request ids, positions, hidden states) each
-        self._later: list[tuple[list[int], list[str], list[int], dict]] = []
+        # plain steps not yet projected: (slots, their generations, positions, hidden states) each, and the slots
+        # with positions among them
+        self._later: list[tuple[list[int], list[int], list[int], dict]] = []
+        self._later_slots: set[int] = set()
 
     def draft_models(self) -> list[torch.nn.Module]:
         return [self.head]
@@ -55,8 +60,12 @@ class DFlashProposer(Proposer):
     def observe_later(self, rows: Sequence[RowState], starts: list[int], hidden_states) -> bool:
         """Keeps a plain step's hidden states (one position a row) and projects them with the next drafting or
         verified step's, in one batch: projected step by step, a plain step at 8 rows paid 0.66 ms of context
-        projection (15% of the step) while the planner kept speculation off (demo, 8 in flight)."""
-        self._later.append(([r.slot for r in rows], [r.request_id for r in rows], list(starts), hidden_states))
+        projection (15% of the step) while the planner kept speculation off (demo, 8 in flight). Only drafting,
+        a verified step of a row with kept positions, or MAX_LATER kept steps project them: a request that
+        finishes before then never pays for a context it never drafts from."""
+        slots = [r.slot for r in rows]
+        self._later.append((slots, [self.generation[s] for s in slots], list(starts), hidden_states))
+        self._later_slots.update(slots)
         if len(self._later) >= MAX_LATER:
             self._replay()
         return True
@@ -68,10 +77,11 @@ class DFlashProposer(Proposer):
         if not self._later:
             return
         later, self._later = self._later, []
+        self._later_slots.clear()
         slots, positions, features = [], [], []
         expected = {}
-        for step_slots, ids, starts, hidden in later:
-            live = [i for i, (slot, rid) in enumerate(zip(step_slots, ids)) if self.owner[slot] == rid]
+        for step_slots, generations, starts, hidden in later:
+            live = [i for i, (slot, gen) in enumerate(zip(step_slots, generations)) if self.generation[slot] == gen]
             if not live:
                 continue
             for i in live:
@@ -96,10 +106,13 @@ class DFlashProposer(Proposer):
 
     @torch.inference_mode()
     def observe(self, rows: Sequence[RowState], starts: list[int], counts: list[int], features: torch.Tensor) -> None:
-        self._replay()
+        # kept positions go first where they come before these (a prefill's new requests have none)
+        if any(r.slot in self._later_slots and self.owner[r.slot] == r.request_id for r in rows):
+            self._replay()
         for row, start in zip(rows, starts):
             if self.owner[row.slot] != row.request_id:
                 self.owner[row.slot], self.context_len[row.slot] = row.request_id, 0
+                self.generation[row.slot] += 1
             if start != self.context_len[row.slot]:
                 raise DraftsmithError("observed positions must continue each request's earlier ones")
         slots = [r.slot for r in rows]
@@ -164,3 +177,4 @@ class DFlashProposer(Proposer):
     def release(self, request: RowState) -> None:
         if request.slot is not None and self.owner[request.slot] == request.request_id:
             self.owner[request.slot] = None
+            self.generation[request.slot] += 1

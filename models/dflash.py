@@ -57,7 +57,10 @@ class DFlashConfig(HeadConfig):
 
     @classmethod
     def _parse_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
-        return {**data, "rope": RopeConfig(**data.get("rope", {})), "aux_layer_ids": tuple(data.get("aux_layer_ids", ()))}
+        parsed = {**data, "rope": RopeConfig(**data.get("rope", {}))}
+        if "aux_layer_ids" in data:  # missing, the dataclass names it (a one-line error in from_json)
+            parsed["aux_layer_ids"] = tuple(data["aux_layer_ids"])
+        return parsed
 
     def layer_config(self) -> TargetConfig:
         """The draft layers' architecture: Qwen3 decoder layers (q/k norms)."""

@@ -289,3 +289,10 @@ def test_a_request_that_never_drafts_never_projects_its_plain_steps(monkeypatch)
     out = llm.generate(CODE_PROMPTS[:3], params, use_tqdm=False)
     assert llm.get_metrics()["num_steps_without_speculation"] > 20
     assert sum(written) == sum(len(o.prompt_token_ids) for o in out)
+
+
+def test_a_head_config_missing_a_key_is_one_line():
+    config = json.loads((SHIPPED / "config.json").read_text())
+    del config["aux_layer_ids"]
+    with pytest.raises(DraftsmithError, match="missing 1 required positional argument: 'aux_layer_ids'"):
+        DFlashConfig.from_json(config)

@@ -216,25 +216,10 @@ def test_served_blocks_are_the_teacher_forced_blocks_step_after_step(demo_target
     """The proposer's drafts (context projected as the engine hands it over: the prompt, then each step's
     verified positions) equal the teacher-forced block from the same position over the whole text, over steps
     that accept part of the drafts: the block's own keys and values never leak into a later step."""
-    from dataclasses import dataclass
-
     from draftsmith.methods.dflash.proposer import DFlashProposer
     from draftsmith.models.tokenizer import load_tokenizer
     from draftsmith.serve.spec_decode.config import parse_speculative_config
-
-    @dataclass
-    class Row:
-        request_id: str
-        slot: int
-        prompt_token_ids: list
-        output_token_ids: list
-
-        @property
-        def num_tokens(self):
-            return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-        def all_token_ids(self):
-            return self.prompt_token_ids + self.output_token_ids
+    from helpers import Row
 
     config = parse_speculative_config({"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8,
                                        "draft_dtype": "float32"})

@@ -4,7 +4,6 @@ trains and saves a checkpoint the engine serves."""
 
 import json
 import shutil
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from helpers import (
     CODE_PROMPTS,
     DEMO_MODEL,
     REPO,
+    Row,
     make_tiny_target_with_tokenizer,
     tiny_recipe,
     write_code_corpus,
@@ -173,21 +173,6 @@ def test_draft_model_recipes_refuse_head_keys():
     raw["model"]["aux_layer_ids"] = [1, 2]
     with pytest.raises(DraftsmithError, match="a draft model is a whole LM, adapted as it is: drop aux_layer_ids"):
         validate_recipe(raw)
-
-
-@dataclass
-class Row:
-    request_id: str
-    slot: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
 
 def test_parallel_drafts_are_the_uncached_forward_over_masks_step_after_step():

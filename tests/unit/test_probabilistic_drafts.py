@@ -5,7 +5,6 @@ rejection sampler, and the emitted tokens follow the target's distribution, not 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from draftsmith.serve.sampling import SamplingBatch
 from draftsmith.serve.spec_decode.config import parse_speculative_config
 from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
 from draftsmith.serve.spec_decode.verify import verify
-from helpers import DEMO_MODEL, REPO, flattened_demo_copy
+from helpers import DEMO_MODEL, REPO, Row, flattened_demo_copy
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
 SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "dflash"]
@@ -31,21 +30,6 @@ TRIALS = 2000
 # Sampling noise of a 7-bucket total variation at 2000 trials is about 0.015; the drafts' own distribution
 # is about 0.7 away from the target's.
 TV_TOLERANCE = 0.04
-
-
-@dataclass
-class Row:
-    request_id: str
-    slot: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
 
 def _bucketed_tv(a: torch.Tensor, b: torch.Tensor, top: torch.Tensor) -> float:

@@ -99,8 +99,8 @@ class ZLabDFlash:
         config, where = checkpoint.config, f"{checkpoint.directory}/config.json"
         dflash = config["dflash_config"]
         ids = dflash.get("target_layer_ids")
-        if not isinstance(ids, list) or not ids:
-            raise DraftsmithError(f"{where}: dflash_config.target_layer_ids must be a non-empty list")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            raise DraftsmithError(f"{where}: dflash_config.target_layer_ids must be a non-empty list of layer ids")
         layers, target = _target_layers(config, ctx, config.get("num_target_layers"))
         mask = dflash.get("mask_token_id", config.get("mask_token_id"))
         block = dflash.get("block_size", config.get("block_size"))
@@ -119,8 +119,8 @@ def read_speculators(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str)
     if config.get("sample_from_anchor"):
         raise DraftsmithError(f"{where}: sample_from_anchor=true (the anchor drafted too) is not DFlash's layout")
     ids = config.get("aux_hidden_state_layer_ids")
-    if not isinstance(ids, list) or not ids:
-        raise DraftsmithError(f"{where}: aux_hidden_state_layer_ids must be a non-empty list")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise DraftsmithError(f"{where}: aux_hidden_state_layer_ids must be a non-empty list of layer ids")
     ctx = _with_verifier(ctx, config, checkpoint.directory)
     layers, target = _target_layers(config, ctx, None)
     return _normalize(checkpoint, layer, ids, config.get("block_size"), config.get("mask_token_id"), layers, target,

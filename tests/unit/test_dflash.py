@@ -190,6 +190,17 @@ def test_a_checkpoint_without_a_mask_token_is_one_line(demo_target, tmp_path, ca
     assert "no mask_token_id: a DFlash head fills its block with that token" in capsys.readouterr().err
 
 
+def test_a_checkpoint_with_odd_layer_ids_is_one_line(demo_target, tmp_path, capsys):
+    import public_checkpoints as pub
+
+    source = _zlab_checkpoint(_random_head(demo_target), tmp_path / "zlab")
+    config = json.loads((source / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = ["0", 2, 4]
+    (source / "config.json").write_text(json.dumps(config))
+    assert pub.convert(source, tmp_path / "native") == 2
+    assert "target_layer_ids must be a non-empty list of layer ids" in capsys.readouterr().err
+
+
 def test_plain_steps_projected_later_draft_as_if_projected_at_once(monkeypatch):
     """Plain steps' hidden states are kept and projected in one batch when drafting resumes: the shipped
     head then drafts exactly what it drafts when every plain step projects its own (k = 0 while 2-3 requests

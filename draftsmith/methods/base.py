@@ -255,6 +255,21 @@ class Proposer:
         config's draft_sample_method is probabilistic); greedy rows still take the argmax."""
         raise NotImplementedError
 
+    def cleared_outputs(self, n: int, sampling: DraftSampling | None, vocab_size: int):
+        """(tokens [n, k] all -1, counts [n] all 0, probs [n, k, V] all 0 or None where no row samples): the first n
+        rows of the proposer's own `draft_tokens`/`draft_counts` buffers, and of `draft_probs`, made on the first
+        sampled propose (for proposers that keep those three and write every drafted q)."""
+        tokens, counts = self.draft_tokens[:n], self.draft_counts[:n]
+        tokens.fill_(-1)
+        counts.zero_()
+        if sampling is None or sampling.all_greedy:
+            return tokens, counts, None
+        if self.draft_probs is None:
+            self.draft_probs = torch.zeros(self.draft_tokens.shape + (vocab_size,), device=self.draft_tokens.device)
+        probs = self.draft_probs[:n]
+        probs.zero_()
+        return tokens, counts, probs
+
     def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
         """(how many of these rows must first feed the draft model more positions than one verify step
         brings (k + 1): new rows, or rows resuming after steps without speculation; the most extra positions

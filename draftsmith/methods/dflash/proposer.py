@@ -124,15 +124,8 @@ class DFlashProposer(Proposer):
     def propose(self, rows: Sequence[RowState], max_drafts: list[int],
                 sampling: DraftSampling | None = None) -> DraftBatch:
         n = len(rows)
-        tokens_out, counts_out = self.draft_tokens[:n], self.draft_counts[:n]
-        tokens_out.fill_(-1)
-        counts_out.zero_()
-        sampled = sampling is not None and not sampling.all_greedy
-        if sampled and self.draft_probs is None:
-            self.draft_probs = torch.zeros(self.draft_tokens.shape + (self.head.config.vocab_size,), device=self.device)
-        probs_out = self.draft_probs[:n] if sampled else None
-        if sampled:
-            probs_out.zero_()
+        tokens_out, counts_out, probs_out = self.cleared_outputs(n, sampling, self.head.config.vocab_size)
+        sampled = probs_out is not None
         self.steps_run, self.steady = 0, True
         self._replay()
         active = [b for b in range(n) if max_drafts[b] > 0]

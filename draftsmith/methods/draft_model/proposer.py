@@ -81,16 +81,8 @@ class DraftModelProposer(Proposer):
     def propose(self, rows: Sequence[RowState], max_drafts: list[int],
                 sampling: DraftSampling | None = None) -> DraftBatch:
         n = len(rows)
-        tokens_out, counts_out = self.draft_tokens[:n], self.draft_counts[:n]
-        tokens_out.fill_(-1)
-        counts_out.zero_()
-        sampled = sampling is not None and not sampling.all_greedy
-        if sampled and self.draft_probs is None:
-            self.draft_probs = torch.zeros(self.draft_tokens.shape + (self.draft.config.vocab_size,),
-                                           device=self.device)
-        probs_out = self.draft_probs[:n] if sampled else None
-        if sampled:
-            probs_out.zero_()
+        tokens_out, counts_out, probs_out = self.cleared_outputs(n, sampling, self.draft.config.vocab_size)
+        sampled = probs_out is not None
         active = [b for b in range(n) if max_drafts[b] > 0]
         self.steps_run, self.steady = 0, True
         if not active:

@@ -66,6 +66,13 @@ HOLD_SHRINK = 8
 # resumes, the second is timed as a steady one) if it is predicted at least PROBE_WORST of plain decoding's
 # tokens/s; each probe that changes nothing doubles the wait, up to MAX_PROBE_AFTER steps.
 PROBE_AFTER, MAX_PROBE_AFTER, PROBE_STEPS, PROBE_WORST = 16, 256, 2, 0.7
+# Until this many rows have drafted since the engine started, a due probe is judged at acceptance no worse
+# than the first guesses, and neither holds nor probes wait longer. An engine's first two drafts (the demo
+# EAGLE-3 head's first request, its prompt cut mid-word) were both rejected; their 0 of 2 set every later
+# request's first-draft rate near 0.5, where speculating (with a catch-up priced whole) looked under 0.7x
+# plain decoding's speed, so no probe ran and no evidence came to undo it: the first 8 requests at one in
+# flight decoded 549 of about 700 steps plainly (1.17x; 1.39x in later rounds, once drafts had been seen).
+THIN_EVIDENCE = 16
 STEP_SURPRISE = 1.5  # one speculative step moves its batch size's corrections as if off by this factor at most
 # Per plain step, the weight left to what drafting was measured to cost (draft forwards, catch-ups): plain
 # steps re-measure neither, and timings skewed by a cold start (oneDNN compiles a kernel per new shape) kept
@@ -352,23 +359,17 @@ class SpeculationPlanner:
         if self.cost.drafts_before_plan:
             share = float((limits > 0).mean())
             self._draft_share = DRAFT_SHARE_DECAY * self._draft_share + (1 - DRAFT_SHARE_DECAY) * share
-        gain = np.zeros((rows, self.k + 1))  # expected tokens from drafting w, per row: 0, a1, a1 + a1 a2, ...
-        np.cumsum(self.acceptance.rates(slots).cumprod(1), 1, out=gain[:, 1:])
         drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
-        tokens = (rows + np.take_along_axis(gain, drafts, 1).sum(0)).tolist()
         query_lens = (1 + drafts.mean(0)).tolist()  # a packed verify costs the real tokens
         seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up)
-        plain = StepPlan(0, 0.0, tokens[0], max(seconds[0], 1e-9))
-        best = speculative = None
-        for width, expected in enumerate(tokens):
-            if width > 0 and tokens[width] <= tokens[width - 1]:
-                break  # no row can use a wider step
-            candidate = plain if width == 0 else StepPlan(width, 0.0, expected, max(seconds[width], 1e-9))
-            if best is None or candidate.tokens_per_s > best.tokens_per_s:
-                best = candidate
-            if width and (speculative is None or candidate.tokens_per_s > speculative.tokens_per_s):
-                speculative = candidate
-        best = self._explore(best, speculative, plain, catch_up)
+        rates = self.acceptance.rates(slots)
+        gain, best, speculative, plain = self._choose(rates, drafts, seconds)
+        probe, thin = speculative, self.acceptance.evidence() < THIN_EVIDENCE
+        if not best.width and thin and (self._probing or self._probe_due()):
+            # too little evidence to trust a pessimistic estimate (see THIN_EVIDENCE): a probe is judged at
+            # the first guesses
+            probe = self._choose(np.maximum(rates, self.acceptance.initial_rates), drafts, seconds)[2]
+        best = self._explore(best, probe, plain, catch_up, thin)
         if best.width > 0 and self.cost.sequential_drafts and self.confidence_floor:
             # one more draft step costs a draft forward plus a wider verify; it pays while the row's chance
             # of acceptance exceeds that cost times the row's token rate. Draft confidences are not calibrated
@@ -391,13 +392,35 @@ class SpeculationPlanner:
                 hold = CLOSE_HOLD if rows <= CLOSE_CALL_ROWS else PLAIN_HOLD
             else:
                 hold = min(PLAIN_HOLD << (self._clear_losses - 1), MAX_PLAIN_HOLD)
-                if ratio >= PROBE_WORST:  # worth a probe: re-planned when one is due
+                if ratio >= PROBE_WORST or thin:  # worth a probe: re-planned when one is due
                     hold = min(hold, max(self._probe_after - self._plain_run, PLAIN_HOLD))
             self._hold = hold - 1
             self._held_rows, self._held_slots = rows, tuple(slots.tolist())
         else:
             self._hold = self._clear_losses = 0
         return best
+
+    def _choose(self, rates: np.ndarray, drafts: np.ndarray, seconds: list[float]):
+        """-> (gain, best plan, best speculative plan or None, plain plan) for rows with these acceptance rates;
+        gain[b, w]: row b's expected extra tokens from drafting w."""
+        rows = rates.shape[0]
+        gain = np.zeros((rows, self.k + 1))  # 0, a1, a1 + a1 a2, ...
+        np.cumsum(rates.cumprod(1), 1, out=gain[:, 1:])
+        tokens = (rows + np.take_along_axis(gain, drafts, 1).sum(0)).tolist()
+        plain = StepPlan(0, 0.0, tokens[0], max(seconds[0], 1e-9))
+        best, speculative = plain, None
+        for width in range(1, len(tokens)):
+            if tokens[width] <= tokens[width - 1]:
+                break  # no row can use a wider step
+            candidate = StepPlan(width, 0.0, tokens[width], max(seconds[width], 1e-9))
+            if candidate.tokens_per_s > best.tokens_per_s:
+                best = candidate
+            if speculative is None or candidate.tokens_per_s > speculative.tokens_per_s:
+                speculative = candidate
+        return gain, best, speculative, plain
+
+    def _probe_due(self) -> bool:
+        return not self._probing and self._plain_run >= self._probe_after
 
     def _typical_ratio(self, gain: np.ndarray, plain: StepPlan) -> float:
         """For proposers that draft before the plan: the best speculative width's tokens/s over plain decoding's
@@ -411,8 +434,9 @@ class SpeculationPlanner:
         return float((tokens / (seconds + drafting)).max()) / plain.tokens_per_s
 
     def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan,
-                 catch_up: tuple[int, int]) -> StepPlan:
-        """`best`, or a probe of `speculative` when plain steps have gone on long enough (see PROBE_AFTER)."""
+                 catch_up: tuple[int, int], thin: bool = False) -> StepPlan:
+        """`best`, or a probe of `speculative` when plain steps have gone on long enough (see PROBE_AFTER; with
+        `thin` evidence, the wait does not grow)."""
         if best.width:
             self._plain_run, self._probing = 0, 0
             self._probe_after = PROBE_AFTER
@@ -422,9 +446,10 @@ class SpeculationPlanner:
             # a probe may be all the speculation there is for a while: its catch-up counts whole, not spread
             whole = speculative.expected_seconds + self.cost.catch_up(*catch_up) * (1 - 1 / CATCH_UP_HORIZON)
             probe_worth = speculative.expected_tokens / whole >= PROBE_WORST * plain.tokens_per_s
-        if probe_worth and not self._probing and self._plain_run >= self._probe_after:
+        if probe_worth and self._probe_due():
             self._probing, self._plain_run = PROBE_STEPS, 0
-            self._probe_after = min(2 * self._probe_after, MAX_PROBE_AFTER)
+            if not thin:
+                self._probe_after = min(2 * self._probe_after, MAX_PROBE_AFTER)
         if probe_worth and self._probing:
             self._probing -= 1
             return speculative

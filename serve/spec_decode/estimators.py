@@ -129,6 +129,7 @@ class AcceptanceStats:
         self.method_accepted = np.zeros(k)
         self.lifetime_reached = np.zeros(k)  # never faded by idle steps
         self.lifetime_accepted = np.zeros(k)
+        self.rows_drafted = 0
         self._positions = np.arange(k)[None, :]
 
     def reset(self, slot: int) -> None:
@@ -143,6 +144,11 @@ class AcceptanceStats:
         prior = (self.method_accepted + w0 * anchor) / (self.method_reached + w0)
         w = self.prior_weight
         return (self.accepted[slots] + w * prior) / (self.reached[slots] + w)
+
+    def evidence(self) -> int:
+        """How many rows have drafted since the engine started (never faded): whether the rates rest on
+        anything yet."""
+        return self.rows_drafted
 
     def idle(self, slots, steps: int = 1) -> None:
         """Rows that did not draft for `steps` steps: old evidence fades, so a request (and the method) that
@@ -168,6 +174,7 @@ class AcceptanceStats:
         self.reached[slots] = self.decay * self.reached[slots] + reached
         self.accepted[slots] = self.decay * self.accepted[slots] + hit
         reached, hit = reached.sum(0), hit.sum(0)
+        self.rows_drafted += len(slots)
         d = self.method_decay ** len(slots)
         self.method_reached = d * self.method_reached + reached
         self.method_accepted = d * self.method_accepted + hit

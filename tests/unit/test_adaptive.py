@@ -23,6 +23,7 @@ from draftsmith.serve.spec_decode.adaptive import (
     PROBE_AFTER,
     PROBE_STEPS,
     STEP_SURPRISE,
+    THIN_EVIDENCE,
     CostModel,
     SpeculationPlanner,
 )
@@ -219,6 +220,22 @@ def test_long_plain_stretches_are_probed_with_backoff():
     for hopeless in (_planner(EXPENSIVE, sequential=True), _planner(synthetic_table(1.2))):
         _feed(hopeless, [0, 1], accepted_each=1)
         assert not any(_widths(hopeless, slots, limits, 300))
+
+
+def test_a_method_with_thin_evidence_is_probed_at_its_first_guesses():
+    """Two rejected drafts (an engine's first request) must not keep speculation off for good: while fewer than
+    THIN_EVIDENCE rows drafted, a due probe is judged at the first-guess rates and the waits do
+    not grow; the same rejections THIN_EVIDENCE times over are believed (no probe: predicted far worse)."""
+    slots, limits = torch.tensor([0]), torch.tensor([4])
+    # a verified token costs 0.9 of a decode and a draft a third: at the first guesses one draft gives 0.76x
+    # plain decoding's tokens/s (worth a probe), at the rates two rejections leave about 0.5x (not worth one)
+    thin, believed = (_planner(synthetic_table(0.9), sequential=True) for _ in range(2))
+    _feed(thin, [0], accepted_each=0, times=2)
+    _feed(believed, [0], accepted_each=0, times=THIN_EVIDENCE)
+    assert thin.acceptance.evidence() < THIN_EVIDENCE <= believed.acceptance.evidence()
+    probes = [i for i, w in enumerate(_widths(thin, slots, limits, 2 * (PROBE_AFTER + PROBE_STEPS))) if w]
+    assert probes == [PROBE_AFTER, PROBE_AFTER + 1, 2 * PROBE_AFTER + PROBE_STEPS, 2 * PROBE_AFTER + PROBE_STEPS + 1]
+    assert not any(_widths(believed, slots, limits, 300))
 
 
 def test_k_follows_the_cost_of_verification():

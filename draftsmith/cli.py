@@ -39,6 +39,9 @@ def _add_engine_args(p: argparse.ArgumentParser, methods: list[str]) -> None:
                    help="requests decoding at once (= KV cache slots)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="prompt + output tokens per request (default: the model's context)")
+    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
+                   help="what requested logprobs are: the model's log_softmax (raw, as vLLM's default), or the "
+                   "log of the distribution sampled from, after temperature, top-k and top-p (processed)")
     p.add_argument("--speculative-config", default=None,
                    help='speculation settings as JSON, vLLM keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                    f"methods: {', '.join(methods)}")

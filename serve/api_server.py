@@ -25,8 +25,10 @@ from draftsmith.serve.openai_protocol import (
     CompletionRequest,
     chat_body,
     chat_chunk,
+    chat_logprobs,
     completion_body,
     completion_chunk,
+    completion_logprobs,
     error_body,
     new_id,
     usage_chunk,
@@ -107,6 +109,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                                             "owned_by": "draftsmith", "root": str(llm.model_dir),
                                             "max_model_len": max_model_len}]}
 
+    def decode_token(token: int) -> str:
+        return llm.tokenizer.decode([token])
+
     def check_model(name: str) -> None:
         if name != served_model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{served_model_name}`",
@@ -153,7 +158,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     async def stream_events(outputs, params, start, make_chunk, first_chunks, include_usage, rid, obj, n_prompt):
         text = IncrementalText(llm.tokenizer, params.stop)
-        last_at, n_tokens = None, 0
+        last_at, n_tokens, n_logged = None, 0, 0  # n_logged: tokens whose logprobs went out
         try:
             for chunk in first_chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -169,7 +174,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     last_at, n_tokens = now, len(completion.token_ids)
                 delta = text.delta(completion.token_ids, out.finished, completion.text if out.finished else None)
                 if delta or out.finished:
-                    yield f"data: {json.dumps(make_chunk(delta, completion.finish_reason if out.finished else None))}\n\n"
+                    # the logprobs of every token since the last chunk: a token whose text is held back (half
+                    # a character, a possible stop string) has its logprob sent with the text that follows
+                    entries = completion.logprobs[n_logged:] if completion.logprobs is not None else None
+                    n_logged = len(completion.token_ids)
+                    chunk = make_chunk(delta, completion.finish_reason if out.finished else None, entries)
+                    yield f"data: {json.dumps(chunk)}\n\n"
                 if out.finished:
                     finished(out, start)
                     if include_usage:
@@ -190,14 +200,22 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         rid = new_id("cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = stream_events(outputs, params, start,
-                                   lambda d, f: completion_chunk(rid, served_model_name, d, f), [],
-                                   include_usage, rid, "text_completion", len(ids))
+            offset = [0]  # text_offset runs on across chunks
+
+            def chunk(delta, finish, entries):
+                logprobs = None
+                if entries is not None:
+                    logprobs = completion_logprobs(entries, decode_token, offset[0])
+                    offset[0] += sum(map(len, logprobs["tokens"]))
+                return completion_chunk(rid, served_model_name, delta, finish, logprobs)
+
+            events = stream_events(outputs, params, start, chunk, [], include_usage, rid, "text_completion", len(ids))
             return StreamingResponse(events, media_type="text/event-stream")
         out = await collect(raw, outputs, start)
         finished(out, start)
         c = out.outputs[0]
-        return completion_body(rid, served_model_name, c.text, c.finish_reason, len(ids), len(c.token_ids))
+        logprobs = None if c.logprobs is None else completion_logprobs(c.logprobs, decode_token)
+        return completion_body(rid, served_model_name, c.text, c.finish_reason, len(ids), len(c.token_ids), logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -213,13 +231,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             first = [chat_chunk(rid, served_model_name, {"role": "assistant", "content": ""}, None)]
-            events = stream_events(outputs, params, start,
-                                   lambda d, f: chat_chunk(rid, served_model_name, {"content": d} if d else {}, f),
-                                   first, include_usage, rid, "chat.completion.chunk", len(ids))
+
+            def chunk(delta, finish, entries):
+                logprobs = None if entries is None else chat_logprobs(entries, decode_token, params.logprobs)
+                return chat_chunk(rid, served_model_name, {"content": delta} if delta else {}, finish, logprobs)
+
+            events = stream_events(outputs, params, start, chunk, first, include_usage, rid, "chat.completion.chunk",
+                                   len(ids))
             return StreamingResponse(events, media_type="text/event-stream")
         out = await collect(raw, outputs, start)
         finished(out, start)
         c = out.outputs[0]
-        return chat_body(rid, served_model_name, c.text, c.finish_reason, len(ids), len(c.token_ids))
+        logprobs = None if c.logprobs is None else chat_logprobs(c.logprobs, decode_token, params.logprobs)
+        return chat_body(rid, served_model_name, c.text, c.finish_reason, len(ids), len(c.token_ids), logprobs)
 
     return app

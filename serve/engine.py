@@ -24,6 +24,7 @@ from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import warm_up as warm_up_linears
 from draftsmith.models.llama import CausalLM
 from draftsmith.serve.cost_profile import ForwardCostTable, profile_forwards
+from draftsmith.serve.logprobs import LOGPROBS_MODES, gather_logprobs, position_logprobs
 from draftsmith.serve.request import Request, RequestOutput, Status
 from draftsmith.serve.sampling import SamplingBatch, sample
 from draftsmith.serve.sampling_params import SamplingParams
@@ -57,6 +58,11 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt + output tokens per request
     max_num_batched_tokens: int = 2048  # padded prefill tokens per step
     seed: int = 0
+    logprobs_mode: str = "raw_logprobs"  # vLLM's names: raw_logprobs or processed_logprobs (serve.logprobs)
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise DraftsmithError(f"logprobs_mode {self.logprobs_mode!r}: one of {', '.join(LOGPROBS_MODES)}")
 
 
 class LLMEngine:
@@ -130,7 +136,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        request = Request(request_id, list(prompt_token_ids), params, generator, prompt=prompt, seed=seed)
+        request = Request(request_id, list(prompt_token_ids), params, generator, prompt=prompt, seed=seed,
+                          logprobs=None if params.logprobs is None else [])
         self.requests[request_id] = request
         self.waiting.append(request)
         return request
@@ -234,7 +241,8 @@ class LLMEngine:
         done = [i for i, r in enumerate(rows) if not r.prefilling]
         if done:
             finished = [rows[i] for i in done]
-            self._append(finished, self._sample(out[done, 0], self._sampling(finished)))
+            sampling = self._sampling(finished)
+            self._append(finished, self._sample(out[done, 0], sampling), out[done], sampling)
         return [rows[i] for i in done]
 
     def _decode(self, rows: list[Request]) -> list[Request]:
@@ -259,7 +267,7 @@ class LLMEngine:
             request.num_computed += 1
         tokens = self._sample(out.logits[:, -1], sampling)
         sampled_at = self._clock()
-        self._append(rows, tokens)
+        self._append(rows, tokens, out.logits[:, -1:], sampling)
         self._account(rows, 0, started, draft_s, sample_at - forward_at, sampled_at - sample_at)
 
     def _speculative_decode(self, rows: list[Request], started: float) -> None:
@@ -323,9 +331,13 @@ class LLMEngine:
         starts = [r.num_tokens - 1 for r in rows]
         self._observe_features(rows, starts, counts, out)  # last token + accepted drafts
         self.planner.acceptance.observe(slots, num_draft, [n - 1 for n in counts])
-        for request, n_draft, new_tokens in zip(rows, num_draft, kept):
+        logprobs = self._logprobs(rows, kept, out.logits, sampling)
+        for request, n_draft, new_tokens, entries in zip(rows, num_draft, kept, logprobs):
             self.spec_metrics.observe(n_draft, len(new_tokens) - 1)
-            self.stats["num_generated_tokens"] += self.stop_checker.append(request, new_tokens)
+            appended = self.stop_checker.append(request, new_tokens)
+            self.stats["num_generated_tokens"] += appended
+            if entries is not None:
+                request.logprobs += entries[:appended]
             # K/V of the last token and the accepted drafts are in the cache; rejected ones are past the
             # length and get overwritten: nothing to copy.
             request.num_computed = request.num_tokens - 1
@@ -399,9 +411,32 @@ class LLMEngine:
         with torch.inference_mode():
             return sample(logits, sampling).tolist()
 
-    def _append(self, rows: list[Request], tokens: list[int]) -> None:
-        for request, token in zip(rows, tokens):
-            self.stats["num_generated_tokens"] += self.stop_checker.append(request, [token])
+    def _append(self, rows: list[Request], tokens: list[int], logits: torch.Tensor, sampling: SamplingBatch) -> None:
+        """One new token per row, sampled from `logits` [B, 1, V]."""
+        logprobs = self._logprobs(rows, [[token] for token in tokens], logits, sampling)
+        for request, token, entries in zip(rows, tokens, logprobs):
+            appended = self.stop_checker.append(request, [token])
+            self.stats["num_generated_tokens"] += appended
+            if entries is not None and appended:
+                request.logprobs += entries
+
+    def _logprobs(self, rows: list[Request], new_tokens: list[list[int]], logits: torch.Tensor,
+                  sampling: SamplingBatch) -> list[list | None]:
+        """Per row, the logprob entries of its new tokens (row b's token j was chosen at logits[b, j]), or
+        None for rows that did not ask; nothing is computed when none did."""
+        wanted = [b for b, r in enumerate(rows) if r.params.logprobs is not None]
+        if not wanted:
+            return [None] * len(rows)
+        index = [(i, j, token, rows[b].params.logprobs) for i, b in enumerate(wanted)
+                 for j, token in enumerate(new_tokens[b])]
+        with torch.inference_mode():
+            entries = gather_logprobs(position_logprobs(logits, sampling, self.config.logprobs_mode, wanted),
+                                      *map(list, zip(*index)))
+        out: list[list | None] = [None] * len(rows)
+        at = 0
+        for b in wanted:
+            out[b], at = entries[at : at + len(new_tokens[b])], at + len(new_tokens[b])
+        return out
 
     def get_metrics(self) -> dict:
         metrics = dict(self.stats)

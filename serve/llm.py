@@ -41,6 +41,8 @@ class LLM:
             speculative_model="[ngram]", num_speculative_tokens=, ngram_prompt_lookup_max= still work.
         max_num_seqs: requests decoding at once; also the number of KV cache slots.
         max_model_len: prompt + output tokens per request; defaults to the model's context.
+        logprobs_mode: "raw_logprobs" (log_softmax of the logits) or "processed_logprobs" (after temperature,
+            top-k and top-p), for requests with SamplingParams.logprobs.
         target: the target model another LLM of the same `model` already loaded (`llm.model`), to share
             instead of loading again: serving only reads its weights. The bench runs every method on one
             copy, so that no method's forwards differ from another's by where its weights sit in memory.
@@ -49,7 +51,7 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "auto", device: str | None = None,
                  speculative_config: dict | str | None = None, max_num_seqs: int = 16,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048, seed: int = 0,
-                 target: CausalLM | None = None, **legacy_speculation):
+                 target: CausalLM | None = None, logprobs_mode: str = "raw_logprobs", **legacy_speculation):
         unknown = set(legacy_speculation) - set(LEGACY_SPEC_KWARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
@@ -84,7 +86,8 @@ class LLM:
         self.engine = LLMEngine(
             self.model, self.tokenizer,
             EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                         max_num_batched_tokens=max(max_num_batched_tokens, 1), seed=seed),
+                         max_num_batched_tokens=max(max_num_batched_tokens, 1), seed=seed,
+                         logprobs_mode=logprobs_mode),
             eos_token_ids(model_dir, self.model.config.eos_token_ids, self.tokenizer),
             spec_config, cost_table,
         )

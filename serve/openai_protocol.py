@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger("draftsmith")
 
@@ -55,11 +55,21 @@ class _Sampling(_Body):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_tokens=self.max_tokens or default_max_tokens, stop=self.stop,
-                              stop_token_ids=self.stop_token_ids or [], seed=self.seed, ignore_eos=self.ignore_eos)
+                              stop_token_ids=self.stop_token_ids or [], seed=self.seed, ignore_eos=self.ignore_eos,
+                              logprobs=self.top_alternatives())
+
+    def top_alternatives(self) -> int | None:
+        """How many top alternatives per token the response reports logprobs for (None: no logprobs)."""
+        return None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(description="text, or token ids")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description=(
+        "report each generated token's logprob and those of this many most likely tokens at its position"))
+
+    def top_alternatives(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _prompt_not_empty(self):
@@ -76,6 +86,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return self
+
+    def top_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
@@ -93,28 +114,60 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int,
-                    completion_tokens: int) -> dict[str, Any]:
+                    completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None) -> dict[str, Any]:
+def completion_chunk(rid: str, model: str, text: str, finish: str | None,
+                     logprobs: dict | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def chat_body(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int,
-              completion_tokens: int) -> dict[str, Any]:
+              completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}],
+                         "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None,
+               logprobs: dict | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+# Engine logprob entries ({token id: Logprob}, the generated token first) in OpenAI's two shapes; `decode`
+# turns one token id into its text.
+def completion_logprobs(entries: list[dict], decode, text_offset: int = 0) -> dict[str, list]:
+    """The legacy completions shape: parallel lists, and per token a {text: logprob} of it and the top ones."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        token, chosen = next(iter(entry.items()))
+        text = decode(token)
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        top.append({decode(t): lp.logprob for t, lp in entry.items()})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[dict], decode, top_n: int) -> dict[str, list]:
+    """The chat shape: per token its text, logprob and UTF-8 bytes, and the top_n most likely tokens there."""
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = decode(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for entry in entries:
+        token, chosen = next(iter(entry.items()))
+        ranked = sorted(entry.items(), key=lambda pair: pair[1].rank)[:top_n]
+        content.append({**item(token, chosen.logprob), "top_logprobs": [item(t, lp.logprob) for t, lp in ranked]})
+    return {"content": content}
 
 
 def usage_chunk(rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

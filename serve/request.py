@@ -23,6 +23,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort"
     stop_reason: int | str | None = None
+    # per token: {token id: Logprob}, the token first (SamplingParams.logprobs set), else None
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
     text: str = ""  # detokenized output, kept current only when stop strings need it
     seed: int = 0  # with each token's position, keys its sampling noise
+    logprobs: list[dict] | None = None  # per output token, when params.logprobs is set (`serve.logprobs`)
 
     @property
     def prompt_len(self) -> int:
@@ -75,6 +78,6 @@ class Request:
 
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(0, self.text, list(self.output_token_ids), self.finish_reason,
-                                      self.stop_reason)
+                                      self.stop_reason, None if self.logprobs is None else list(self.logprobs))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              self.status is Status.FINISHED)

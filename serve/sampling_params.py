@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from draftsmith.errors import DraftsmithError
 
+MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's top_logprobs bound, vLLM's default)
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     n: int = 1
+    # the generated tokens' logprobs and this many top alternatives at each position (0: the token's alone);
+    # None: none
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,6 +40,8 @@ class SamplingParams:
             ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (disabled), 0 (disabled) or positive"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("n", self.n == 1, "only n=1 is supported"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be None or 0..{MAX_LOGPROBS}"),
         ]
         for name, ok, why in checks:
             if not ok:

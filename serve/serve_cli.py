@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise DraftsmithError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, logprobs_mode=args.logprobs_mode)
     app = build_server_app(llm, args.served_model_name or args.model, args.api_key, args.max_queue,
                            args.shutdown_timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",

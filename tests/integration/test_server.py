@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from draftsmith.cli import main
-from draftsmith.serve import LLM
+from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.serve_cli import build_server_app, free_port, server_in_thread
 from helpers import DEMO_MODEL, make_speculation_pay
 
@@ -66,6 +66,50 @@ def test_completions_and_chat_streamed_equal_non_streamed(server):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
     assert streamed[-1].choices[0].finish_reason == chat.choices[0].finish_reason
     assert chat.usage.completion_tokens > 0
+
+
+def test_logprobs_with_speculation_equal_plain_decoding_streamed_or_not(server):
+    """The server speculates (n-gram, drafts forced): its logprobs, in both OpenAI shapes, streamed and not,
+    equal those of a plain engine's offline run of the same greedy requests."""
+    url, llm = server
+    client = _client(url)
+    drafts_before = llm.get_metrics()["num_accepted_tokens"]
+    plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256)
+    prompt = PROMPTS[1]
+    want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=40, logprobs=2), use_tqdm=False)[0]
+    want = want.outputs[0].logprobs
+    decode = [plain.tokenizer.decode([next(iter(entry))]) for entry in want]
+
+    full = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0, logprobs=2)
+    got = full.choices[0].logprobs
+    assert got.tokens == decode and "".join(got.tokens) == full.choices[0].text
+    assert got.text_offset == [sum(map(len, decode[:i])) for i in range(len(decode))]
+    for value, top, entry in zip(got.token_logprobs, got.top_logprobs, want):
+        assert value == pytest.approx(next(iter(entry.values())).logprob, abs=5e-5)
+        assert len(top) == len(entry) and max(top.values()) == pytest.approx(value, abs=5e-5)  # greedy: the top
+    chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0, logprobs=2,
+                                            stream=True))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == got.tokens
+    assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == got.text_offset
+
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    chat = client.chat.completions.create(model="demo", messages=messages, max_tokens=30, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(item.token for item in content) == chat.choices[0].message.content
+    for item in content:
+        assert [alt.logprob for alt in item.top_logprobs] == sorted((alt.logprob for alt in item.top_logprobs),
+                                                                    reverse=True)
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token  # greedy: rank 1
+        assert bytes(item.bytes).decode() == item.token
+    streamed = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=30, temperature=0,
+                                                   logprobs=True, top_logprobs=2, stream=True))
+    tokens = [item for c in streamed if c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert [i.token for i in tokens] == [i.token for i in content]
+    assert [i.logprob for i in tokens] == pytest.approx([i.logprob for i in content], abs=5e-5)
+    assert llm.get_metrics()["num_accepted_tokens"] > drafts_before  # the server really speculated
+    no_logprobs = client.completions.create(model="demo", prompt=prompt, max_tokens=4, temperature=0)
+    assert no_logprobs.choices[0].logprobs is None
 
 
 def test_stop_strings_stream_the_same_text(server):
@@ -162,6 +206,8 @@ def test_non_streamed_client_disconnect_frees_the_request(server):
     ("wrong_key", 401, "API key"),
     ("no_key", 401, "API key"),
     ("empty_messages", 400, "messages"),
+    ("too_many_logprobs", 400, "logprobs"),
+    ("top_logprobs_alone", 400, "top_logprobs: needs logprobs"),
 ])
 def test_bad_requests_get_openai_errors(server, case, status, needle):
     url, _ = server
@@ -183,6 +229,11 @@ def test_bad_requests_get_openai_errors(server, case, status, needle):
         headers = {}
     elif case == "empty_messages":
         path, body = "/v1/chat/completions", {"model": "demo", "messages": []}
+    elif case == "too_many_logprobs":
+        body["logprobs"] = 21
+    elif case == "top_logprobs_alone":
+        path, body = "/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
+                                              "top_logprobs": 2}
     if case == "bad_json":
         response = httpx.post(f"{url}{path}", content=b"{oops", headers={**headers, "content-type": "application/json"})
     else:

@@ -1,0 +1,68 @@
+"""Log probabilities of the tokens a request generates, and of the most likely alternatives (vLLM's shapes).
+
+They come from the target's distribution at each generated position: from the decode forward that sampled
+the token, or, when speculating, from the verify forward's logits at the position where the token was
+accepted or drawn. That forward scores the same context, so a token's logprob is the same with and without
+speculation (up to float rounding of a wider forward), whatever the draft proposed; a token drawn from the
+rejection sampler's residual distribution still reports the target's logprob, as vLLM does.
+
+`logprobs_mode` follows vLLM: `raw_logprobs` (the default) is log_softmax of the model's logits;
+`processed_logprobs` is the log of the distribution the request samples from, after temperature, top-k and
+top-p (tokens filtered out get -inf; greedy rows use temperature 1 there, as the sampler does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.serve.sampling import SamplingBatch, logits_to_probs
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token at that position
+    decoded_token: str | None = None
+
+
+# per generated token: {token id: Logprob}, the generated token first, then the top alternatives by rank
+TokenLogprobs = dict[int, Logprob]
+
+
+def position_logprobs(logits: torch.Tensor, sampling: SamplingBatch, mode: str, rows: list[int]) -> torch.Tensor:
+    """logits [B, N, V] -> log probabilities [len(rows), N, V] of those rows in `mode` (see the module
+    docstring)."""
+    index = torch.tensor(rows, device=logits.device)
+    if mode == "processed_logprobs":  # the sampling settings are per row of the whole batch
+        return logits_to_probs(logits.float(), sampling)[index].log()
+    return torch.log_softmax(logits[index].float(), dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, rows: list[int], positions: list[int], tokens: list[int],
+                    top_n: list[int]) -> list[TokenLogprobs]:
+    """For each (row, position, token, top_n): the token's logprob and rank and the top_n most likely tokens
+    there, read from `logprobs` [B, N, V] with one device-to-host copy."""
+    if not rows:
+        return []
+    device = logprobs.device
+    picked = logprobs[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]  # [T, V]
+    chosen = torch.tensor(tokens, device=device)
+    chosen_lp = picked.gather(1, chosen[:, None])[:, 0]
+    rank = (picked > chosen_lp[:, None]).sum(1) + 1
+    widest = max(top_n)
+    top_lp, top_ids = picked.topk(widest, dim=-1) if widest else (picked[:, :0], chosen[:, None][:, :0])
+    # one copy for all four; token ids survive the float trip (exact below 2**24, vocabularies are smaller)
+    host = torch.cat([chosen_lp[:, None], rank[:, None].float(), top_lp, top_ids.float()], dim=1).tolist()
+    out = []
+    for token, n, row in zip(tokens, top_n, host):
+        entry = {token: Logprob(row[0], int(row[1]))}
+        for r in range(n):
+            alternative = int(row[2 + widest + r])
+            if alternative not in entry:
+                entry[alternative] = Logprob(row[2 + r], r + 1)
+        out.append(entry)
+    return out

@@ -27,6 +27,7 @@ from draftsmith.serve.openai_protocol import (
     chat_chunk,
     chat_logprobs,
     completion_body,
+    completion_choice,
     completion_chunk,
     completion_logprobs,
     error_body,
@@ -192,13 +193,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def completions(body: CompletionRequest, raw: Request):
         start = time.perf_counter()
         check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt, ids = llm.encode(body.prompt)
-        else:
-            prompt, ids = None, list(body.prompt)
-        params, outputs = submit(ids, body, prompt)
+        encoded = [llm.encode(p) if isinstance(p, str) else (None, list(p)) for p in body.prompts()]
+        for index, (_, ids) in enumerate(encoded):  # all checked before any is queued
+            try:
+                llm.engine.check_prompt(ids)
+            except DraftsmithError as exc:
+                where = f"prompt {index}: " if len(encoded) > 1 else ""
+                raise APIError(400, where + str(exc), "prompt") from None
+        submitted = [submit(ids, body, prompt) for prompt, ids in encoded]
         rid = new_id("cmpl")
-        if body.stream:
+        if body.stream:  # one prompt (the body's validation)
+            (_, ids), (params, outputs) = encoded[0], submitted[0]
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             offset = [0]  # text_offset runs on across chunks
 
@@ -211,11 +216,29 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
             events = stream_events(outputs, params, start, chunk, [], include_usage, rid, "text_completion", len(ids))
             return StreamingResponse(events, media_type="text/event-stream")
-        out = await collect(raw, outputs, start)
-        finished(out, start)
+        try:
+            results = await asyncio.gather(*(collect(raw, outputs, start) for _, outputs in submitted))
+        except BaseException:
+            for _, outputs in submitted:  # one prompt failed or the client left: the others stop too
+                await outputs.aclose()
+            raise
+        choices = []
+        for index, ((prompt, ids), out) in enumerate(zip(encoded, results)):
+            finished(out, start)
+            choices.append(_completion_choice(index, prompt, ids, out, body.echo))
+        return completion_body(rid, served_model_name, choices, sum(len(ids) for _, ids in encoded),
+                               sum(len(out.outputs[0].token_ids) for out in results))
+
+    def _completion_choice(index: int, prompt: str | None, ids: list[int], out: RequestOutput, echo: bool) -> dict:
         c = out.outputs[0]
-        logprobs = None if c.logprobs is None else completion_logprobs(c.logprobs, decode_token)
-        return completion_body(rid, served_model_name, c.text, c.finish_reason, len(ids), len(c.token_ids), logprobs)
+        entries = c.logprobs
+        text = c.text
+        if echo:
+            text = (prompt if prompt is not None else llm.tokenizer.decode(ids)) + text
+            if entries is not None:  # the prompt's first token has no logprob
+                entries = [{ids[0]: None}, *out.prompt_logprobs[1:], *entries]
+        logprobs = None if entries is None else completion_logprobs(entries, decode_token)
+        return completion_choice(index, text, c.finish_reason, logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):

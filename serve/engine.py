@@ -137,7 +137,8 @@ class LLMEngine:
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
         generator = torch.Generator(device=self.device).manual_seed(seed)
         request = Request(request_id, list(prompt_token_ids), params, generator, prompt=prompt, seed=seed,
-                          logprobs=None if params.logprobs is None else [])
+                          logprobs=None if params.logprobs is None else [],
+                          prompt_logprobs=None if params.prompt_logprobs is None else [None])
         self.requests[request_id] = request
         self.waiting.append(request)
         return request
@@ -232,9 +233,16 @@ class LLMEngine:
             hidden_index = (torch.tensor(skips)[:, None] + torch.arange(window)).minimum(chunk_t[:, None] - 1)
             seen_starts = [start + skip for start, skip in zip(seen_starts, skips)]
             seen_counts = [chunk - skip for chunk, skip in zip(chunks, skips)]
-        out = self._forward(ids, batch, chunk_t[:, None] - 1, hidden_index)
+        # logits of the last position only, unless a row asks for its prompt's logprobs: then every position's
+        scored = [i for i, r in enumerate(rows) if r.prompt_logprobs is not None]
+        last = chunk_t[:, None] - 1
+        logits_index = torch.arange(width)[None, :].minimum(last) if scored else last
+        out = self._forward(ids, batch, logits_index, hidden_index)
         self._observe_features(rows, seen_starts, seen_counts, out)
         out = out.logits
+        if scored:
+            self._prompt_logprobs(rows, chunks, out, scored)
+            out = out.gather(1, last.to(out.device)[:, :, None].expand(-1, 1, out.shape[-1]))
         for request, chunk in zip(rows, chunks):
             request.num_computed += chunk
             self.stats["num_prompt_tokens"] += chunk
@@ -419,6 +427,22 @@ class LLMEngine:
             self.stats["num_generated_tokens"] += appended
             if entries is not None and appended:
                 request.logprobs += entries
+
+    def _prompt_logprobs(self, rows: list[Request], chunks: list[int], logits: torch.Tensor, scored: list[int]) -> None:
+        """Appends to the `scored` rows' prompt logprobs those of the prompt tokens that this prefill chunk's
+        positions predict (logits [B, width, V]: position j scores the prompt token after it)."""
+        index = []  # (row among `scored`, position, the prompt token it predicts, top alternatives)
+        for at, i in enumerate(scored):
+            request, start = rows[i], rows[i].num_computed
+            for j in range(min(chunks[i], request.prompt_len - 1 - start)):
+                index.append((at, j, request.prompt_token_ids[start + j + 1], request.params.prompt_logprobs))
+        if not index:
+            return
+        with torch.inference_mode():
+            logprobs = position_logprobs(logits, self._sampling(rows), self.config.logprobs_mode, scored)
+            entries = gather_logprobs(logprobs, *map(list, zip(*index)))
+        for (at, *_), entry in zip(index, entries):
+            rows[scored[at]].prompt_logprobs.append(entry)
 
     def _logprobs(self, rows: list[Request], new_tokens: list[list[int]], logits: torch.Tensor,
                   sampling: SamplingBatch) -> list[list | None]:

@@ -64,17 +64,36 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(description="text, or token ids")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(description=(
+        "text or token ids; or a list of those, answered by one choice each, in order (not streamed)"))
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description=(
         "report each generated token's logprob and those of this many most likely tokens at its position"))
+    echo: bool = Field(default=False, description=(
+        "return the prompt before the completion, and with logprobs the prompt tokens' logprobs too"))
 
     def top_alternatives(self) -> int | None:
         return self.logprobs
 
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        params = super().sampling_params(default_max_tokens)
+        if self.echo:
+            params.prompt_logprobs = self.logprobs
+        return params
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts this request holds: one, or each of a list."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
     @model_validator(mode="after")
     def _prompt_not_empty(self):
-        if not self.prompt:
+        if not self.prompt or not all(self.prompts()):
             raise ValueError("prompt: must not be empty")
+        if self.stream and len(self.prompts()) > 1:
+            raise ValueError("prompt: a list of prompts is answered whole; stream one prompt per request")
+        if self.stream and self.echo:
+            raise ValueError("echo: not supported with stream yet; send the request without stream")
         return self
 
 
@@ -113,11 +132,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int,
-                    completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
+def completion_body(rid: str, model: str, choices: list[dict], prompt_tokens: int,
+                    completion_tokens: int) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None,
@@ -146,11 +168,11 @@ def completion_logprobs(entries: list[dict], decode, text_offset: int = 0) -> di
     """The legacy completions shape: parallel lists, and per token a {text: logprob} of it and the top ones."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
-        token, chosen = next(iter(entry.items()))
+        token, chosen = next(iter(entry.items()))  # None: an echoed prompt's first token, which has no logprob
         text = decode(token)
         tokens.append(text)
-        token_logprobs.append(chosen.logprob)
-        top.append({decode(t): lp.logprob for t, lp in entry.items()})
+        token_logprobs.append(None if chosen is None else chosen.logprob)
+        top.append(None if chosen is None else {decode(t): lp.logprob for t, lp in entry.items()})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -34,6 +34,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # per prompt token: None for the first, then {token id: Logprob} (SamplingParams.prompt_logprobs set)
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Request:
     text: str = ""  # detokenized output, kept current only when stop strings need it
     seed: int = 0  # with each token's position, keys its sampling noise
     logprobs: list[dict] | None = None  # per output token, when params.logprobs is set (`serve.logprobs`)
+    prompt_logprobs: list[dict | None] | None = None  # per prompt token read so far (params.prompt_logprobs)
 
     @property
     def prompt_len(self) -> int:
@@ -80,4 +83,5 @@ class Request:
         completion = CompletionOutput(0, self.text, list(self.output_token_ids), self.finish_reason,
                                       self.stop_reason, None if self.logprobs is None else list(self.logprobs))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             self.status is Status.FINISHED)
+                             self.status is Status.FINISHED,
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))

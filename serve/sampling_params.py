@@ -29,6 +29,9 @@ class SamplingParams:
     # the generated tokens' logprobs and this many top alternatives at each position (0: the token's alone);
     # None: none
     logprobs: int | None = None
+    # the prompt tokens' logprobs (each given the tokens before it; the first has none) and this many top
+    # alternatives at each position; None: none
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +44,8 @@ class SamplingParams:
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("n", self.n == 1, "only n=1 is supported"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be None or 0..{MAX_LOGPROBS}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"must be None or 0..{MAX_LOGPROBS}"),
         ]
         for name, ok, why in checks:

@@ -112,6 +112,39 @@ def test_logprobs_with_speculation_equal_plain_decoding_streamed_or_not(server):
     assert no_logprobs.choices[0].logprobs is None
 
 
+def test_lm_eval_loglikelihood_request_echoes_prompt_logprobs(server):
+    """What lm-evaluation-harness' local-completions sends for loglikelihood tasks: a batch of token-id
+    prompts, max_tokens 1, logprobs 1, echo. Each choice holds the prompt's text and logprobs (the first
+    token's is None) and the one generated token's, in prompt order; they equal an offline plain run's."""
+    url, _ = server
+    plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256)
+    batch = [plain.tokenizer(p, add_special_tokens=False).input_ids for p in PROMPTS[:3]]
+    response = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120, json={
+        "model": "demo", "prompt": batch, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["prompt_tokens"] == sum(map(len, batch)) and body["usage"]["completion_tokens"] == 3
+    want = plain.generate([{"prompt_token_ids": ids} for ids in batch],
+                          SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1), use_tqdm=False)
+    for ids, choice, reference in zip(batch, body["choices"], want):
+        logprobs = choice["logprobs"]
+        generated = reference.outputs[0]
+        assert choice["text"] == plain.tokenizer.decode(ids) + generated.text
+        assert len(logprobs["token_logprobs"]) == len(ids) + 1
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        expected = [e[t].logprob for t, e in zip(ids[1:], reference.prompt_logprobs[1:])]
+        expected.append(generated.logprobs[0][generated.token_ids[0]].logprob)
+        assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=5e-5)
+        # lm-eval's greedy check: a token is greedy when its logprob is the largest in its top_logprobs
+        greedy = [tok == max(top.values()) for tok, top in zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:])]
+        assert greedy == [e[t].rank == 1 for t, e in zip(ids[1:] + generated.token_ids,
+                                                          reference.prompt_logprobs[1:] + generated.logprobs)]
+    bad = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json={
+        "model": "demo", "prompt": [batch[0], [1] * 300], "max_tokens": 1})
+    assert bad.status_code == 400 and "prompt 1" in bad.json()["error"]["message"]
+
+
 def test_stop_strings_stream_the_same_text(server):
     url, _ = server
     client = _client(url)
@@ -208,6 +241,8 @@ def test_non_streamed_client_disconnect_frees_the_request(server):
     ("empty_messages", 400, "messages"),
     ("too_many_logprobs", 400, "logprobs"),
     ("top_logprobs_alone", 400, "top_logprobs: needs logprobs"),
+    ("echo_streamed", 400, "echo: not supported with stream"),
+    ("prompt_list_streamed", 400, "stream one prompt per request"),
 ])
 def test_bad_requests_get_openai_errors(server, case, status, needle):
     url, _ = server
@@ -229,6 +264,10 @@ def test_bad_requests_get_openai_errors(server, case, status, needle):
         headers = {}
     elif case == "empty_messages":
         path, body = "/v1/chat/completions", {"model": "demo", "messages": []}
+    elif case == "echo_streamed":
+        body.update(echo=True, stream=True)
+    elif case == "prompt_list_streamed":
+        body.update(prompt=["x", "y"], stream=True)
     elif case == "too_many_logprobs":
         body["logprobs"] = 21
     elif case == "top_logprobs_alone":

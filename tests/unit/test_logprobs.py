@@ -114,3 +114,31 @@ def test_no_logprobs_unless_asked_and_bad_values_are_refused():
         SamplingParams(logprobs=21)
     with pytest.raises(DraftsmithError, match="logprobs_mode"):
         _llm(logprobs_mode="logits")
+
+
+def test_prompt_logprobs_score_each_prompt_token_given_the_ones_before_it_chunked_or_not():
+    """prompt_logprobs, checked against transformers' Llama; a prompt read in chunks of 7 tokens (and beside
+    another prompt) scores the same as one read whole."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    whole = _llm().generate(PROMPTS[2:4], params, use_tqdm=False)
+    chunked = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256,
+                  max_num_batched_tokens=7).generate(PROMPTS[2:4], params, use_tqdm=False)
+    for output, other in zip(whole, chunked):
+        ids = output.prompt_token_ids
+        assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(ids)
+        with torch.inference_mode():
+            reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], dim=-1)
+        for position, (token, entry, again) in enumerate(zip(ids[1:], output.prompt_logprobs[1:],
+                                                             other.prompt_logprobs[1:])):
+            assert next(iter(entry)) == token
+            assert entry[token].logprob == pytest.approx(reference[position, token].item(), abs=1e-4)
+            value = reference[position, token]  # the rank, up to tokens within rounding of this one
+            above, near = int((reference[position] > value + 1e-4).sum()), int((reference[position] > value - 1e-4).sum())
+            assert above + 1 <= entry[token].rank <= near + 1
+            assert set(entry) == {token, *reference[position].topk(2).indices.tolist()}
+            assert list(again) == list(entry)
+            assert again[token].logprob == pytest.approx(entry[token].logprob, abs=SAME)
+        assert output.outputs[0].token_ids == other.outputs[0].token_ids

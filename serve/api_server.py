@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -23,6 +24,11 @@ from draftsmith.serve.detokenizer import IncrementalText
 from draftsmith.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     chat_body,
     chat_chunk,
     chat_logprobs,
@@ -50,6 +56,20 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
+# What /openapi.json says each route may answer besides 200: every status the server returns, in OpenAI's
+# error body (a bad body is 400 here, as in OpenAI's API, never FastAPI's 422)
+def _errors(*statuses: int) -> dict:
+    why = {400: "invalid request (the message names the field)", 401: "missing or wrong API key (--api-key)",
+           404: "no such model", 499: "the client disconnected before the answer",
+           500: "the engine failed while running the request", 503: "queue full (--max-queue) or engine stopped"}
+    return {status: {"model": ErrorResponse, "description": why[status]} for status in statuses}
+
+
+_GENERATION = {200: {"description": "the answer; with stream=true, server-sent events ending in `data: [DONE]`",
+                     "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+               **_errors(400, 401, 404, 499, 500, 503)}
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               metrics: ServerMetrics | None = None, shutdown_timeout: float = 30.0) -> FastAPI:
     llm = engine.llm
@@ -64,6 +84,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         await asyncio.to_thread(engine.shutdown, shutdown_timeout)
 
     app = FastAPI(title="draftsmith", version=__version__, lifespan=lifespan)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)  # validation errors answer 400
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
@@ -92,19 +123,25 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def on_http_error(_request: Request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail))
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "the engine is stepping",
+                                         "content": {"application/json": {"example": {"status": "ok"}}}},
+                                   **_errors(503)})
     async def health():
-        return Response(status_code=200 if engine.healthy else 503)
+        if not engine.healthy:
+            return _error(503, "the engine is not running")
+        return {"status": "ok"}
 
     @app.get("/version")
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "draftsmith", "root": str(llm.model_dir),
@@ -189,7 +226,30 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             yield f"data: {json.dumps(error_body(str(exc), 500))}\n\n"
         yield "data: [DONE]\n\n"
 
-    @app.post("/v1/completions")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404))
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            check_model(body.model)
+        if body.messages is not None:
+            try:
+                text = llm.apply_chat_template([m.model_dump() for m in body.messages])
+            except DraftsmithError as exc:
+                raise APIError(400, str(exc), "messages") from None
+            ids = llm.tokenizer(text, add_special_tokens=False).input_ids  # the template wrote them already
+        else:
+            ids = llm.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404))
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            check_model(body.model)
+        vocab = llm.model.config.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise APIError(400, f"tokens: ids must be below the vocabulary size {vocab}", "tokens")
+        return DetokenizeResponse(prompt=llm.tokenizer.decode(body.tokens))
+
+    @app.post("/v1/completions", responses=_GENERATION)
     async def completions(body: CompletionRequest, raw: Request):
         start = time.perf_counter()
         check_model(body.model)
@@ -240,7 +300,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         logprobs = None if entries is None else completion_logprobs(entries, decode_token)
         return completion_choice(index, text, c.finish_reason, logprobs)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATION)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         start = time.perf_counter()
         check_model(body.model)

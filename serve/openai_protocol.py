@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -63,8 +63,13 @@ class _Sampling(_Body):
         return None
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(description=(
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(
+        min_length=1)] = Field(description=(
         "text or token ids; or a list of those, answered by one choice each, in order (not streamed)"))
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description=(
         "report each generated token's logprob and those of this many most likely tokens at its position"))
@@ -195,6 +200,50 @@ def chat_logprobs(entries: list[dict], decode, top_n: int) -> dict[str, list]:
 def usage_chunk(rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: send either prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, which every 4xx/5xx answer carries."""
+
+    error: ErrorInfo
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:

@@ -145,6 +145,24 @@ def test_lm_eval_loglikelihood_request_echoes_prompt_logprobs(server):
     assert bad.status_code == 400 and "prompt 1" in bad.json()["error"]["message"]
 
 
+def test_tokenize_and_detokenize_in_vllms_shapes(server):
+    url, llm = server
+    text = PROMPTS[0]
+    tokens = httpx.post(f"{url}/tokenize", json={"model": "demo", "prompt": text}).json()
+    assert tokens["tokens"] == llm.tokenizer(text).input_ids and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 256
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {
+        "prompt": llm.tokenizer.decode(tokens["tokens"])}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == llm.encode(llm.apply_chat_template(messages))[1]
+    for path, body, needle in (("/tokenize", {}, "either prompt or messages"),
+                               ("/detokenize", {"tokens": [10**6]}, "vocabulary size"),
+                               ("/tokenize", {"model": "nope", "prompt": "x"}, "does not exist")):
+        response = httpx.post(f"{url}{path}", json=body)
+        assert response.status_code in (400, 404) and needle in response.json()["error"]["message"]
+
+
 def test_stop_strings_stream_the_same_text(server):
     url, _ = server
     client = _client(url)

@@ -425,8 +425,8 @@ class LLMEngine:
         for request, token, entries in zip(rows, tokens, logprobs):
             appended = self.stop_checker.append(request, [token])
             self.stats["num_generated_tokens"] += appended
-            if entries is not None and appended:
-                request.logprobs += entries
+            if entries is not None:
+                request.logprobs += entries[:appended]
 
     def _prompt_logprobs(self, rows: list[Request], chunks: list[int], logits: torch.Tensor, scored: list[int]) -> None:
         """Appends to the `scored` rows' prompt logprobs those of the prompt tokens that this prefill chunk's

@@ -194,13 +194,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         metrics.e2e.labels(served_model_name).observe(time.perf_counter() - start)
         metrics.request_success.labels(served_model_name, output.outputs[0].finish_reason or "stop").inc()
 
-    async def stream_events(outputs, params, start, make_chunk, first_chunks, include_usage, rid, obj, n_prompt):
+    async def stream_events(outputs, params, start, make_chunk, first_chunks, include_usage, rid, obj, n_prompt,
+                            echo=None):
+        """`echo(output)`: a chunk sent once the first output is in (the prompt, which it scored), or None."""
         text = IncrementalText(llm.tokenizer, params.stop)
         last_at, n_tokens, n_logged = None, 0, 0  # n_logged: tokens whose logprobs went out
         try:
             for chunk in first_chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
             async for out in outputs:
+                if echo is not None:
+                    yield f"data: {json.dumps(echo(out))}\n\n"
+                    echo = None
                 completion = out.outputs[0]
                 now = time.perf_counter()
                 new_tokens = len(completion.token_ids) - n_tokens
@@ -274,7 +279,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     offset[0] += sum(map(len, logprobs["tokens"]))
                 return completion_chunk(rid, served_model_name, delta, finish, logprobs)
 
-            events = stream_events(outputs, params, start, chunk, [], include_usage, rid, "text_completion", len(ids))
+            def echoed(out: RequestOutput) -> dict:
+                entries = _echoed_entries(ids, out) if params.logprobs is not None else None
+                return chunk(prompt_text(encoded[0][0], ids), None, entries)
+
+            events = stream_events(outputs, params, start, chunk, [], include_usage, rid, "text_completion", len(ids),
+                                   echoed if body.echo else None)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             results = await asyncio.gather(*(collect(raw, outputs, start) for _, outputs in submitted))
@@ -289,14 +299,20 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return completion_body(rid, served_model_name, choices, sum(len(ids) for _, ids in encoded),
                                sum(len(out.outputs[0].token_ids) for out in results))
 
+    def prompt_text(prompt: str | None, ids: list[int]) -> str:
+        return prompt if prompt is not None else llm.tokenizer.decode(ids)
+
+    def _echoed_entries(ids: list[int], out: RequestOutput) -> list[dict]:
+        return [{ids[0]: None}, *out.prompt_logprobs[1:]]  # the prompt's first token has no logprob
+
     def _completion_choice(index: int, prompt: str | None, ids: list[int], out: RequestOutput, echo: bool) -> dict:
         c = out.outputs[0]
         entries = c.logprobs
         text = c.text
         if echo:
-            text = (prompt if prompt is not None else llm.tokenizer.decode(ids)) + text
-            if entries is not None:  # the prompt's first token has no logprob
-                entries = [{ids[0]: None}, *out.prompt_logprobs[1:], *entries]
+            text = prompt_text(prompt, ids) + text
+            if entries is not None:
+                entries = [*_echoed_entries(ids, out), *entries]
         logprobs = None if entries is None else completion_logprobs(entries, decode_token)
         return completion_choice(index, text, c.finish_reason, logprobs)
 

@@ -97,8 +97,6 @@ class CompletionRequest(_Sampling):
             raise ValueError("prompt: must not be empty")
         if self.stream and len(self.prompts()) > 1:
             raise ValueError("prompt: a list of prompts is answered whole; stream one prompt per request")
-        if self.stream and self.echo:
-            raise ValueError("echo: not supported with stream yet; send the request without stream")
         return self
 
 

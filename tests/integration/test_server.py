@@ -163,6 +163,21 @@ def test_tokenize_and_detokenize_in_vllms_shapes(server):
         assert response.status_code in (400, 404) and needle in response.json()["error"]["message"]
 
 
+def test_echo_streams_the_prompt_first(server):
+    url, _ = server
+    client = _client(url)
+    kwargs = dict(model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=0, echo=True, logprobs=1)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert chunks[0].choices[0].text == PROMPTS[0] and full.choices[0].text.startswith(PROMPTS[0])
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    streamed = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and full.choices[0].logprobs.token_logprobs[0] is None
+    assert streamed[1:] == pytest.approx(full.choices[0].logprobs.token_logprobs[1:], abs=5e-5)
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == full.choices[0].logprobs.text_offset
+
+
 def test_stop_strings_stream_the_same_text(server):
     url, _ = server
     client = _client(url)
@@ -259,7 +274,6 @@ def test_non_streamed_client_disconnect_frees_the_request(server):
     ("empty_messages", 400, "messages"),
     ("too_many_logprobs", 400, "logprobs"),
     ("top_logprobs_alone", 400, "top_logprobs: needs logprobs"),
-    ("echo_streamed", 400, "echo: not supported with stream"),
     ("prompt_list_streamed", 400, "stream one prompt per request"),
 ])
 def test_bad_requests_get_openai_errors(server, case, status, needle):
@@ -282,8 +296,6 @@ def test_bad_requests_get_openai_errors(server, case, status, needle):
         headers = {}
     elif case == "empty_messages":
         path, body = "/v1/chat/completions", {"model": "demo", "messages": []}
-    elif case == "echo_streamed":
-        body.update(echo=True, stream=True)
     elif case == "prompt_list_streamed":
         body.update(prompt=["x", "y"], stream=True)
     elif case == "too_many_logprobs":

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from draftsmith import __version__
 from draftsmith.errors import DraftsmithError, format_validation_error
 from draftsmith.serve.async_engine import AsyncEngine, QueueFullError
-from draftsmith.serve.detokenizer import IncrementalText
+from draftsmith.serve.detokenizer import IncrementalText, token_bytes
 from draftsmith.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -149,6 +149,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     def decode_token(token: int) -> str:
         return llm.tokenizer.decode([token])
+
+    def encode_token(token: int) -> bytes:
+        return token_bytes(llm.tokenizer, token)
 
     def check_model(name: str) -> None:
         if name != served_model_name:
@@ -332,7 +335,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             first = [chat_chunk(rid, served_model_name, {"role": "assistant", "content": ""}, None)]
 
             def chunk(delta, finish, entries):
-                logprobs = None if entries is None else chat_logprobs(entries, decode_token, params.logprobs)
+                logprobs = None if entries is None else chat_logprobs(entries, decode_token, params.logprobs, encode_token)
                 return chat_chunk(rid, served_model_name, {"content": delta} if delta else {}, finish, logprobs)
 
             events = stream_events(outputs, params, start, chunk, first, include_usage, rid, "chat.completion.chunk",
@@ -341,7 +344,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         out = await collect(raw, outputs, start)
         finished(out, start)
         c = out.outputs[0]
-        logprobs = None if c.logprobs is None else chat_logprobs(c.logprobs, decode_token, params.logprobs)
+        logprobs = None if c.logprobs is None else chat_logprobs(c.logprobs, decode_token, params.logprobs, encode_token)
         return chat_body(rid, served_model_name, c.text, c.finish_reason, len(ids), len(c.token_ids), logprobs)
 
     return app

@@ -9,6 +9,8 @@ the WordPiece space clean-up (nor does vLLM), because it cannot be applied piece
 
 from __future__ import annotations
 
+import functools
+
 # tokenizers raises this untyped when the window's text stops starting with what was already emitted.
 _INVALID_PREFIX = "Invalid prefix encountered"
 _INCOMPLETE = "\ufffd"  # what decode yields for a UTF-8 character whose bytes have not all arrived
@@ -17,6 +19,26 @@ _INCOMPLETE = "\ufffd"  # what decode yields for a UTF-8 character whose bytes h
 def decode_all(tokenizer, token_ids: list[int]) -> str:
     """The reference text of `token_ids`: what the pieces of an `IncrementalDecoder` add up to."""
     return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for: exact for byte-level BPE (where a token may hold part of a UTF-8
+    character, whose decoded text is U+FFFD), else its decoded text's UTF-8."""
+    import tokenizers
+
+    backend = stream_backend(tokenizer)
+    if backend is not None and isinstance(backend.decoder, tokenizers.decoders.ByteLevel):
+        piece, table = tokenizer.convert_ids_to_tokens(token_id), _byte_level_table()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+    return tokenizer.decode([token_id]).encode()
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def stream_backend(tokenizer):

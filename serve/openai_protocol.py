@@ -181,11 +181,11 @@ def completion_logprobs(entries: list[dict], decode, text_offset: int = 0) -> di
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[dict], decode, top_n: int) -> dict[str, list]:
-    """The chat shape: per token its text, logprob and UTF-8 bytes, and the top_n most likely tokens there."""
+def chat_logprobs(entries: list[dict], decode, top_n: int, to_bytes) -> dict[str, list]:
+    """The chat shape: per token its text, logprob and bytes (`to_bytes`: a token id's, exact where the text is
+    part of a character), and the top_n most likely tokens there."""
     def item(token: int, logprob: float) -> dict[str, Any]:
-        text = decode(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": decode(token), "logprob": logprob, "bytes": list(to_bytes(token))}
 
     content = []
     for entry in entries:

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from draftsmith.models.tokenizer import load_tokenizer
-from draftsmith.serve.detokenizer import IncrementalDecoder, IncrementalText, decode_all, stream_backend
+from draftsmith.serve.detokenizer import (
+    IncrementalDecoder,
+    IncrementalText,
+    decode_all,
+    stream_backend,
+    token_bytes,
+)
 from draftsmith.serve.request import Request
 from draftsmith.serve.sampling_params import SamplingParams
 from draftsmith.serve.stopping import StopChecker
@@ -222,3 +228,13 @@ def test_decode_stream_restarts_after_an_invalid_prefix(tokenizer):
     decoder._stream.step = lambda backend, token: 1 / 0
     with pytest.raises(ZeroDivisionError):
         decoder.extend([5])
+
+
+def test_token_bytes_are_exact_where_a_token_holds_part_of_a_character():
+    """Byte-level BPE splits rare characters over tokens whose own text is U+FFFD; their bytes (chat logprobs'
+    `bytes`) must still add up to the text's UTF-8."""
+    tokenizer = load_tokenizer(DEMO_MODEL)
+    text = "naïve → 日本語 €"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # the case this is for
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == text.encode()

@@ -56,6 +56,23 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
+def _abandon(outputs: AsyncIterator[RequestOutput]) -> None:
+    """Aborts a queued request whose outputs nobody has started reading (closing an async generator that never
+    started runs none of its code, so its abort would not happen): read its first output, then close it."""
+    async def drop():
+        try:
+            await outputs.__anext__()
+        except (StopAsyncIteration, DraftsmithError, RuntimeError):
+            return
+        await outputs.aclose()
+
+    _abandoned.add(task := asyncio.ensure_future(drop()))
+    task.add_done_callback(_abandoned.discard)
+
+
+_abandoned: set[asyncio.Task] = set()  # held until done: the event loop keeps only weak references to tasks
+
+
 # What /openapi.json says each route may answer besides 200: every status the server returns, in OpenAI's
 # error body (a bad body is 400 here, as in OpenAI's API, never FastAPI's 422)
 def _errors(*statuses: int) -> dict:
@@ -178,14 +195,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             return last
 
         task = asyncio.ensure_future(consume())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await raw.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                await outputs.aclose()
-                raise APIError(499, "client disconnected")
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if not done and await raw.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    await outputs.aclose()
+                    raise APIError(499, "client disconnected")
+        except asyncio.CancelledError:  # cancelled from outside: cancelling the consumer aborts the request
+            task.cancel()
+            raise
         try:
             return task.result()
         except DraftsmithError as exc:
@@ -268,7 +289,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             except DraftsmithError as exc:
                 where = f"prompt {index}: " if len(encoded) > 1 else ""
                 raise APIError(400, where + str(exc), "prompt") from None
-        submitted = [submit(ids, body, prompt) for prompt, ids in encoded]
+        submitted = []
+        try:
+            for prompt, ids in encoded:
+                submitted.append(submit(ids, body, prompt))
+        except APIError:  # the queue filled up part way: the prompts already queued go too
+            for _, outputs in submitted:
+                _abandon(outputs)
+            raise
         rid = new_id("cmpl")
         if body.stream:  # one prompt (the body's validation)
             (_, ids), (params, outputs) = encoded[0], submitted[0]
@@ -289,11 +317,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             events = stream_events(outputs, params, start, chunk, [], include_usage, rid, "text_completion", len(ids),
                                    echoed if body.echo else None)
             return StreamingResponse(events, media_type="text/event-stream")
+        tasks = [asyncio.ensure_future(collect(raw, outputs, start)) for _, outputs in submitted]
         try:
-            results = await asyncio.gather(*(collect(raw, outputs, start) for _, outputs in submitted))
+            results = await asyncio.gather(*tasks)
         except BaseException:
-            for _, outputs in submitted:  # one prompt failed or the client left: the others stop too
-                await outputs.aclose()
+            for task in tasks:  # one prompt failed or the client left: the others are aborted too
+                task.cancel()
             raise
         choices = []
         for index, ((prompt, ids), out) in enumerate(zip(encoded, results)):

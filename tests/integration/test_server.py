@@ -343,6 +343,20 @@ def test_full_queue_answers_503_at_once():
             t.join()
 
 
+def test_a_prompt_list_that_fills_the_queue_leaves_nothing_queued():
+    """Prompts of a list queued before the queue filled are aborted with the 503, not left to run."""
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=512)
+    with server_in_thread(build_server_app(llm, "demo", max_queue=2)) as url:
+        body = {"model": "demo", "prompt": PROMPTS, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 503 and "queue is full" in response.json()["error"]["message"]
+        deadline = time.monotonic() + 30
+        while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.stats["num_generated_tokens"] < 400  # aborted, not run to max_tokens
+
+
 def test_metrics_parse_and_move(server):
     url, _ = server
     before = _metrics(url)

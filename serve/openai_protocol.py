@@ -46,10 +46,14 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    best_of: int | None = Field(default=None, ge=1, description="only 1 (or n) is supported")
+
     @model_validator(mode="after")
     def _one_choice(self):
         if self.n != 1:
             raise ValueError("n: only n=1 is supported")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of: only best_of=n is supported (no server-side reranking of samples)")
         return self
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:

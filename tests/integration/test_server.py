@@ -275,6 +275,7 @@ def test_non_streamed_client_disconnect_frees_the_request(server):
     ("too_many_logprobs", 400, "logprobs"),
     ("top_logprobs_alone", 400, "top_logprobs: needs logprobs"),
     ("prompt_list_streamed", 400, "stream one prompt per request"),
+    ("best_of", 400, "best_of: only best_of=n"),
 ])
 def test_bad_requests_get_openai_errors(server, case, status, needle):
     url, _ = server
@@ -296,6 +297,8 @@ def test_bad_requests_get_openai_errors(server, case, status, needle):
         headers = {}
     elif case == "empty_messages":
         path, body = "/v1/chat/completions", {"model": "demo", "messages": []}
+    elif case == "best_of":
+        body["best_of"] = 3
     elif case == "prompt_list_streamed":
         body.update(prompt=["x", "y"], stream=True)
     elif case == "too_many_logprobs":

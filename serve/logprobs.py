@@ -26,7 +26,6 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 class Logprob:
     logprob: float
     rank: int  # 1 = the most likely token at that position
-    decoded_token: str | None = None
 
 
 # per generated token: {token id: Logprob}, the generated token first, then the top alternatives by rank

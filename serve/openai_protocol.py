@@ -91,14 +91,12 @@ class CompletionRequest(_Sampling):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts this request holds: one, or each of a list."""
-        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]
         return list(self.prompt)
 
     @model_validator(mode="after")
-    def _prompt_not_empty(self):
-        if not self.prompt or not all(self.prompts()):
-            raise ValueError("prompt: must not be empty")
+    def _one_prompt_when_streamed(self):  # (empty prompts: the field's min_length)
         if self.stream and len(self.prompts()) > 1:
             raise ValueError("prompt: a list of prompts is answered whole; stream one prompt per request")
         return self

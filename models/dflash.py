@@ -25,7 +25,7 @@ from draftsmith.models.config import RopeConfig, TargetConfig
 from draftsmith.models.head_configs import HeadConfig
 from draftsmith.models.heads import AttachedHead
 from draftsmith.models.kv_cache import KVCache
-from draftsmith.models.linear import Linear
+from draftsmith.models.linear import Linear, fused
 from draftsmith.models.llama import DecoderLayer, RMSNorm
 from draftsmith.models.rope import apply_rope, rope_tables
 
@@ -129,18 +129,22 @@ class DFlashHead(AttachedHead):
         w, c = self.fc.weight, self.config
         return KVCache(c.num_hidden_layers, num_slots, max_len, c.num_key_value_heads, c.head_dim, w.dtype, w.device)
 
+    def fused_linears(self) -> tuple[tuple[Linear, ...], ...]:
+        """Every draft layer's context k and v projections read the same fused context: one oneDNN call for
+        all of them (`fused`), not two per layer."""
+        return (tuple(p for layer in self.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)),)
+
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Target features [B, T, F] at `positions` [B, T] -> per draft layer the context keys (k-normed and
         rotated) and values, each [B, kv_heads, T, head_dim]."""
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         cos, sin = self.rope(positions, context.dtype)
         c, lead = self.config, context.shape[:-1]
+        projected = fused(self.fused_linears()[0], context)  # k, v of layer 0, k, v of layer 1, ...
         out = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            k = attn.k_proj(context).view(*lead, c.num_key_value_heads, c.head_dim)
-            v = attn.v_proj(context).view(*lead, c.num_key_value_heads, c.head_dim)
-            k = attn.k_norm(k)
+        for layer, k, v in zip(self.layers, projected[0::2], projected[1::2]):
+            k = layer.self_attn.k_norm(k.view(*lead, c.num_key_value_heads, c.head_dim))
+            v = v.view(*lead, c.num_key_value_heads, c.head_dim)
             out.append((apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)))
         return out
 
@@ -153,16 +157,24 @@ class DFlashHead(AttachedHead):
         ids[:, :, 0] = first_tokens
         return self.target.model.embed_tokens(ids.view(rows, -1)).to(self.fc.weight.dtype)
 
-    def block_forward(self, hidden: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Block embeddings [B, T, hidden] at `positions` -> final normed hidden states [B, T, hidden]. `attend(i,
-        q, k, v)` attends layer i's block queries over its context and the block's own keys and values."""
+    def block_forward(self, hidden: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                      outputs: slice = slice(None)) -> torch.Tensor:
+        """Block embeddings [B, T, hidden] at `positions` -> final normed hidden states [B, T, hidden] of the
+        block positions in `outputs`. `attend(i, q, k, v)` attends layer i's block queries over its context and
+        the block's own keys and values. The last layer runs its queries, output projection and MLP for the
+        `outputs` positions only: the others' keys and values are all that is read of them (serving reads
+        positions 1..k, and below 9 rows a CPU GEMM runs unpadded)."""
         cos, sin = self.rope(positions, hidden.dtype)
-        rows, width, _ = hidden.shape
+        rows = hidden.shape[0]
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = (t.transpose(1, 2) for t in attn._project(layer.input_layernorm(hidden)))
-            out = attend(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
+            q = apply_rope(q, cos, sin)
+            if i == last:
+                q, hidden = q[:, :, outputs], hidden[:, outputs]
+            out = attend(i, q, apply_rope(k, cos, sin), v)
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(rows, hidden.shape[1], -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden)
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head
@@ -13,6 +14,7 @@ from draftsmith.models import load_target
 from draftsmith.models.attention import cached_attention
 from draftsmith.models.dflash import DFlashConfig, DFlashHead
 from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.models.rope import apply_rope
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.train.recipe import validate_recipe
 from draftsmith.train.trainer import train
@@ -68,6 +70,40 @@ def test_training_blocks_equal_blocks_drafted_from_the_cache(demo_target):
 
             served = head.block_forward(head.embed_block(ids[:, a : a + 1]), block.positions, attend)
             torch.testing.assert_close(taught[0, n], served[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_serving_shortcuts_compute_what_the_plain_layers_do(demo_target, layers):
+    """The context keys and values from one fused projection of every layer (oneDNN at inference) equal each
+    layer's own k/v projections, and a block whose last layer runs only positions 1..3 gives those positions
+    of the whole block's forward."""
+    head = _random_head(demo_target, layers=layers)
+    features = torch.randn(2, 7, 3 * demo_target.config.hidden_size)
+    positions = torch.arange(7).expand(2, -1)
+    with torch.inference_mode():
+        got = head.context_kv(features, positions)
+        context = head.hidden_norm(head.fc(features))
+        cos, sin = head.rope(positions, context.dtype)
+        for layer, (k, v) in zip(head.layers, got):
+            attn = layer.self_attn
+            want_k = attn.k_norm(F.linear(context, attn.k_proj.weight).view(2, 7, -1, head.config.head_dim))
+            want_v = F.linear(context, attn.v_proj.weight).view(2, 7, -1, head.config.head_dim)
+            torch.testing.assert_close(k, apply_rope(want_k.transpose(1, 2), cos, sin), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v, want_v.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+        block = head.embed_block(torch.tensor([[17], [230]]))
+        block_positions = torch.arange(7, 12).expand(2, -1)
+        context_kv = head.context_kv(features, positions)
+
+        def attend(i, q, k, v):
+            keys, values = context_kv[i]
+            return F.scaled_dot_product_attention(
+                q, torch.cat([keys, k], 2), torch.cat([values, v], 2), enable_gqa=True)
+
+        whole = head.block_forward(block, block_positions, attend)
+        part = head.block_forward(block, block_positions, attend, outputs=slice(1, 4))
+    assert part.shape == (2, 3, head.config.hidden_size)
+    torch.testing.assert_close(part, whole[:, 1:4], atol=1e-5, rtol=1e-5)
 
 
 def _save(head, directory):

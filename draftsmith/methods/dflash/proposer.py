@@ -149,13 +149,15 @@ class DFlashProposer(Proposer):
         def attend(layer, q, k, v):
             batch.write(self.cache.k[layer], k)
             batch.write(self.cache.v[layer], v)
-            return cached_attention(q, batch.read(self.cache.k[layer]), batch.read(self.cache.v[layer]), batch.mask,
-                                    batch.memo)
+            # the last layer queries only the drafts' positions; every block row sees the same keys
+            return cached_attention(q, batch.read(self.cache.k[layer]), batch.read(self.cache.v[layer]),
+                                    batch.mask[:, :, : q.shape[2]], batch.memo)
 
         last = torch.tensor([(rows[b].output_token_ids or rows[b].prompt_token_ids)[-1] for b in active],
                             device=self.device)
-        hidden = self.head.block_forward(self.head.embed_block(last[:, None]), batch.positions, attend)
-        logits = self.head.readout(hidden[:, 1 : width + 1])  # [rows, width, V]
+        hidden = self.head.block_forward(self.head.embed_block(last[:, None]), batch.positions, attend,
+                                         outputs=slice(1, width + 1))
+        logits = self.head.readout(hidden)  # [rows, width, V]
         temperature, generators = None, {}
         if sampled:
             temperature = sampling.temperature.to(self.device)[torch.tensor(active, device=self.device)]

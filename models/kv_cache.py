@@ -41,6 +41,13 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
 
+    def copy_positions(self, source: int, targets: list[int], start: int, end: int) -> None:
+        """Copies every layer's keys and values at positions [start, end) of slot `source` into `targets`:
+        samples of one prompt share its prefill."""
+        index = torch.tensor(targets, device=self.k[0].device)
+        for cache in (*self.k, *self.v):
+            cache[index, :, start:end] = cache[source, :, start:end]
+
     @property
     def scratch_slot(self) -> int:
         return self.num_slots

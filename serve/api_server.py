@@ -30,6 +30,7 @@ from draftsmith.serve.openai_protocol import (
     TokenizeRequest,
     TokenizeResponse,
     chat_body,
+    chat_choice,
     chat_chunk,
     chat_logprobs,
     completion_body,
@@ -189,7 +190,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         async def consume():
             last, first_at = None, None
             async for last in outputs:  # noqa: B007
-                if first_at is None and last.outputs[0].token_ids:
+                if first_at is None and any(c.token_ids for c in last.outputs):
                     first_at = time.perf_counter()
                     metrics.ttft.labels(served_model_name).observe(first_at - start)
             return last
@@ -220,33 +221,42 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     async def stream_events(outputs, params, start, make_chunk, first_chunks, include_usage, rid, obj, n_prompt,
                             echo=None):
-        """`echo(output)`: a chunk sent once the first output is in (the prompt, which it scored), or None."""
-        text = IncrementalText(llm.tokenizer, params.stop)
-        last_at, n_tokens, n_logged = None, 0, 0  # n_logged: tokens whose logprobs went out
+        """Server-sent chunks of the request's `params.n` samples, each chunk one sample's (`make_chunk(index,
+        delta, finish, logprob entries)`), a sample's last one with its finish reason. `echo(output, index)`: a
+        chunk per sample sent once the first output is in (the prompt, which it scored), or None."""
+        texts = [IncrementalText(llm.tokenizer, params.stop) for _ in range(params.n)]
+        n_logged = [0] * params.n  # per sample, tokens whose logprobs went out
+        ended = [False] * params.n
+        last_at, n_tokens = None, 0
         try:
             for chunk in first_chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
             async for out in outputs:
                 if echo is not None:
-                    yield f"data: {json.dumps(echo(out))}\n\n"
+                    for index in range(params.n):
+                        yield f"data: {json.dumps(echo(out, index))}\n\n"
                     echo = None
-                completion = out.outputs[0]
                 now = time.perf_counter()
-                new_tokens = len(completion.token_ids) - n_tokens
-                if new_tokens > 0:
+                total = sum(len(c.token_ids) for c in out.outputs)
+                if total > n_tokens:
                     if last_at is None:
                         metrics.ttft.labels(served_model_name).observe(now - start)
                     else:
-                        metrics.itl.labels(served_model_name).observe((now - last_at) / new_tokens)
-                    last_at, n_tokens = now, len(completion.token_ids)
-                delta = text.delta(completion.token_ids, out.finished, completion.text if out.finished else None)
-                if delta or out.finished:
-                    # the logprobs of every token since the last chunk: a token whose text is held back (half
-                    # a character, a possible stop string) has its logprob sent with the text that follows
-                    entries = completion.logprobs[n_logged:] if completion.logprobs is not None else None
-                    n_logged = len(completion.token_ids)
-                    chunk = make_chunk(delta, completion.finish_reason if out.finished else None, entries)
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                        metrics.itl.labels(served_model_name).observe((now - last_at) / (total - n_tokens))
+                    last_at, n_tokens = now, total
+                for c in out.outputs:
+                    if ended[c.index]:
+                        continue
+                    ended[c.index] = done = c.finish_reason is not None
+                    delta = texts[c.index].delta(c.token_ids, done, c.text if done else None)
+                    if delta or done:
+                        # the logprobs of every token since the sample's last chunk: a token whose text is held
+                        # back (half a character, a possible stop string) has its logprob sent with the text
+                        # that follows
+                        entries = c.logprobs[n_logged[c.index]:] if c.logprobs is not None else None
+                        n_logged[c.index] = len(c.token_ids)
+                        chunk = make_chunk(c.index, delta, c.finish_reason if done else None, entries)
+                        yield f"data: {json.dumps(chunk)}\n\n"
                 if out.finished:
                     finished(out, start)
                     if include_usage:
@@ -301,18 +311,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         if body.stream:  # one prompt (the body's validation)
             (_, ids), (params, outputs) = encoded[0], submitted[0]
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            offset = [0]  # text_offset runs on across chunks
+            offset = [0] * params.n  # text_offset runs on across a sample's chunks
 
-            def chunk(delta, finish, entries):
+            def chunk(index, delta, finish, entries):
                 logprobs = None
                 if entries is not None:
-                    logprobs = completion_logprobs(entries, decode_token, offset[0])
-                    offset[0] += sum(map(len, logprobs["tokens"]))
-                return completion_chunk(rid, served_model_name, delta, finish, logprobs)
+                    logprobs = completion_logprobs(entries, decode_token, offset[index])
+                    offset[index] += sum(map(len, logprobs["tokens"]))
+                return completion_chunk(rid, served_model_name, delta, finish, logprobs, index)
 
-            def echoed(out: RequestOutput) -> dict:
+            def echoed(out: RequestOutput, index: int) -> dict:
                 entries = _echoed_entries(ids, out) if params.logprobs is not None else None
-                return chunk(prompt_text(encoded[0][0], ids), None, entries)
+                return chunk(index, prompt_text(encoded[0][0], ids), None, entries)
 
             events = stream_events(outputs, params, start, chunk, [], include_usage, rid, "text_completion", len(ids),
                                    echoed if body.echo else None)
@@ -324,12 +334,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             for task in tasks:  # one prompt failed or the client left: the others are aborted too
                 task.cancel()
             raise
-        choices = []
-        for index, ((prompt, ids), out) in enumerate(zip(encoded, results)):
+        choices = []  # OpenAI's order: prompt by prompt, the samples of each
+        for at, ((prompt, ids), out) in enumerate(zip(encoded, results)):
             finished(out, start)
-            choices.append(_completion_choice(index, prompt, ids, out, body.echo))
+            choices += [_completion_choice(at * body.n + c.index, prompt, ids, out, c, body.echo) for c in out.outputs]
         return completion_body(rid, served_model_name, choices, sum(len(ids) for _, ids in encoded),
-                               sum(len(out.outputs[0].token_ids) for out in results))
+                               sum(len(c.token_ids) for out in results for c in out.outputs))
 
     def prompt_text(prompt: str | None, ids: list[int]) -> str:
         return prompt if prompt is not None else llm.tokenizer.decode(ids)
@@ -337,8 +347,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     def _echoed_entries(ids: list[int], out: RequestOutput) -> list[dict]:
         return [{ids[0]: None}, *out.prompt_logprobs[1:]]  # the prompt's first token has no logprob
 
-    def _completion_choice(index: int, prompt: str | None, ids: list[int], out: RequestOutput, echo: bool) -> dict:
-        c = out.outputs[0]
+    def _completion_choice(index: int, prompt: str | None, ids: list[int], out: RequestOutput, c, echo: bool) -> dict:
         entries = c.logprobs
         text = c.text
         if echo:
@@ -361,19 +370,21 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         rid = new_id("chatcmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            first = [chat_chunk(rid, served_model_name, {"role": "assistant", "content": ""}, None)]
+            first = [chat_chunk(rid, served_model_name, {"role": "assistant", "content": ""}, None, None, index)
+                     for index in range(params.n)]
 
-            def chunk(delta, finish, entries):
+            def chunk(index, delta, finish, entries):
                 logprobs = None if entries is None else chat_logprobs(entries, decode_token, params.logprobs, encode_token)
-                return chat_chunk(rid, served_model_name, {"content": delta} if delta else {}, finish, logprobs)
+                return chat_chunk(rid, served_model_name, {"content": delta} if delta else {}, finish, logprobs, index)
 
             events = stream_events(outputs, params, start, chunk, first, include_usage, rid, "chat.completion.chunk",
                                    len(ids))
             return StreamingResponse(events, media_type="text/event-stream")
         out = await collect(raw, outputs, start)
         finished(out, start)
-        c = out.outputs[0]
-        logprobs = None if c.logprobs is None else chat_logprobs(c.logprobs, decode_token, params.logprobs, encode_token)
-        return chat_body(rid, served_model_name, c.text, c.finish_reason, len(ids), len(c.token_ids), logprobs)
+        choices = [chat_choice(c.index, c.text, c.finish_reason, None if c.logprobs is None else
+                               chat_logprobs(c.logprobs, decode_token, params.logprobs, encode_token))
+                   for c in out.outputs]
+        return chat_body(rid, served_model_name, choices, len(ids), sum(len(c.token_ids) for c in out.outputs))
 
     return app

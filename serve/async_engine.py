@@ -78,6 +78,7 @@ class AsyncEngine:
         if not self.healthy:
             raise QueueFullError("server is shutting down")
         self.engine.check_prompt(prompt_token_ids)  # read-only: safe off the loop thread
+        self.engine.check_samples(params)
         with self._lock:
             if len(self.engine.waiting) + self._pending >= self.max_queue:
                 raise QueueFullError(f"server queue is full ({self.max_queue} waiting requests); retry later")
@@ -157,7 +158,7 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for request in list(self.engine.running) + list(self.engine.waiting):
             self.engine.abort_request(request.request_id)
-            self._deliver(request.request_id, exc)
+            self._deliver(request.output_id, exc)
         with self._lock:
             leftovers = list(self._streams)
         for request_id in leftovers:

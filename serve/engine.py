@@ -25,7 +25,7 @@ from draftsmith.models.linear import warm_up as warm_up_linears
 from draftsmith.models.llama import CausalLM
 from draftsmith.serve.cost_profile import ForwardCostTable, profile_forwards
 from draftsmith.serve.logprobs import LOGPROBS_MODES, gather_logprobs, position_logprobs
-from draftsmith.serve.request import Request, RequestOutput, Status
+from draftsmith.serve.request import Request, RequestGroup, RequestOutput, Status
 from draftsmith.serve.sampling import SamplingBatch, sample
 from draftsmith.serve.sampling_params import SamplingParams
 from draftsmith.serve.spec_decode.adaptive import CostModel, SpeculationPlanner
@@ -78,6 +78,7 @@ class LLMEngine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, RequestGroup] = {}  # n > 1: the samples of one request, by its id
         self._ids = itertools.count()
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self.stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0, "num_forward_passes": 0}
@@ -128,20 +129,45 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    prompt: str | None = None) -> Request:
+                    prompt: str | None = None) -> Request | RequestGroup:
+        """Queues a request; with params.n > 1, a group of n samples (ids `{request_id}:{i}`, seeds params.seed
+        + i, as vLLM seeds them) admitted together, whose prompt is prefilled once."""
         self.check_prompt(prompt_token_ids)
+        self.check_samples(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise DraftsmithError(f"request id {request_id!r} is already in use")
+        n = params.n
+        ids = [request_id] if n == 1 else [f"{request_id}:{i}" for i in range(n)]
+        taken = [i for i in (request_id, *ids) if i in self.requests or i in self.groups]
+        if taken:
+            raise DraftsmithError(f"request id {taken[0]!r} is already in use")
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        members = [self._new_request(member_id, prompt_token_ids, params, prompt, seed + i)
+                   for i, member_id in enumerate(ids)]
+        leader = members[0]
+        self.waiting.append(leader)  # its followers come in with it (`_admit`)
+        if n == 1:
+            return leader
+        group = self.groups[request_id] = RequestGroup(request_id, members)
+        leader.followers = members[1:]
+        for i, member in enumerate(members):
+            member.group, member.index = group, i
+            member.leader = leader if i else None
+        return group
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     prompt: str | None, seed: int) -> Request:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         request = Request(request_id, list(prompt_token_ids), params, generator, prompt=prompt, seed=seed,
                           logprobs=None if params.logprobs is None else [],
                           prompt_logprobs=None if params.prompt_logprobs is None else [None])
         self.requests[request_id] = request
-        self.waiting.append(request)
         return request
+
+    def check_samples(self, params: SamplingParams) -> None:
+        if params.n > self.config.max_num_seqs:
+            raise DraftsmithError(f"n={params.n} samples run at once, one cache slot each, but max_num_seqs is "
+                                  f"{self.config.max_num_seqs}")
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -156,14 +182,19 @@ class LLMEngine:
             raise DraftsmithError(f"prompt token ids must be in [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
+        """Aborts a request; the id of a group, or of any of its samples, aborts every sample in it."""
+        group = self.groups.get(request_id)
         request = self.requests.get(request_id)
-        if request is None or request.status is Status.FINISHED:
-            return
-        if request.status is Status.WAITING:
-            self.waiting.remove(request)
-        request.finish("abort")
-        self.stop_checker.finalize_text(request)  # also drops its incremental decoder
-        self._release(request)
+        if group is None and request is not None:
+            group = request.group
+        for member in group.members if group is not None else [request] if request is not None else []:
+            if member.status is Status.FINISHED:
+                continue
+            if member.status is Status.WAITING and member in self.waiting:
+                self.waiting.remove(member)
+            member.finish("abort")
+            self.stop_checker.finalize_text(member)  # also drops its incremental decoder
+            self._release(member)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -176,7 +207,7 @@ class LLMEngine:
         # in slot order: rows holding consecutive slots read the KV cache as one slice; out of order, every
         # layer of every forward would gather (copy) each row's keys and values first
         decoding = sorted((r for r in self.running if not r.prefilling), key=lambda r: r.slot)
-        prefilling = [r for r in self.running if r.prefilling]
+        prefilling = [r for r in self.running if r.prefilling and r.leader is None]  # followers share theirs
         if prefilling:
             moved += self._prefill(prefilling)
         if decoding:
@@ -185,16 +216,22 @@ class LLMEngine:
             if request.status is Status.FINISHED:
                 self.stop_checker.finalize_text(request)
                 self._release(request)
-        return [r.to_output() for r in moved]
+        outputs = {}  # one per request or group, however many of its samples moved
+        for request in moved:
+            if request.output_id not in outputs:
+                outputs[request.output_id] = request.to_output()
+        return list(outputs.values())
 
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
-            request = self.waiting.popleft()
-            request.slot = self.free_slots.pop(0)
-            if self.proposer is not None:
-                self.planner.admit(request.slot)
-            request.status = Status.RUNNING
-            self.running.append(request)
+        """Gives waiting requests slots, first come first served; a request's n samples all at once."""
+        while self.waiting and len(self.free_slots) > len(self.waiting[0].followers):
+            leader = self.waiting.popleft()
+            for request in (leader, *leader.followers):
+                request.slot = self.free_slots.pop(0)
+                if self.proposer is not None:
+                    self.planner.admit(request.slot)
+                request.status = Status.RUNNING
+                self.running.append(request)
 
     def _release(self, request: Request) -> None:
         if self.proposer is not None:
@@ -204,6 +241,8 @@ class LLMEngine:
             self.free_slots.append(request.slot)
             self.free_slots.sort()  # low slots first keeps decode batches contiguous (slice, not gather)
         self.requests.pop(request.request_id, None)
+        if request.group is not None and request.group.finished:
+            self.groups.pop(request.group.request_id, None)
 
     def _prefill(self, candidates: list[Request]) -> list[Request]:
         budget = self.config.max_num_batched_tokens
@@ -239,6 +278,7 @@ class LLMEngine:
         logits_index = torch.arange(width)[None, :].minimum(last) if scored else last
         out = self._forward(ids, batch, logits_index, hidden_index)
         self._observe_features(rows, seen_starts, seen_counts, out)
+        self._share_prefill(rows, chunks, seen_starts, seen_counts, out)
         out = out.logits
         if scored:
             self._prompt_logprobs(rows, chunks, out, scored)
@@ -247,11 +287,37 @@ class LLMEngine:
             request.num_computed += chunk
             self.stats["num_prompt_tokens"] += chunk
         done = [i for i, r in enumerate(rows) if not r.prefilling]
-        if done:
-            finished = [rows[i] for i in done]
-            sampling = self._sampling(finished)
-            self._append(finished, self._sample(out[done, 0], sampling), out[done], sampling)
-        return [rows[i] for i in done]
+        if not done:
+            return []
+        finished, reads = [rows[i] for i in done], list(done)  # reads: the row whose logits each samples from
+        for i in done:
+            for follower in rows[i].followers:
+                follower.leader = None
+                if follower.prompt_logprobs is not None:
+                    follower.prompt_logprobs = list(rows[i].prompt_logprobs)
+                finished.append(follower)
+                reads.append(i)
+            rows[i].followers = []
+        sampling = self._sampling(finished)  # each sample its own generator: n different first tokens
+        self._append(finished, self._sample(out[reads, 0], sampling), out[reads], sampling)
+        return finished
+
+    def _share_prefill(self, rows: list[Request], chunks: list[int], seen_starts: list[int],
+                       seen_counts: list[int], out) -> None:
+        """Hands a prefill chunk to the samples sharing it: the target's keys and values copied into their
+        slots, the same features to the proposer, the chunk counted as computed."""
+        shared = [(i, follower) for i, r in enumerate(rows) for follower in r.followers]
+        if not shared:
+            return
+        for i, request in enumerate(rows):
+            if request.followers:
+                start = request.num_computed
+                self.cache.copy_positions(request.slot, [f.slot for f in request.followers], start, start + chunks[i])
+        followers = [f for _, f in shared]
+        self._observe_features(followers, [seen_starts[i] for i, _ in shared], [seen_counts[i] for i, _ in shared],
+                               out, index=[i for i, _ in shared])
+        for i, follower in shared:
+            follower.num_computed += chunks[i]
 
     def _decode(self, rows: list[Request]) -> list[Request]:
         started = self._clock()
@@ -403,12 +469,17 @@ class LLMEngine:
             return self.model(ids.to(self.device), cache=self.cache, batch=batch, logits_index=logits_index,
                               hidden_layer_ids=self.feature_layers, hidden_index=hidden_index)
 
-    def _observe_features(self, rows: list[Request], starts: list[int], counts: list[int], out) -> None:
-        """Hands the proposer the target features of newly verified positions (EAGLE-style heads)."""
+    def _observe_features(self, rows: list[Request], starts: list[int], counts: list[int], out,
+                          index: list[int] | None = None) -> None:
+        """Hands the proposer the target features of newly verified positions (EAGLE-style heads); `index`:
+        the forward's row each of `rows` reads (samples sharing a prefill read their leader's)."""
         if not self.feature_layers:
             return
         with torch.inference_mode():
-            self.proposer.observe(rows, starts, counts, self.proposer.features(out.hidden_states))
+            features = self.proposer.features(out.hidden_states)
+            if index is not None:
+                features = features[torch.tensor(index, device=features.device)]
+            self.proposer.observe(rows, starts, counts, features)
 
     def _sampling(self, rows: list[Request]) -> SamplingBatch:
         return SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device,

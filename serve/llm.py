@@ -144,7 +144,7 @@ class LLM:
                 for output in self.engine.step():
                     if output.finished:
                         results[order[output.request_id]] = output
-                        generated += len(output.outputs[0].token_ids)
+                        generated += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
                         bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}")
         return results  # type: ignore[return-value]

@@ -41,17 +41,15 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, description="samples of each prompt, one choice each; all share one prefill")
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    best_of: int | None = Field(default=None, ge=1, description="only 1 (or n) is supported")
+    best_of: int | None = Field(default=None, ge=1, description="only best_of=n is supported")
 
     @model_validator(mode="after")
-    def _one_choice(self):
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
+    def _best_of_is_n(self):
         if self.best_of not in (None, self.n):
             raise ValueError("best_of: only best_of=n is supported (no server-side reranking of samples)")
         return self
@@ -60,7 +58,7 @@ class _Sampling(_Body):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_tokens=self.max_tokens or default_max_tokens, stop=self.stop,
                               stop_token_ids=self.stop_token_ids or [], seed=self.seed, ignore_eos=self.ignore_eos,
-                              logprobs=self.top_alternatives())
+                              logprobs=self.top_alternatives(), n=self.n)
 
     def top_alternatives(self) -> int | None:
         """How many top alternatives per token the response reports logprobs for (None: no logprobs)."""
@@ -148,23 +146,25 @@ def completion_choice(index: int, text: str, finish: str | None, logprobs: dict 
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None,
-                     logprobs: dict | None = None) -> dict[str, Any]:
+                     logprobs: dict | None = None, index: int = 0) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def chat_body(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int,
-              completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
+def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish}
+
+
+def chat_body(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None,
-               logprobs: dict | None = None) -> dict[str, Any]:
+               logprobs: dict | None = None, index: int = 0) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 # Engine logprob entries ({token id: Logprob}, the generated token first) in OpenAI's two shapes; `decode`

@@ -55,6 +55,12 @@ class Request:
     seed: int = 0  # with each token's position, keys its sampling noise
     logprobs: list[dict] | None = None  # per output token, when params.logprobs is set (`serve.logprobs`)
     prompt_logprobs: list[dict | None] | None = None  # per prompt token read so far (params.prompt_logprobs)
+    # n > 1: the group of samples this one belongs to, its place there, and until its prompt is in the cache,
+    # the sibling whose prefill it shares (None: it prefills itself)
+    group: RequestGroup | None = None
+    index: int = 0
+    leader: Request | None = None
+    followers: list[Request] = field(default_factory=list)  # the siblings sharing this one's prefill
 
     @property
     def prompt_len(self) -> int:
@@ -79,9 +85,37 @@ class Request:
         self.status = Status.FINISHED
         self.finish_reason = reason
 
+    @property
+    def output_id(self) -> str:
+        """The id its outputs go out under: the group's for one of n samples."""
+        return self.group.request_id if self.group is not None else self.request_id
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, list(self.output_token_ids), self.finish_reason,
+                                self.stop_reason, None if self.logprobs is None else list(self.logprobs))
+
     def to_output(self) -> RequestOutput:
-        completion = CompletionOutput(0, self.text, list(self.output_token_ids), self.finish_reason,
-                                      self.stop_reason, None if self.logprobs is None else list(self.logprobs))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
+        if self.group is not None:
+            return self.group.to_output()
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [self.completion()],
                              self.status is Status.FINISHED,
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+
+
+@dataclass
+class RequestGroup:
+    """The n samples of one request (SamplingParams.n > 1): one request each, prefilled once. Its output holds
+    every sample so far, by index (vLLM's cumulative output), and is finished when all are."""
+
+    request_id: str
+    members: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        return all(m.status is Status.FINISHED for m in self.members)
+
+    def to_output(self) -> RequestOutput:
+        first = self.members[0]
+        return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids,
+                             [m.completion() for m in self.members], self.finished,
+                             None if first.prompt_logprobs is None else list(first.prompt_logprobs))

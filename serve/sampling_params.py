@@ -42,7 +42,7 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (disabled), 0 (disabled) or positive"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
-            ("n", self.n == 1, "only n=1 is supported"),
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must be None or 0..{MAX_LOGPROBS}"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,

@@ -145,6 +145,50 @@ def test_lm_eval_loglikelihood_request_echoes_prompt_logprobs(server):
     assert bad.status_code == 400 and "prompt 1" in bad.json()["error"]["message"]
 
 
+def test_n_seeded_samples_one_choice_each_streamed_or_not(server):
+    """n=3 with a seed: three different samples, indexed 0..2, the same again for the same request and in its
+    stream (each chunk one sample's); greedy n=2 gives the greedy answer twice; chat returns n choices."""
+    url, llm = server
+    client = _client(url)
+    prompt, ask = PROMPTS[1], {"model": "demo", "max_tokens": 16, "temperature": 0.9, "seed": 5, "n": 3,
+                               "extra_body": {"ignore_eos": True}}
+    before = llm.get_metrics()["num_prompt_tokens"]
+    first = client.completions.create(prompt=prompt, **ask)
+    assert llm.get_metrics()["num_prompt_tokens"] - before == first.usage.prompt_tokens  # one prefill for three
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.text for c in first.choices]
+    assert len(set(texts)) > 1
+    assert first.usage.completion_tokens == 3 * 16  # every sample's tokens (ignore_eos: 16 each)
+    assert [c.text for c in client.completions.create(prompt=prompt, **ask).choices] == texts
+    streamed = ["", "", ""]
+    finishes = {}
+    for chunk in client.completions.create(prompt=prompt, stream=True, **ask):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert streamed == texts and sorted(finishes) == [0, 1, 2]
+
+    greedy = client.completions.create(model="demo", prompt=prompt, max_tokens=16, temperature=0)
+    pair = client.completions.create(model="demo", prompt=[prompt, PROMPTS[0]], max_tokens=16, temperature=0, n=2)
+    assert [c.index for c in pair.choices] == [0, 1, 2, 3]
+    assert [c.text for c in pair.choices[:2]] == [greedy.choices[0].text] * 2
+    messages = [{"role": "user", "content": "Write a Python function that reverses a list."}]
+    chat = client.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0.9, seed=1,
+                                          n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.content for c in chat.choices)
+    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0.9,
+                                                 seed=1, n=2, stream=True))
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert roles == [0, 1]
+    content = ["", ""]
+    for c in chunks:
+        for choice in c.choices:
+            content[choice.index] += choice.delta.content or ""
+    assert content == [c.message.content for c in chat.choices]
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.groups
+
+
 def test_tokenize_and_detokenize_in_vllms_shapes(server):
     url, llm = server
     text = PROMPTS[0]
@@ -266,7 +310,7 @@ def test_non_streamed_client_disconnect_frees_the_request(server):
     ("unknown_model", 404, "`nope` does not exist"),
     ("bad_temperature", 400, "temperature"),
     ("missing_prompt", 400, "prompt"),
-    ("n2", 400, "only n=1"),
+    ("n5", 400, "n=5 samples run at once, one cache slot each, but max_num_seqs is 4"),
     ("too_long", 400, "max_model_len"),
     ("bad_json", 400, "not valid JSON"),
     ("wrong_key", 401, "API key"),
@@ -287,8 +331,8 @@ def test_bad_requests_get_openai_errors(server, case, status, needle):
         body["temperature"] = -1
     elif case == "missing_prompt":
         del body["prompt"]
-    elif case == "n2":
-        body["n"] = 2
+    elif case == "n5":
+        body["n"] = 5
     elif case == "too_long":
         body["prompt"] = "x = 1\n" * 200
     elif case == "wrong_key":

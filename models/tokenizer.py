@@ -16,6 +16,24 @@ def load_tokenizer(model_dir: str | Path):
         raise DraftsmithError(f"cannot load a tokenizer from {model_dir}: {exc}") from None
 
 
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def check_same_vocabulary(tokenizer, draft_dir: str | Path, what: str) -> None:
+    """A draft LM's token ids are read as the target's own: its vocabulary (token -> id) must be the target's
+    `tokenizer`'s, not just as large. A draft folder without tokenizer files has only its vocabulary size to
+    go by (checked where its config is read)."""
+    if not any((Path(draft_dir) / name).is_file() for name in VOCABULARY_FILES):
+        return
+    theirs, ours = load_tokenizer(draft_dir).get_vocab(), tokenizer.get_vocab()
+    if theirs == ours:
+        return
+    differ = sorted(t for t in set(ours) | set(theirs) if ours.get(t) != theirs.get(t))
+    raise DraftsmithError(f"{what} {draft_dir} has another tokenizer than the target's: {len(differ)} tokens differ "
+                          f"(e.g. {differ[0]!r}: id {ours.get(differ[0])} in the target's, {theirs.get(differ[0])} in "
+                          "the draft's); a draft model must share the target's tokenizer")
+
+
 def eos_token_ids(model_dir: str | Path, config_eos: tuple[int, ...], tokenizer) -> set[int]:
     """Every id that ends generation: config.json's, generation_config.json's and the tokenizer's EOS."""
     ids = set(config_eos)

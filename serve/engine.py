@@ -23,8 +23,9 @@ from draftsmith.methods import SpeculativeConfig, resolve_method
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import warm_up as warm_up_linears
 from draftsmith.models.llama import CausalLM
+from draftsmith.models.tokenizer import check_same_vocabulary
 from draftsmith.serve.cost_profile import ForwardCostTable, profile_forwards
-from draftsmith.serve.logprobs import LOGPROBS_MODES, gather_logprobs, position_logprobs
+from draftsmith.serve.logprobs import LOGPROBS_MODES, prompt_logprobs, token_logprobs
 from draftsmith.serve.request import Request, RequestGroup, RequestOutput, Status
 from draftsmith.serve.sampling import SamplingBatch, sample
 from draftsmith.serve.sampling_params import SamplingParams
@@ -92,6 +93,8 @@ class LLMEngine:
             if method.needs.tree:  # DraftBatch.parents would be ignored: refuse rather than verify wrongly
                 raise DraftsmithError(f"method {method.name!r} drafts trees, and this engine verifies chains only")
             self.proposer = method.proposer_class()(spec_config, model, config.max_num_seqs, config.max_model_len)
+            if self.proposer.tokenizer_dir is not None:
+                check_same_vocabulary(tokenizer, self.proposer.tokenizer_dir, "draft model")
             self.rejection_sampler = pick_sampler(self.device)
             self.spec_metrics = SpecMetrics(spec_config.num_speculative_tokens)
             self.sample_drafts = spec_config.draft_sample_method == "probabilistic"
@@ -281,7 +284,8 @@ class LLMEngine:
         self._share_prefill(rows, chunks, seen_starts, seen_counts, out)
         out = out.logits
         if scored:
-            self._prompt_logprobs(rows, chunks, out, scored)
+            with torch.inference_mode():
+                prompt_logprobs(rows, chunks, out, scored, self._sampling(rows), self.config.logprobs_mode)
             out = out.gather(1, last.to(out.device)[:, :, None].expand(-1, 1, out.shape[-1]))
         for request, chunk in zip(rows, chunks):
             request.num_computed += chunk
@@ -405,7 +409,7 @@ class LLMEngine:
         starts = [r.num_tokens - 1 for r in rows]
         self._observe_features(rows, starts, counts, out)  # last token + accepted drafts
         self.planner.acceptance.observe(slots, num_draft, [n - 1 for n in counts])
-        logprobs = self._logprobs(rows, kept, out.logits, sampling)
+        logprobs = token_logprobs(rows, kept, out.logits, sampling, self.config.logprobs_mode)
         for request, n_draft, new_tokens, entries in zip(rows, num_draft, kept, logprobs):
             self.spec_metrics.observe(n_draft, len(new_tokens) - 1)
             appended = self.stop_checker.append(request, new_tokens)
@@ -492,46 +496,12 @@ class LLMEngine:
 
     def _append(self, rows: list[Request], tokens: list[int], logits: torch.Tensor, sampling: SamplingBatch) -> None:
         """One new token per row, sampled from `logits` [B, 1, V]."""
-        logprobs = self._logprobs(rows, [[token] for token in tokens], logits, sampling)
+        logprobs = token_logprobs(rows, [[token] for token in tokens], logits, sampling, self.config.logprobs_mode)
         for request, token, entries in zip(rows, tokens, logprobs):
             appended = self.stop_checker.append(request, [token])
             self.stats["num_generated_tokens"] += appended
             if entries is not None:
                 request.logprobs += entries[:appended]
-
-    def _prompt_logprobs(self, rows: list[Request], chunks: list[int], logits: torch.Tensor, scored: list[int]) -> None:
-        """Appends to the `scored` rows' prompt logprobs those of the prompt tokens that this prefill chunk's
-        positions predict (logits [B, width, V]: position j scores the prompt token after it)."""
-        index = []  # (row among `scored`, position, the prompt token it predicts, top alternatives)
-        for at, i in enumerate(scored):
-            request, start = rows[i], rows[i].num_computed
-            for j in range(min(chunks[i], request.prompt_len - 1 - start)):
-                index.append((at, j, request.prompt_token_ids[start + j + 1], request.params.prompt_logprobs))
-        if not index:
-            return
-        with torch.inference_mode():
-            logprobs = position_logprobs(logits, self._sampling(rows), self.config.logprobs_mode, scored)
-            entries = gather_logprobs(logprobs, *map(list, zip(*index)))
-        for (at, *_), entry in zip(index, entries):
-            rows[scored[at]].prompt_logprobs.append(entry)
-
-    def _logprobs(self, rows: list[Request], new_tokens: list[list[int]], logits: torch.Tensor,
-                  sampling: SamplingBatch) -> list[list | None]:
-        """Per row, the logprob entries of its new tokens (row b's token j was chosen at logits[b, j]), or
-        None for rows that did not ask; nothing is computed when none did."""
-        wanted = [b for b, r in enumerate(rows) if r.params.logprobs is not None]
-        if not wanted:
-            return [None] * len(rows)
-        index = [(i, j, token, rows[b].params.logprobs) for i, b in enumerate(wanted)
-                 for j, token in enumerate(new_tokens[b])]
-        with torch.inference_mode():
-            entries = gather_logprobs(position_logprobs(logits, sampling, self.config.logprobs_mode, wanted),
-                                      *map(list, zip(*index)))
-        out: list[list | None] = [None] * len(rows)
-        at = 0
-        for b in wanted:
-            out[b], at = entries[at : at + len(new_tokens[b])], at + len(new_tokens[b])
-        return out
 
     def get_metrics(self) -> dict:
         metrics = dict(self.stats)

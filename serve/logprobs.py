@@ -65,3 +65,37 @@ def gather_logprobs(logprobs: torch.Tensor, rows: list[int], positions: list[int
                 entry[alternative] = Logprob(row[2 + r], r + 1)
         out.append(entry)
     return out
+
+
+def prompt_logprobs(rows, chunks: list[int], logits: torch.Tensor, scored: list[int], sampling: SamplingBatch,
+                    mode: str) -> None:
+    """Appends to the `scored` requests' prompt logprobs those of the prompt tokens that a prefill chunk's
+    positions predict (`rows`: the chunk's requests, logits [B, width, V]: position j scores the prompt token
+    after it)."""
+    index = []  # (row among `scored`, position, the prompt token it predicts, top alternatives)
+    for at, i in enumerate(scored):
+        request, start = rows[i], rows[i].num_computed
+        for j in range(min(chunks[i], request.prompt_len - 1 - start)):
+            index.append((at, j, request.prompt_token_ids[start + j + 1], request.params.prompt_logprobs))
+    if not index:
+        return
+    entries = gather_logprobs(position_logprobs(logits, sampling, mode, scored), *map(list, zip(*index)))
+    for (at, *_), entry in zip(index, entries):
+        rows[scored[at]].prompt_logprobs.append(entry)
+
+
+def token_logprobs(rows, new_tokens: list[list[int]], logits: torch.Tensor, sampling: SamplingBatch,
+                   mode: str) -> list[list[TokenLogprobs] | None]:
+    """Per request of `rows`, the logprob entries of its new tokens (row b's token j was chosen at logits[b,
+    j]), or None for requests that did not ask; nothing is computed when none did."""
+    wanted = [b for b, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return [None] * len(rows)
+    index = [(i, j, token, rows[b].params.logprobs) for i, b in enumerate(wanted) for j, token in enumerate(new_tokens[b])]
+    with torch.inference_mode():
+        entries = gather_logprobs(position_logprobs(logits, sampling, mode, wanted), *map(list, zip(*index)))
+    out: list[list[TokenLogprobs] | None] = [None] * len(rows)
+    at = 0
+    for b in wanted:
+        out[b], at = entries[at : at + len(new_tokens[b])], at + len(new_tokens[b])
+    return out

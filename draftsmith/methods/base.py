@@ -243,6 +243,9 @@ class Proposer:
         # observe() keeps at most this many newest positions per row (None: all): the engine hands over no
         # more, instead of building a whole prompt's features
         self.observe_window: int | None = None
+        # a draft LM's folder, whose tokenizer the engine checks against the target's (None: drafts in the
+        # target's own ids)
+        self.tokenizer_dir: str | None = None
         self.stop_below = 0.0
 
     def draft_models(self) -> list[torch.nn.Module]:

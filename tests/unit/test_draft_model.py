@@ -1,6 +1,8 @@
 """Draft models (`method: draft_model`): lossless decoding with drafts from a model of the target's own
 tokenizer, its cache kept in step with what is accepted, and one-line errors for what cannot work."""
 
+import json
+
 import pytest
 
 from draftsmith.errors import DraftsmithError
@@ -83,3 +85,17 @@ def test_a_draft_model_of_another_vocabulary_is_one_line(tmp_path):
     make_tiny_checkpoint("llama", tmp_path / "draft")  # vocab 128
     with pytest.raises(DraftsmithError, match="vocabulary of 128 tokens, the target 8192"):
         _serve(tmp_path / "draft")
+
+
+def test_a_draft_model_with_another_tokenizer_of_the_same_size_is_one_line(tmp_path):
+    """Same vocabulary size, two tokens' ids swapped: the draft would propose ids the target reads as other
+    tokens, so serving refuses it by name."""
+    draft = make_tiny_target_with_tokenizer(tmp_path / "draft")
+    spec = json.loads((draft / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = "def", "class"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(DraftsmithError, match=r"draft model .*draft has another tokenizer than the target's: 2 tokens "
+                                              r"differ \(e.g. 'class': id \d+ in the target's, \d+ in the draft's\)"):
+        _serve(draft)

@@ -83,7 +83,7 @@ class DraftModelMethod(SpecMethod):
         from draftsmith.methods.heads import default_mask_token
         from draftsmith.models.loader import load_target
         from draftsmith.models.pard import ParallelDraftLM
-        from draftsmith.models.tokenizer import load_tokenizer
+        from draftsmith.models.tokenizer import check_same_vocabulary, load_tokenizer
 
         draft = Path(section.draft)
         if not (draft / "config.json").is_file():
@@ -92,9 +92,7 @@ class DraftModelMethod(SpecMethod):
         if lm.config.vocab_size != target.config.vocab_size:
             raise DraftsmithError(f"model.draft {draft} has a vocabulary of {lm.config.vocab_size} tokens, the target "
                                   f"{target.config.vocab_size}: a draft model must share the target's tokenizer")
-        if load_tokenizer(draft).get_vocab() != load_tokenizer(section.target).get_vocab():
-            raise DraftsmithError(f"model.draft {draft} has a tokenizer of the target's size but not the target's: "
-                                  "a draft model must share the target's tokenizer")
+        check_same_vocabulary(load_tokenizer(section.target), draft, "model.draft")
         mask = section.pard_token if section.pard_token is not None else default_mask_token(draft, "model.pard_token")
         return ParallelDraftLM.adapt(lm, draft, mask)
 

@@ -34,6 +34,7 @@ class DraftModelProposer(Proposer):
         if vocab != target_vocab:
             raise DraftsmithError(f"draft model {config.model} has a vocabulary of {vocab} tokens, the target "
                                   f"{target_vocab}: a draft model must share the target's tokenizer")
+        self.tokenizer_dir = str(config.model)
         self.pard_token = None
         if config.parallel_drafting:
             self.pard_token = mask_token_id(json.loads((Path(config.model) / "config.json").read_text()))

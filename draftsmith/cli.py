@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="waiting requests beyond this get 503 at once instead of queueing")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for in-flight requests before cancelling them")
+    srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                     help="step the engine in its own process, as vLLM does (the HTTP side only parses, tokenises "
+                     "and streams; if the engine dies, requests fail with 500 and /health turns 503); "
+                     "--no-engine-process runs it on a thread of the API process")
     _add_engine_args(srv, served)
     srv.set_defaults(handler="draftsmith.serve.serve_cli:run")
 
@@ -223,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     load = sub.add_parser("bench-serve", help="HTTP load check: requests/s and latency, without and with speculation",
                           description="Starts the server on loopback twice (no speculation, then with "
-                          "--speculative-config), sends the same requests at a fixed concurrency with the openai "
+                          "--speculative-config), for each --engine placement, sends the same requests at a fixed concurrency with the openai "
                           "client, and prints requests/s, output tokens/s and p50/p99 latency side by side.")
     load.add_argument("--shared", default="../shared", help="folder holding data/ and models/")
     load.add_argument("--models", default="demo-code-7m,house-code-28m", help="comma-separated names under models/")
@@ -231,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--num-requests", type=_positive_int, default=32)
     load.add_argument("--max-tokens", type=_positive_int, default=64)
     load.add_argument("--speculative-config", default=json.dumps(CODE_DEFAULTS))
+    load.add_argument("--engine", default="thread,process",
+                      help="where the engine steps, each measured in turn: on a thread of the API process, in a "
+                      "process of its own (serve's default), or both (side by side)")
     load.set_defaults(handler="draftsmith.serve.load_bench:run")
 
     demo = sub.add_parser("demo", help="serve the embedded demo model with its shipped EAGLE-3 head and query it",

@@ -90,8 +90,8 @@ _GENERATION = {200: {"description": "the answer; with stream=true, server-sent e
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               metrics: ServerMetrics | None = None, shutdown_timeout: float = 30.0) -> FastAPI:
-    llm = engine.llm
-    max_model_len = llm.engine.config.max_model_len
+    llm = engine.frontend  # the tokenizer, chat template and prompt checks (no weights in the API process)
+    max_model_len = llm.max_model_len
     metrics = metrics or ServerMetrics(served_model_name)
 
     @contextlib.asynccontextmanager
@@ -102,6 +102,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         await asyncio.to_thread(engine.shutdown, shutdown_timeout)
 
     app = FastAPI(title="draftsmith", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -283,7 +284,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def detokenize(body: DetokenizeRequest):
         if body.model is not None:
             check_model(body.model)
-        vocab = llm.model.config.vocab_size
+        vocab = llm.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise APIError(400, f"tokens: ids must be below the vocabulary size {vocab}", "tokens")
         return DetokenizeResponse(prompt=llm.tokenizer.decode(body.tokens))
@@ -295,7 +296,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         encoded = [llm.encode(p) if isinstance(p, str) else (None, list(p)) for p in body.prompts()]
         for index, (_, ids) in enumerate(encoded):  # all checked before any is queued
             try:
-                llm.engine.check_prompt(ids)
+                llm.check_prompt(ids)
             except DraftsmithError as exc:
                 where = f"prompt {index}: " if len(encoded) > 1 else ""
                 raise APIError(400, where + str(exc), "prompt") from None

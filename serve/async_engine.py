@@ -36,7 +36,7 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, llm: LLM, max_queue: int = 256, observer=None):
-        self.llm = llm
+        self.frontend = llm
         self.engine = llm.engine
         self.max_queue = max_queue
         self.observer = observer  # called on the loop thread after every step (metrics)
@@ -77,19 +77,26 @@ class AsyncEngine:
         iterator over its outputs; leaving the iterator early aborts the request and frees its slot."""
         if not self.healthy:
             raise QueueFullError("server is shutting down")
-        self.engine.check_prompt(prompt_token_ids)  # read-only: safe off the loop thread
-        self.engine.check_samples(params)
+        self.frontend.check_prompt(prompt_token_ids)
+        self.frontend.check_samples(params)
         with self._lock:
-            if len(self.engine.waiting) + self._pending >= self.max_queue:
+            if self._queued() >= self.max_queue:
                 raise QueueFullError(f"server queue is full ({self.max_queue} waiting requests); retry later")
             self._ids += 1
             request_id = f"req-{self._ids}"
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
             self._streams[request_id] = stream
             self._pending += 1
-        self._commands.put(("add", request_id, prompt_token_ids, params, prompt))
-        self._wake.set()
+        self._send(("add", request_id, prompt_token_ids, params, prompt))
         return self._iterate(request_id, stream)
+
+    def _queued(self) -> int:
+        """Requests waiting for a slot, or on their way to the engine (under the lock)."""
+        return len(self.engine.waiting) + self._pending
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -105,8 +112,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:  # client went away or the handler was cancelled
-                self._commands.put(("abort", request_id))
-                self._wake.set()
+                self._send(("abort", request_id))
 
     # ------------------------------------------------------------------------------------ loop thread
     def _deliver(self, request_id: str, item) -> None:

@@ -25,6 +25,7 @@ from draftsmith.models.linear import warm_up as warm_up_linears
 from draftsmith.models.llama import CausalLM
 from draftsmith.models.tokenizer import check_same_vocabulary
 from draftsmith.serve.cost_profile import ForwardCostTable, profile_forwards
+from draftsmith.serve.frontend import check_prompt, check_samples
 from draftsmith.serve.logprobs import LOGPROBS_MODES, prompt_logprobs, token_logprobs
 from draftsmith.serve.request import Request, RequestGroup, RequestOutput, Status
 from draftsmith.serve.sampling import SamplingBatch, sample
@@ -168,21 +169,10 @@ class LLMEngine:
         return request
 
     def check_samples(self, params: SamplingParams) -> None:
-        if params.n > self.config.max_num_seqs:
-            raise DraftsmithError(f"n={params.n} samples run at once, one cache slot each, but max_num_seqs is "
-                                  f"{self.config.max_num_seqs}")
+        check_samples(params, self.config.max_num_seqs)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise DraftsmithError("prompt is empty: at least one token is needed")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise DraftsmithError(
-                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.config.max_model_len} "
-                "(prompt plus at least one generated token must fit)"
-            )
-        vocab = self.model.config.vocab_size
-        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
-            raise DraftsmithError(f"prompt token ids must be in [0, {vocab})")
+        check_prompt(prompt_token_ids, self.config.max_model_len, self.model.config.vocab_size)
 
     def abort_request(self, request_id: str) -> None:
         """Aborts a request; the id of a group, or of any of its samples, aborts every sample in it."""

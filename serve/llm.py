@@ -6,7 +6,6 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -16,6 +15,7 @@ from draftsmith.models.llama import CausalLM
 from draftsmith.models.loader import load_target
 from draftsmith.models.tokenizer import eos_token_ids, load_tokenizer
 from draftsmith.serve.engine import EngineConfig, LLMEngine
+from draftsmith.serve.frontend import Frontend, PromptInput
 from draftsmith.serve.host_memory import keep_freed_memory
 from draftsmith.serve.request import RequestOutput
 from draftsmith.serve.sampling_params import SamplingParams
@@ -26,10 +26,9 @@ LEGACY_SPEC_KWARGS = ("speculative_model", "num_speculative_tokens", "ngram_prom
 
 logger = logging.getLogger("draftsmith")
 
-PromptInput = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": str}
 
 
-class LLM:
+class LLM(Frontend):
     """A target model plus engine.
 
     Args:
@@ -65,7 +64,6 @@ class LLM:
             raise DraftsmithError(f"device {device!r} requested but CUDA is not available")
         if max_num_seqs < 1:
             raise DraftsmithError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        self.model_dir = model_dir
         if device == "cpu":
             keep_freed_memory()  # before the weights and caches: see host_memory
         if target is None:
@@ -79,7 +77,7 @@ class LLM:
         max_model_len = max_model_len or context
         if not 1 < max_model_len <= context:
             raise DraftsmithError(f"max_model_len must be in [2, {context}] (the model's context), got {max_model_len}")
-        self.tokenizer = load_tokenizer(model_dir)
+        super().__init__(model_dir, load_tokenizer(model_dir), max_model_len, self.model.config.vocab_size, max_num_seqs)
         cost_table = None
         if spec_config is not None and spec_config.adaptive:
             cost_table = self._forward_costs(model_dir)
@@ -101,21 +99,6 @@ class LLM:
         if not cached:
             logger.info("profiled target forwards for adaptive speculation; saved to %s", cache_path(table.key))
         return table
-
-    def encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        return self.encode(prompt["prompt"])
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        if not self.tokenizer.chat_template:
-            raise DraftsmithError(f"the tokenizer in {self.model_dir} has no chat template")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # jinja errors on malformed messages
-            raise DraftsmithError(f"chat template failed on messages {messages!r}: {exc}") from None
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

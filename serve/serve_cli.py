@@ -13,6 +13,7 @@ import uvicorn
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve.api_server import build_app
 from draftsmith.serve.async_engine import AsyncEngine
+from draftsmith.serve.engine_process import start_engine_process
 from draftsmith.serve.llm import LLM
 from draftsmith.serve.server_metrics import ServerMetrics
 
@@ -25,6 +26,15 @@ def build_server_app(llm: LLM, served_model_name: str, api_key: str | None = Non
     return build_app(engine, served_model_name, api_key, metrics, shutdown_timeout)
 
 
+def build_process_server_app(llm_kwargs: dict, served_model_name: str, api_key: str | None = None,
+                             max_queue: int = 256, shutdown_timeout: float = 30.0):
+    """The app over an engine process running `LLM(**llm_kwargs)` (started here; the model loads there)."""
+    engine = start_engine_process(llm_kwargs, max_queue)
+    metrics = ServerMetrics(served_model_name, engine.num_speculative_tokens)
+    engine.observer = metrics.observe
+    return build_app(engine, served_model_name, api_key, metrics, shutdown_timeout)
+
+
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise DraftsmithError(f"--port {args.port} is not a TCP port")
@@ -34,10 +44,14 @@ def run(args: argparse.Namespace) -> int:
             probe.bind((args.host, args.port))
         except OSError as exc:
             raise DraftsmithError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, logprobs_mode=args.logprobs_mode)
-    app = build_server_app(llm, args.served_model_name or args.model, args.api_key, args.max_queue,
-                           args.shutdown_timeout)
+    llm_kwargs = {"model": args.model, "dtype": args.dtype, "device": args.device,
+                  "speculative_config": args.speculative_config, "max_num_seqs": args.max_num_seqs,
+                  "max_model_len": args.max_model_len, "logprobs_mode": args.logprobs_mode}
+    name = args.served_model_name or args.model
+    if args.engine_process:
+        app = build_process_server_app(llm_kwargs, name, args.api_key, args.max_queue, args.shutdown_timeout)
+    else:
+        app = build_server_app(LLM(**llm_kwargs), name, args.api_key, args.max_queue, args.shutdown_timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 timeout_graceful_shutdown=int(args.shutdown_timeout))
     return 0

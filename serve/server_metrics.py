@@ -66,10 +66,14 @@ class ServerMetrics:
 
     def observe_engine(self, engine) -> None:
         """Called on the engine thread after each step."""
+        self.observe(len(engine.running), len(engine.waiting), engine.get_metrics())
+
+    def observe(self, running: int, waiting: int, now: dict) -> None:
+        """The engine's request counts and cumulative `get_metrics()`, however they arrive (a thread's engine,
+        or an engine process's reports)."""
         name = self.model_name
-        self.running.labels(name).set(len(engine.running))
-        self.waiting.labels(name).set(len(engine.waiting))
-        now = engine.get_metrics()
+        self.running.labels(name).set(running)
+        self.waiting.labels(name).set(waiting)
         for key, counter in (("num_prompt_tokens", self.prompt_tokens),
                              ("num_generated_tokens", self.generation_tokens),
                              ("num_drafts", self.spec_drafts), ("num_draft_tokens", self.spec_draft_tokens),

@@ -1,0 +1,64 @@
+"""What serving needs of a model besides its weights: the tokenizer, the chat template and the checks a prompt
+must pass. `LLM` is one (with its engine beside); with the engine in its own process (`engine_process`),
+the API process holds a bare `Frontend` and never loads the weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.tokenizer import load_tokenizer
+from draftsmith.serve.sampling_params import SamplingParams
+
+PromptInput = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": str}
+
+
+class Frontend:
+    def __init__(self, model_dir: str | Path, tokenizer, max_model_len: int, vocab_size: int, max_num_seqs: int):
+        self.model_dir = Path(model_dir)
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, max_model_len: int, vocab_size: int, max_num_seqs: int) -> Frontend:
+        return cls(model_dir, load_tokenizer(model_dir), max_model_len, vocab_size, max_num_seqs)
+
+    def encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        return self.encode(prompt["prompt"])
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        if not self.tokenizer.chat_template:
+            raise DraftsmithError(f"the tokenizer in {self.model_dir} has no chat template")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja errors on malformed messages
+            raise DraftsmithError(f"chat template failed on messages {messages!r}: {exc}") from None
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+
+    def check_samples(self, params: SamplingParams) -> None:
+        check_samples(params, self.max_num_seqs)
+
+
+def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    if not prompt_token_ids:
+        raise DraftsmithError("prompt is empty: at least one token is needed")
+    if len(prompt_token_ids) >= max_model_len:
+        raise DraftsmithError(f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_model_len} "
+                              "(prompt plus at least one generated token must fit)")
+    if max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0:
+        raise DraftsmithError(f"prompt token ids must be in [0, {vocab_size})")
+
+
+def check_samples(params: SamplingParams, max_num_seqs: int) -> None:
+    if params.n > max_num_seqs:
+        raise DraftsmithError(f"n={params.n} samples run at once, one cache slot each, but max_num_seqs is "
+                              f"{max_num_seqs}")

@@ -1,0 +1,105 @@
+"""The Triton slot attention kernel (run by the interpreter on CPU) against its PyTorch reference, and the
+reference against the engine's own attention over a ForwardBatch's mask: GQA up to Llama-3-8B's 32/8 heads
+with head_dim 128, ragged rows in scattered slots, causal blocks, tree masks, sliding windows, key ranges,
+split-K, fp32/fp16/bf16."""
+
+import os
+
+import pytest
+import torch
+
+from draftsmith.models.attention import cached_attention
+from draftsmith.models.kv_cache import ForwardBatch, KVCache
+from draftsmith.models.slot_attention_reference import slot_attention_reference
+
+triton_kernel = pytest.importorskip("draftsmith.models.slot_attention_triton")
+if triton_kernel.triton is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU: Triton kernels run on CPU only under TRITON_INTERPRET=1 (`make test` sets it)",
+                allow_module_level=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(heads, kv_heads, dim, q_lens, starts, dtype, seed=0, slots_total=6, max_len=640):
+    generator = torch.Generator().manual_seed(seed)
+    rows, width = len(q_lens), max(q_lens)
+    k_cache = torch.randn(slots_total, kv_heads, max_len, dim, generator=generator).to(dtype).to(DEVICE)
+    v_cache = torch.randn(slots_total, kv_heads, max_len, dim, generator=generator).to(dtype).to(DEVICE)
+    q = torch.randn(rows, heads, width, dim, generator=generator).to(dtype).to(DEVICE)
+    slots = torch.tensor([(3 * i + 1) % slots_total for i in range(rows)], device=DEVICE)  # scattered, not in order
+    positions = torch.tensor(starts, device=DEVICE)[:, None] + torch.arange(width, device=DEVICE)
+    kv_lens = torch.tensor([s + n for s, n in zip(starts, q_lens)], device=DEVICE)
+    return q, k_cache, v_cache, slots, positions, kv_lens
+
+
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+
+
+def _check(got, want, dtype, q_lens):
+    for b, n in enumerate(q_lens):  # padding queries past a row's own are not compared
+        torch.testing.assert_close(got[b, :, :n].float(), want[b, :, :n].float(), atol=TOLERANCE[dtype],
+                                   rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (8, 2, 64), (4, 4, 32)])
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [5, 2, 16]])
+def test_causal_blocks_over_ragged_rows(heads, kv_heads, dim, q_lens):
+    q, k, v, slots, positions, kv_lens = _case(heads, kv_heads, dim, q_lens, starts=[37, 300, 0][: len(q_lens)],
+                                               dtype=torch.float32)
+    got = triton_kernel.slot_attention(q, k, v, slots, positions, kv_lens)
+    _check(got, slot_attention_reference(q, k, v, slots, positions, kv_lens), torch.float32, q_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dtypes_split_k_and_key_ranges(dtype):
+    q_lens, starts = [4, 1, 9], [500, 130, 61]
+    q, k, v, slots, positions, kv_lens = _case(8, 2, 64, q_lens, starts, dtype, seed=1)
+    key_starts = torch.tensor([100, 0, 60], device=DEVICE)
+    want = slot_attention_reference(q, k, v, slots, positions, kv_lens, key_starts=key_starts)
+    for splits in (1, 3, 7):  # split-K over 500 keys, uneven ranges, some splits empty for short rows
+        got = triton_kernel.slot_attention(q, k, v, slots, positions, kv_lens, key_starts=key_starts,
+                                           num_splits=splits)
+        _check(got, want, dtype, q_lens)
+
+
+def test_tree_masks_and_sliding_windows():
+    q_lens, starts = [7, 16], [90, 250]
+    q, k, v, slots, positions, kv_lens = _case(32, 8, 128, q_lens, starts, torch.float32, seed=2)
+    generator = torch.Generator().manual_seed(3)
+    tree = torch.rand(2, 16, 16, generator=generator) < 0.4
+    tree |= torch.eye(16, dtype=torch.bool)  # every node sees itself
+    tree = tree.to(DEVICE)
+    block_starts = torch.tensor(starts, device=DEVICE)
+    want = slot_attention_reference(q, k, v, slots, positions, kv_lens, tree_mask=tree, block_starts=block_starts)
+    got = triton_kernel.slot_attention(q, k, v, slots, positions, kv_lens, tree_mask=tree, block_starts=block_starts,
+                                       num_splits=2)
+    _check(got, want, torch.float32, q_lens)
+    full = torch.ones_like(tree)  # DFlash: every block query sees the whole block
+    causal = slot_attention_reference(q, k, v, slots, positions, kv_lens)
+    non_causal = triton_kernel.slot_attention(q, k, v, slots, positions, kv_lens, tree_mask=full,
+                                              block_starts=block_starts)
+    assert not torch.allclose(non_causal[0, :, :6], causal[0, :, :6])  # the block's later keys were read
+    _check(non_causal, slot_attention_reference(q, k, v, slots, positions, kv_lens, tree_mask=full,
+                                                block_starts=block_starts), torch.float32, q_lens)
+    windowed = triton_kernel.slot_attention(q, k, v, slots, positions, kv_lens, window=64)
+    _check(windowed, slot_attention_reference(q, k, v, slots, positions, kv_lens, window=64), torch.float32, q_lens)
+
+
+def test_the_reference_is_the_engines_attention_over_a_forward_batch():
+    """The rules the kernel follows are the engine's: its ForwardBatch mask over gathered keys gives the same
+    attention as the reference reading the slots in place, causal and with a sliding window."""
+    cache = KVCache(1, 5, 400, 2, 64, torch.float32, "cpu")
+    generator = torch.Generator().manual_seed(4)
+    cache.k[0].normal_(generator=generator)
+    cache.v[0].normal_(generator=generator)
+    slots, starts, q_lens = [4, 0, 2], [210, 33, 120], [3, 6, 1]
+    q = torch.randn(3, 8, 6, 64, generator=generator)
+    positions = torch.tensor(starts)[:, None] + torch.arange(6)
+    kv_lens = torch.tensor([s + n for s, n in zip(starts, q_lens)])
+    for window in (None, 50):
+        batch = ForwardBatch.build(slots, starts, q_lens, cache, window)
+        engine = cached_attention(q, batch.read(cache.k[0]), batch.read(cache.v[0]), batch.mask)
+        want = slot_attention_reference(q, cache.k[0], cache.v[0], torch.tensor(slots), positions, kv_lens,
+                                        window=window)
+        _check(engine, want, torch.float32, q_lens)

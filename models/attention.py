@@ -71,3 +71,16 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         ~mask[:, :, None], torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores.float(), dim=-1).to(dtype).view(rows, kv_heads, group * queries, keys)
     return torch.matmul(weights.to(v.dtype), v).to(dtype).view(rows, heads, queries, dim)
+
+
+def batch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch) -> torch.Tensor:
+    """A forward's attention over the layer's cache, its new keys and values already written: the Triton slot
+    kernel where the batch was built for it (`ForwardBatch.slot_rows`: on CUDA), reading the slots in place;
+    elsewhere the rows' keys read out and `cached_attention` over the batch's mask."""
+    rows = batch.slot_rows
+    if rows is not None:
+        from draftsmith.models.slot_attention_triton import slot_attention
+
+        return slot_attention(q, k_cache, v_cache, batch.read_slots, batch.positions, rows.kv_lens,
+                              key_starts=rows.key_starts, window=rows.window)
+    return cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask, batch.memo)

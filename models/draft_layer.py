@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.models.attention import cached_attention
+from draftsmith.models.attention import batch_attention
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import Linear, fused
 from draftsmith.models.llama import MLP, RMSNorm
@@ -54,7 +54,7 @@ class DraftAttention(nn.Module):
         if cache is not None:
             batch.write(cache[0], k)
             batch.write(cache[1], v)
-            out = cached_attention(q, batch.read(cache[0]), batch.read(cache[1]), batch.mask, batch.memo)
+            out = batch_attention(q, cache[0], cache[1], batch)
         elif not ttt_history:
             if self.window is None or self.window >= width:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

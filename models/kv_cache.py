@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.models.attention_backend import slot_kernel_wanted
+
 # A packed forward gathers and scatters each layer's activations (a few small ops per layer): worth it once
 # padding is a fifth of the batch (prompts of unequal length, rows verifying unequal numbers of drafts).
 PACK_BELOW = 0.8
@@ -27,6 +29,18 @@ ROW_ATTENTION_FROM = 16
 # hundreds of positions apart had made the demo EAGLE-3 head's step at 8 rows 0.92 ms instead of 0.63, most
 # of it copying and masking keys that no query of theirs sees.
 GATHER_KEYS_FROM = 1.5
+# Queries per row up to which the Triton slot attention kernel runs (decode, verify, draft steps): its tile
+# stacks a KV group's query heads times the row's queries
+SLOT_KERNEL_QUERIES = 16
+
+
+@dataclass
+class SlotRows:
+    """What the Triton slot attention kernel reads instead of a mask (`models.slot_attention_triton`)."""
+
+    kv_lens: torch.Tensor  # [B] keys written for each row: its start + its real queries
+    key_starts: torch.Tensor | None  # [B] the row's first key, or None for 0
+    window: int | None
 
 
 class KVCache:
@@ -83,6 +97,8 @@ class ForwardBatch:
     # what every layer derives from `mask` alike (the attention bias), made by the first that needs it;
     # a batch made with dataclasses.replace starts its own
     memo: dict = field(init=False, default_factory=dict, repr=False, compare=False)
+    # set where attention runs as the Triton slot kernel (`models.attention.batch_attention`)
+    slot_rows: SlotRows | None = None
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], q_lens: list[int], cache: KVCache,
@@ -129,7 +145,12 @@ class ForwardBatch:
             if width >= ROW_ATTENTION_FROM and key_starts is None:
                 row_spans = tuple((slot, s, n, s == 0 and sliding_window is None)
                                   for slot, s, n in zip(slots, starts, q_lens))
+        slot_rows = None
+        if key_positions is None and width <= SLOT_KERNEL_QUERIES and slot_kernel_wanted(device):
+            slot_rows = SlotRows(torch.tensor([s + q for s, q in zip(starts, q_lens)]).to(device),
+                                 None if key_starts is None else torch.tensor(key_starts).to(device), sliding_window)
         return cls(
+            slot_rows=slot_rows,
             positions=positions.to(device),
             read_slots=read_slots.to(device),
             write_slots=write_slots.to(device),

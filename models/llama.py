@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.models.attention import cached_attention
+from draftsmith.models.attention import batch_attention, cached_attention
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
 from draftsmith.models.linear import Linear, fused
@@ -63,7 +63,7 @@ class Attention(nn.Module):
             k_cache, v_cache = cache
             batch.write(k_cache, k)
             batch.write(v_cache, v)
-            out = cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask, batch.memo)
+            out = batch_attention(q, k_cache, v_cache, batch)
         return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.num_heads * self.head_dim))
 
     def fused_linears(self) -> tuple[tuple[Linear, ...], ...]:
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         q, k, v = (batch.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, Q, head_dim]
         batch.write(k_cache, k)
         batch.write(v_cache, v)
-        out = cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask, batch.memo)
+        out = batch_attention(q, k_cache, v_cache, batch)
         rows, _, width, _ = out.shape
         out = out.transpose(1, 2).reshape(rows * width, self.num_heads * self.head_dim)[batch.tokens]
         return self.o_proj(out)

@@ -103,3 +103,38 @@ def test_the_reference_is_the_engines_attention_over_a_forward_batch():
         want = slot_attention_reference(q, cache.k[0], cache.v[0], torch.tensor(slots), positions, kv_lens,
                                         window=window)
         _check(engine, want, torch.float32, q_lens)
+
+
+def test_the_engine_decodes_and_verifies_through_the_kernel(monkeypatch, greedy_reference):
+    """DRAFTSMITH_ATTENTION=triton: every decode and verify forward of the demo model attends through the
+    kernel (prefill chunks wider than 16 queries keep PyTorch's); greedy n-gram speculation gives the plain
+    engine's tokens."""
+    from draftsmith.serve import LLM, SamplingParams
+    from helpers import CODE_PROMPTS, DEMO_MODEL
+
+    calls = []
+    real = triton_kernel.slot_attention
+    monkeypatch.setattr(triton_kernel, "slot_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False})
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    assert any(shape[2] > 1 for shape in calls)  # verify forwards (k + 1 queries a row) went through it
+
+
+def test_a_bad_attention_choice_is_one_line(monkeypatch):
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models.attention_backend import slot_kernel_wanted
+
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "flash")
+    with pytest.raises(DraftsmithError, match="DRAFTSMITH_ATTENTION='flash': one of auto, triton, torch"):
+        slot_kernel_wanted("cpu")
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(DraftsmithError, match="runs only under Triton's interpreter: set TRITON_INTERPRET=1"):
+        slot_kernel_wanted("cpu")
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "auto")
+    assert slot_kernel_wanted("cpu") is False

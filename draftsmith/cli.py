@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "transformers generate is timed at concurrency 1 as a reference.")
     bench.add_argument("--shared", default="../shared", help="folder holding data/ and models/")
     bench.add_argument("--models", default="demo-code-7m,house-code-28m", help="comma-separated names under models/")
-    bench.add_argument("--concurrency", default="1,4,8,16,32",
-                       help="comma-separated requests-in-flight levels (default: %(default)s)")
+    bench.add_argument("--concurrency", default=None,
+                       help="comma-separated requests-in-flight levels (default: 1,4,8,16,32; with --shape 1,8,32)")
     bench.add_argument("--num-prompts", type=_positive_int, default=8,
                        help="prompts per level at least (default: %(default)s)")
     bench.add_argument("--waves", type=_positive_int, default=3,
@@ -206,11 +206,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also print where each decode step's time goes (draft, target forward, verify and "
                        "sample, bookkeeping) in ms per step and share")
     bench.add_argument("--json", default=None, help="write the rows (one per model, method and level) here")
+    shape = bench.add_argument_group("model shapes with random weights (the engine's own speed, no download)")
+    shape.add_argument("--shape", default=None,
+                       help="instead of --models: llama-3.1-8b, qwen3-8b, tiny, a model under SHARED/models or a "
+                       "config.json; measures ms/token by batch without speculation, the verify cost of k + 1 tokens "
+                       "for k = 1..8, and a random one-layer EAGLE-3 head (k=4) at synthetic acceptance 0.6 and 0.8")
+    shape.add_argument("--random-weights", action="store_true", help="required with --shape: the weights are random")
+    shape.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    shape.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: bf16 on CUDA, fp32 on CPU")
+    shape.add_argument("--prompt-len", type=_positive_int, default=128, help="random prompt tokens (default: 128)")
     chart = bench.add_mutually_exclusive_group()
     chart.add_argument("--plot", default=None,
                        help="speedup chart PNG (default: --json with .png, else bench.png; needs matplotlib)")
     chart.add_argument("--no-plot", action="store_true", help="skip the chart")
-    bench.set_defaults(handler="draftsmith.serve.bench:run")
+    bench.set_defaults(handler="draftsmith.serve.shape_bench:dispatch")
 
     prof = sub.add_parser("profile", help="time target forwards by batch shape (the speculation cost model's input)",
                           description="Time the target's forward for 1..32 rows of 1..8 query tokens against a warm KV "

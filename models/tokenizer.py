@@ -41,7 +41,7 @@ def eos_token_ids(model_dir: str | Path, config_eos: tuple[int, ...], tokenizer)
     if generation is not None:
         eos = generation.eos_token_id
         ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
 

@@ -304,7 +304,7 @@ def _print_table(name: str, rows: list[dict], levels: list[int]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    levels = parse_concurrency(args.concurrency)
+    levels = parse_concurrency(args.concurrency or "1,4,8,16,32")
     if not args.no_plot:
         require_matplotlib()  # now, not after a run of many minutes
     shared = Path(args.shared)

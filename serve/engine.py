@@ -94,7 +94,7 @@ class LLMEngine:
             if method.needs.tree:  # DraftBatch.parents would be ignored: refuse rather than verify wrongly
                 raise DraftsmithError(f"method {method.name!r} drafts trees, and this engine verifies chains only")
             self.proposer = method.proposer_class()(spec_config, model, config.max_num_seqs, config.max_model_len)
-            if self.proposer.tokenizer_dir is not None:
+            if self.proposer.tokenizer_dir is not None and tokenizer is not None:
                 check_same_vocabulary(tokenizer, self.proposer.tokenizer_dir, "draft model")
             self.rejection_sampler = pick_sampler(self.device)
             self.spec_metrics = SpecMetrics(spec_config.num_speculative_tokens)
@@ -138,6 +138,8 @@ class LLMEngine:
         + i, as vLLM seeds them) admitted together, whose prompt is prefilled once."""
         self.check_prompt(prompt_token_ids)
         self.check_samples(params)
+        if params.stop and self.tokenizer is None:
+            raise DraftsmithError("stop strings need a tokenizer, and this engine has none (skip_tokenizer_init)")
         request_id = request_id if request_id is not None else str(next(self._ids))
         n = params.n
         ids = [request_id] if n == 1 else [f"{request_id}:{i}" for i in range(n)]

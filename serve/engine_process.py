@@ -98,7 +98,8 @@ class _EngineLoop:
                 return
             if not engine.has_unfinished_requests():
                 if not self.idle_reported:  # once per idle spell: the gauges fall to 0, then quiet
-                    self.idle_reported = self._stats(force=True) is not None
+                    _send(self.conn, {"out": [], "stats": self._stats(force=True)})
+                    self.idle_reported = True
                 continue
             self.idle_reported = False
             try:
@@ -110,7 +111,7 @@ class _EngineLoop:
                 self.sent.clear()
                 _send(self.conn, {"step_failed": f"engine error: {exc}"})
                 continue
-            _send(self.conn, {"out": [self._delta(o) for o in outputs], "stats": self._stats_due()})
+            _send(self.conn, {"out": [self._delta(o) for o in outputs], "stats": self._stats(force=False)})
 
     def _commands(self) -> None:
         while self.conn.poll(0):
@@ -144,19 +145,15 @@ class _EngineLoop:
             self.sent = {key: n for key, n in self.sent.items() if key[0] != output.request_id}
         return [output.request_id, output.finished, _entries(output.prompt_logprobs) if first else None, samples]
 
-    def _stats_due(self) -> dict | None:
-        return self._stats(force=False, send=False)
-
-    def _stats(self, force: bool, send: bool = True) -> dict | None:
+    def _stats(self, force: bool) -> dict | None:
+        """The engine's counts and counters for the API side's Prometheus gauges: every STATS_EVERY_S while
+        busy (None between), or now."""
         now = time.monotonic()
         if not force and now - self.last_stats < STATS_EVERY_S:
             return None
         self.last_stats = now
-        stats = {"running": len(self.engine.running), "waiting": len(self.engine.waiting),
-                 "metrics": self.engine.get_metrics()}
-        if send:
-            _send(self.conn, {"out": [], "stats": stats})
-        return stats
+        return {"running": len(self.engine.running), "waiting": len(self.engine.waiting),
+                "metrics": self.engine.get_metrics()}
 
 
 # --------------------------------------------------------------------------------------------- API side

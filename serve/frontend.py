@@ -27,14 +27,17 @@ class Frontend:
         return cls(model_dir, load_tokenizer(model_dir), max_model_len, vocab_size, max_num_seqs)
 
     def encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        return self.encode(prompt["prompt"])
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return self.encode(prompt["prompt"])
+        if self.tokenizer is None:
+            raise DraftsmithError("text prompts need a tokenizer, and this LLM has none (skip_tokenizer_init): "
+                                  "pass {\"prompt_token_ids\": [...]}")
+        return prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        if not self.tokenizer.chat_template:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
             raise DraftsmithError(f"the tokenizer in {self.model_dir} has no chat template")
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -45,12 +45,15 @@ class LLM(Frontend):
         target: the target model another LLM of the same `model` already loaded (`llm.model`), to share
             instead of loading again: serving only reads its weights. The bench runs every method on one
             copy, so that no method's forwards differ from another's by where its weights sit in memory.
+        skip_tokenizer_init: load no tokenizer (vLLM's name): prompts are token ids and outputs have no text (a
+            model folder of config.json alone, as `draftsmith bench --shape` builds with random weights).
     """
 
     def __init__(self, model: str | Path, dtype: str = "auto", device: str | None = None,
                  speculative_config: dict | str | None = None, max_num_seqs: int = 16,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048, seed: int = 0,
-                 target: CausalLM | None = None, logprobs_mode: str = "raw_logprobs", **legacy_speculation):
+                 target: CausalLM | None = None, logprobs_mode: str = "raw_logprobs", skip_tokenizer_init: bool = False,
+                 **legacy_speculation):
         unknown = set(legacy_speculation) - set(LEGACY_SPEC_KWARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
@@ -77,7 +80,8 @@ class LLM(Frontend):
         max_model_len = max_model_len or context
         if not 1 < max_model_len <= context:
             raise DraftsmithError(f"max_model_len must be in [2, {context}] (the model's context), got {max_model_len}")
-        super().__init__(model_dir, load_tokenizer(model_dir), max_model_len, self.model.config.vocab_size, max_num_seqs)
+        tokenizer = None if skip_tokenizer_init else load_tokenizer(model_dir)
+        super().__init__(model_dir, tokenizer, max_model_len, self.model.config.vocab_size, max_num_seqs)
         cost_table = None
         if spec_config is not None and spec_config.adaptive:
             cost_table = self._forward_costs(model_dir)

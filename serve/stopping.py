@@ -65,7 +65,7 @@ class StopChecker:
         return entry[1]
 
     def decode(self, token_ids: list[int]) -> str:
-        return decode_all(self.tokenizer, token_ids)
+        return "" if self.tokenizer is None else decode_all(self.tokenizer, token_ids)  # no tokenizer: ids only
 
     def finalize_text(self, request: Request) -> None:
         """Sets the final text of a finished request (one decode of the whole output) and drops its decoder."""

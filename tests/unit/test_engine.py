@@ -121,3 +121,16 @@ def test_llms_can_share_one_loaded_target(demo_llm):
         o.outputs[0].token_ids for o in demo_llm.generate(prompts, greedy, use_tqdm=False)]
     with pytest.raises(DraftsmithError, match="target= is on cpu"):
         LLM(DEMO_MODEL, device="meta", target=demo_llm.model)
+
+
+def test_without_a_tokenizer_prompts_are_ids_and_outputs_have_no_text(demo_llm):
+    bare = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256, skip_tokenizer_init=True,
+               target=demo_llm.model)
+    ids = demo_llm.encode(PROMPTS[0])[1]
+    got = bare.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0]
+    want = demo_llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.text == ""
+    with pytest.raises(DraftsmithError, match="text prompts need a tokenizer"):
+        bare.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    with pytest.raises(DraftsmithError, match="stop strings need a tokenizer"):
+        bare.generate({"prompt_token_ids": ids}, SamplingParams(stop=["\n"]), use_tqdm=False)

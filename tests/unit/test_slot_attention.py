@@ -138,3 +138,4 @@ def test_a_bad_attention_choice_is_one_line(monkeypatch):
         slot_kernel_wanted("cpu")
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "auto")
     assert slot_kernel_wanted("cpu") is False
+

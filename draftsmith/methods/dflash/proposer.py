@@ -150,6 +150,11 @@ class DFlashProposer(Proposer):
             batch.write(self.cache.k[layer], k)
             batch.write(self.cache.v[layer], v)
             # the last layer queries only the drafts' positions; every block row sees the same keys
+            if batch.slot_rows is not None:  # the Triton kernel (CUDA): a causal mask at the block's end is this one
+                from draftsmith.models.slot_attention_triton import slot_attention
+
+                return slot_attention(q, self.cache.k[layer], self.cache.v[layer], batch.read_slots,
+                                      ends[:, None].expand(-1, q.shape[2]), batch.slot_rows.kv_lens)
             return cached_attention(q, batch.read(self.cache.k[layer]), batch.read(self.cache.v[layer]),
                                     batch.mask[:, :, : q.shape[2]], batch.memo)
 

@@ -82,7 +82,7 @@ class _EngineLoop:
     def __init__(self, engine, conn):
         self.engine = engine
         self.conn = conn
-        self.sent: dict[tuple[str, int], int] = {}  # (request id, sample index) -> tokens reported
+        self.sent: dict[str, dict[int, int]] = {}  # request id -> sample index -> tokens reported
         self.last_stats = 0.0
         self.stopping_at: float | None = None
         self.idle_reported = True
@@ -125,24 +125,24 @@ class _EngineLoop:
                     _send(self.conn, {"rejected": request_id, "message": str(exc)})
             elif op == "abort":
                 self.engine.abort_request(command[1])
-                self.sent = {key: n for key, n in self.sent.items() if key[0] != command[1]}
+                self.sent.pop(command[1], None)
             elif op == "stop":
                 self.stopping_at = time.monotonic() + command[1]
 
     def _delta(self, output: RequestOutput) -> list:
         """What `output` adds to what its request reported before: [id, finished, prompt logprobs (first report
         only), [[index, new token ids, their logprobs, final text, finish reason, stop reason], ...]]."""
-        first = not any(key[0] == output.request_id for key in self.sent)
+        first = output.request_id not in self.sent
+        sent = self.sent.setdefault(output.request_id, {})
         samples = []
         for c in output.outputs:
-            key = (output.request_id, c.index)
-            start = self.sent.get(key, 0)
-            self.sent[key] = len(c.token_ids)
+            start = sent.get(c.index, 0)
+            sent[c.index] = len(c.token_ids)
             done = c.finish_reason is not None
             samples.append([c.index, c.token_ids[start:], _entries(c.logprobs[start:]) if c.logprobs is not None
                             else None, c.text if done else None, c.finish_reason, c.stop_reason])
         if output.finished:
-            self.sent = {key: n for key, n in self.sent.items() if key[0] != output.request_id}
+            del self.sent[output.request_id]
         return [output.request_id, output.finished, _entries(output.prompt_logprobs) if first else None, samples]
 
     def _stats(self, force: bool) -> dict | None:

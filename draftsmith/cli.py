@@ -42,6 +42,11 @@ def _add_engine_args(p: argparse.ArgumentParser, methods: list[str]) -> None:
     p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
                    help="what requested logprobs are: the model's log_softmax (raw, as vLLM's default), or the "
                    "log of the distribution sampled from, after temperature, top-k and top-p (processed)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every forward eagerly (vLLM's flag): no CUDA graphs for decode and verify steps")
+    p.add_argument("--step-mode", default="auto", choices=["auto", "eager", "cuda-graph", "compile"],
+                   help="how decode and verify forwards run: auto = captured CUDA graphs on CUDA, eager on CPU; "
+                   "compile = torch.compile of the same static-shape step (slow to warm up on CPU)")
     p.add_argument("--speculative-config", default=None,
                    help='speculation settings as JSON, vLLM keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                    f"methods: {', '.join(methods)}")
@@ -216,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="auto: bf16 on CUDA, fp32 on CPU")
     shape.add_argument("--prompt-len", type=_positive_int, default=128, help="random prompt tokens (default: 128)")
+    shape.add_argument("--step-modes", default=None,
+                       help="comma-separated ways to run decode and verify steps, side by side: eager, cuda-graph, "
+                       "compile (default: eager,cuda-graph on CUDA, eager on CPU)")
     chart = bench.add_mutually_exclusive_group()
     chart.add_argument("--plot", default=None,
                        help="speedup chart PNG (default: --json with .png, else bench.png; needs matplotlib)")

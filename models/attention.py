@@ -82,5 +82,5 @@ def batch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         from draftsmith.models.slot_attention_triton import slot_attention
 
         return slot_attention(q, k_cache, v_cache, batch.read_slots, batch.positions, rows.kv_lens,
-                              key_starts=rows.key_starts, window=rows.window)
+                              key_starts=rows.key_starts, window=rows.window, max_keys=rows.max_keys)
     return cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask, batch.memo)

@@ -41,6 +41,9 @@ class SlotRows:
     kv_lens: torch.Tensor  # [B] keys written for each row: its start + its real queries
     key_starts: torch.Tensor | None  # [B] the row's first key, or None for 0
     window: int | None
+    # the longest row's keys, when the host knows it (sizes the kernel's key splits without reading kv_lens
+    # back); a captured step passes the cache's length, so one graph serves every context length
+    max_keys: int | None = None
 
 
 class KVCache:
@@ -148,7 +151,8 @@ class ForwardBatch:
         slot_rows = None
         if key_positions is None and width <= SLOT_KERNEL_QUERIES and slot_kernel_wanted(device):
             slot_rows = SlotRows(torch.tensor([s + q for s, q in zip(starts, q_lens)]).to(device),
-                                 None if key_starts is None else torch.tensor(key_starts).to(device), sliding_window)
+                                 None if key_starts is None else torch.tensor(key_starts).to(device), sliding_window,
+                                 kv_len)
         return cls(
             slot_rows=slot_rows,
             positions=positions.to(device),
@@ -162,6 +166,22 @@ class ForwardBatch:
             row_spans=row_spans,
             key_positions=key_positions.to(device) if key_positions is not None else None,
         )
+
+    @classmethod
+    def static(cls, positions: torch.Tensor, read_slots: torch.Tensor, write_slots: torch.Tensor,
+               kv_lens: torch.Tensor, num_keys: int, sliding_window: int | None, slot_kernel: bool) -> ForwardBatch:
+        """A batch built on the device from tensors of fixed shapes alone (`serve.step_graphs`): no host
+        values but `num_keys`, the keys every row reads (a bucket, or the cache's length), so a captured or
+        compiled step runs it again for new rows by refilling its inputs. positions, write_slots [B, Q];
+        read_slots, kv_lens [B]: row b sees keys below kv_lens[b], causally."""
+        keys = torch.arange(num_keys, device=positions.device)
+        query = positions[:, :, None]
+        mask = (keys <= query) & (keys < kv_lens[:, None, None])
+        if sliding_window is not None:
+            mask &= keys > query - sliding_window
+        slot_rows = SlotRows(kv_lens, None, sliding_window, num_keys) if slot_kernel else None
+        return cls(positions=positions, read_slots=read_slots, write_slots=write_slots, mask=mask[:, None],
+                   kv_len=num_keys, slot_start=None, slot_rows=slot_rows)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """[T, ...] values of the real tokens -> [B, Q, ...], padding zero."""

@@ -31,6 +31,9 @@ from draftsmith.models.llama import CausalLM
 
 # config.json keys a parallel draft's mask token goes by (vLLM reads them in this order; PARD writes pard_token)
 MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
+# config.json key of the tokens a draft adapted here learned to draft in one forward (public PARD checkpoints
+# do not record theirs: then nothing is checked)
+TRAINED_DEPTH_KEY = "draftsmith_parallel_draft_tokens"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 IGNORE = -100
@@ -49,6 +52,9 @@ class ParallelDraftConfig:
     hf_config: dict  # the draft LM's config.json (the source's, with pard_token set)
     pard_token: int
     source: str = ""  # the directory it was adapted from: tokenizer files are copied from there
+    # K it was trained to draft from one forward (the recipe's training.parallel_draft_tokens); saved as
+    # TRAINED_DEPTH_KEY, so that serving can refuse a k the draft never learned
+    parallel_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         vocab = self.hf_config.get("vocab_size")
@@ -94,6 +100,8 @@ class ParallelDraftLM(nn.Module):
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
         hf_config = {**self.config.hf_config, "pard_token": self.config.pard_token, "spd_type": "pard",
                      "dtype": str(dtype).removeprefix("torch.")}
+        if self.config.parallel_draft_tokens is not None:
+            hf_config[TRAINED_DEPTH_KEY] = self.config.parallel_draft_tokens
         hf_config.pop("torch_dtype", None)
         (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         source = Path(self.config.source) if self.config.source else None

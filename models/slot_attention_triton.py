@@ -114,17 +114,19 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    positions: torch.Tensor, kv_lens: torch.Tensor, key_starts: torch.Tensor | None = None,
                    window: int | None = None, tree_mask: torch.Tensor | None = None,
                    block_starts: torch.Tensor | None = None, scale: float | None = None,
-                   num_splits: int | None = None) -> torch.Tensor:
+                   num_splits: int | None = None, max_keys: int | None = None) -> torch.Tensor:
     """q [B, H, Q, D] (any strides); k_cache, v_cache [S, KVH, L, D]; slots, kv_lens (and key_starts,
     block_starts) [B]; positions [B, Q]; tree_mask [B, Q, Q] bool -> [B, H, Q, D] in q's dtype.
-    `num_splits`: key ranges run in parallel (default: enough for about 256 keys each, at most 16)."""
+    `num_splits`: key ranges run in parallel (default: enough for about 256 keys each, at most 16).
+    `max_keys`: at least kv_lens.max(), from the host: without it that is read back from the device, which a
+    CUDA graph cannot capture; splits past a row's keys return at once."""
     if triton is None:
         raise RuntimeError("slot_attention needs Triton")
     rows, heads, queries, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     device = q.device
-    longest = int(kv_lens.max())
+    longest = max_keys if max_keys is not None else int(kv_lens.max())
     if num_splits is None:
         num_splits = max(1, min(16, triton.cdiv(longest, 256)))
     keys_per_split = triton.cdiv(triton.cdiv(longest, num_splits), BLOCK_N) * BLOCK_N

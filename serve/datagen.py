@@ -17,7 +17,7 @@ from pathlib import Path
 
 from draftsmith.corpus import cut_inside_block, detect_format, load_records, to_messages
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.llm import LLM
+from draftsmith.serve.llm import LLM, engine_kwargs
 from draftsmith.serve.sampling_params import SamplingParams
 
 
@@ -29,8 +29,7 @@ def run(args: argparse.Namespace) -> int:
 def regenerate(args: argparse.Namespace) -> Path:
     records = load_records([args.input], args.num_samples)
     data_format = detect_format(records.column_names)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              speculative_config=args.speculative_config)
+    llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     if data_format == "chat":

@@ -32,25 +32,13 @@ from draftsmith.serve.sampling import SamplingBatch, sample
 from draftsmith.serve.sampling_params import SamplingParams
 from draftsmith.serve.spec_decode.adaptive import CostModel, SpeculationPlanner
 from draftsmith.serve.spec_decode.verify import SpecMetrics, pick_sampler, verify
+from draftsmith.serve.step_accounting import StepLedger
+from draftsmith.serve.step_graphs import make_step_runner, resolve_step_mode
 from draftsmith.serve.stopping import StopChecker
 
 logger = logging.getLogger("draftsmith")
 
 
-# where a decode step's time goes (`draftsmith bench --profile`): drafting, the target forward, sampling or
-# verification, and the host work around them
-STEP_PARTS = ("draft_s", "forward_s", "verify_s", "bookkeeping_s")
-# An engine's first steps of each kind run cold (first-call dispatch, allocations, caches to fill) and take
-# several times as long as the rest: the cost model does not learn from them. A warm-up's few cold steps
-# had priced speculation out for good.
-COLD_STEPS = {"plain": 3, "speculative": 3, "catch_up": 2}
-# A plain step right after a speculative one runs on caches the draft model and the wide verify left cold:
-# demo target, 8 in flight, its forward took 3.57-3.99 ms against 3.32-3.38 from the fifth plain step in a
-# row on (a never-speculating engine's: 3.35-3.46). Learned from, they priced a plain step at 4.13 ms where
-# a plain engine ran one in 3.62, so speculation looked better than it was (planned 1.14x the plain rate at
-# 8 in flight, the level measured 0.97x). Plain prices are learned from the plain steps after this many in
-# a row.
-SETTLING_STEPS = 3
 WARM_UP_ROWS = 256  # row counts whose linear kernels the engine compiles at start, at most
 
 
@@ -61,6 +49,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # padded prefill tokens per step
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"  # vLLM's names: raw_logprobs or processed_logprobs (serve.logprobs)
+    # how decode and verify forwards run (serve.step_graphs): auto = CUDA graphs on CUDA, eager elsewhere
+    step_mode: str = "auto"
+    enforce_eager: bool = False  # vLLM's flag: every forward eager (step_mode auto or eager only)
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -84,11 +75,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self.stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0, "num_forward_passes": 0}
-        self.step_profile = dict.fromkeys(STEP_PARTS, 0.0) | {"decode_steps": 0}
+        self.ledger = StepLedger()
         self.spec_config = spec_config
         self.proposer = None
-        self._cold = dict(COLD_STEPS)
-        self._plain_run = SETTLING_STEPS  # plain decode steps since the last speculative one
         if spec_config is not None:  # resolved once; the engine never branches on the method name
             method = resolve_method(spec_config.method)
             if method.needs.tree:  # DraftBatch.parents would be ignored: refuse rather than verify wrongly
@@ -116,6 +105,11 @@ class LLMEngine:
         k = spec_config.num_speculative_tokens if spec_config is not None else 0
         drafters = self.proposer.draft_models() if self.proposer is not None else []
         warm_up_linears([model, *drafters], min(config.max_num_seqs * (k + 1), WARM_UP_ROWS))
+        self.step_mode = resolve_step_mode(config.step_mode, config.enforce_eager, self.device)
+        self.steps = make_step_runner(model, self.cache, config.max_num_seqs, self.feature_layers, self.step_mode)
+        if self.steps is not None:
+            buckets = self.steps.warm_up(list(range(1, k + 2)))  # decode, and verifies of 1..k drafts
+            logger.info("decode and verify steps: %s, %d buckets ready", self.step_mode, buckets)
 
     def _make_planner(self, spec_config: SpeculativeConfig, method, cost_table) -> SpeculationPlanner:
         adaptive = spec_config.adaptive and spec_config.num_speculative_tokens_per_batch_size is None
@@ -325,10 +319,7 @@ class LLMEngine:
 
     def _plain_decode(self, rows: list[Request], started: float, sampling: SamplingBatch, draft_s: float = 0.0):
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
-        batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], [1] * len(rows),
-                                   self.cache, self.model.config.sliding_window, self.device)
-        forward_at = self._clock()
-        out = self._forward(ids, batch, None)
+        out, forward_at = self._step_forward(ids, rows, [1] * len(rows))
         sample_at = self._clock()
         starts = [r.num_tokens - 1 for r in rows]
         if self.feature_layers and not self.proposer.observe_later(rows, starts, out.hidden_states):
@@ -386,10 +377,7 @@ class LLMEngine:
         ids[:, 0] = torch.tensor([r.last_token for r in rows], device=self.device)
         ids[:, 1:] = drafts.tokens[:, : width - 1].clamp(min=0)  # -1 padding becomes token 0 in padding slots
         q_lens = [1 + n for n in num_draft]
-        batch = ForwardBatch.build([r.slot for r in rows], [r.num_tokens - 1 for r in rows], q_lens, self.cache,
-                                   self.model.config.sliding_window, self.device, pack=True)
-        forward_at = self._clock()
-        out = self._forward(ids, batch, None)
+        out, forward_at = self._step_forward(ids, rows, q_lens)
         verify_at = self._clock()
         with torch.inference_mode():
             tokens, counts = verify(out.logits, drafts, num_draft, sampling, self.rejection_sampler,
@@ -416,36 +404,10 @@ class LLMEngine:
 
     def _account(self, rows: list[Request], width: int, started: float, draft_s: float, forward_s: float,
                  verify_s: float, catch_up: tuple[int, int] = (0, 0), query_len: float = 1.0) -> None:
-        """Books one decode step's timings into the step profile and the planner's cost model; `query_len`: the
-        forward's mean real tokens per row (packed, that is what it costs)."""
-        total = self._clock() - started
-        host = max(total - draft_s - forward_s, 0.0)
-        profile = self.step_profile
-        profile["decode_steps"] += 1
-        profile["draft_s"] += draft_s
-        profile["forward_s"] += forward_s
-        profile["verify_s"] += verify_s
-        profile["bookkeeping_s"] += host - verify_s
+        """Books one decode step (`StepLedger.book`); `query_len`: the forward's mean real tokens per row."""
         cost = self.planner.cost if self.proposer is not None else None
-        if cost is None:
-            return
-        # a speculative step is steady unless its drafting began with a one-off catch-up
-        kind = "plain" if not width else "speculative" if self.proposer.steady or not draft_s else "catch_up"
-        self._plain_run = self._plain_run + 1 if kind == "plain" else 0
-        if self._cold[kind]:
-            self._cold[kind] -= 1
-            return
-        if kind != "plain" or self._plain_run > SETTLING_STEPS:
-            cost.observe_forward(len(rows), query_len, forward_s)
-            cost.observe_host(len(rows), bool(width), host)
-        if kind == "speculative":
-            # drafting done before the plan is sunk when it is made, and so is not in its prediction
-            cost.observe_step(len(rows), width, total - (draft_s if cost.drafts_before_plan else 0.0), query_len)
-        if draft_s and self.proposer.steps_run:
-            if kind == "speculative":
-                cost.observe_draft(len(rows), self.proposer.steps_run, draft_s)
-            else:
-                cost.observe_catch_up(catch_up, len(rows), self.proposer.steps_run, draft_s)
+        self.ledger.book(len(rows), width, self._clock() - started, draft_s, forward_s, verify_s, cost, self.proposer,
+                         catch_up, query_len)
 
     def _clock(self) -> float:
         """Wall seconds for the step profile and the cost model. On CUDA, kernels run behind the host: without
@@ -453,6 +415,20 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _step_forward(self, ids: torch.Tensor, rows: list[Request], q_lens: list[int]):
+        """A decode or verify forward of ids [B, W] (row b's first q_lens[b] real) -> (its output, when it
+        started: its batch's host build is not forward time)."""
+        slots, starts = [r.slot for r in rows], [r.num_tokens - 1 for r in rows]
+        if self.steps is not None:
+            self.stats["num_forward_passes"] += 1
+            forward_at = self._clock()
+            return self.steps.forward(ids.to(self.device), slots, starts, q_lens), forward_at
+        # packed when rows verify unequal numbers of drafts (ForwardBatch.build decides)
+        batch = ForwardBatch.build(slots, starts, q_lens, self.cache, self.model.config.sliding_window, self.device,
+                                   pack=max(q_lens) > 1)
+        forward_at = self._clock()
+        return self._forward(ids, batch, None), forward_at
 
     def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None,
                  hidden_index: torch.Tensor | None = None):
@@ -497,7 +473,7 @@ class LLMEngine:
 
     def get_metrics(self) -> dict:
         metrics = dict(self.stats)
-        metrics["step_profile"] = dict(self.step_profile)
+        metrics["step_profile"] = dict(self.ledger.profile)
         if self.proposer is not None:
             metrics.update(self.spec_metrics.as_dict())
             metrics.update(self.planner.metrics())
@@ -507,7 +483,7 @@ class LLMEngine:
     def reset_metrics(self) -> None:
         """Zeroes the speculation counters, the chosen-k histogram and the step profile (benchmarks call it
         after warming up); what the planner has learned is kept."""
-        self.step_profile = dict.fromkeys(STEP_PARTS, 0.0) | {"decode_steps": 0}
+        self.ledger.reset_profile()
         if self.proposer is not None:
             self.spec_metrics.reset()
             self.planner.reset_metrics()

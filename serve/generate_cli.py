@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.llm import LLM
+from draftsmith.serve.llm import LLM, engine_kwargs
 from draftsmith.serve.sampling_params import SamplingParams
 
 
@@ -46,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
     records = read_prompt_file(Path(args.prompts))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, logprobs_mode=args.logprobs_mode)
+    llm = LLM(args.model, **engine_kwargs(args))
     prompts = [r["prompt"] if "prompt" in r else llm.apply_chat_template(r["messages"]) for r in records]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)

@@ -45,6 +45,8 @@ class LLM(Frontend):
         target: the target model another LLM of the same `model` already loaded (`llm.model`), to share
             instead of loading again: serving only reads its weights. The bench runs every method on one
             copy, so that no method's forwards differ from another's by where its weights sit in memory.
+        enforce_eager, step_mode: how decode and verify forwards run (`serve.step_graphs`): by default as
+            captured CUDA graphs on CUDA and eagerly on CPU; enforce_eager (vLLM's name) keeps them eager.
         skip_tokenizer_init: load no tokenizer (vLLM's name): prompts are token ids and outputs have no text (a
             model folder of config.json alone, as `draftsmith bench --shape` builds with random weights).
     """
@@ -53,7 +55,7 @@ class LLM(Frontend):
                  speculative_config: dict | str | None = None, max_num_seqs: int = 16,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048, seed: int = 0,
                  target: CausalLM | None = None, logprobs_mode: str = "raw_logprobs", skip_tokenizer_init: bool = False,
-                 **legacy_speculation):
+                 enforce_eager: bool = False, step_mode: str = "auto", **legacy_speculation):
         unknown = set(legacy_speculation) - set(LEGACY_SPEC_KWARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
@@ -89,7 +91,7 @@ class LLM(Frontend):
             self.model, self.tokenizer,
             EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          max_num_batched_tokens=max(max_num_batched_tokens, 1), seed=seed,
-                         logprobs_mode=logprobs_mode),
+                         logprobs_mode=logprobs_mode, step_mode=step_mode, enforce_eager=enforce_eager),
             eos_token_ids(model_dir, self.model.config.eos_token_ids, self.tokenizer),
             spec_config, cost_table,
         )
@@ -141,3 +143,10 @@ class LLM(Frontend):
 
     def get_metrics(self) -> dict[str, float]:
         return self.engine.get_metrics()
+
+
+def engine_kwargs(args) -> dict:
+    """LLM keyword arguments from the engine flags every command shares (`draftsmith.cli._add_engine_args`)."""
+    return {"dtype": args.dtype, "device": args.device, "speculative_config": args.speculative_config,
+            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+            "logprobs_mode": args.logprobs_mode, "enforce_eager": args.enforce_eager, "step_mode": args.step_mode}

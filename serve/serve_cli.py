@@ -14,7 +14,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.serve.api_server import build_app
 from draftsmith.serve.async_engine import AsyncEngine
 from draftsmith.serve.engine_process import start_engine_process
-from draftsmith.serve.llm import LLM
+from draftsmith.serve.llm import LLM, engine_kwargs
 from draftsmith.serve.server_metrics import ServerMetrics
 
 
@@ -44,9 +44,7 @@ def run(args: argparse.Namespace) -> int:
             probe.bind((args.host, args.port))
         except OSError as exc:
             raise DraftsmithError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
-    llm_kwargs = {"model": args.model, "dtype": args.dtype, "device": args.device,
-                  "speculative_config": args.speculative_config, "max_num_seqs": args.max_num_seqs,
-                  "max_model_len": args.max_model_len, "logprobs_mode": args.logprobs_mode}
+    llm_kwargs = {"model": args.model, **engine_kwargs(args)}
     name = args.served_model_name or args.model
     if args.engine_process:
         app = build_process_server_app(llm_kwargs, name, args.api_key, args.max_queue, args.shutdown_timeout)

@@ -4,6 +4,9 @@ cost of verifying k + 1 tokens against decoding one for k = 1..8, and speculatio
 EAGLE-3 head whose drafts are accepted at a set rate (`rejection_sample_method: synthetic`), so that what the
 engine spends around a real head's draft cost shows without a trained head.
 
+Each row runs for every `--step-modes` entry side by side (on CUDA: eager and captured CUDA graphs,
+`serve.step_graphs`), the verify-cost curve too.
+
 The shapes are the anchors' (`../shared/docs/anchors.md`: Llama-3.1-8B, Qwen3-8B), `tiny` (what `make test`
 runs on CPU), the shared models' by name, or any HF config.json path.
 """
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +31,7 @@ from draftsmith.serve.bench import drive, parse_concurrency
 from draftsmith.serve.cost_profile import time_forward
 from draftsmith.serve.llm import LLM
 from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.step_graphs import STEP_MODES, make_step_runner, resolve_step_mode
 
 SHAPES = {
     "llama-3.1-8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
@@ -105,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     batches = parse_concurrency(args.concurrency or "1,8,32")
     prompt_len, max_tokens = args.prompt_len, args.max_tokens
     max_len = prompt_len + max_tokens + SPEC_K + 2
+    modes = _step_modes(args.step_modes, device)
     target = random_target(hf_config, device, dtype, max_len)
     params_b = sum(p.numel() for p in target.parameters()) / 1e9
     print(f"shape {args.shape}: {params_b:.2f}B parameters, random weights, {str(dtype).removeprefix('torch.')} on "
@@ -114,13 +121,16 @@ def run(args: argparse.Namespace) -> int:
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(hf_config))
         head_dir = _random_eagle3_head(target, model_dir, Path(tmp) / "eagle3")
-        common = {"model": model_dir, "dtype": args.dtype, "device": str(device), "max_num_seqs": max(batches),
-                  "max_model_len": max_len, "target": target, "skip_tokenizer_init": True}
-        llms = {"none": LLM(**common)}
-        for rate in RATES:
-            llms[f"eagle3 k={SPEC_K} accept {rate}"] = LLM(**common, speculative_config={
-                "method": "eagle3", "model": str(head_dir), "num_speculative_tokens": SPEC_K, "adaptive": False,
-                "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": rate})
+        llms = {}
+        for mode in modes:
+            common = {"model": model_dir, "dtype": args.dtype, "device": str(device), "max_num_seqs": max(batches),
+                      "max_model_len": max_len, "target": target, "skip_tokenizer_init": True, "step_mode": mode}
+            label = "" if len(modes) == 1 else f" [{mode}]"
+            llms[f"none{label}"] = LLM(**common)
+            for rate in RATES:
+                llms[f"eagle3 k={SPEC_K} accept {rate}{label}"] = LLM(**common, speculative_config={
+                    "method": "eagle3", "model": str(head_dir), "num_speculative_tokens": SPEC_K, "adaptive": False,
+                    "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": rate})
         generator = torch.Generator().manual_seed(0)
         vocab = target.config.vocab_size
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -133,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             for llm in llms.values():
                 llm.engine.reset_metrics()
             runs = drive(llms, prompts, params, batch)
-            base = runs["none"].tokens_per_s
+            base = next(iter(runs.values())).tokens_per_s  # no speculation, the first mode
             for method, run in runs.items():
                 metrics = llms[method].get_metrics()
                 drafts = metrics.get("num_drafts", 0)
@@ -141,16 +151,48 @@ def run(args: argparse.Namespace) -> int:
                 ms = 1000 * batch / run.tokens_per_s  # per token of one request: the latency a user sees
                 results.append({"batch": batch, "method": method, "ms_per_token": ms, "tokens_per_s": run.tokens_per_s,
                                 "speedup": run.tokens_per_s / base, "acceptance_length": accepted})
-                print(f"  batch {batch:3d}  {method:22s} {ms:8.2f} ms/token  {run.tokens_per_s:9.1f} tok/s  "
+                print(f"  batch {batch:3d}  {method:36s} {ms:8.2f} ms/token  {run.tokens_per_s:9.1f} tok/s  "
                       f"{run.tokens_per_s / base:5.2f}x" + (f"  acceptance {accepted:.2f}" if accepted else ""),
                       flush=True)
-    cache = target.make_cache(1, max_len + max(VERIFY_KS) + 1)
-    one = time_forward(target, cache, 1, 1, prompt_len, 10)
-    verify = {k: time_forward(target, cache, 1, k + 1, prompt_len, 10) for k in VERIFY_KS}
-    print(f"  verify cost at batch 1 (a forward of k + 1 tokens / one of 1 token, {one * 1000:.2f} ms): " +
-          "  ".join(f"k={k} {verify[k] / one:.2f}x" for k in VERIFY_KS), flush=True)
+    curves = {}
+    for mode in modes:
+        one, verify = _verify_curve(target, mode, prompt_len)
+        curves[mode] = {"decode_ms": one * 1000, "verify_ratio": {k: v / one for k, v in verify.items()}}
+        print(f"  verify cost at batch 1, {mode} (a forward of k + 1 tokens / one of 1 token, {one * 1000:.2f} ms): " +
+              "  ".join(f"k={k} {verify[k] / one:.2f}x" for k in VERIFY_KS), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": args.shape, "device": str(device), "rows": results,
-                                               "decode_ms": one * 1000,
-                                               "verify_ratio": {k: v / one for k, v in verify.items()}}, indent=2))
+                                               **curves[modes[0]], "step_modes": curves}, indent=2))
     return 0
+
+
+def _step_modes(text: str | None, device: torch.device) -> list[str]:
+    modes = (text or ("eager,cuda-graph" if device.type == "cuda" else "eager")).split(",")
+    for mode in modes:
+        if mode not in STEP_MODES or mode == "auto":
+            raise DraftsmithError(f"--step-modes: {mode!r} is not one of eager, cuda-graph, compile")
+        resolve_step_mode(mode, False, device)  # cuda-graph on a CPU: a one-line error now, not after the setup
+    return modes
+
+
+def _verify_curve(target: CausalLM, mode: str, context: int) -> tuple[float, dict[int, float]]:
+    """Median seconds of a one-token forward at batch 1, and of k + 1 tokens for each k, as `mode` runs them."""
+    cache = target.make_cache(1, context + max(VERIFY_KS) + 1)
+    runner = make_step_runner(target, cache, 1, (), mode)
+    if runner is None:
+        return (time_forward(target, cache, 1, 1, context, 10),
+                {k: time_forward(target, cache, 1, k + 1, context, 10) for k in VERIFY_KS})
+
+    def timed(width: int, repeats: int = 10) -> float:
+        ids = torch.zeros(1, width, dtype=torch.long, device=target.model.embed_tokens.weight.device)
+        times = []
+        for attempt in range(repeats + 2):  # the first two capture or compile
+            start = time.perf_counter()
+            runner.forward(ids, [0], [context], [width])
+            if target.model.embed_tokens.weight.device.type == "cuda":
+                torch.cuda.synchronize()
+            if attempt > 1:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return timed(1), {k: timed(k + 1) for k in VERIFY_KS}

@@ -219,6 +219,7 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
         raise DraftsmithError("no training samples left after tokenization and filtering")
     head = build_head(recipe, target, train_ds if not recipe.data.hidden_states_dir else _token_view(train_ds))
     method = resolve_method(recipe.model.head_type)
+    method.record_training(head, t)
     trainee = HeadWithObjective(head, target, method.objective(), t, DTYPES[recipe.data.hidden_states_dtype],
                                 method.acceptance_eval())
     pad = tokenizer.pad_token_id or 0

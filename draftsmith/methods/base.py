@@ -341,6 +341,11 @@ class SpecMethod:
         raise DraftsmithError(f"method {cls.name!r} does not train a head")
 
     @classmethod
+    def record_training(cls, head, training: RecipeTrainingSection) -> None:
+        """Notes on `head`, before training, what its saved checkpoint must know of how it was trained (PARD:
+        how many tokens one forward learned to draft). Most heads carry all of it in their architecture."""
+
+    @classmethod
     def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
         """HF hidden_states indices its head reads from a `num_layers` target, when a recipe names none."""
         raise DraftsmithError(f"method {cls.name!r} reads no target layers")

@@ -42,3 +42,8 @@ def test_shape_errors_are_one_line(capsys):
     assert "pass --random-weights" in capsys.readouterr().err
     assert main(["bench", "--shape", "gpt-9", "--random-weights"]) != 0
     assert "--shape 'gpt-9': not one of llama-3.1-8b, qwen3-8b, tiny" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--shape", "tiny", "--random-weights", "--device", "cpu", "--step-modes", "eager,cuda-graph"]) != 0
+        assert "step mode cuda-graph needs a CUDA device" in capsys.readouterr().err
+    assert main(["bench", "--shape", "tiny", "--random-weights", "--step-modes", "eager,graphs"]) != 0
+    assert "--step-modes: 'graphs' is not one of" in capsys.readouterr().err

@@ -155,7 +155,12 @@ def test_adaptation_learns_the_masks_and_saves_an_hf_checkpoint_that_serves(adap
     assert report["sim_accept_pos2"] > 0, report  # the second draft, from a mask, is accepted sometimes
     config = json.loads((final / "config.json").read_text())
     assert config["pard_token"] == 3 and config["vocab_size"] == 8192  # the pad token, vLLM's equal vocab
+    assert config["draftsmith_parallel_draft_tokens"] == 4  # the recipe's K: serving refuses more (below)
     assert (final / "tokenizer.json").is_file()
+    with pytest.raises(DraftsmithError, match=r"num_speculative_tokens 5: .* was adapted to draft 4 tokens in one forward"):
+        LLM(target, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=128,
+            speculative_config={"method": "draft_model", "model": str(final), "num_speculative_tokens": 5,
+                                "parallel_drafting": True})
     llm = LLM(target, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=128,
               speculative_config={"method": "draft_model", "model": str(final), "num_speculative_tokens": 3,
                                   "parallel_drafting": True, "adaptive": False})

@@ -79,6 +79,10 @@ class DraftModelMethod(SpecMethod):
         return ()  # trains on text alone: no target layers, no target forward per batch
 
     @classmethod
+    def record_training(cls, head, training: ParallelDraftTraining) -> None:
+        head.config.parallel_draft_tokens = training.parallel_draft_tokens
+
+    @classmethod
     def build_head(cls, section: DraftModelRecipe, target, aux_layer_ids, token_records):
         from draftsmith.methods.heads import default_mask_token
         from draftsmith.models.loader import load_target

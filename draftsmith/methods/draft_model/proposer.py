@@ -20,7 +20,7 @@ from draftsmith.methods.draft_sampling import choose, choose_block
 from draftsmith.methods.heads import draft_dtype
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.loader import load_target
-from draftsmith.models.pard import MASK_TOKEN_KEYS, mask_token_id
+from draftsmith.models.pard import MASK_TOKEN_KEYS, TRAINED_DEPTH_KEY, mask_token_id
 
 
 class DraftModelProposer(Proposer):
@@ -37,7 +37,13 @@ class DraftModelProposer(Proposer):
         self.tokenizer_dir = str(config.model)
         self.pard_token = None
         if config.parallel_drafting:
-            self.pard_token = mask_token_id(json.loads((Path(config.model) / "config.json").read_text()))
+            draft_config = json.loads((Path(config.model) / "config.json").read_text())
+            trained = draft_config.get(TRAINED_DEPTH_KEY)
+            if isinstance(trained, int) and config.num_speculative_tokens > trained:
+                raise DraftsmithError(f"num_speculative_tokens {config.num_speculative_tokens}: {config.model} was "
+                                      f"adapted to draft {trained} tokens in one forward ({TRAINED_DEPTH_KEY} in its "
+                                      f"config.json); ask for {trained} or fewer, or adapt it for more")
+            self.pard_token = mask_token_id(draft_config)
             if self.pard_token is None:
                 raise DraftsmithError(f"parallel_drafting needs a PARD draft, and {config.model}/config.json names no "
                                       f"mask token ({' / '.join(MASK_TOKEN_KEYS)}): adapt it with `draftsmith train` "

@@ -1,0 +1,69 @@
+"""Where each decode step's time goes, and what the speculation planner's cost model learns from it.
+
+The engine hands every finished decode step here (`StepLedger.book`): its draft, forward and verify seconds
+go into the step profile (`draftsmith bench --profile`), and, for an engine that speculates adaptively, into
+the cost model, except the steps that would teach it wrong prices (cold ones, unsettled plain ones: below).
+"""
+
+from __future__ import annotations
+
+# where a decode step's time goes (`draftsmith bench --profile`): drafting, the target forward, sampling or
+# verification, and the host work around them
+STEP_PARTS = ("draft_s", "forward_s", "verify_s", "bookkeeping_s")
+# An engine's first steps of each kind run cold (first-call dispatch, allocations, caches to fill) and take
+# several times as long as the rest: the cost model does not learn from them. A warm-up's few cold steps
+# had priced speculation out for good.
+COLD_STEPS = {"plain": 3, "speculative": 3, "catch_up": 2}
+# A plain step right after a speculative one runs on caches the draft model and the wide verify left cold:
+# demo target, 8 in flight, its forward took 3.57-3.99 ms against 3.32-3.38 from the fifth plain step in a
+# row on (a never-speculating engine's: 3.35-3.46). Learned from, they priced a plain step at 4.13 ms where
+# a plain engine ran one in 3.62, so speculation looked better than it was (planned 1.14x the plain rate at
+# 8 in flight, the level measured 0.97x). Plain prices are learned from the plain steps after this many in
+# a row.
+SETTLING_STEPS = 3
+
+
+def _fresh_profile() -> dict:
+    return dict.fromkeys(STEP_PARTS, 0.0) | {"decode_steps": 0}
+
+
+class StepLedger:
+    def __init__(self):
+        self.profile = _fresh_profile()
+        self._cold = dict(COLD_STEPS)
+        self._plain_run = SETTLING_STEPS  # plain decode steps since the last speculative one
+
+    def reset_profile(self) -> None:
+        self.profile = _fresh_profile()
+
+    def book(self, rows: int, width: int, total: float, draft_s: float, forward_s: float, verify_s: float,
+             cost, proposer, catch_up: tuple[int, int] = (0, 0), query_len: float = 1.0) -> None:
+        """One decode step of `rows` rows verifying up to `width` drafts (0: plain) that took `total` seconds;
+        `cost`: the planner's cost model (None: nothing learns); `query_len`: the forward's mean real tokens
+        per row (packed, that is what it costs)."""
+        host = max(total - draft_s - forward_s, 0.0)
+        profile = self.profile
+        profile["decode_steps"] += 1
+        profile["draft_s"] += draft_s
+        profile["forward_s"] += forward_s
+        profile["verify_s"] += verify_s
+        profile["bookkeeping_s"] += host - verify_s
+        if cost is None:
+            return
+        # a speculative step is steady unless its drafting began with a one-off catch-up
+        kind = "plain" if not width else "speculative" if proposer.steady or not draft_s else "catch_up"
+        self._plain_run = self._plain_run + 1 if kind == "plain" else 0
+        if self._cold[kind]:
+            self._cold[kind] -= 1
+            return
+        if kind != "plain" or self._plain_run > SETTLING_STEPS:
+            cost.observe_forward(rows, query_len, forward_s)
+            cost.observe_host(rows, bool(width), host)
+        if kind == "speculative":
+            # drafting done before the plan is sunk when it is made, and so is not in its prediction
+            cost.observe_step(rows, width, total - (draft_s if cost.drafts_before_plan else 0.0), query_len)
+        if draft_s and proposer.steps_run:
+            if kind == "speculative":
+                cost.observe_draft(rows, proposer.steps_run, draft_s)
+            else:
+                cost.observe_catch_up(catch_up, rows, proposer.steps_run, draft_s)

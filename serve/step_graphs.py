@@ -1,0 +1,190 @@
+"""Decode and verify forwards at static shapes: captured as CUDA graphs, or traced by torch.compile.
+
+An eager step on a GPU is bound by its launches: each of a few hundred small kernels waits on Python
+between them. A static step takes that away. Its rows are padded to a bucket (powers of two up to
+`max_num_seqs`), its queries per row to the step's width (1 to decode, 1 + drafts to verify: each width its
+own bucket), and every value the forward reads from the scheduler sits in one static buffer refilled per
+step: token ids, positions, the slots written and read, each row's key count. The forward (`static_forward`)
+derives its attention metadata from that buffer on the device (`ForwardBatch.static`) and reads nothing back
+to the host, so a CUDA graph captures it once per bucket and replays it; the Triton slot kernel reads each
+row's keys up to its own count in place, so one graph serves every context length.
+
+On CPU the same function runs under `torch.compile(fullgraph=True)`: how the tests check that it has no
+graph break and decodes what eager decodes. The engine does not pick that there by default: a compile per
+bucket costs tens of seconds on two cores, and eager CPU forwards already run oneDNN on reordered weights
+(`models.linear`). Eager stays the reference path and `--enforce-eager` (vLLM's name) keeps it.
+
+Prefill chunks stay eager (their shapes change with every prompt), as do a draft head's own steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.attention_backend import slot_kernel_wanted
+from draftsmith.models.kv_cache import ForwardBatch, KVCache
+from draftsmith.models.llama import CausalLM, ForwardOutput
+
+logger = logging.getLogger("draftsmith")
+
+STEP_MODES = ("auto", "eager", "cuda-graph", "compile")
+# keys read per row without the slot kernel (SDPA or the grouped CPU form over a gathered window), in
+# buckets of this many: a compiled step specialises on the count, and this bounds how many counts it meets
+KEY_BUCKET = 256
+RECOMPILE_LIMIT = 64
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, ... up to max_rows, and max_rows itself."""
+    buckets, rows = [], 1
+    while rows < max_rows:
+        buckets.append(rows)
+        rows *= 2
+    return buckets + [max_rows]
+
+
+def static_forward(model: CausalLM, cache: KVCache, inputs: torch.Tensor, width: int, num_keys: int,
+                   hidden_layer_ids: tuple[int, ...], slot_kernel: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One decode or verify forward from a static input buffer [rows, 3 * width + 2] (StepInputs' layout)
+    -> logits [rows, width, vocab] (fp32) and the hidden states `hidden_layer_ids` [rows, width, hidden]."""
+    ids, positions, write_slots = inputs[:, :width], inputs[:, width : 2 * width], inputs[:, 2 * width : 3 * width]
+    read_slots, kv_lens = inputs[:, 3 * width].contiguous(), inputs[:, 3 * width + 1].contiguous()
+    batch = ForwardBatch.static(positions, read_slots, write_slots, kv_lens, num_keys, model.config.sliding_window,
+                                slot_kernel)
+    out = model(ids, cache=cache, batch=batch, hidden_layer_ids=hidden_layer_ids)
+    return out.logits, tuple(out.hidden_states[i] for i in hidden_layer_ids)
+
+
+@dataclass
+class _Bucket:
+    inputs: torch.Tensor  # the static buffer on the device, [rows, 3 * width + 2]
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple | None = None  # what the captured forward wrote: static, overwritten by each replay
+
+
+class StepRunner:
+    """Runs the engine's decode and verify forwards at static shapes (the module docstring); built once per
+    engine for a mode other than eager (`make_step_runner`)."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, max_rows: int, hidden_layer_ids: tuple[int, ...], mode: str):
+        self.model, self.cache, self.mode = model, cache, mode
+        self.hidden_layer_ids = tuple(hidden_layer_ids)
+        self.device = model.model.embed_tokens.weight.device
+        self.buckets = row_buckets(max_rows)
+        self.slot_kernel = slot_kernel_wanted(self.device)
+        self._steps: dict[tuple[int, int], _Bucket] = {}
+        self._pool = None
+        if mode == "compile":
+            self._compiled = torch.compile(static_forward, fullgraph=True)
+
+    def forward(self, ids: torch.Tensor, slots: list[int], starts: list[int], q_lens: list[int]) -> ForwardOutput:
+        """ids [B, W] (row b's first q_lens[b] real), rows in slots at starts -> logits [B, W, vocab] and the
+        hidden states, as the eager forward returns them."""
+        rows, width = ids.shape
+        bucket_rows = next(b for b in self.buckets if b >= rows)
+        step = self._bucket(bucket_rows, width)
+        step.inputs.copy_(self._host_inputs(rows, bucket_rows, width, slots, starts, q_lens), non_blocking=True)
+        step.inputs[:rows, :width].copy_(ids)  # drafts are on the device already
+        logits, hidden = self._run(step, width, max(s + q for s, q in zip(starts, q_lens)))
+        return ForwardOutput(logits=logits[:rows], hidden_states={
+            i: h[:rows] for i, h in zip(self.hidden_layer_ids, hidden)})
+
+    def warm_up(self, widths: list[int]) -> int:
+        """Captures (or compiles) every row bucket at each width now, on padding rows alone (they touch only
+        the scratch slot), not in the first steps that meet them: a capture or compile timed as a step had
+        made speculation look slower than it is. -> the buckets run."""
+        for width in widths:
+            for rows in self.buckets:
+                step = self._bucket(rows, width)
+                step.inputs.copy_(self._host_inputs(0, rows, width, [], [], []))
+                self._run(step, width, width)
+        return len(widths) * len(self.buckets)
+
+    def _bucket(self, rows: int, width: int) -> _Bucket:
+        step = self._steps.get((rows, width))
+        if step is None:
+            step = self._steps[(rows, width)] = _Bucket(torch.zeros(rows, 3 * width + 2, dtype=torch.long,
+                                                                    device=self.device))
+        return step
+
+    def _run(self, step: _Bucket, width: int, longest: int):
+        # with the kernel, every row reads its own keys whatever the buffer's length: one graph for all
+        num_keys = self.cache.max_len if self.slot_kernel else min(-(-longest // KEY_BUCKET) * KEY_BUCKET,
+                                                                   self.cache.max_len)
+        with torch.inference_mode():
+            if self.mode == "cuda-graph":
+                return self._replay(step, width, num_keys)
+            # Dynamo's default of 8 compiles per function is met by one engine's buckets, or by engines
+            # side by side (each guards on its own model and cache); past it, fullgraph raises
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return self._compiled(self.model, self.cache, step.inputs, width, num_keys, self.hidden_layer_ids,
+                                      self.slot_kernel)
+
+    def _host_inputs(self, rows: int, bucket_rows: int, width: int, slots: list[int], starts: list[int],
+                     q_lens: list[int]) -> torch.Tensor:
+        """The buffer's host copy for `rows` real rows (their ids are written on the device after). Padding
+        queries write to the scratch slot; padding rows read it too, keys 0..width-1 (finite: zeros or other
+        padding's writes)."""
+        scratch = self.cache.scratch_slot
+        host = torch.zeros(bucket_rows, 3 * width + 2, dtype=torch.long)
+        offsets = torch.arange(width)
+        start = torch.tensor(starts + [0] * (bucket_rows - rows))[:, None]
+        host[:, width : 2 * width] = (start + offsets).clamp(max=self.cache.max_len - 1)
+        real = offsets[None, :] < torch.tensor(q_lens + [0] * (bucket_rows - rows))[:, None]
+        read = torch.tensor(slots + [scratch] * (bucket_rows - rows))
+        host[:, 2 * width : 3 * width] = torch.where(real, read[:, None], scratch)
+        host[:, 3 * width] = read
+        host[:, 3 * width + 1] = torch.tensor([s + q for s, q in zip(starts, q_lens)] + [width] * (bucket_rows - rows))
+        return host
+
+    def _replay(self, step: _Bucket, width: int, num_keys: int):
+        if step.graph is None:
+            self._capture(step, width, num_keys)
+        step.graph.replay()
+        logits, hidden = step.outputs
+        # the next replay overwrites them, and a proposer may keep hidden states past this step
+        return logits.clone(), tuple(h.clone() for h in hidden)
+
+    def _capture(self, step: _Bucket, width: int, num_keys: int) -> None:
+        """Captures the bucket's forward; the buffer holds a real step's inputs, whose cache writes the
+        capture's warm-up runs repeat exactly (same keys and values to the same places)."""
+        args = (self.model, self.cache, step.inputs, width, num_keys, self.hidden_layer_ids, self.slot_kernel)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compiles the Triton kernels and settles the allocator first
+            for _ in range(2):
+                static_forward(*args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            step.outputs = static_forward(*args)
+        step.graph = graph
+        logger.info("captured a step graph: %d rows x %d queries", step.inputs.shape[0], width)
+
+
+def resolve_step_mode(mode: str, enforce_eager: bool, device: torch.device) -> str:
+    """The mode an engine runs its decode and verify forwards in: one of STEP_MODES but auto (CUDA graphs on
+    CUDA, eager elsewhere)."""
+    if mode not in STEP_MODES:
+        raise DraftsmithError(f"step mode {mode!r}: one of {', '.join(STEP_MODES)}")
+    if enforce_eager:
+        if mode not in ("auto", "eager"):
+            raise DraftsmithError(f"enforce_eager runs every step eagerly; it cannot be combined with step mode {mode!r}")
+        return "eager"
+    if mode == "auto":
+        return "cuda-graph" if device.type == "cuda" else "eager"
+    if mode == "cuda-graph" and device.type != "cuda":
+        raise DraftsmithError(f"step mode cuda-graph needs a CUDA device, and the model is on {device.type}")
+    return mode
+
+
+def make_step_runner(model: CausalLM, cache: KVCache, max_rows: int, hidden_layer_ids: tuple[int, ...],
+                     mode: str) -> StepRunner | None:
+    """The runner for a resolved mode; None for eager (the engine's own forwards)."""
+    return None if mode == "eager" else StepRunner(model, cache, max_rows, hidden_layer_ids, mode)

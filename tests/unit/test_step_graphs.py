@@ -1,0 +1,174 @@
+"""Static-shape decode and verify steps (serve.step_graphs): the padded static forward computes what the
+eager forward computes, torch.compile traces it whole (fullgraph) and decodes greedily what eager decodes,
+plain and speculative; CUDA graphs where a GPU is present."""
+
+import os
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.models.loader import load_target
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.step_graphs import StepRunner, resolve_step_mode, row_buckets, static_forward
+from helpers import CODE_PROMPTS, DEMO_MODEL, make_tiny_checkpoint
+
+EAGLE3_HEAD = DEMO_MODEL.parent / "demo-code-7m-eagle3"
+
+
+def _prefilled(model, lengths, slots, num_slots=6, max_len=96, seed=0):
+    """A cache whose `slots` hold prompts of `lengths` random tokens (eager prefill)."""
+    cache = model.make_cache(num_slots, max_len)
+    generator = torch.Generator().manual_seed(seed)
+    for slot, n in zip(slots, lengths):
+        ids = torch.randint(model.config.vocab_size, (1, n), generator=generator)
+        batch = ForwardBatch.build([slot], [0], [n], cache, model.config.sliding_window)
+        with torch.inference_mode():
+            model(ids, cache=cache, batch=batch, compute_logits=False)
+    return cache
+
+
+def _step_inputs(model, slots, starts, q_lens, width, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(model.config.vocab_size, (len(slots), width), generator=generator)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+def test_static_forward_computes_what_the_eager_forward_does(tmp_path, family):
+    """Rows of unequal queries (a verify of 0, 3 and 1 drafts) in scattered slots, padded to a bucket of 4
+    rows: every real query's logits and hidden states equal the eager forward's, the real keys and values
+    land where eager puts them, and nothing outside the rows' new positions changes (padding writes go to
+    the scratch slot). The sliding-window family checks the window in the static mask."""
+    make_tiny_checkpoint(family, tmp_path / family)
+    model = load_target(tmp_path / family, dtype="float32")
+    slots, starts, q_lens, width = [4, 0, 2], [30, 7, 19], [1, 4, 2], 4
+    eager_cache = _prefilled(model, starts, slots)
+    static_cache = _prefilled(model, starts, slots)
+    ids = _step_inputs(model, slots, starts, q_lens, width)
+    batch = ForwardBatch.build(slots, starts, q_lens, eager_cache, model.config.sliding_window, pack=True)
+    with torch.inference_mode():
+        want = model(ids, cache=eager_cache, batch=batch, hidden_layer_ids=(1, 3))
+    runner = StepRunner(model, static_cache, max_rows=6, hidden_layer_ids=(1, 3), mode="compile")
+    runner._compiled = static_forward  # the same function, untraced: what compile and capture start from
+    got = runner.forward(ids, slots, starts, q_lens)
+    assert got.logits.shape == (3, width, model.config.vocab_size)
+    for row, n in enumerate(q_lens):
+        torch.testing.assert_close(got.logits[row, :n], want.logits[row, :n], rtol=1e-5, atol=1e-5)
+        for layer in (1, 3):
+            torch.testing.assert_close(got.hidden_states[layer][row, :n], want.hidden_states[layer][row, :n],
+                                       rtol=1e-5, atol=1e-5)
+    for eager_layer, static_layer in zip(eager_cache.k + eager_cache.v, static_cache.k + static_cache.v):
+        live = slice(0, eager_cache.num_slots)  # the scratch slot differs: padding wrote there
+        torch.testing.assert_close(static_layer[live], eager_layer[live], rtol=1e-5, atol=1e-6)
+
+
+def test_row_buckets_and_modes():
+    assert row_buckets(1) == [1] and row_buckets(6) == [1, 2, 4, 6] and row_buckets(8) == [1, 2, 4, 8]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_step_mode("auto", False, cpu) == "eager" and resolve_step_mode("auto", False, cuda) == "cuda-graph"
+    assert resolve_step_mode("auto", True, cuda) == "eager" and resolve_step_mode("compile", False, cpu) == "compile"
+    with pytest.raises(DraftsmithError, match="needs a CUDA device"):
+        resolve_step_mode("cuda-graph", False, cpu)
+    with pytest.raises(DraftsmithError, match="cannot be combined"):
+        resolve_step_mode("compile", True, cpu)
+    with pytest.raises(DraftsmithError, match="one of auto, eager"):
+        resolve_step_mode("graphs", False, cpu)
+
+
+def _compiled_llm(target, backend, **kwargs):
+    """An engine whose decode and verify steps run torch.compile(fullgraph=True) with `backend`; -> the LLM
+    and the list its runner's forwards are counted in."""
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
+              **kwargs)
+    engine = llm.engine
+    runner = StepRunner(engine.model, engine.cache, 3, engine.feature_layers, "compile")
+    runner._compiled = torch.compile(static_forward, fullgraph=True, backend=backend)
+    calls, forward = [], runner.forward
+    runner.forward = lambda *a: calls.append(a[0].shape) or forward(*a)
+    engine.steps = runner
+    return llm, calls
+
+
+@pytest.mark.parametrize("speculation", [None, {"method": "eagle3", "model": str(EAGLE3_HEAD),
+                                                "num_speculative_tokens": 4, "adaptive": False}])
+def test_compiled_steps_decode_what_eager_decodes(target, greedy_reference, speculation):
+    """The whole step traced as one graph (a break would raise under fullgraph=True), over a mixed batch
+    whose rows join and leave (3 slots for 4 prompts) and, speculating, verify unequal numbers of drafts:
+    greedy token ids equal the eager engine's. AOT-eager backend: Dynamo and AOTAutograd trace exactly as
+    for Inductor, without its C++ compile."""
+    torch._dynamo.reset()
+    llm, calls = _compiled_llm(target, "aot_eager", speculative_config=speculation)
+    outputs = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference
+    assert {shape[0] for shape in calls} >= {1, 3}
+    if speculation is not None:
+        assert max(shape[1] for shape in calls) > 1 and llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def test_inductor_compiles_a_step(target):
+    """Inductor itself (C++ kernels on CPU) on one verify bucket of the demo model: the logits equal the
+    eager static forward's."""
+    torch._dynamo.reset()
+    slots, starts, q_lens = [1, 0, 3], [12, 40, 5], [3, 1, 2]
+    cache = _prefilled(target, starts, slots, num_slots=4, max_len=128)
+    ids = _step_inputs(target, slots, starts, q_lens, 3)
+    runner = StepRunner(target, cache, max_rows=4, hidden_layer_ids=(2,), mode="compile")
+    got = runner.forward(ids, slots, starts, q_lens)
+    runner._compiled = static_forward
+    want = runner.forward(ids, slots, starts, q_lens)  # the same writes again: same keys, same places
+    for row, n in enumerate(q_lens):
+        torch.testing.assert_close(got.logits[row, :n], want.logits[row, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_slot_kernel_static_forward_under_the_interpreter(monkeypatch, tmp_path):
+    """What a captured CUDA graph runs: the static forward through the Triton slot kernel, every row
+    reading the whole cache's length bound by its own key count, equals the eager forward."""
+    kernel = pytest.importorskip("draftsmith.models.slot_attention_triton")
+    if kernel.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1 (`make test` sets it)")
+    make_tiny_checkpoint("llama", tmp_path / "llama")
+    model = load_target(tmp_path / "llama", dtype="float32")
+    slots, starts, q_lens = [3, 1], [21, 50], [2, 3]
+    eager_cache, static_cache = _prefilled(model, starts, slots), _prefilled(model, starts, slots)
+    ids = _step_inputs(model, slots, starts, q_lens, 3)
+    with torch.inference_mode():
+        want = model(ids, cache=eager_cache, batch=ForwardBatch.build(slots, starts, q_lens, eager_cache, pack=True))
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
+    runner = StepRunner(model, static_cache, max_rows=4, hidden_layer_ids=(), mode="compile")
+    assert runner.slot_kernel
+    runner._compiled = static_forward
+    got = runner.forward(ids, slots, starts, q_lens)
+    for row, n in enumerate(q_lens):
+        torch.testing.assert_close(got.logits[row, :n], want.logits[row, :n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (none on this machine)")
+def test_cuda_graph_steps_decode_what_eager_decodes():
+    prompts, params = CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32)
+    eager = LLM(DEMO_MODEL, dtype="float32", device="cuda", max_num_seqs=4, enforce_eager=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    for speculation in (None, {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": 4}):
+        llm = LLM(DEMO_MODEL, dtype="float32", device="cuda", max_num_seqs=4, target=eager.model,
+                  speculative_config=speculation)
+        assert llm.engine.step_mode == "cuda-graph"
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_engine_flags_reach_the_engine(tmp_path, capsys):
+    """--enforce-eager and --step-mode go from every engine command to LLM; a mode the device cannot run is
+    one line on stderr, exit status 2."""
+    from draftsmith.cli import build_parser, main
+    from draftsmith.serve.llm import engine_kwargs
+
+    args = build_parser().parse_args(["serve", str(DEMO_MODEL), "--enforce-eager"])
+    assert engine_kwargs(args)["enforce_eager"] is True and engine_kwargs(args)["step_mode"] == "auto"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def f("}\n')
+    command = ["generate", "--model", str(DEMO_MODEL), "--prompts", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+               "--max-tokens", "2", "--temperature", "0", "--device", "cpu"]
+    if not torch.cuda.is_available():
+        assert main(command + ["--step-mode", "cuda-graph"]) == 2
+        assert "step mode cuda-graph needs a CUDA device" in capsys.readouterr().err
+    assert main(command + ["--step-mode", "compile", "--enforce-eager"]) == 2
+    assert "cannot be combined with step mode 'compile'" in capsys.readouterr().err

@@ -61,6 +61,9 @@ class Eagle3Head(DraftHead):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def draft_offsets(self) -> torch.Tensor:
+        return self.d2t
+
     def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None,
              logits_at=None):
         if from_target:

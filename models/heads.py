@@ -190,6 +190,10 @@ class RecurrentHead(AttachedHead):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
+    def draft_offsets(self) -> torch.Tensor | None:
+        """What `to_target_ids` adds to a draft id, per draft id (EAGLE-3's d2t), or None: the same vocabulary."""
+        return None
+
     def readout(self, x: torch.Tensor) -> torch.Tensor:
         """Logits from the target's own LM head: a bfloat16 head under a float32 target reads a bfloat16 copy,
         made once (the LM head is the largest matrix a draft step reads; not saved); otherwise x is cast to

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.models.attention_backend import slot_kernel_wanted
+from draftsmith.models.kernel_backend import slot_kernel_wanted
 
 # A packed forward gathers and scatters each layer's activations (a few small ops per layer): worth it once
 # padding is a fifth of the batch (prompts of unequal length, rows verifying unequal numbers of drafts).
@@ -85,7 +85,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [B, Q] absolute position of each query token (padding clamped into range)
     read_slots: torch.Tensor  # [B] slot each row attends over
     write_slots: torch.Tensor  # [B, Q] slot each token's K/V goes to (scratch for padding)
-    mask: torch.Tensor  # [B, 1, Q, kv_len - kv_start] bool, True = may attend
+    mask: torch.Tensor | None  # [B, 1, Q, kv_len - kv_start] bool, True = may attend (None: `slot_rows`)
     kv_len: int  # keys [kv_start, kv_len) are read
     slot_start: int | None  # rows read slots slot_start.. in order: slice the cache instead of gathering
     kv_start: int = 0  # no row attends to keys before this: they are not read at all
@@ -174,14 +174,16 @@ class ForwardBatch:
         values but `num_keys`, the keys every row reads (a bucket, or the cache's length), so a captured or
         compiled step runs it again for new rows by refilling its inputs. positions, write_slots [B, Q];
         read_slots, kv_lens [B]: row b sees keys below kv_lens[b], causally."""
+        if slot_kernel:  # the kernel masks from positions and kv_lens itself: no [B, Q, cache length] mask
+            return cls(positions=positions, read_slots=read_slots, write_slots=write_slots, mask=None,
+                       kv_len=num_keys, slot_start=None, slot_rows=SlotRows(kv_lens, None, sliding_window, num_keys))
         keys = torch.arange(num_keys, device=positions.device)
         query = positions[:, :, None]
         mask = (keys <= query) & (keys < kv_lens[:, None, None])
         if sliding_window is not None:
             mask &= keys > query - sliding_window
-        slot_rows = SlotRows(kv_lens, None, sliding_window, num_keys) if slot_kernel else None
         return cls(positions=positions, read_slots=read_slots, write_slots=write_slots, mask=mask[:, None],
-                   kv_len=num_keys, slot_start=None, slot_rows=slot_rows)
+                   kv_len=num_keys, slot_start=None)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """[T, ...] values of the real tokens -> [B, Q, ...], padding zero."""

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.attention_backend import slot_kernel_wanted
-from draftsmith.models.kv_cache import ForwardBatch, KVCache
+from draftsmith.models.kernel_backend import slot_kernel_wanted
+from draftsmith.models.kv_cache import SLOT_KERNEL_QUERIES, ForwardBatch, KVCache
 from draftsmith.models.llama import CausalLM, ForwardOutput
 
 logger = logging.getLogger("draftsmith")
@@ -89,7 +89,7 @@ class StepRunner:
         step = self._bucket(bucket_rows, width)
         step.inputs.copy_(self._host_inputs(rows, bucket_rows, width, slots, starts, q_lens), non_blocking=True)
         step.inputs[:rows, :width].copy_(ids)  # drafts are on the device already
-        logits, hidden = self._run(step, width, max(s + q for s, q in zip(starts, q_lens)))
+        logits, hidden = self._run(step, width, max(s + q for s, q in zip(starts, q_lens)), rows)
         return ForwardOutput(logits=logits[:rows], hidden_states={
             i: h[:rows] for i, h in zip(self.hidden_layer_ids, hidden)})
 
@@ -101,7 +101,7 @@ class StepRunner:
             for rows in self.buckets:
                 step = self._bucket(rows, width)
                 step.inputs.copy_(self._host_inputs(0, rows, width, [], [], []))
-                self._run(step, width, width)
+                self._run(step, width, width, 0)
         return len(widths) * len(self.buckets)
 
     def _bucket(self, rows: int, width: int) -> _Bucket:
@@ -111,18 +111,23 @@ class StepRunner:
                                                                     device=self.device))
         return step
 
-    def _run(self, step: _Bucket, width: int, longest: int):
-        # with the kernel, every row reads its own keys whatever the buffer's length: one graph for all
-        num_keys = self.cache.max_len if self.slot_kernel else min(-(-longest // KEY_BUCKET) * KEY_BUCKET,
-                                                                   self.cache.max_len)
+    def _run(self, step: _Bucket, width: int, longest: int, rows: int):
+        """The bucket's forward over keys up to `longest`; `rows` real ones (what a replay's outputs keep)."""
+        # the kernel's tile stacks a KV group's heads times the queries: past this many queries a row, the
+        # masked PyTorch form, as ForwardBatch.build decides
+        kernel = self.slot_kernel and width <= SLOT_KERNEL_QUERIES
+        # A graph replays the key count it was captured with: the whole cache (the kernel bounds each row by
+        # its kv_lens; the mask form reads every key, masked). A compiled step takes the longest row's bucket.
+        num_keys = self.cache.max_len if kernel or self.mode == "cuda-graph" else min(
+            -(-longest // KEY_BUCKET) * KEY_BUCKET, self.cache.max_len)
         with torch.inference_mode():
             if self.mode == "cuda-graph":
-                return self._replay(step, width, num_keys)
+                return self._replay(step, width, num_keys, kernel, rows)
             # Dynamo's default of 8 compiles per function is met by one engine's buckets, or by engines
             # side by side (each guards on its own model and cache); past it, fullgraph raises
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 return self._compiled(self.model, self.cache, step.inputs, width, num_keys, self.hidden_layer_ids,
-                                      self.slot_kernel)
+                                      kernel)
 
     def _host_inputs(self, rows: int, bucket_rows: int, width: int, slots: list[int], starts: list[int],
                      q_lens: list[int]) -> torch.Tensor:
@@ -141,18 +146,19 @@ class StepRunner:
         host[:, 3 * width + 1] = torch.tensor([s + q for s, q in zip(starts, q_lens)] + [width] * (bucket_rows - rows))
         return host
 
-    def _replay(self, step: _Bucket, width: int, num_keys: int):
+    def _replay(self, step: _Bucket, width: int, num_keys: int, kernel: bool, rows: int):
         if step.graph is None:
-            self._capture(step, width, num_keys)
+            self._capture(step, width, num_keys, kernel)
         step.graph.replay()
         logits, hidden = step.outputs
         # the next replay overwrites them, and a proposer may keep hidden states past this step
-        return logits.clone(), tuple(h.clone() for h in hidden)
+        return logits[:rows].clone(), tuple(h[:rows].clone() for h in hidden)
 
-    def _capture(self, step: _Bucket, width: int, num_keys: int) -> None:
-        """Captures the bucket's forward; the buffer holds a real step's inputs, whose cache writes the
-        capture's warm-up runs repeat exactly (same keys and values to the same places)."""
-        args = (self.model, self.cache, step.inputs, width, num_keys, self.hidden_layer_ids, self.slot_kernel)
+    def _capture(self, step: _Bucket, width: int, num_keys: int, kernel: bool) -> None:
+        """Captures the bucket's forward. The graph holds the addresses of the cache, the weights and the rope
+        tables (sized at load for max_model_len: never rebuilt while serving). The buffer holds padding rows
+        (warm-up) or a real step's inputs, whose cache writes the warm-up runs repeat exactly."""
+        args = (self.model, self.cache, step.inputs, width, num_keys, self.hidden_layer_ids, kernel)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles the Triton kernels and settles the allocator first

@@ -20,6 +20,18 @@ CODE_PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\
 SHARED = Path(os.environ.get("DRAFTSMITH_SHARED", REPO.parent / "shared"))
 
 
+def triton_kernel_module(name: str):
+    """The kernel module `name` (importable without Triton), or a skip of the calling test module: Triton is not
+    installed, or there is no GPU and kernels would need TRITON_INTERPRET=1 (`make test` sets it)."""
+    module = pytest.importorskip(name)
+    if module.triton is None:
+        pytest.skip("Triton is not installed", allow_module_level=True)
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU: Triton kernels run on CPU only under TRITON_INTERPRET=1 (`make test` sets it)",
+                    allow_module_level=True)
+    return module
+
+
 def shared_path(*parts: str) -> Path:
     """A path under ../shared, or a skip: a user's fresh clone has no ../shared (CI does)."""
     path = SHARED.joinpath(*parts)

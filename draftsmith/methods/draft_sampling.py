@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.methods.draft_pick_reference import greedy_pick_reference
+from draftsmith.models.kernel_backend import draft_pick_wanted
+
 
 def choose(logits: torch.Tensor, temperature: torch.Tensor | None,
            draws: list[tuple[int, torch.Generator]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """logits [A, V] -> (chosen ids [A] in the logits' vocabulary, probability of each choice [A], q [A, V]
     or None when every row is greedy). Rows whose temperature is 0 take the argmax; `draws` pairs the rows
     that sample with their generators (exponential race: argmax of q / Exp(1) is a draw from q)."""
+    if temperature is None:
+        return (*pick_greedy(logits), None)
     logits = logits.float()
-    if temperature is None:  # one fused softmax gives the argmax and its probability together
-        top, argmax = torch.softmax(logits, dim=-1).max(-1)
-        return argmax, top, None
     argmax = logits.argmax(-1)
     greedy = temperature == 0
     probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
@@ -24,6 +26,17 @@ def choose(logits: torch.Tensor, temperature: torch.Tensor | None,
         noise[row].exponential_(generator=generator)
     drawn = torch.where(greedy, argmax, (probs / noise).argmax(-1))
     return drawn, probs.gather(1, drawn[:, None])[:, 0], probs
+
+
+def pick_greedy(logits: torch.Tensor, d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row greedy: (argmax ids [A], mapped by EAGLE-3's `d2t` offsets when given, and the softmax
+    probability of each [A]), from one Triton kernel where it runs (CUDA: `draft_pick_triton`, no softmax
+    written out), else PyTorch's."""
+    if draft_pick_wanted(logits.device):
+        from draftsmith.methods import draft_pick_triton
+
+        return draft_pick_triton.greedy_pick(logits, d2t)
+    return greedy_pick_reference(logits, d2t)
 
 
 def choose_block(logits: torch.Tensor, limits: list[int], rows: torch.Tensor, temperature: torch.Tensor | None,

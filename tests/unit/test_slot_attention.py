@@ -3,7 +3,6 @@ reference against the engine's own attention over a ForwardBatch's mask: GQA up 
 with head_dim 128, ragged rows in scattered slots, causal blocks, tree masks, sliding windows, key ranges,
 split-K, fp32/fp16/bf16."""
 
-import os
 
 import pytest
 import torch
@@ -11,13 +10,9 @@ import torch
 from draftsmith.models.attention import cached_attention
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
 from draftsmith.models.slot_attention_reference import slot_attention_reference
+from helpers import triton_kernel_module
 
-triton_kernel = pytest.importorskip("draftsmith.models.slot_attention_triton")
-if triton_kernel.triton is None:
-    pytest.skip("Triton is not installed", allow_module_level=True)
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU: Triton kernels run on CPU only under TRITON_INTERPRET=1 (`make test` sets it)",
-                allow_module_level=True)
+triton_kernel = triton_kernel_module("draftsmith.models.slot_attention_triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -127,7 +122,7 @@ def test_the_engine_decodes_and_verifies_through_the_kernel(monkeypatch, greedy_
 
 def test_a_bad_attention_choice_is_one_line(monkeypatch):
     from draftsmith.errors import DraftsmithError
-    from draftsmith.models.attention_backend import slot_kernel_wanted
+    from draftsmith.models.kernel_backend import slot_kernel_wanted
 
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "flash")
     with pytest.raises(DraftsmithError, match="DRAFTSMITH_ATTENTION='flash': one of auto, triton, torch"):

@@ -39,7 +39,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
-from draftsmith.methods.draft_sampling import choose
+from draftsmith.methods.draft_sampling import choose, pick_greedy
 from draftsmith.methods.heads import draft_dtype, load_attached_head
 from draftsmith.models.kv_cache import ForwardBatch
 
@@ -205,6 +205,8 @@ class EagleFamilyProposer(Proposer):
 
     def _choose(self, logits: torch.Tensor, temperature: torch.Tensor | None, draws: list[tuple[int, torch.Generator]]):
         """`draft_sampling.choose` over the draft vocab, its choices as target token ids."""
+        if temperature is None:  # all greedy: one fused pick, the draft-to-target map applied in it
+            return (*pick_greedy(logits, self.head.draft_offsets()), None)
         drawn, p, probs = choose(logits, temperature, draws)
         return self.head.to_target_ids(drawn), p, probs
 

@@ -169,19 +169,23 @@ class ForwardBatch:
 
     @classmethod
     def static(cls, positions: torch.Tensor, read_slots: torch.Tensor, write_slots: torch.Tensor,
-               kv_lens: torch.Tensor, num_keys: int, sliding_window: int | None, slot_kernel: bool) -> ForwardBatch:
+               kv_lens: torch.Tensor, num_keys: int, sliding_window: int | None, slot_kernel: bool,
+               key_starts: torch.Tensor | None = None) -> ForwardBatch:
         """A batch built on the device from tensors of fixed shapes alone (`serve.step_graphs`): no host
         values but `num_keys`, the keys every row reads (a bucket, or the cache's length), so a captured or
         compiled step runs it again for new rows by refilling its inputs. positions, write_slots [B, Q];
-        read_slots, kv_lens [B]: row b sees keys below kv_lens[b], causally."""
+        read_slots, kv_lens [B]: row b sees keys below kv_lens[b], causally, and from key_starts[b] on."""
         if slot_kernel:  # the kernel masks from positions and kv_lens itself: no [B, Q, cache length] mask
             return cls(positions=positions, read_slots=read_slots, write_slots=write_slots, mask=None,
-                       kv_len=num_keys, slot_start=None, slot_rows=SlotRows(kv_lens, None, sliding_window, num_keys))
+                       kv_len=num_keys, slot_start=None,
+                       slot_rows=SlotRows(kv_lens, key_starts, sliding_window, num_keys))
         keys = torch.arange(num_keys, device=positions.device)
         query = positions[:, :, None]
         mask = (keys <= query) & (keys < kv_lens[:, None, None])
         if sliding_window is not None:
             mask &= keys > query - sliding_window
+        if key_starts is not None:
+            mask &= keys >= key_starts[:, None, None]
         return cls(positions=positions, read_slots=read_slots, write_slots=write_slots, mask=mask[:, None],
                    kv_len=num_keys, slot_start=None)
 

@@ -33,7 +33,7 @@ from draftsmith.serve.sampling_params import SamplingParams
 from draftsmith.serve.spec_decode.adaptive import CostModel, SpeculationPlanner
 from draftsmith.serve.spec_decode.verify import SpecMetrics, pick_sampler, verify
 from draftsmith.serve.step_accounting import StepLedger
-from draftsmith.serve.step_graphs import make_step_runner, resolve_step_mode
+from draftsmith.serve.step_graphs import DraftStepRunner, make_step_runner, resolve_step_mode
 from draftsmith.serve.stopping import StopChecker
 
 logger = logging.getLogger("draftsmith")
@@ -110,6 +110,11 @@ class LLMEngine:
         if self.steps is not None:
             buckets = self.steps.warm_up(list(range(1, k + 2)))  # decode, and verifies of 1..k drafts
             logger.info("decode and verify steps: %s, %d buckets ready", self.step_mode, buckets)
+            head = self.proposer.static_step_head() if self.proposer is not None and k > 1 else None
+            if head is not None:
+                self.proposer.draft_steps = DraftStepRunner(*head, config.max_num_seqs, self.step_mode)
+                buckets = self.proposer.draft_steps.warm_up()
+                logger.info("draft steps: %s, %d buckets ready", self.step_mode, buckets)
 
     def _make_planner(self, spec_config: SpeculativeConfig, method, cost_table) -> SpeculationPlanner:
         adaptive = spec_config.adaptive and spec_config.num_speculative_tokens_per_batch_size is None

@@ -14,7 +14,10 @@ graph break and decodes what eager decodes. The engine does not pick that there 
 bucket costs tens of seconds on two cores, and eager CPU forwards already run oneDNN on reordered weights
 (`models.linear`). Eager stays the reference path and `--enforce-eager` (vLLM's name) keeps it.
 
-Prefill chunks stay eager (their shapes change with every prompt), as do a draft head's own steps.
+A recurrent draft head's one-token steps (EAGLE drafts 2..k) run the same way (`DraftStepRunner`): rows
+padded to a bucket, each row's position, slot and first key in a static buffer, the head's input token and
+state in two more; each step moves the positions on by one on the device. Prefill chunks and a head's
+catch-up over newly verified positions stay eager: their shapes change with every prompt and step.
 """
 
 from __future__ import annotations
@@ -59,27 +62,86 @@ def static_forward(model: CausalLM, cache: KVCache, inputs: torch.Tensor, width:
     return out.logits, tuple(out.hidden_states[i] for i in hidden_layer_ids)
 
 
+def static_draft_step(head, cache: KVCache, inputs: torch.Tensor, ids: torch.Tensor, state: torch.Tensor,
+                      num_keys: int, slot_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft step of a recurrent head (its own output and draft fed back) from static buffers: inputs
+    [rows, 3] (position, slot, first key read), ids [rows] (target ids), state [rows, H] -> (head output
+    [rows, H], logits [rows, draft_vocab])."""
+    positions, slots, key_starts = inputs[:, :1], inputs[:, 1].contiguous(), inputs[:, 2].contiguous()
+    batch = ForwardBatch.static(positions, slots, inputs[:, 1:2], positions[:, 0] + 1, num_keys, None, slot_kernel,
+                                key_starts)
+    out, logits = head.step(ids[:, None], state[:, None], positions, False, cache, batch)
+    return out[:, 0], logits[:, 0]
+
+
 @dataclass
 class _Bucket:
     inputs: torch.Tensor  # the static buffer on the device, [rows, 3 * width + 2]
     graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple | None = None  # what the captured forward wrote: static, overwritten by each replay
+    tensors: tuple = ()  # further static inputs (a draft step's ids and state)
 
 
-class StepRunner:
+def _rows_of(outputs, rows: int, copy: bool):
+    """The outputs' real rows; copies of a replay's (the next replay overwrites them, and a proposer may keep
+    hidden states past this step)."""
+    if isinstance(outputs, tuple):
+        return tuple(_rows_of(o, rows, copy) for o in outputs)
+    return outputs[:rows].clone() if copy else outputs[:rows]
+
+
+class _StaticSteps:
+    """What both runners share: the row buckets, and running a static function per bucket in the mode
+    (compiled once, or a CUDA graph captured per bucket and replayed)."""
+
+    def __init__(self, fn, device: torch.device, max_rows: int, mode: str):
+        self.fn, self.device, self.mode = fn, device, mode
+        self.buckets = row_buckets(max_rows)
+        self.slot_kernel = slot_kernel_wanted(device)
+        self._steps: dict[tuple[int, int], _Bucket] = {}
+        self._pool = None
+        if mode == "compile":
+            self._compiled = torch.compile(fn, fullgraph=True)
+
+    def _execute(self, step: _Bucket, args: tuple, rows: int):
+        with torch.inference_mode():
+            if self.mode == "cuda-graph":
+                if step.graph is None:
+                    self._capture(step, args)
+                step.graph.replay()
+                return _rows_of(step.outputs, rows, copy=True)
+            # Dynamo's default of 8 compiles per function is met by one engine's buckets, or by engines
+            # side by side (each guards on its own model and cache); past it, fullgraph raises
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return _rows_of(self._compiled(*args), rows, copy=False)
+
+    def _capture(self, step: _Bucket, args: tuple) -> None:
+        """Captures the bucket's forward. The graph holds the addresses of the cache, the weights and the rope
+        tables (sized at load for max_model_len: never rebuilt while serving). The buffers hold padding rows
+        (warm-up) or a real step's inputs, whose cache writes the warm-up runs repeat exactly."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compiles the Triton kernels and settles the allocator first
+            for _ in range(2):
+                self.fn(*args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            step.outputs = self.fn(*args)
+        step.graph = graph
+        logger.info("captured a %s graph: %d rows", self.fn.__name__, step.inputs.shape[0])
+
+
+class StepRunner(_StaticSteps):
     """Runs the engine's decode and verify forwards at static shapes (the module docstring); built once per
     engine for a mode other than eager (`make_step_runner`)."""
 
     def __init__(self, model: CausalLM, cache: KVCache, max_rows: int, hidden_layer_ids: tuple[int, ...], mode: str):
-        self.model, self.cache, self.mode = model, cache, mode
+        super().__init__(static_forward, model.model.embed_tokens.weight.device, max_rows, mode)
+        self.model, self.cache = model, cache
         self.hidden_layer_ids = tuple(hidden_layer_ids)
-        self.device = model.model.embed_tokens.weight.device
-        self.buckets = row_buckets(max_rows)
-        self.slot_kernel = slot_kernel_wanted(self.device)
-        self._steps: dict[tuple[int, int], _Bucket] = {}
-        self._pool = None
-        if mode == "compile":
-            self._compiled = torch.compile(static_forward, fullgraph=True)
 
     def forward(self, ids: torch.Tensor, slots: list[int], starts: list[int], q_lens: list[int]) -> ForwardOutput:
         """ids [B, W] (row b's first q_lens[b] real), rows in slots at starts -> logits [B, W, vocab] and the
@@ -90,8 +152,7 @@ class StepRunner:
         step.inputs.copy_(self._host_inputs(rows, bucket_rows, width, slots, starts, q_lens), non_blocking=True)
         step.inputs[:rows, :width].copy_(ids)  # drafts are on the device already
         logits, hidden = self._run(step, width, max(s + q for s, q in zip(starts, q_lens)), rows)
-        return ForwardOutput(logits=logits[:rows], hidden_states={
-            i: h[:rows] for i, h in zip(self.hidden_layer_ids, hidden)})
+        return ForwardOutput(logits=logits, hidden_states=dict(zip(self.hidden_layer_ids, hidden)))
 
     def warm_up(self, widths: list[int]) -> int:
         """Captures (or compiles) every row bucket at each width now, on padding rows alone (they touch only
@@ -118,16 +179,9 @@ class StepRunner:
         kernel = self.slot_kernel and width <= SLOT_KERNEL_QUERIES
         # A graph replays the key count it was captured with: the whole cache (the kernel bounds each row by
         # its kv_lens; the mask form reads every key, masked). A compiled step takes the longest row's bucket.
-        num_keys = self.cache.max_len if kernel or self.mode == "cuda-graph" else min(
-            -(-longest // KEY_BUCKET) * KEY_BUCKET, self.cache.max_len)
-        with torch.inference_mode():
-            if self.mode == "cuda-graph":
-                return self._replay(step, width, num_keys, kernel, rows)
-            # Dynamo's default of 8 compiles per function is met by one engine's buckets, or by engines
-            # side by side (each guards on its own model and cache); past it, fullgraph raises
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                return self._compiled(self.model, self.cache, step.inputs, width, num_keys, self.hidden_layer_ids,
-                                      kernel)
+        num_keys = _keys_read(self.cache, longest, kernel, self.mode)
+        return self._execute(step, (self.model, self.cache, step.inputs, width, num_keys, self.hidden_layer_ids,
+                                    kernel), rows)
 
     def _host_inputs(self, rows: int, bucket_rows: int, width: int, slots: list[int], starts: list[int],
                      q_lens: list[int]) -> torch.Tensor:
@@ -146,32 +200,76 @@ class StepRunner:
         host[:, 3 * width + 1] = torch.tensor([s + q for s, q in zip(starts, q_lens)] + [width] * (bucket_rows - rows))
         return host
 
-    def _replay(self, step: _Bucket, width: int, num_keys: int, kernel: bool, rows: int):
-        if step.graph is None:
-            self._capture(step, width, num_keys, kernel)
-        step.graph.replay()
-        logits, hidden = step.outputs
-        # the next replay overwrites them, and a proposer may keep hidden states past this step
-        return logits[:rows].clone(), tuple(h[:rows].clone() for h in hidden)
 
-    def _capture(self, step: _Bucket, width: int, num_keys: int, kernel: bool) -> None:
-        """Captures the bucket's forward. The graph holds the addresses of the cache, the weights and the rope
-        tables (sized at load for max_model_len: never rebuilt while serving). The buffer holds padding rows
-        (warm-up) or a real step's inputs, whose cache writes the warm-up runs repeat exactly."""
-        args = (self.model, self.cache, step.inputs, width, num_keys, self.hidden_layer_ids, kernel)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # compiles the Triton kernels and settles the allocator first
-            for _ in range(2):
-                static_forward(*args)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            step.outputs = static_forward(*args)
-        step.graph = graph
-        logger.info("captured a step graph: %d rows x %d queries", step.inputs.shape[0], width)
+def _keys_read(cache: KVCache, longest: int, kernel: bool, mode: str) -> int:
+    """The key count a static step reads. A graph replays the count it was captured with: the whole cache (the
+    kernel bounds each row by its kv_lens; the mask form reads every key, masked). A compiled step takes the
+    longest row's bucket."""
+    if kernel or mode == "cuda-graph":
+        return cache.max_len
+    return min(-(-longest // KEY_BUCKET) * KEY_BUCKET, cache.max_len)
+
+
+class DraftStepRunner(_StaticSteps):
+    """Runs a recurrent draft head's one-token steps at static shapes (the module docstring): `begin` once per
+    draft loop, then `step` for drafts 2, 3, ... of the same rows."""
+
+    def __init__(self, head, cache: KVCache, max_rows: int, mode: str):
+        weight = next(head.parameters())
+        super().__init__(static_draft_step, weight.device, max_rows, mode)
+        self.head, self.cache = head, cache
+        self.state_size, self.dtype = head.config.hidden_size, weight.dtype
+        # this loop's bucket, its real rows, the keys its next step reads at most; and its first step's
+        self._loop: tuple[_Bucket, int, int] | None = None
+        self._first_longest = 0
+
+    def begin(self, slots: list[int], base: list[int], key_starts: list[int]) -> None:
+        """A draft loop over rows in `slots` whose first step sits at `base` and reads keys from
+        `key_starts` on."""
+        rows = len(slots)
+        step = self._bucket(next(b for b in self.buckets if b >= rows))
+        host = torch.zeros(step.inputs.shape, dtype=torch.long)
+        host[:, 1] = self.cache.scratch_slot  # padding rows write and read the scratch slot, from position 0
+        host[:rows, 0], host[:rows, 1], host[:rows, 2] = (torch.tensor(base), torch.tensor(slots),
+                                                          torch.tensor(key_starts))
+        step.inputs.copy_(host, non_blocking=True)
+        self._first_longest = max(base) + 1
+        self._loop = (step, rows, self._first_longest)
+
+    def step(self, ids: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [rows] (the last drafts, target ids), state [rows, H] (the head's last outputs) -> (head output
+        [rows, H], logits [rows, draft_vocab]) one position further on."""
+        step, rows, longest = self._loop
+        if longest > self._first_longest:
+            step.inputs[:, 0] += 1  # on the device: the loop's host values were copied once
+        self._loop = (step, rows, longest + 1)
+        step_ids, step_state = step.tensors
+        step_ids[:rows].copy_(ids)
+        step_state[:rows].copy_(state)
+        return self._run(step, rows, longest)
+
+    def warm_up(self) -> int:
+        """Captures (or compiles) every bucket now, on padding rows alone (the scratch slot). -> buckets run."""
+        for rows in self.buckets:
+            step = self._bucket(rows)
+            step.inputs.zero_()
+            step.inputs[:, 1] = self.cache.scratch_slot
+            self._run(step, 0, 1)
+        return len(self.buckets)
+
+    def _bucket(self, rows: int) -> _Bucket:
+        step = self._steps.get((rows, 1))
+        if step is None:
+            step = self._steps[(rows, 1)] = _Bucket(
+                torch.zeros(rows, 3, dtype=torch.long, device=self.device),
+                tensors=(torch.zeros(rows, dtype=torch.long, device=self.device),
+                         torch.zeros(rows, self.state_size, dtype=self.dtype, device=self.device)))
+        return step
+
+    def _run(self, step: _Bucket, rows: int, longest: int):
+        kernel = self.slot_kernel  # one query a row
+        num_keys = _keys_read(self.cache, longest, kernel, self.mode)
+        return self._execute(step, (self.head, self.cache, step.inputs, *step.tensors, num_keys, kernel), rows)
 
 
 def resolve_step_mode(mode: str, enforce_eager: bool, device: torch.device) -> str:

@@ -247,6 +247,14 @@ class Proposer:
         # target's own ids)
         self.tokenizer_dir: str | None = None
         self.stop_below = 0.0
+        # runs the one-token draft steps at static shapes (`serve.step_graphs.DraftStepRunner`), set by the
+        # engine when its step mode is not eager and `static_step_head` names a head
+        self.draft_steps = None
+
+    def static_step_head(self):
+        """(head, its KV cache) when drafting runs that head one token a row at a time after a first forward
+        (EAGLE drafts 2..k), so those steps can run at static shapes; None otherwise."""
+        return None
 
     def draft_models(self) -> list[torch.nn.Module]:
         """The networks it drafts with (none for lookup methods): the engine compiles their kernels at start."""

@@ -1,6 +1,7 @@
-"""Static-shape decode and verify steps (serve.step_graphs): the padded static forward computes what the
-eager forward computes, torch.compile traces it whole (fullgraph) and decodes greedily what eager decodes,
-plain and speculative; CUDA graphs where a GPU is present."""
+"""Static-shape decode, verify and draft steps (serve.step_graphs): the padded static forward computes what the
+eager forward computes, torch.compile traces it (and a draft head's step) whole (fullgraph) and decodes
+greedily what eager decodes, plain and speculative; static draft steps draft what eager ones draft; CUDA
+graphs where a GPU is present."""
 
 import os
 
@@ -11,7 +12,14 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.loader import load_target
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.step_graphs import StepRunner, resolve_step_mode, row_buckets, static_forward
+from draftsmith.serve.step_graphs import (
+    DraftStepRunner,
+    StepRunner,
+    resolve_step_mode,
+    row_buckets,
+    static_draft_step,
+    static_forward,
+)
 from helpers import CODE_PROMPTS, DEMO_MODEL, make_tiny_checkpoint
 
 EAGLE3_HEAD = DEMO_MODEL.parent / "demo-code-7m-eagle3"
@@ -87,6 +95,12 @@ def _compiled_llm(target, backend, **kwargs):
     calls, forward = [], runner.forward
     runner.forward = lambda *a: calls.append(a[0].shape) or forward(*a)
     engine.steps = runner
+    if engine.proposer is not None:  # and the head's draft steps, in the same backend
+        drafts = DraftStepRunner(*engine.proposer.static_step_head(), 3, "compile")
+        drafts._compiled = torch.compile(static_draft_step, fullgraph=True, backend=backend)
+        step = drafts.step
+        drafts.step = lambda *a: calls.append("draft") or step(*a)
+        engine.proposer.draft_steps = drafts
     return llm, calls
 
 
@@ -101,9 +115,76 @@ def test_compiled_steps_decode_what_eager_decodes(target, greedy_reference, spec
     llm, calls = _compiled_llm(target, "aot_eager", speculative_config=speculation)
     outputs = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference
-    assert {shape[0] for shape in calls} >= {1, 3}
+    shapes = [c for c in calls if c != "draft"]
+    assert {shape[0] for shape in shapes} >= {1, 3}
     if speculation is not None:
-        assert max(shape[1] for shape in calls) > 1 and llm.get_metrics()["num_accepted_tokens"] > 0
+        assert max(shape[1] for shape in shapes) > 1 and llm.get_metrics()["num_accepted_tokens"] > 0
+        assert "draft" in calls
+
+
+def _count_rows(runner, rows: list) -> None:
+    """Appends the real rows of each of the runner's draft steps to `rows`."""
+    step = runner.step
+    runner.step = lambda *a: rows.append(a[0].shape[0]) or step(*a)
+
+
+def _record_confidence(proposer) -> list:
+    """A list that receives each propose's running draft probabilities [rows, k]."""
+    seen, propose = [], proposer.propose
+
+    def recording(*args, **kwargs):
+        out = propose(*args, **kwargs)
+        seen.append(proposer.last_confidence.clone())
+        return out
+
+    proposer.propose = recording
+    return seen
+
+
+# longer than the head's pending ring (64 positions): its context starts mid-prompt, so draft steps read keys
+# from a first key of their own (key_starts)
+LONG_PROMPT = "def walk(tree):\n" + "".join(f"    visit(tree.child_{i})\n" for i in range(24)) + "    ret"
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_static_draft_steps_draft_what_eager_steps_draft(target, monkeypatch, kernel):
+    """EAGLE-3 drafts 2..4 through DraftStepRunner's static step (rows padded to a bucket, positions moved
+    on in the buffer, a long prompt whose head context starts mid-sequence): the same drafts as eager steps,
+    so the same tokens accepted out of as many drafted, and the same greedy output. With `kernel`, the step
+    attends through the Triton slot kernel (interpreter on CPU) with each row's first key."""
+    if kernel:
+        module = pytest.importorskip("draftsmith.models.slot_attention_triton")
+        if module.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+            pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1 (`make test` sets it)")
+    prompts = [LONG_PROMPT, *CODE_PROMPTS[:2]]
+    # a float32 head: bfloat16 matmuls round differently with the number of keys read
+    spec = {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": 4, "adaptive": False,
+            "draft_dtype": "float32"}
+    params = SamplingParams(temperature=0, max_tokens=24)
+    runs = []
+    for static in (False, True):
+        # buckets of 1, 2, 4 and 5 rows: three rows run padded to four
+        llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=5, max_model_len=256, target=target,
+                  speculative_config=spec)
+        proposer, steps = llm.engine.proposer, []
+        if static:
+            proposer.draft_steps = DraftStepRunner(*proposer.static_step_head(), 5, "compile")
+            proposer.draft_steps._compiled = static_draft_step
+            proposer.draft_steps.slot_kernel = kernel
+            _count_rows(proposer.draft_steps, steps)
+        confidences = _record_confidence(proposer)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        metrics = llm.get_metrics()
+        runs.append(([o.outputs[0].token_ids for o in outputs], metrics["num_draft_tokens"],
+                     metrics["num_accepted_tokens"], confidences))
+        assert not static or (steps and max(steps) == 3), "the static steps did not run"
+        if not static:
+            assert max(proposer.context_start) > 0, "no row's head context started mid-prompt"
+    assert runs[1][:3] == runs[0][:3]
+    # the drafts' probabilities, not only their argmax: a key read or missed shifts them
+    assert len(runs[1][3]) == len(runs[0][3])
+    for static, eager in zip(runs[1][3], runs[0][3]):
+        torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-6)
 
 
 def test_inductor_compiles_a_step(target):

@@ -210,16 +210,23 @@ class EagleFamilyProposer(Proposer):
         drawn, p, probs = choose(logits, temperature, draws)
         return self.head.to_target_ids(drawn), p, probs
 
+    def static_step_head(self):
+        return self.head, self.cache
+
+    def _key_starts(self, slots: list[int], base: list[int]) -> list[int]:
+        """The first key each row's draft steps read. A head with a window of W was trained (speculators'
+        mask) with draft step s seeing the verified prefix's newest W positions plus its own s - 1 drafts: so
+        every draft step reads from W before its row's first draft on, rather than the W newest positions of
+        its own."""
+        if self.window is None:
+            return [self.context_start[s] for s in slots]
+        return [max(self.context_start[s], b - self.window) for s, b in zip(slots, base)]
+
     def _step_batches(self, slots: list[int], base: list[int], steps: int) -> list[ForwardBatch]:
         """One-token batches for draft steps 2..steps+1: step s sits at base + s - 1 in every row's own slot.
         Built as one batch of `steps` queries per row, then sliced by step: one host build for all steps."""
-        # A head with a window of W was trained (speculators' mask) with draft step s seeing the verified
-        # prefix's newest W positions plus its own s - 1 drafts: so every draft step reads from W before its
-        # row's first draft on, rather than the W newest positions of its own.
-        starts = [self.context_start[s] for s in slots] if self.window is None else \
-            [max(self.context_start[s], b - self.window) for s, b in zip(slots, base)]
         whole = ForwardBatch.build(slots, base, [steps] * len(slots), self.cache, None, self.device,
-                                   key_starts=starts)
+                                   key_starts=self._key_starts(slots, base))
         last, batches = max(base), []
         for s in range(steps):
             step = {"positions": whole.positions[:, s : s + 1], "write_slots": whole.write_slots[:, s : s + 1],
@@ -306,14 +313,20 @@ class EagleFamilyProposer(Proposer):
         """Drafts 1..max(limits) for A rows at a fixed width -> (target ids [A, k], -1 past each row's count;
         running probability products [A, k], 0 past it). q_out [A, k, draft_vocab] receives sampled q."""
         rows, steps = len(host_limits), max(host_limits)
-        batches = self._step_batches(slots, base, steps - 1) if steps > 1 else []
+        batches = []
+        if steps > 1 and self.draft_steps is not None:  # static steps (serve.step_graphs): no batches to build
+            self.draft_steps.begin(slots, base, self._key_starts(slots, base))
+        elif steps > 1:
+            batches = self._step_batches(slots, base, steps - 1)
         limits = torch.tensor(host_limits, device=self.device)
         drafted = torch.full((rows, self.k), -1, dtype=torch.long, device=self.device)
         probs = torch.zeros(rows, self.k, device=self.device)
         product = torch.ones(rows, device=self.device)
         ids = None
         for s in range(steps):
-            if s:  # the head's own output and draft stand in for the target's feature and token
+            if s and self.draft_steps is not None:
+                state, logits = self.draft_steps.step(ids, state)
+            elif s:  # the head's own output and draft stand in for the target's feature and token
                 out, logits = self.head.step(ids[:, None], state[:, None], batches[s - 1].positions, False,
                                              self.cache, batches[s - 1])
                 state, logits = out[:, 0], logits[:, 0]

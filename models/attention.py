@@ -81,6 +81,8 @@ def batch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if rows is not None:
         from draftsmith.models.slot_attention_triton import slot_attention
 
-        return slot_attention(q, k_cache, v_cache, batch.read_slots, batch.positions, rows.kv_lens,
-                              key_starts=rows.key_starts, window=rows.window, max_keys=rows.max_keys)
+        positions = batch.positions if rows.positions is None else rows.positions
+        return slot_attention(q, k_cache, v_cache, batch.read_slots, positions, rows.kv_lens,
+                              key_starts=rows.key_starts, window=rows.window, max_keys=rows.max_keys,
+                              tree_mask=rows.tree_mask, block_starts=rows.block_starts)
     return cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask, batch.memo)

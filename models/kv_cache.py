@@ -44,6 +44,12 @@ class SlotRows:
     # the longest row's keys, when the host knows it (sizes the kernel's key splits without reading kv_lens
     # back); a captured step passes the cache's length, so one graph serves every context length
     max_keys: int | None = None
+    # tree verification (`serve.spec_decode.tree_verify`): [B, Q, Q] which of the row's block keys each query
+    # sees, the block's first cache position [B], and the queries' sequence positions [B, Q] (the window's
+    # reference: a node sits at its depth, not at its place in the block)
+    tree_mask: torch.Tensor | None = None
+    block_starts: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
 
 class KVCache:

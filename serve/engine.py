@@ -31,6 +31,7 @@ from draftsmith.serve.request import Request, RequestGroup, RequestOutput, Statu
 from draftsmith.serve.sampling import SamplingBatch, sample
 from draftsmith.serve.sampling_params import SamplingParams
 from draftsmith.serve.spec_decode.adaptive import CostModel, SpeculationPlanner
+from draftsmith.serve.spec_decode.tree_verify import verify_tree
 from draftsmith.serve.spec_decode.verify import SpecMetrics, pick_sampler, verify
 from draftsmith.serve.step_accounting import StepLedger
 from draftsmith.serve.step_graphs import DraftStepRunner, make_step_runner, resolve_step_mode
@@ -80,8 +81,6 @@ class LLMEngine:
         self.proposer = None
         if spec_config is not None:  # resolved once; the engine never branches on the method name
             method = resolve_method(spec_config.method)
-            if method.needs.tree:  # DraftBatch.parents would be ignored: refuse rather than verify wrongly
-                raise DraftsmithError(f"method {method.name!r} drafts trees, and this engine verifies chains only")
             self.proposer = method.proposer_class()(spec_config, model, config.max_num_seqs, config.max_model_len)
             if self.proposer.tokenizer_dir is not None and tokenizer is not None:
                 check_same_vocabulary(tokenizer, self.proposer.tokenizer_dir, "draft model")
@@ -382,11 +381,18 @@ class LLMEngine:
         ids[:, 0] = torch.tensor([r.last_token for r in rows], device=self.device)
         ids[:, 1:] = drafts.tokens[:, : width - 1].clamp(min=0)  # -1 padding becomes token 0 in padding slots
         q_lens = [1 + n for n in num_draft]
-        out, forward_at = self._step_forward(ids, rows, q_lens)
-        verify_at = self._clock()
-        with torch.inference_mode():
-            tokens, counts = verify(out.logits, drafts, num_draft, sampling, self.rejection_sampler,
-                                    self.spec_config.synthetic_acceptance_rate)
+        if drafts.parents is None:
+            out, forward_at = self._step_forward(ids, rows, q_lens)
+            verify_at = self._clock()
+            with torch.inference_mode():
+                tokens, counts = verify(out.logits, drafts, num_draft, sampling, self.rejection_sampler,
+                                        self.spec_config.synthetic_acceptance_rate)
+        else:  # a tree: its mask and rotary positions, its accepted path's K/V moved into place; eager
+            self.stats["num_forward_passes"] += 1
+            forward_at = self._clock()
+            out, tokens, counts = verify_tree(self.model, self.cache, ids, slots, [r.num_tokens - 1 for r in rows],
+                                              q_lens, drafts.parents, sampling, self.feature_layers)
+            verify_at = self._clock()
         packed = torch.cat([tokens, counts[:, None]], dim=1).tolist()  # one device-to-host copy for both
         verified_at = self._clock()
         counts = [row[-1] for row in packed]

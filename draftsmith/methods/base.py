@@ -23,6 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods.token_tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -30,15 +31,15 @@ class MethodNeeds:
     """What a method declares about itself; the engine and config checks read these flags, never method names.
 
     Read today: `hidden_states` (the engine hands the proposer target features), `draft_probs` (whether
-    draft_sample_method "probabilistic" is allowed), `head` ("model" required), `tree` (refused: the engine
-    verifies chains), `parallel` (the bench drafts a shipped head's whole block). `own_kv_cache` is declared
+    draft_sample_method "probabilistic" is allowed), `head` ("model" required), `tree` (its section takes
+    `speculative_token_tree`: `TreeSpeculativeConfig`), `parallel` (the bench drafts a shipped head's whole block). `own_kv_cache` is declared
     for the scheduling work that will use it; nothing reads it yet."""
 
     hidden_states: bool = False  # needs target features from every forward (EAGLE family, MTP)
     draft_probs: bool = False  # can sample its drafts and hand back q (draft_sample_method=probabilistic)
     own_kv_cache: bool = False  # keeps a per-slot cache of its own, in step with the target's
     head: bool = False  # loads a trained head: the config's "model" key is required
-    tree: bool = False  # drafts trees (DraftBatch.parents), not chains
+    tree: bool = False  # drafts trees (DraftBatch.parents) when given one, not only chains
     parallel: bool = False  # drafts all k tokens in one pass (PARD, DFlash)
 
 
@@ -109,6 +110,37 @@ class SpeculativeConfig(BaseModel):
             if next_lo <= hi:
                 raise ValueError(f"num_speculative_tokens_per_batch_size rows overlap at batch size {next_lo}")
         object.__setattr__(self, "adaptive", False)
+
+
+class TreeSpeculativeConfig(SpeculativeConfig):
+    """The keys of a method that can draft a static tree: vLLM's `speculative_token_tree`
+    (`methods.token_tree`), whose nodes are the num_speculative_tokens drafts of every step. The tree is
+    verified as drafted: no adaptive sizing yet, and its drafts are deterministic (a sampled request still
+    samples exactly: `serve.spec_decode.tree_verify`)."""
+
+    speculative_token_tree: str | None = None
+
+    @model_validator(mode="after")
+    def _tree_checks(self) -> TreeSpeculativeConfig:
+        if self.speculative_token_tree is None:
+            return self
+        tree = TokenTree.parse(self.speculative_token_tree)
+        if self.num_speculative_tokens != tree.num_nodes:
+            raise ValueError(f"speculative_token_tree has {tree.num_nodes} nodes: num_speculative_tokens must equal "
+                             f"that, not {self.num_speculative_tokens}")
+        if self.draft_sample_method == "probabilistic":
+            raise ValueError("speculative_token_tree drafts deterministic trees: draft_sample_method must be greedy")
+        if self.rejection_sample_method == "synthetic":
+            raise ValueError("speculative_token_tree cannot be combined with rejection_sample_method='synthetic'")
+        if self.num_speculative_tokens_per_batch_size is not None or ("adaptive" in self.model_fields_set
+                                                                     and self.adaptive):
+            raise ValueError("speculative_token_tree is verified whole every step: it cannot be combined with "
+                             "adaptive=true or num_speculative_tokens_per_batch_size")
+        object.__setattr__(self, "adaptive", False)
+        return self
+
+    def token_tree(self) -> TokenTree | None:
+        return None if self.speculative_token_tree is None else TokenTree.parse(self.speculative_token_tree)
 
 
 class RecipeModelSection(BaseModel):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods.base import TreeSpeculativeConfig
 from draftsmith.methods.registry import head_method, method_names
 from draftsmith.models.head_configs import HEAD_TYPE_KEY, HeadConfig
 from draftsmith.models.heads import load_head_weights
@@ -49,7 +50,11 @@ def load_attached_head(config, target, dtype: torch.dtype):
         raise DraftsmithError(f"{config.model} holds an {head.head_type!r} head but the speculative config "
                               f"says method {config.method!r}")
     most = head.config.max_drafts()
-    if most is not None and config.num_speculative_tokens > most:
+    tree = config.token_tree() if isinstance(config, TreeSpeculativeConfig) else None
+    if most is not None and tree is not None and tree.max_depth > most:
+        raise DraftsmithError(f"speculative_token_tree is {tree.max_depth} deep, but the {head.head_type} head "
+                              f"{config.model} drafts at most {most} tokens in a row")
+    if most is not None and tree is None and config.num_speculative_tokens > most:
         raise DraftsmithError(f"num_speculative_tokens={config.num_speculative_tokens}, but the {head.head_type} head "
                               f"{config.model} drafts at most {most} tokens a step; set num_speculative_tokens <= {most}")
     return head.attach_target(target)

@@ -30,6 +30,7 @@ class LastHiddenProposer(Proposer):
         self.draft_probs: torch.Tensor | None = None  # [max_num_seqs, k, V], allocated on first sampled draft
         self._sampling: tuple[torch.Tensor, list] | None = None  # this propose's (temperatures, draws)
         self._qs: list[torch.Tensor] = []
+        self.tree = None  # a static TokenTree the subclass drafts, whose parents go with every propose
 
     def draft_models(self) -> list[torch.nn.Module]:
         return [self.head]
@@ -82,7 +83,8 @@ class LastHiddenProposer(Proposer):
         if sampled:
             probs.zero_()
             probs[:, :width] = torch.stack(self._qs, dim=1)
-        return DraftBatch(tokens, counts, probs)
+        parents = None if self.tree is None else self.tree.parent_tensor(n, self.device)
+        return DraftBatch(tokens, counts, probs, parents)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """One draft per row [n] from logits [n, V]: the argmax, or for sampling rows a draw whose q is kept."""

@@ -1,6 +1,7 @@
 """Medusa-1: parallel ResBlock heads over the target's final normed hidden state, head i drafting token
 t + 2 + i. Converts (`draftsmith convert`) to and from the native format, trains by distillation from the
-frozen target, and serves a top-1 chain (candidate trees come with tree verification)."""
+frozen target, and serves a top-1 chain or a static candidate tree (`speculative_token_tree`: the node
+at path (r1, r2, ...) is head 1's rank-r1 token, then head 2's rank-r2 token, ...)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from pydantic import Field
 from draftsmith.methods.base import (
     FinalHiddenMethod,
     FinalHiddenRecipe,
+    MethodNeeds,
     RecipeTrainingSection,
-    SpeculativeConfig,
+    TreeSpeculativeConfig,
 )
 from draftsmith.methods.registry import register_method
 from draftsmith.models.head_configs import MedusaConfig
 from draftsmith.models.medusa import MedusaHead
 
 
-class MedusaSpecConfig(SpeculativeConfig):
+class MedusaSpecConfig(TreeSpeculativeConfig):
     method: Literal["medusa"]
 
 
@@ -38,6 +40,7 @@ class MedusaTraining(RecipeTrainingSection):
 @register_method
 class MedusaMethod(FinalHiddenMethod):
     name = "medusa"
+    needs = MethodNeeds(hidden_states=True, head=True, draft_probs=True, tree=True)
     section = MedusaSpecConfig
     head_type = "medusa"
     head_config = MedusaConfig

@@ -1,0 +1,229 @@
+"""Static draft trees (methods.token_tree) and tree verification (serve.spec_decode.tree_verify): parsing and its
+errors, the accepted path against a walk of the tree, every node's logits against a plain forward of its own
+path, the accepted path's K/V where a chain puts them, and a Medusa candidate tree served greedy-equal and
+seeded-sample-equal to plain decoding in a mixed batch, through the Triton slot kernel too."""
+
+import os
+import random
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.token_tree import TokenTree
+from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.models.loader import load_target
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.sampling import SamplingBatch
+from draftsmith.serve.spec_decode.config import parse_speculative_config
+from draftsmith.serve.spec_decode.tree_verify import accept_path, ancestors, block_parents, verify_tree
+from helpers import CODE_PROMPTS, DEMO_MODEL, make_tiny_checkpoint
+
+MEDUSA_HEAD = DEMO_MODEL.parent / "demo-code-7m-medusa"
+# Medusa's shape of tree: wide at the first head, narrowing after; 9 nodes, 3 deep
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]"
+
+
+def test_trees_parse_as_vllm_spells_them():
+    tree = TokenTree.parse("[(1, 0), (0,), (0, 0), (1,), (0, 0, 0)]")
+    assert tree.paths == ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))  # by depth, then path: parents first
+    assert tree.parents == (-1, -1, 0, 1, 2) and tree.depths == (1, 1, 2, 2, 3) and tree.ranks == (0, 1, 0, 0, 0)
+    assert tree.top_k == 2 and tree.max_depth == 3 and TokenTree.chain(3).parents == (-1, 0, 1)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("[(0,), (0, 1, 0)]", r"path \(0, 1, 0\) has no parent \(0, 1\)"),
+    ("[(0,), (0,)]", r"path \(0,\) appears twice"),
+    ("[(0,), (-1,)]", "a non-empty tuple of ranks >= 0"),
+    ("[]", "a non-empty list"),
+    ("[(0,", "not a list of tuples"),
+])
+def test_bad_trees_are_one_line_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        TokenTree.parse(spec)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"num_speculative_tokens": 4}, "has 9 nodes: num_speculative_tokens must equal that, not 4"),
+    ({"draft_sample_method": "probabilistic"}, "draft_sample_method must be greedy"),
+    ({"adaptive": True}, "cannot be combined with adaptive=true"),
+    ({"speculative_token_tree": "[(0,), (2, 0)]", "num_speculative_tokens": 2}, "has no parent"),
+])
+def test_bad_tree_configs_are_one_clear_error(extra, message):
+    config = {"method": "medusa", "model": str(MEDUSA_HEAD), "num_speculative_tokens": 9,
+              "speculative_token_tree": TREE, **extra}
+    with pytest.raises(DraftsmithError, match=message):
+        parse_speculative_config(config)
+
+
+def test_a_tree_config_verifies_whole_steps_and_a_too_deep_tree_is_refused(target):
+    config = parse_speculative_config({"method": "medusa", "model": str(MEDUSA_HEAD), "num_speculative_tokens": 9,
+                                       "speculative_token_tree": TREE})
+    assert config.adaptive is False and config.token_tree().num_nodes == 9
+    deep = {"method": "medusa", "model": str(MEDUSA_HEAD), "num_speculative_tokens": 4,
+            "speculative_token_tree": "[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]"}
+    with pytest.raises(DraftsmithError, match="is 4 deep, but the medusa head .* drafts at most 3 tokens in a row"):
+        LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, target=target, speculative_config=deep)
+
+
+def _random_tree(rng: random.Random, nodes: int) -> list[int]:
+    """Parents of a random tree in BFS-compatible order (every parent before its children)."""
+    return [rng.randrange(-1, i) for i in range(nodes)]
+
+
+def _walk(parents: list[int], ids: list[int], choice: list[int], count: int) -> list[int]:
+    """The accepted path's block columns, by walking: from the root, go to the child holding the target's
+    choice while there is one."""
+    path, at = [0], -1
+    while True:
+        nxt = [i for i in range(count) if parents[i] == at and ids[i + 1] == choice[at + 1]]
+        if not nxt:
+            return path
+        at = nxt[0]
+        path.append(at + 1)
+
+
+def test_accepted_path_is_the_walk_of_the_tree():
+    """Random trees (siblings of distinct tokens, some padded), random target choices: accept_path keeps
+    exactly the path a walk from the root follows, and the ancestor mask is the parent chain's closure."""
+    rng = random.Random(0)
+    for _ in range(200):
+        rows, nodes = 3, rng.randrange(1, 12)
+        parents = [_random_tree(rng, nodes) for _ in range(rows)]
+        counts = [rng.randrange(0, nodes + 1) for _ in range(rows)]
+        ids, choice = [], []
+        for row in range(rows):
+            tokens = [rng.randrange(3)]  # the root's token is never compared
+            for i in range(nodes):  # distinct among siblings, drawn from a small vocabulary so matches happen
+                taken = {tokens[j + 1] for j in range(i) if parents[row][j] == parents[row][i]}
+                tokens.append(rng.choice([t for t in range(nodes + 3) if t not in taken]))
+            ids.append(tokens)
+            choice.append([rng.choice([rng.randrange(4), *tokens]) for _ in range(nodes + 1)])
+        parents_t, counts_t = torch.tensor(parents), torch.tensor(counts)
+        cols = block_parents(parents_t, counts_t)
+        seen = ancestors(cols)
+        for row in range(rows):
+            for i in range(counts[row]):
+                chain, at = {0, i + 1}, parents[row][i]
+                while at >= 0:
+                    chain.add(at + 1)
+                    at = parents[row][at]
+                assert set(seen[row, i + 1].nonzero()[:, 0].tolist()) == chain
+        path, accepted = accept_path(torch.tensor(choice), torch.tensor(ids), cols, seen, counts_t)
+        for row in range(rows):
+            want = _walk(parents[row], ids[row], choice[row], counts[row])
+            assert accepted[row] == len(want) - 1
+            assert path[row, : len(want)].tolist() == want and (path[row, len(want):] == -1).all()
+
+
+def _prefill(model, cache, slot, ids):
+    batch = ForwardBatch.build([slot], [0], [len(ids)], cache, model.config.sliding_window)
+    with torch.inference_mode():
+        model(torch.tensor([ids]), cache=cache, batch=batch, compute_logits=False)
+
+
+def _plain_logits(model, sequence: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([sequence])).logits[0]
+
+
+GREEDY = SamplingBatch.build([SamplingParams(temperature=0)] * 2, [torch.Generator()] * 2, "cpu")
+
+
+@pytest.mark.parametrize("family,kernel", [("llama", False), ("mistral-window", False), ("llama", True)])
+def test_every_node_scores_as_its_own_path_and_the_path_lands_where_a_chain_puts_it(tmp_path, family, kernel,
+                                                                                     monkeypatch):
+    """Two rows, each a prompt in its slot and a tree after it (the second verifies only a 4-node prefix of it).
+    One tree forward gives every node the logits a plain forward of the prompt plus that node's path gives
+    its last token (tree mask, depth positions; the window family checks the window on depth positions).
+    verify_tree then accepts the path built from the target's own choices, off the first branch where it
+    can be, and afterwards the cache holds at the path's positions the K/V a plain forward of prompt + path
+    writes there. With `kernel`, attention runs the Triton slot kernel's tree mask (interpreter on CPU)."""
+    if kernel:
+        module = pytest.importorskip("draftsmith.models.slot_attention_triton")
+        if module.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+            pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1 (`make test` sets it)")
+        monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
+    make_tiny_checkpoint(family, tmp_path / family)
+    model = load_target(tmp_path / family, dtype="float32")
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    # the window family's tiny config has a window shorter than the first prompt
+    prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (21, 13)]
+    slots, starts, q_lens = [2, 0], [len(p) - 1 for p in prompts], [7, 5]
+    tree = TokenTree.parse("[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]")
+    ids = torch.tensor([[p[-1], *torch.randint(vocab, (tree.num_nodes,), generator=gen).tolist()] for p in prompts])
+    # row 0 accepts (0,) then (0, 1) (node 3, block column 4: moved to start + 2); row 1 accepts (1,)
+    first = [int(_plain_logits(model, p)[-1].argmax()) for p in prompts]
+    ids[0, 1], ids[0, 3] = first[0], first[0] + 1 if first[0] + 1 < vocab else 0  # (0,0) is not the choice
+    ids[0, 4] = int(_plain_logits(model, prompts[0] + [first[0]])[-1].argmax())
+    ids[1, 2] = first[1]
+    ids[1, 1] = first[1] - 1 if first[1] > 0 else 1
+
+    from draftsmith.serve.spec_decode.tree_verify import tree_batch
+
+    parents = tree.parent_tensor(2, "cpu")
+    cache = model.make_cache(3, 64)
+    for slot, prompt in zip(slots, prompts):
+        _prefill(model, cache, slot, prompt[:-1])
+    seen = ancestors(block_parents(parents, torch.tensor(q_lens) - 1))
+    batch, positions = tree_batch(slots, starts, q_lens, seen, cache, model.config.sliding_window, "cpu")
+    assert (batch.slot_rows is not None) == kernel
+    with torch.inference_mode():
+        scored = model(ids, positions=positions, cache=cache, batch=batch).logits
+    for row, prompt in enumerate(prompts):
+        for node in range(q_lens[row] - 1):
+            path, at = [], node
+            while at >= 0:
+                path.insert(0, int(ids[row, at + 1]))
+                at = tree.parents[at]
+            torch.testing.assert_close(scored[row, node + 1], _plain_logits(model, prompt + path)[-1], rtol=1e-4,
+                                       atol=1e-4)
+
+    out, tokens, counts = verify_tree(model, cache, ids, slots, starts, q_lens, parents, GREEDY, ())
+    assert counts.tolist() == [3, 2]
+    reference = model.make_cache(1, 64)
+    for row, prompt in enumerate(prompts):
+        accepted = tokens[row, : int(counts[row]) - 1].tolist()
+        sequence = prompt + accepted
+        want = _plain_logits(model, sequence)
+        torch.testing.assert_close(out.logits[row, : len(accepted) + 1], want[len(prompt) - 1 :], rtol=1e-4, atol=1e-4)
+        assert tokens[row, len(accepted)] == want[-1].argmax()  # the new token: the target's choice after the path
+        _prefill(model, reference, 0, sequence)
+        for got, expect in zip(cache.k + cache.v, reference.k + reference.v):
+            torch.testing.assert_close(got[slots[row], :, : len(sequence)], expect[0, :, : len(sequence)],
+                                       rtol=1e-4, atol=1e-5)
+
+
+def _medusa(target, tree: bool, **kwargs):
+    spec = {"method": "medusa", "model": str(MEDUSA_HEAD), "num_speculative_tokens": 3, "adaptive": False}
+    if tree:
+        spec = {"method": "medusa", "model": str(MEDUSA_HEAD), "num_speculative_tokens": 9,
+                "speculative_token_tree": TREE}
+    return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
+               speculative_config=spec, **kwargs)
+
+
+def test_medusa_tree_decodes_what_plain_decoding_does(target, greedy_reference):
+    """A mixed batch (4 prompts through 3 slots, rows joining and leaving): greedy token ids equal plain
+    decoding's, and the tree, which holds the top-1 chain, accepts more per step than that chain alone."""
+    params = SamplingParams(temperature=0, max_tokens=32)
+    lengths = []
+    for tree in (False, True):
+        llm = _medusa(target, tree)
+        outputs = llm.generate(CODE_PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == greedy_reference
+        lengths.append(llm.get_metrics()["mean_acceptance_length"])
+    assert lengths[1] > lengths[0] > 1.0
+
+
+def test_medusa_tree_samples_what_plain_decoding_samples(target):
+    """Seeded sampling draws each token with the noise of its sequence position; the tree's node choices
+    do the same at every depth: so a sampled request gives the same tokens with and without the tree
+    (lossless, and reproducible), with drafts accepted."""
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=s) for s in range(len(CODE_PROMPTS))]
+    plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target)
+    want = [o.outputs[0].token_ids for o in plain.generate(CODE_PROMPTS, params, use_tqdm=False)]
+    llm = _medusa(target, True)
+    assert [o.outputs[0].token_ids for o in llm.generate(CODE_PROMPTS, params, use_tqdm=False)] == want
+    assert llm.get_metrics()["num_accepted_tokens"] > 0

@@ -12,6 +12,15 @@ SHARED ?= ../shared
 
 .PHONY: install test demo bench lint clean
 
+# --speculative-config lists for `make bench`, kept in variables: a backslash-newline inside a recipe's quoted
+# argument reaches the shell as it is (and breaks the JSON), one in a variable's value becomes a space
+BENCH_DRAFT_MODELS := [{"method": "draft_model", "model": "assets/demo-code-7m", "num_speculative_tokens": 4}, \
+	{"method": "draft_model", "model": "assets/demo-code-7m-pard", "num_speculative_tokens": 6, "parallel_drafting": true}]
+BENCH_TREES := [{"method": "eagle3", "model": "assets/demo-code-7m-eagle3", "num_speculative_tokens": 10, \
+	"tree_depth": 5, "tree_top_k": 2}, {"method": "medusa", "model": "assets/demo-code-7m-medusa", \
+	"num_speculative_tokens": 9, \
+	"speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]"}]
+
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -42,12 +51,12 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --rounds 3 --json build/bench.json
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models house-code-28m --methods draft_model,pard --concurrency 1,8 \
-		--speculative-config '[{"method": "draft_model", "model": "assets/demo-code-7m", "num_speculative_tokens": 4}, \
-		{"method": "draft_model", "model": "assets/demo-code-7m-pard", "num_speculative_tokens": 6, "parallel_drafting": true}]' \
-		--rounds 3 --no-hf --json build/bench-draft-model.json
+		--speculative-config '$(BENCH_DRAFT_MODELS)' --rounds 3 --no-hf --json build/bench-draft-model.json
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --methods suffix --repeat 2 \
 		--speculative-config '{"method": "suffix", "num_speculative_tokens": 16}' --concurrency 1,8 \
 		--rounds 3 --no-hf --json build/bench-suffix.json
+	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m --methods eagle3,eagle3-tree,medusa,medusa-tree \
+		--speculative-config '$(BENCH_TREES)' --concurrency 1,8 --rounds 3 --no-hf --json build/bench-tree.json
 	$(VENV)/bin/draftsmith bench-serve --shared $(SHARED)
 
 lint: $(STAMP)

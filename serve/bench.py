@@ -68,10 +68,13 @@ def shipped_heads(model_name: str) -> dict[str, Path]:
 
 
 def row_name(config: dict) -> str:
-    """A bench row's method name: the config's method, but `pard` for a draft model drafting in parallel, so
-    that a draft model's two ways of drafting can be compared in one run."""
+    """A bench row's method name: the config's method, but `pard` for a draft model drafting in parallel, and
+    `METHOD-tree` for a config drafting trees, so that two ways of drafting with one head or model can be
+    compared in one run."""
     method = config.get("method", "?")
-    return "pard" if method == "draft_model" and config.get("parallel_drafting") else method
+    if method == "draft_model" and config.get("parallel_drafting"):
+        return "pard"
+    return f"{method}-tree" if config.get("tree_depth") or config.get("speculative_token_tree") else method
 
 
 def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dict[str, dict]:

@@ -31,7 +31,7 @@ from draftsmith.serve.request import Request, RequestGroup, RequestOutput, Statu
 from draftsmith.serve.sampling import SamplingBatch, sample
 from draftsmith.serve.sampling_params import SamplingParams
 from draftsmith.serve.spec_decode.adaptive import CostModel, SpeculationPlanner
-from draftsmith.serve.spec_decode.tree_verify import verify_tree
+from draftsmith.serve.spec_decode.tree_verify import size_trees, verify_tree
 from draftsmith.serve.spec_decode.verify import SpecMetrics, pick_sampler, verify
 from draftsmith.serve.step_accounting import StepLedger
 from draftsmith.serve.step_graphs import DraftStepRunner, make_step_runner, resolve_step_mode
@@ -369,8 +369,12 @@ class LLMEngine:
             if plan.width:
                 self.proposer.stop_below = plan.stop_below
                 draft_at = self._clock()
-                drafts = self.proposer.propose(rows, [min(n, plan.width) for n in limits], draft_sampling)
+                # a tree is drafted whole and sized after (size_trees), not capped by a chain's width
+                widths = limits if self.proposer.tree is not None else [min(n, plan.width) for n in limits]
+                drafts = self.proposer.propose(rows, widths, draft_sampling)
                 draft_s = self._clock() - draft_at
+                if drafts.confidence is not None and self.planner.cost is not None:
+                    size_trees(drafts, len(rows), self.planner.cost, draft_s)
         self.planner.record(planned_limits, plan.width)
         num_draft = drafts.counts.tolist() if plan.width else [0] * len(rows)  # sizes the forward
         if max(num_draft) == 0:

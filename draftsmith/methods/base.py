@@ -112,6 +112,23 @@ class SpeculativeConfig(BaseModel):
         object.__setattr__(self, "adaptive", False)
 
 
+def check_tree_verification(config: SpeculativeConfig, key: str, sized: bool = False) -> None:
+    """What a config drafting trees (named by `key`) must not ask for: sampled drafts (tree drafts are
+    deterministic; sampled requests still sample exactly), synthetic acceptance, k by batch size. `sized`:
+    its trees come with confidences the engine sizes them by while adaptive (the default); otherwise they are
+    verified whole and adaptive is set false."""
+    if config.draft_sample_method == "probabilistic":
+        raise ValueError(f"{key} drafts deterministic trees: draft_sample_method must be greedy")
+    if config.rejection_sample_method == "synthetic":
+        raise ValueError(f"{key} cannot be combined with rejection_sample_method='synthetic'")
+    if config.num_speculative_tokens_per_batch_size is not None:
+        raise ValueError(f"{key} cannot be combined with num_speculative_tokens_per_batch_size")
+    if not sized:
+        if "adaptive" in config.model_fields_set and config.adaptive:
+            raise ValueError(f"{key} is verified whole every step: it cannot be combined with adaptive=true")
+        object.__setattr__(config, "adaptive", False)
+
+
 class TreeSpeculativeConfig(SpeculativeConfig):
     """The keys of a method that can draft a static tree: vLLM's `speculative_token_tree`
     (`methods.token_tree`), whose nodes are the num_speculative_tokens drafts of every step. The tree is
@@ -128,15 +145,7 @@ class TreeSpeculativeConfig(SpeculativeConfig):
         if self.num_speculative_tokens != tree.num_nodes:
             raise ValueError(f"speculative_token_tree has {tree.num_nodes} nodes: num_speculative_tokens must equal "
                              f"that, not {self.num_speculative_tokens}")
-        if self.draft_sample_method == "probabilistic":
-            raise ValueError("speculative_token_tree drafts deterministic trees: draft_sample_method must be greedy")
-        if self.rejection_sample_method == "synthetic":
-            raise ValueError("speculative_token_tree cannot be combined with rejection_sample_method='synthetic'")
-        if self.num_speculative_tokens_per_batch_size is not None or ("adaptive" in self.model_fields_set
-                                                                     and self.adaptive):
-            raise ValueError("speculative_token_tree is verified whole every step: it cannot be combined with "
-                             "adaptive=true or num_speculative_tokens_per_batch_size")
-        object.__setattr__(self, "adaptive", False)
+        check_tree_verification(self, "speculative_token_tree")
         return self
 
     def token_tree(self) -> TokenTree | None:
@@ -224,6 +233,9 @@ class DraftBatch:
     counts: torch.Tensor  # [B] long
     probs: torch.Tensor | None = None  # [B, K, V] q over the target vocab, for sampled drafts; None = one-hot
     parents: torch.Tensor | None = None  # [B, K] long, tree drafts only
+    # [B, K] the drafter's chance that each node's path is accepted, for a tree whose nodes come likeliest
+    # first: the engine verifies the first w of them, w sized by the cost model (tree_verify.size_trees)
+    confidence: torch.Tensor | None = None
 
 
 class RowState(Protocol):
@@ -279,6 +291,8 @@ class Proposer:
         # target's own ids)
         self.tokenizer_dir: str | None = None
         self.stop_below = 0.0
+        # set where it drafts trees (DraftBatch.parents): the planner's chain width does not cap their nodes
+        self.tree = None
         # runs the one-token draft steps at static shapes (`serve.step_graphs.DraftStepRunner`), set by the
         # engine when its step mode is not eager and `static_step_head` names a head
         self.draft_steps = None

@@ -116,6 +116,27 @@ def move_path(cache: KVCache, slots: list[int], starts: list[int], path: torch.T
         layer[where_t, :, dst_t] = layer[where_t, :, src_t]  # read whole before written
 
 
+def size_trees(drafts, rows: int, cost, sunk_seconds: float) -> int:
+    """Cuts every row's tree to its first w nodes (its w likeliest: `DraftBatch.confidence`), w the one that
+    maximises the step's expected tokens per second, as EAGLE-2 sizes its trees by the drafter's confidence:
+
+        (rows + sum_rows sum_{j < w} confidence_j) / (drafting + F(rows, 1 + mean nodes) + host)
+
+    with F the cost model's forward (a verify of more nodes costs more, the more so the more rows) and
+    drafting already spent. w = 0 verifies nothing: a plain step. -> w."""
+    counts = drafts.counts.tolist()
+    gained = torch.cat([torch.zeros(1), drafts.confidence.sum(0).cpu().double().cumsum(0)]).tolist()
+    best, best_rate = 0, 0.0
+    for width in range(len(gained)):
+        nodes = sum(min(width, n) for n in counts) / rows
+        seconds = sunk_seconds + cost.forward(rows, 1 + nodes) + cost.host(rows, width > 0)
+        rate = (rows + gained[width]) / seconds
+        if rate > best_rate:
+            best, best_rate = width, rate
+    drafts.counts.clamp_(max=best)
+    return best
+
+
 def verify_tree(model, cache: KVCache, ids: torch.Tensor, slots: list[int], starts: list[int], q_lens: list[int],
                 parents: torch.Tensor, sampling: SamplingBatch, hidden_layer_ids: tuple[int, ...]):
     """Scores the trees in one forward and keeps each row's accepted path -> (the forward's output at the path's

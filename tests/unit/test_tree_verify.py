@@ -227,3 +227,79 @@ def test_medusa_tree_samples_what_plain_decoding_samples(target):
     llm = _medusa(target, True)
     assert [o.outputs[0].token_ids for o in llm.generate(CODE_PROMPTS, params, use_tqdm=False)] == want
     assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+CHI2_DF5_P001 = 20.52  # chi-square critical value, 5 degrees of freedom, p = 0.001
+
+
+def _chi2(samples: torch.Tensor, p: torch.Tensor) -> float:
+    observed = torch.bincount(samples, minlength=p.numel()).double()
+    expected = p.double() * samples.numel()
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("drafts", ["close", "far"])
+def test_tree_sampling_keeps_the_target_distribution(drafts):
+    """20000 sampled verify steps of one tree over a 6-token vocabulary whose nodes hold the target's likeliest
+    tokens (close) or its least likely (far): the first emitted token follows the root's distribution, and the
+    second, after the depth-1 node that has children, follows that node's distribution (chi-square, p =
+    0.001), as plain sampling would."""
+    vocab, trials = 6, 20000
+    gen = torch.Generator().manual_seed(3)
+    # spread enough that the least likely tokens still come up some thousand times
+    root = torch.randn(vocab, generator=gen) * 0.6
+    child = {x: torch.randn(vocab, generator=gen) for x in range(vocab)}
+    order = root.argsort(descending=drafts == "close")
+    first = order[:3].tolist()  # depth 1: three candidates of the root
+    branch = child[first[0]].argsort(descending=drafts == "close")[:2].tolist()  # depth 2 under the first
+    tree = TokenTree.parse("[(0,), (1,), (2,), (0, 0), (0, 1)]")
+    ids = torch.tensor([0, *first, *branch])[None].expand(trials, -1)
+    # the depth-2 nodes' own distributions are not tested (their draws end the step): uniform
+    logits = torch.stack([root, *[child[x] for x in first], torch.zeros(vocab), torch.zeros(vocab)])
+    logits = logits[None].expand(trials, -1, -1).contiguous()
+    sampling = SamplingBatch.build([SamplingParams(temperature=1.0)] * trials, [None] * trials, "cpu",
+                                   seeds=list(range(trials)), positions=[0] * trials)
+    cols = block_parents(tree.parent_tensor(trials, "cpu"), torch.full((trials,), tree.num_nodes))
+    seen = ancestors(cols)
+    from draftsmith.serve.spec_decode.tree_verify import tree_choices
+
+    choice = tree_choices(logits, seen.sum(-1) - 1, sampling)
+    path, accepted = accept_path(choice, ids, cols, seen, torch.full((trials,), tree.num_nodes))
+    emitted_first = torch.where(accepted > 0, ids.gather(1, path[:, 1:2].clamp(min=0))[:, 0], choice[:, 0])
+    assert _chi2(emitted_first, torch.softmax(root, -1)) < CHI2_DF5_P001
+    after = (accepted > 0) & (emitted_first == first[0])
+    second = torch.where(accepted[after] > 1, ids[after].gather(1, path[after][:, 2:3].clamp(min=0))[:, 0],
+                         choice[after].gather(1, path[after][:, 1:2])[:, 0])
+    assert after.sum() > 1000
+    assert _chi2(second, torch.softmax(child[first[0]], -1)) < CHI2_DF5_P001
+
+
+class _Cost:
+    """A cost model whose verify forward costs `per_node` more per node a row verifies."""
+
+    def __init__(self, per_node: float):
+        self.per_node = per_node
+
+    def forward(self, rows: int, query_len: float) -> float:
+        return 1.0 + self.per_node * (query_len - 1)
+
+    def host(self, rows: int, speculative: bool) -> float:
+        return 0.0
+
+
+def test_trees_are_sized_by_confidence_against_the_verify_cost():
+    """Free verification keeps every node a row has; a verify dearer than any node's chance keeps none (a plain
+    step); in between, the likeliest nodes while each still pays (here the first two, at 0.9 and 0.6 against a
+    node's cost of 0.3 of a step)."""
+    from draftsmith.methods.base import DraftBatch
+    from draftsmith.serve.spec_decode.tree_verify import size_trees
+
+    def drafts():
+        confidence = torch.tensor([[0.9, 0.6, 0.2, 0.1], [0.9, 0.6, 0.0, 0.0]])
+        return DraftBatch(torch.zeros(2, 4, dtype=torch.long), torch.tensor([4, 2]), None,
+                          torch.tensor([[-1, 0, 1, 0], [-1, 0, -1, -1]]), confidence)
+
+    free, dear, between = drafts(), drafts(), drafts()
+    assert size_trees(free, 2, _Cost(0.0), 0.5) == 4 and free.counts.tolist() == [4, 2]
+    assert size_trees(dear, 2, _Cost(5.0), 0.5) == 0 and dear.counts.tolist() == [0, 0]
+    assert size_trees(between, 2, _Cost(0.3), 0.0) == 2 and between.counts.tolist() == [2, 2]

@@ -4,9 +4,10 @@ soft cross-entropy; served by drafting autoregressively from its own outputs (se
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from draftsmith.methods.base import (
     MethodNeeds,
@@ -14,6 +15,7 @@ from draftsmith.methods.base import (
     RecipeTrainingSection,
     SpecMethod,
     SpeculativeConfig,
+    check_tree_verification,
 )
 from draftsmith.methods.registry import register_method
 from draftsmith.models.eagle import EagleHead
@@ -32,7 +34,32 @@ class HeadSpeculativeConfig(SpeculativeConfig):
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
-class EagleConfig(HeadSpeculativeConfig):
+class EagleTreeConfig(HeadSpeculativeConfig):
+    """EAGLE-2's dynamic draft tree (`methods.eagle.tree_drafting`), draftsmith's keys: `tree_depth` tokens
+    deep, each depth expanding the `tree_top_k` likeliest nodes (by cumulative draft probability) into their
+    top-k children; of the num_speculative_tokens likeliest nodes of all, the engine verifies as one tree
+    the w likeliest, w sized each step by the cost model (`adaptive`, the default; false: all of them).
+    Without these keys the head drafts a chain."""
+
+    tree_depth: int | None = Field(default=None, ge=1, le=16)
+    tree_top_k: int | None = Field(default=None, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _dynamic_tree_checks(self) -> EagleTreeConfig:
+        if (self.tree_depth is None) != (self.tree_top_k is None):
+            raise ValueError("tree_depth and tree_top_k go together: set both for a draft tree, or neither")
+        if self.tree_depth is None:
+            return self
+        depth, top_k = self.tree_depth, self.tree_top_k
+        most = top_k + (depth - 1) * top_k * top_k
+        if self.num_speculative_tokens > most:
+            raise ValueError(f"a tree {depth} deep expanding {top_k} nodes per depth has {most} candidates: "
+                             f"num_speculative_tokens={self.num_speculative_tokens} is more")
+        check_tree_verification(self, "tree_depth/tree_top_k", sized=True)
+        return self
+
+
+class EagleConfig(EagleTreeConfig):
     method: Literal["eagle"]
 
 
@@ -49,7 +76,7 @@ class EagleTraining(RecipeTrainingSection):
 class EagleFamilyMethod(SpecMethod):
     """What EAGLE and EAGLE-3 share: a `DraftHeadConfig` head attached to its target."""
 
-    needs = EAGLE_FAMILY_NEEDS
+    needs = replace(EAGLE_FAMILY_NEEDS, tree=True)  # EAGLE-2's dynamic trees (tree_depth, tree_top_k)
     head_config = DraftHeadConfig
 
     @classmethod

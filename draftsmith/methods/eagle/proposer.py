@@ -40,6 +40,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose, pick_greedy
+from draftsmith.methods.eagle.tree_drafting import TreeShape, draft_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head
 from draftsmith.models.kv_cache import ForwardBatch
 
@@ -74,12 +75,16 @@ class EagleFamilyProposer(Proposer):
         self.dtype = draft_dtype(config.draft_dtype, weight.dtype, weight.device)
         self.head = load_attached_head(config, target, self.dtype)
         self.k = config.num_speculative_tokens
+        depth = getattr(config, "tree_depth", None)  # EAGLE-2's dynamic tree (tree_drafting), when set
+        self.tree = None if depth is None else TreeShape(depth, config.tree_top_k, self.k)
         # k positions of room past max_model_len: draft steps run all rows at one width, so a row whose
-        # context is nearly full goes on drafting (its drafts discarded) past where its own limit stopped it
-        self.head.init_rope(max_model_len + self.k)
+        # context is nearly full goes on drafting (its drafts discarded) past where its own limit stopped it;
+        # a tree's nodes take more
+        room = self.k if self.tree is None else max(self.k, self.tree.cache_room)
+        self.head.init_rope(max_model_len + room)
         self.hidden_layer_ids = self.head.hidden_layer_ids
         self.window = self.head.sliding_window  # the head's own attention window, if it has one
-        self.cache = self.head.make_cache(max_num_seqs, max_model_len + self.k)
+        self.cache = self.head.make_cache(max_num_seqs, max_model_len + room)
         self.device = weight.device
         self.vocab_size = target.config.vocab_size
         self.max_num_seqs = max_num_seqs
@@ -88,6 +93,7 @@ class EagleFamilyProposer(Proposer):
                                                                     device=self.device))
         self.draft_tokens = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
         self.draft_counts = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
+        self.draft_parents = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
         self.confidence = torch.zeros(max_num_seqs, self.k, device=self.device)
         self.last_confidence = self.confidence[:0]  # [B, k] running probability products of the last call
         self.draft_probs: torch.Tensor | None = None  # [max_num_seqs, k, V], allocated on first sampled draft
@@ -265,6 +271,8 @@ class EagleFamilyProposer(Proposer):
         base = [self.pending_start[s] + self.pending_len[s] for s in slots]  # where draft step 2 sits
         state, logits = self._catch_up([rows[i] for i in host_active], slots)
         act_dev = active.to(self.device)
+        if self.tree is not None:
+            return self._draft_tree(state, logits, slots, base, host_active, max_drafts, n_rows)
         q_out = torch.zeros(len(active), self.k, len(self.draft_to_target), device=self.device) if sampled else None
         drafted, confidence = self._draft(state, logits, slots, base, [max_drafts[i] for i in host_active],
                                           temperature, draws, q_out, n_rows)
@@ -275,6 +283,25 @@ class EagleFamilyProposer(Proposer):
             steps = torch.arange(self.k, device=self.device)
             probs_out[act_dev[:, None, None], steps[None, :, None], self.draft_to_target[None, None, :]] = q_out
         return DraftBatch(tokens_out, counts_out, probs_out)
+
+    def _draft_tree(self, state, logits, slots, base, host_active: list[int], max_drafts: list[int],
+                    n_rows: int) -> DraftBatch:
+        """The active rows' trees (`tree_drafting`), each cut to its row's limit: the first nodes, a tree."""
+        self.steps_run = self.tree.depth
+        tokens, parents, scores = draft_tree(self.head, self.cache, self.tree, state, logits, slots, base,
+                                             self._key_starts(slots, base), self.stop_below)
+        limits = torch.tensor([max_drafts[i] for i in host_active], device=self.device)
+        limits = torch.minimum(limits, (tokens >= 0).sum(-1))  # fewer nodes where drafting stopped early
+        keep = torch.arange(self.k, device=self.device)[None, :] < limits[:, None]
+        act_dev = torch.tensor(host_active, device=self.device)
+        self.draft_tokens[act_dev] = tokens.masked_fill(~keep, -1)
+        self.draft_counts[act_dev] = limits
+        parents_out = self.draft_parents[:n_rows]
+        parents_out.fill_(-1)
+        parents_out[act_dev] = parents
+        self.last_confidence[act_dev] = scores.exp().masked_fill(~keep, 0.0)
+        return DraftBatch(self.draft_tokens[:n_rows], self.draft_counts[:n_rows], None, parents_out,
+                          self.last_confidence)
 
     def _catch_up(self, rows: list[RowState], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over the rows' pending positions -> (head output [A, H], logits [A, draft_vocab]) at the

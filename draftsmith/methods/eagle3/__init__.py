@@ -9,13 +9,13 @@ from pydantic import Field, model_validator
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import RecipeModelSection, RecipeTrainingSection
-from draftsmith.methods.eagle import EagleFamilyMethod, HeadSpeculativeConfig
+from draftsmith.methods.eagle import EagleFamilyMethod, EagleTreeConfig
 from draftsmith.methods.registry import register_method
 from draftsmith.models.eagle3 import Eagle3Head
 from draftsmith.models.heads import DraftHeadConfig
 
 
-class Eagle3Config(HeadSpeculativeConfig):
+class Eagle3Config(EagleTreeConfig):
     method: Literal["eagle3"]
 
 

@@ -33,6 +33,8 @@ def _llm(target, **keys):
      "cannot be combined with num_speculative_tokens_per_batch_size"),
     ({"num_speculative_tokens": 8, "tree_depth": 4, "tree_top_k": 2, "draft_sample_method": "probabilistic"},
      "must be greedy"),
+    ({"num_speculative_tokens": 2, "tree_depth": 2, "tree_top_k": 1, "speculative_token_tree": "[(0,), (0, 0)]"},
+     "exclude each other"),
 ])
 def test_bad_tree_keys_are_one_clear_error(keys, message):
     with pytest.raises(DraftsmithError, match=message):
@@ -55,22 +57,27 @@ def _chain_scores(head, cache, slot, base, key_start, state, logits, path):
     return scores
 
 
-def test_tree_nodes_score_as_the_chain_along_their_path(target, monkeypatch):
+STATIC_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]"
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_tree_nodes_score_as_the_chain_along_their_path(target, monkeypatch, static):
     """Each node of the trees drafted while serving (3 rows, one of them a long prompt whose head context
     starts mid-sequence) carries the cumulative log-probability the head gives its path when drafting that
-    path as a chain; parents come first and are likelier than their children."""
+    path as a chain; parents come first and are likelier than their children. Dynamic trees (EAGLE-2) and
+    vLLM's static ones."""
     checked = []
 
-    def checking(head, cache, shape, state, logits, slots, base, key_starts, stop_below):
+    def checking(head, cache, shape, state, logits, slots, base, key_starts, *rest):
         before = [t.clone() for t in cache.k + cache.v]
-        tokens, parents, scores = real(head, cache, shape, state, logits, slots, base, key_starts, stop_below)
+        tokens, parents, scores = real(head, cache, shape, state, logits, slots, base, key_starts, *rest)
         if len(checked) < 6:
             oracle = type(cache)(1, cache.num_slots, cache.max_len, cache.k[0].shape[1], cache.k[0].shape[3],
                                  cache.k[0].dtype, "cpu")
             for t, b in zip(oracle.k + oracle.v, before):
                 t.copy_(b)
             for row in range(tokens.shape[0]):
-                for node in range(shape.total):
+                for node in range(tokens.shape[1]):
                     path, at = [], node
                     while at >= 0:
                         path.insert(0, int(tokens[row, at]))
@@ -84,9 +91,12 @@ def test_tree_nodes_score_as_the_chain_along_their_path(target, monkeypatch):
             checked.append(tokens.shape[0])
         return tokens, parents, scores
 
-    real = proposer_module.draft_tree
-    monkeypatch.setattr(proposer_module, "draft_tree", checking)
-    llm = _llm(target, num_speculative_tokens=10, tree_depth=4, tree_top_k=3, adaptive=False)
+    name = "draft_static_tree" if static else "draft_tree"
+    real = getattr(proposer_module, name)
+    monkeypatch.setattr(proposer_module, name, checking)
+    keys = {"num_speculative_tokens": 9, "speculative_token_tree": STATIC_TREE} if static else \
+        {"num_speculative_tokens": 10, "tree_depth": 4, "tree_top_k": 3, "adaptive": False}
+    llm = _llm(target, **keys)
     long_prompt = "def walk(tree):\n" + "".join(f"    visit(tree.child_{i})\n" for i in range(24)) + "    ret"
     llm.generate([long_prompt, *CODE_PROMPTS[:2]], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert len(checked) == 6 and max(checked) == 3
@@ -95,13 +105,14 @@ def test_tree_nodes_score_as_the_chain_along_their_path(target, monkeypatch):
 
 def test_tree_drafts_decode_what_plain_decoding_does_and_accept_more(target, greedy_reference):
     """Mixed batch (4 prompts through 3 slots): greedy ids equal plain decoding's for the chain, a whole tree
-    of the same depth and a tree sized each step by the cost model (rows cut to their likeliest nodes, or
-    to none); the whole tree accepts more per step than the chain."""
+    of the same depth, a tree sized each step by the cost model (rows cut to their likeliest nodes, or
+    to none) and a static tree; the whole tree accepts more per step than the chain."""
     params = SamplingParams(temperature=0, max_tokens=32)
     lengths = []
     for keys in ({"num_speculative_tokens": 5, "adaptive": False},
                  {"num_speculative_tokens": 12, "tree_depth": 5, "tree_top_k": 3, "adaptive": False},
-                 {"num_speculative_tokens": 12, "tree_depth": 5, "tree_top_k": 3}):
+                 {"num_speculative_tokens": 12, "tree_depth": 5, "tree_top_k": 3},
+                 {"num_speculative_tokens": 9, "speculative_token_tree": STATIC_TREE}):
         llm = _llm(target, **keys)
         outputs = llm.generate(CODE_PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == greedy_reference

@@ -15,6 +15,7 @@ from draftsmith.methods.base import (
     RecipeTrainingSection,
     SpecMethod,
     SpeculativeConfig,
+    TreeSpeculativeConfig,
     check_tree_verification,
 )
 from draftsmith.methods.registry import register_method
@@ -34,8 +35,9 @@ class HeadSpeculativeConfig(SpeculativeConfig):
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
-class EagleTreeConfig(HeadSpeculativeConfig):
-    """EAGLE-2's dynamic draft tree (`methods.eagle.tree_drafting`), draftsmith's keys: `tree_depth` tokens
+class EagleTreeConfig(HeadSpeculativeConfig, TreeSpeculativeConfig):
+    """A static tree as vLLM spells it (`speculative_token_tree`, verified whole), or EAGLE-2's dynamic draft
+    tree (`methods.eagle.tree_drafting`), draftsmith's keys: `tree_depth` tokens
     deep, each depth expanding the `tree_top_k` likeliest nodes (by cumulative draft probability) into their
     top-k children; of the num_speculative_tokens likeliest nodes of all, the engine verifies as one tree
     the w likeliest, w sized each step by the cost model (`adaptive`, the default; false: all of them).
@@ -50,6 +52,9 @@ class EagleTreeConfig(HeadSpeculativeConfig):
             raise ValueError("tree_depth and tree_top_k go together: set both for a draft tree, or neither")
         if self.tree_depth is None:
             return self
+        if self.speculative_token_tree is not None:
+            raise ValueError("speculative_token_tree (a static tree) and tree_depth/tree_top_k (a dynamic one) "
+                             "exclude each other")
         depth, top_k = self.tree_depth, self.tree_top_k
         most = top_k + (depth - 1) * top_k * top_k
         if self.num_speculative_tokens > most:
@@ -76,7 +81,7 @@ class EagleTraining(RecipeTrainingSection):
 class EagleFamilyMethod(SpecMethod):
     """What EAGLE and EAGLE-3 share: a `DraftHeadConfig` head attached to its target."""
 
-    needs = replace(EAGLE_FAMILY_NEEDS, tree=True)  # EAGLE-2's dynamic trees (tree_depth, tree_top_k)
+    needs = replace(EAGLE_FAMILY_NEEDS, tree=True)  # static and EAGLE-2's dynamic trees
     head_config = DraftHeadConfig
 
     @classmethod

@@ -40,7 +40,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose, pick_greedy
-from draftsmith.methods.eagle.tree_drafting import TreeShape, draft_tree
+from draftsmith.methods.eagle.tree_drafting import TreeShape, draft_static_tree, draft_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head
 from draftsmith.models.kv_cache import ForwardBatch
 
@@ -75,12 +75,14 @@ class EagleFamilyProposer(Proposer):
         self.dtype = draft_dtype(config.draft_dtype, weight.dtype, weight.device)
         self.head = load_attached_head(config, target, self.dtype)
         self.k = config.num_speculative_tokens
-        depth = getattr(config, "tree_depth", None)  # EAGLE-2's dynamic tree (tree_drafting), when set
-        self.tree = None if depth is None else TreeShape(depth, config.tree_top_k, self.k)
+        # a static tree, or EAGLE-2's dynamic one (tree_drafting), when the config asks for one
+        depth = getattr(config, "tree_depth", None)
+        self.tree = config.token_tree() if getattr(config, "speculative_token_tree", None) else \
+            None if depth is None else TreeShape(depth, config.tree_top_k, self.k)
         # k positions of room past max_model_len: draft steps run all rows at one width, so a row whose
         # context is nearly full goes on drafting (its drafts discarded) past where its own limit stopped it;
-        # a tree's nodes take more
-        room = self.k if self.tree is None else max(self.k, self.tree.cache_room)
+        # a dynamic tree's nodes take more
+        room = max(self.k, self.tree.cache_room) if isinstance(self.tree, TreeShape) else self.k
         self.head.init_rope(max_model_len + room)
         self.hidden_layer_ids = self.head.hidden_layer_ids
         self.window = self.head.sliding_window  # the head's own attention window, if it has one
@@ -287,9 +289,15 @@ class EagleFamilyProposer(Proposer):
     def _draft_tree(self, state, logits, slots, base, host_active: list[int], max_drafts: list[int],
                     n_rows: int) -> DraftBatch:
         """The active rows' trees (`tree_drafting`), each cut to its row's limit: the first nodes, a tree."""
-        self.steps_run = self.tree.depth
-        tokens, parents, scores = draft_tree(self.head, self.cache, self.tree, state, logits, slots, base,
-                                             self._key_starts(slots, base), self.stop_below)
+        starts = self._key_starts(slots, base)
+        if isinstance(self.tree, TreeShape):
+            self.steps_run = self.tree.depth
+            tokens, parents, scores = draft_tree(self.head, self.cache, self.tree, state, logits, slots, base, starts,
+                                                 self.stop_below)
+        else:  # static: verified whole, in its own order
+            self.steps_run = self.tree.max_depth
+            tokens, parents, scores = draft_static_tree(self.head, self.cache, self.tree, state, logits, slots,
+                                                        base, starts)
         limits = torch.tensor([max_drafts[i] for i in host_active], device=self.device)
         limits = torch.minimum(limits, (tokens >= 0).sum(-1))  # fewer nodes where drafting stopped early
         keep = torch.arange(self.k, device=self.device)[None, :] < limits[:, None]
@@ -300,8 +308,9 @@ class EagleFamilyProposer(Proposer):
         parents_out.fill_(-1)
         parents_out[act_dev] = parents
         self.last_confidence[act_dev] = scores.exp().masked_fill(~keep, 0.0)
-        return DraftBatch(self.draft_tokens[:n_rows], self.draft_counts[:n_rows], None, parents_out,
-                          self.last_confidence)
+        # a dynamic tree's nodes come likeliest first: the engine may verify the first w (size_trees)
+        confidence = self.last_confidence if isinstance(self.tree, TreeShape) else None
+        return DraftBatch(self.draft_tokens[:n_rows], self.draft_counts[:n_rows], None, parents_out, confidence)
 
     def _catch_up(self, rows: list[RowState], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over the rows' pending positions -> (head output [A, H], logits [A, draft_vocab]) at the

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.methods.token_tree import TokenTree
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
 
 # subtracted per depth from a node's score: a child whose draft probability rounds to 1 still ranks below
@@ -125,3 +126,58 @@ def _rerank(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, k
     pad = total - taken
     return tuple(torch.cat([t, torch.full((rows, pad), fill, dtype=t.dtype, device=device)], dim=1)
                  for t, fill in zip(out, (-1, -1, float("-inf"))))
+
+
+def draft_static_tree(head, cache: KVCache, tree: TokenTree, state: torch.Tensor, logits: torch.Tensor,
+                      slots: list[int], base: list[int], key_starts: list[int]):
+    """vLLM's static `speculative_token_tree` from the head: the node at path (r1, ..., rd) holds the rank-rd
+    draft after its parent's path. Each depth feeds the nodes that have children in one head step, the n-th
+    node fed at `base + n` in the head's cache; same outputs as `draft_tree`, in the tree's own order (parents
+    first)."""
+    rows, nodes = state.shape[0], tree.num_nodes
+    device = state.device
+    tokens = torch.full((rows, nodes), -1, dtype=torch.long, device=device)
+    scores = torch.zeros(rows, nodes, device=device)
+    base_t = torch.tensor(base, device=device)
+    starts_t = torch.tensor(key_starts, device=device)
+    children = [[c for c in range(nodes) if tree.parents[c] == i] for i in range(nodes)]
+    written: dict[int, int] = {}  # fed node -> its offset past base in the head's cache
+    fed_out: dict[int, torch.Tensor] = {}  # fed node -> the head's output [A, H] at it: its children's state
+    _place(tokens, scores, head, logits[:, None], [c for c in range(nodes) if tree.parents[c] < 0], [0], tree,
+           torch.zeros(rows, 1, device=device))
+    for depth in range(1, tree.max_depth):
+        fed = [i for i in range(nodes) if tree.depths[i] == depth and children[i]]
+        if not fed:
+            break
+        for i in fed:
+            written[i] = len(written)
+        lineage = []  # every fed node's ancestors and itself, as cache offsets past base
+        for i in fed:
+            chain, at = [], i
+            while at >= 0:
+                chain.append(written[at])
+                at = tree.parents[at]
+            lineage.append(chain + [-1] * (tree.max_depth - len(chain)))
+        offsets = torch.tensor(lineage, device=device)
+        ancestors = torch.where(offsets >= 0, base_t[:, None, None] + offsets, -1)
+        at = base_t[:, None] + torch.tensor([written[i] for i in fed], device=device)
+        fed_state = torch.stack([state if tree.parents[i] < 0 else fed_out[tree.parents[i]] for i in fed], dim=1)
+        batch = _node_batch(slots, base_t, starts_t, at, ancestors, min(key_starts), max(base) + len(written))
+        out, step_logits = head.step(tokens[:, fed], fed_state, (base_t + depth - 1)[:, None].expand(rows, len(fed)),
+                                     False, cache, batch)
+        for n, i in enumerate(fed):
+            fed_out[i] = out[:, n]
+        _place(tokens, scores, head, step_logits, [c for i in fed for c in children[i]],
+               [n for n, i in enumerate(fed) for _ in children[i]], tree, scores[:, fed])
+    return tokens, tree.parent_tensor(rows, device), scores
+
+
+def _place(tokens, scores, head, logits, nodes: list[int], source: list[int], tree: TokenTree, source_scores):
+    """Writes `nodes`' tokens and cumulative scores: node n takes the rank-(its rank) draft of logits[:, source[n]]
+    ([A, F, draft_vocab]), adding source_scores[:, source[n]]."""
+    log_probs, ids = _top_log_probs(logits, tree.top_k)  # [A, F, K]
+    at = torch.tensor(source, device=logits.device)
+    rank = torch.tensor([tree.ranks[n] for n in nodes], device=logits.device)
+    index = torch.tensor(nodes, device=logits.device)
+    tokens[:, index] = head.to_target_ids(ids[:, at, rank])
+    scores[:, index] = source_scores[:, at] + log_probs[:, at, rank]

@@ -109,7 +109,9 @@ class LLMEngine:
         if self.steps is not None:
             buckets = self.steps.warm_up(list(range(1, k + 2)))  # decode, and verifies of 1..k drafts
             logger.info("decode and verify steps: %s, %d buckets ready", self.step_mode, buckets)
-            head = self.proposer.static_step_head() if self.proposer is not None and k > 1 else None
+            # trees draft with steps of their own widths (tree_drafting): no one-token steps to ready
+            chain = self.proposer is not None and self.proposer.tree is None and k > 1
+            head = self.proposer.static_step_head() if chain else None
             if head is not None:
                 self.proposer.draft_steps = DraftStepRunner(*head, config.max_num_seqs, self.step_mode)
                 buckets = self.proposer.draft_steps.warm_up()

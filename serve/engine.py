@@ -107,11 +107,12 @@ class LLMEngine:
         self.step_mode = resolve_step_mode(config.step_mode, config.enforce_eager, self.device)
         self.steps = make_step_runner(model, self.cache, config.max_num_seqs, self.feature_layers, self.step_mode)
         if self.steps is not None:
-            buckets = self.steps.warm_up(list(range(1, k + 2)))  # decode, and verifies of 1..k drafts
+            # decode, and chains' verifies of 1..k drafts (a tree's verify runs eager: tree_verify)
+            tree = self.proposer is not None and self.proposer.tree is not None
+            buckets = self.steps.warm_up([1] if tree else list(range(1, k + 2)))
             logger.info("decode and verify steps: %s, %d buckets ready", self.step_mode, buckets)
             # trees draft with steps of their own widths (tree_drafting): no one-token steps to ready
-            chain = self.proposer is not None and self.proposer.tree is None and k > 1
-            head = self.proposer.static_step_head() if chain else None
+            head = self.proposer.static_step_head() if self.proposer is not None and not tree and k > 1 else None
             if head is not None:
                 self.proposer.draft_steps = DraftStepRunner(*head, config.max_num_seqs, self.step_mode)
                 buckets = self.proposer.draft_steps.warm_up()

@@ -31,9 +31,9 @@ class MethodNeeds:
     """What a method declares about itself; the engine and config checks read these flags, never method names.
 
     Read today: `hidden_states` (the engine hands the proposer target features), `draft_probs` (whether
-    draft_sample_method "probabilistic" is allowed), `head` ("model" required), `tree` (its section takes
-    `speculative_token_tree`: `TreeSpeculativeConfig`), `parallel` (the bench drafts a shipped head's whole block). `own_kv_cache` is declared
-    for the scheduling work that will use it; nothing reads it yet."""
+    draft_sample_method "probabilistic" is allowed), `head` ("model" required), `parallel` (the bench drafts a
+    shipped head's whole block). `own_kv_cache` and `tree` (its config section takes tree keys; the engine
+    reads trees from `DraftBatch.parents`) are declared only: nothing reads them yet."""
 
     hidden_states: bool = False  # needs target features from every forward (EAGLE family, MTP)
     draft_probs: bool = False  # can sample its drafts and hand back q (draft_sample_method=probabilistic)
@@ -131,8 +131,8 @@ def check_tree_verification(config: SpeculativeConfig, key: str, sized: bool = F
 
 class TreeSpeculativeConfig(SpeculativeConfig):
     """The keys of a method that can draft a static tree: vLLM's `speculative_token_tree`
-    (`methods.token_tree`), whose nodes are the num_speculative_tokens drafts of every step. The tree is
-    verified as drafted: no adaptive sizing yet, and its drafts are deterministic (a sampled request still
+    (`methods.token_tree`), whose nodes are the num_speculative_tokens drafts of every step. A static tree is
+    verified whole (its order is not likeliest-first, so no sizing), and its drafts are deterministic (a sampled request still
     samples exactly: `serve.spec_decode.tree_verify`)."""
 
     speculative_token_tree: str | None = None

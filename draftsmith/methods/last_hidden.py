@@ -30,7 +30,6 @@ class LastHiddenProposer(Proposer):
         self.draft_probs: torch.Tensor | None = None  # [max_num_seqs, k, V], allocated on first sampled draft
         self._sampling: tuple[torch.Tensor, list] | None = None  # this propose's (temperatures, draws)
         self._qs: list[torch.Tensor] = []
-        self.tree = None  # a static TokenTree the subclass drafts, whose parents go with every propose
 
     def draft_models(self) -> list[torch.nn.Module]:
         return [self.head]

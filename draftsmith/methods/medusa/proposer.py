@@ -16,7 +16,9 @@ class MedusaProposer(LastHiddenProposer):
 
     def __init__(self, config, target, max_num_seqs: int, max_model_len: int):
         super().__init__(config, target, max_num_seqs, max_model_len)
-        self.tree = config.token_tree()  # its depth checked against the heads at load
+        # a static TokenTree, whose parents go with every propose (LastHiddenProposer); its depth is checked
+        # against the heads at load
+        self.tree = config.token_tree()
         if self.tree is not None:
             self._depths = torch.tensor(self.tree.depths, device=self.device) - 1
             self._ranks = torch.tensor(self.tree.ranks, device=self.device)

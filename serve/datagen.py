@@ -5,7 +5,7 @@ records are replayed turn by turn (each assistant turn regenerated from the mode
 text records keep an opening and get a model-written continuation. The opening is either the first
 `--prompt-tokens` tokens (`--cut start`) or, closer to what a code-completion user sends, the file up to the
 middle of an indented line at a random offset (`--cut block`), of which the last `--prompt-tokens` tokens
-are the prompt.
+are the prompt. Text rows are `{"text": prompt + continuation, "prompt": prompt}`.
 """
 
 from __future__ import annotations
@@ -84,5 +84,10 @@ def _continue_texts(llm: LLM, texts: list[str], params: SamplingParams, prompt_t
         # The target sees exactly the context the record keeps, so training features match serving ones.
         prompts.append({"prompt_token_ids": ids[:prompt_tokens] if cut == "start" else ids[-prompt_tokens:]})
     outputs = llm.generate(prompts, params)
-    return [{"text": llm.tokenizer.decode(p["prompt_token_ids"]) + out.outputs[0].text}
-            for p, out in zip(prompts, outputs)]
+    rows = []
+    for p, out in zip(prompts, outputs):
+        # the prompt kept beside the whole text: a recipe may train on the regenerated part only
+        # (`data.mask_prompt`), which is where a head drafts when it serves
+        prompt = llm.tokenizer.decode(p["prompt_token_ids"])
+        rows.append({"text": prompt + out.outputs[0].text, "prompt": prompt})
+    return rows

@@ -59,7 +59,8 @@ def run_capture(args: argparse.Namespace) -> int:
     target = load_target(recipe.model.target, dtype="float32", device=args.device)
     tokenizer = load_tokenizer(Path(recipe.model.target))
     d = recipe.data
-    tokenized = tokenize_dataset(load_records(d.train_files, d.max_train_samples), tokenizer, d.max_length, d.format)
+    tokenized = tokenize_dataset(load_records(d.train_files, d.max_train_samples), tokenizer, d.max_length, d.format,
+                                 d.mask_prompt)
     aux = aux_layers(recipe, target.config.num_hidden_layers)
     capture(target, aux, tokenized, out, d.hidden_states_dtype, args.samples_per_shard,
             meta={"target": recipe.model.target, "train_files": d.train_files, "max_length": d.max_length})

@@ -2,8 +2,9 @@
 
 Chat records: `{"messages": [{"role", "content"}, ...]}` (OpenAI) or `{"conversations": [{"from", "value"}]}`
 (ShareGPT; human/gpt/system map to user/assistant/system). Text records: `{"text": ...}` (code files).
-A token's loss mask is 1 where the head should learn to predict it: every token of plain text, and only
-the assistant turns (content and end-of-turn marker) of chat data, found through the tokenizer's offsets.
+A token's loss mask is 1 where the head should learn to predict it: every token of plain text (with
+`mask_prompt`, only the tokens after a regenerated record's `prompt`), and only the assistant turns (content
+and end-of-turn marker) of chat data, found through the tokenizer's offsets.
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ from draftsmith.corpus import detect_format, to_messages
 from draftsmith.errors import DraftsmithError
 
 
-def tokenize_text(text: str, tokenizer, max_length: int) -> dict[str, list[int]]:
-    ids = tokenizer(text, add_special_tokens=False, truncation=True, max_length=max_length).input_ids
-    return {"input_ids": ids, "loss_mask": [1] * len(ids)}
+def tokenize_text(text: str, tokenizer, max_length: int, prompt: str | None = None) -> dict[str, list[int]]:
+    """`prompt`: a prefix of `text` whose tokens are not learned (a token straddling its end is)."""
+    if prompt is None:
+        ids = tokenizer(text, add_special_tokens=False, truncation=True, max_length=max_length).input_ids
+        return {"input_ids": ids, "loss_mask": [1] * len(ids)}
+    if not text.startswith(prompt):
+        raise DraftsmithError("a text record's 'prompt' is not the start of its 'text'")
+    encoded = tokenizer(text, add_special_tokens=False, truncation=True, max_length=max_length,
+                        return_offsets_mapping=True)
+    return {"input_ids": encoded.input_ids, "loss_mask": [int(end > len(prompt)) for _, end in encoded.offset_mapping]}
 
 
 def tokenize_chat(messages: list[dict[str, str]], tokenizer, max_length: int) -> dict[str, list[int]]:
@@ -40,13 +48,17 @@ def tokenize_chat(messages: list[dict[str, str]], tokenizer, max_length: int) ->
     return {"input_ids": encoded.input_ids, "loss_mask": mask}
 
 
-def tokenize_dataset(ds, tokenizer, max_length: int, data_format: str = "auto"):
+def tokenize_dataset(ds, tokenizer, max_length: int, data_format: str = "auto", mask_prompt: bool = False):
+    """`mask_prompt`: text records learn only what follows their 'prompt' (an error where they have none)."""
     data_format = detect_format(ds.column_names) if data_format == "auto" else data_format
+    if mask_prompt and (data_format != "text" or "prompt" not in ds.column_names):
+        raise DraftsmithError("data.mask_prompt needs text records with a 'prompt' field (as `draftsmith datagen` "
+                              f"writes them); these have {sorted(ds.column_names)}")
 
     def encode(record):
         if data_format == "chat":
             return tokenize_chat(to_messages(record), tokenizer, max_length)
-        return tokenize_text(record["text"], tokenizer, max_length)
+        return tokenize_text(record["text"], tokenizer, max_length, record["prompt"] if mask_prompt else None)
 
     ds = ds.map(encode, remove_columns=ds.column_names, desc="tokenizing")
     return ds.filter(lambda r: len(r["input_ids"]) > 2 and sum(r["loss_mask"]) > 0)

@@ -26,6 +26,8 @@ class DataSection(_Section):
     eval_files: list[str] | None = None
     format: Literal["auto", "chat", "text"] = "auto"
     max_length: int = Field(default=2048, gt=1)
+    mask_prompt: bool = Field(default=False, description="text records with a 'prompt' (`draftsmith datagen` writes "
+                              "it): learn only the tokens after it, the regenerated part, where a head drafts")
     max_train_samples: int | None = Field(default=None, gt=0)
     max_eval_samples: int | None = Field(default=200, gt=0)
     eval_fraction: float = Field(default=0.02, ge=0, lt=1, description="held back when eval_files is unset")

@@ -122,10 +122,11 @@ def prepare_datasets(recipe: Recipe, tokenizer, aux_layer_ids):
         train = torch.utils.data.Subset(full, range(n_eval, len(full)))
         evaluation = torch.utils.data.Subset(full, range(n_eval)) if n_eval else None
         return train, evaluation
-    train = tokenize_dataset(load_records(d.train_files, d.max_train_samples), tokenizer, d.max_length, d.format)
+    train = tokenize_dataset(load_records(d.train_files, d.max_train_samples), tokenizer, d.max_length, d.format,
+                             d.mask_prompt)
     if d.eval_files:
         evaluation = tokenize_dataset(load_records(d.eval_files, d.max_eval_samples), tokenizer, d.max_length,
-                                      d.format)
+                                      d.format, d.mask_prompt)
     elif d.eval_fraction > 0:
         n_eval = min(max(1, int(len(train) * d.eval_fraction)), d.max_eval_samples or len(train))
         evaluation, train = train.select(range(n_eval)), train.select(range(n_eval, len(train)))

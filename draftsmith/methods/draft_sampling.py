@@ -46,6 +46,11 @@ def choose_block(logits: torch.Tensor, limits: list[int], rows: torch.Tensor, te
     `temperature` [R] (None: all greedy), `generators`: row -> generator of the rows that sample. A row draws
     only for the drafts it keeps, and draft j's q does not depend on drafts 1..j-1 (one forward made them all),
     so each position is chosen on its own."""
+    if temperature is None:  # all greedy: one argmax over the block, not a pick (and a softmax) per position
+        width = logits.shape[1]
+        kept = torch.arange(width, device=logits.device) < torch.tensor(limits, device=logits.device)[:, None]
+        tokens_out[rows, :width] = torch.where(kept, logits.argmax(-1), -1)
+        return
     for step in range(logits.shape[1]):
         live = [r for r, limit in enumerate(limits) if limit > step]
         if not live:

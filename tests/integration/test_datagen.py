@@ -3,6 +3,7 @@
 import json
 
 from draftsmith.cli import main
+from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.serve import LLM, SamplingParams
 from helpers import DEMO_MODEL
 
@@ -32,8 +33,10 @@ def test_text_records_get_model_continuations(tmp_path):
     out = tmp_path / "regen.jsonl"
     assert main(["datagen", "--model", str(DEMO_MODEL), "--input", str(source), "--output", str(out),
                  "--max-tokens", "12", "--prompt-tokens", "8", "--temperature", "0", "--device", "cpu"]) == 0
-    text = json.loads(out.read_text())["text"]
+    record = json.loads(out.read_text())
+    text, prompt = record["text"], record["prompt"]
     assert text.startswith("def add(a, b):") and len(text) > 20
+    assert text.startswith(prompt) and len(load_tokenizer(DEMO_MODEL)(prompt, add_special_tokens=False).input_ids) == 8
 
 
 def test_block_cut_prompts_end_mid_line_anywhere_in_the_file(tmp_path):

@@ -160,6 +160,20 @@ def test_training_learns_the_targets_next_tokens(tmp_path):
     assert report["sim_mean_acceptance_length_k1"] > 1.0 and report["sim_accept_pos2"] > 0, report
 
 
+def test_anchors_draft_only_where_the_next_token_is_learned():
+    """With a masked prompt (data.mask_prompt) every block starts where its first draft is a learned token, and
+    a fully learned row draws from every position with context before it and a token after it."""
+    from draftsmith.methods.dflash.objective import sample_anchors
+
+    loss_mask = torch.zeros(2, 12, dtype=torch.long)
+    loss_mask[0, 7:10] = 1  # prompt of 7 tokens, 3 learned, then padding
+    loss_mask[1] = 1
+    torch.manual_seed(0)
+    anchors, valid = sample_anchors(loss_mask, [10, 12], 5, "cpu")
+    assert sorted(anchors[0][valid[0]].tolist()) == [6, 7, 8] and valid[0].sum() == 3
+    assert set(anchors[1].tolist()) <= set(range(1, 11)) and valid[1].all() and len(set(anchors[1].tolist())) == 5
+
+
 # -- conversion -------------------------------------------------------------------------------------------------
 def _zlab_checkpoint(head, directory, **dflash_extra):
     """A head written the way z-lab publishes DFlash drafts (a flat Qwen3 config, dflash_config, bare names)."""

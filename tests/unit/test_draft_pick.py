@@ -63,3 +63,16 @@ def test_eagle3_engine_drafts_through_the_kernel(monkeypatch, greedy_reference):
     _, torch_metrics = run()
     assert not calls
     assert metrics["accepted_per_position"] == torch_metrics["accepted_per_position"]  # the same drafts
+
+
+def test_greedy_block_choice_keeps_each_rows_limit():
+    """A parallel drafter's greedy block: each row's first `limit` argmaxes, written to its own output row, and
+    -1 past its limit (what the verifier reads as no draft)."""
+    from draftsmith.methods.draft_sampling import choose_block
+
+    logits = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0))
+    tokens = torch.full((6, 8), -1)
+    choose_block(logits, [5, 2, 0], torch.tensor([4, 0, 2]), None, {}, tokens, None)
+    want = logits.argmax(-1)
+    assert torch.equal(tokens[4, :5], want[0]) and torch.equal(tokens[0, :2], want[1, :2])
+    assert (tokens[0, 2:] == -1).all() and (tokens[2] == -1).all() and (tokens[[1, 3, 5]] == -1).all()

@@ -45,3 +45,18 @@ def test_draft_vocab_takes_most_frequent_masked_tokens():
 def test_tokenizer_larger_than_target_vocab_is_rejected(tokenizer):
     with pytest.raises(DraftsmithError, match="8192 tokens but the target's vocab_size is 128"):
         check_tokenizer(tokenizer, 128)
+
+
+def test_mask_prompt_learns_only_the_regenerated_part(tokenizer):
+    from datasets import Dataset
+
+    from draftsmith.train.data import tokenize_dataset
+
+    prompt = "def add(a, b):\n    return"
+    records = Dataset.from_list([{"text": prompt + " a + b\n", "prompt": prompt}])
+    out = tokenize_dataset(records, tokenizer, 64, "text", mask_prompt=True)[0]
+    learned = tokenizer.decode([t for t, m in zip(out["input_ids"], out["loss_mask"]) if m])
+    assert learned.strip() == "a + b" and out["loss_mask"][0] == 0
+    assert all(tokenize_dataset(records, tokenizer, 64, "text")[0]["loss_mask"])  # off: every token
+    with pytest.raises(DraftsmithError, match="needs text records with a 'prompt' field"):
+        tokenize_dataset(Dataset.from_list([{"text": prompt}]), tokenizer, 64, "text", mask_prompt=True)

@@ -9,17 +9,23 @@ import torch
 EVAL_STRIDE = 4  # the acceptance eval drafts a block from every EVAL_STRIDE-th position
 
 
-def sample_anchors(lengths: list[int], count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchors [B, A], valid [B, A]): per row up to `count` distinct positions in [1, length - 2] (a block
-    needs context before it and a token after its anchor), drawn at random; short rows repeat their first
-    anchor with valid False."""
+def anchor_choices(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """A row's positions a in [1, length - 2] (a block needs context before it and a token after its anchor)
+    whose next token is learned: a block drafts where it predicts trained tokens (with `data.mask_prompt`,
+    the regenerated part: where it drafts when it serves)."""
+    return (loss_mask[2:length].nonzero()[:, 0] + 1).cpu() if length > 2 else torch.zeros(0, dtype=torch.long)
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: list[int], count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors [B, A], valid [B, A]): per row up to `count` distinct `anchor_choices`, drawn at random; short
+    rows repeat their first anchor with valid False."""
     anchors = torch.ones(len(lengths), count, dtype=torch.long)
     valid = torch.zeros(len(lengths), count, dtype=torch.bool)
     for b, length in enumerate(lengths):
-        choices = max(length - 2, 0)
-        if not choices:
+        choices = anchor_choices(loss_mask[b], length)
+        if not len(choices):
             continue
-        picked = torch.randperm(choices)[:count] + 1
+        picked = choices[torch.randperm(len(choices))[:count]]
         anchors[b, : len(picked)], valid[b, : len(picked)] = picked, True
         anchors[b, len(picked):] = picked[0]
     return anchors.to(device), valid.to(device)
@@ -45,7 +51,7 @@ def dflash_objective(head, target, batch, features, cfg):
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     rows, length = ids.shape
     size = head.config.block_size
-    anchors, valid = sample_anchors(batch["lengths"].tolist(), cfg.num_anchors, ids.device)
+    anchors, valid = sample_anchors(loss_mask, batch["lengths"].tolist(), cfg.num_anchors, ids.device)
     hidden = head.training_forward(features["features"], ids, anchors)
     hidden = hidden.view(rows, anchors.shape[1], size, -1)[:, :, 1:]  # position 0 is the bonus token: no draft
     logits = head.readout(hidden)
@@ -68,7 +74,7 @@ def dflash_objective(head, target, batch, features, cfg):
 
 @torch.no_grad()
 def simulated_acceptance(head, target, batch, features, max_k: int):
-    """(accepted chains per depth [max_k], chain starts): a block from every EVAL_STRIDE-th position; draft j is
+    """(accepted chains per depth [max_k], chain starts): a block from every EVAL_STRIDE-th anchor choice; draft j is
     accepted if drafts 1..j all equal the target's greedy choices given the text (given the text, not the
     drafts: exact where the text is the target's greedy continuation, as regenerated data is)."""
     ids = batch["input_ids"]
@@ -77,7 +83,8 @@ def simulated_acceptance(head, target, batch, features, max_k: int):
     max_k = min(max_k, size - 1)
     lengths = batch["lengths"].tolist()
     for b, length in enumerate(lengths):
-        anchor_list = torch.arange(1, length - max_k, EVAL_STRIDE, device=ids.device)
+        choices = anchor_choices(batch["loss_mask"][b], length)
+        anchor_list = choices[choices < length - max_k][::EVAL_STRIDE].to(ids.device)
         if not len(anchor_list):
             continue
         row = {key: batch[key][b : b + 1] for key in ("input_ids", "loss_mask", "lengths")}

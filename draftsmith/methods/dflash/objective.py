@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-EVAL_STRIDE = 4  # the acceptance eval drafts a block from every EVAL_STRIDE-th position
+EVAL_STRIDE = 4  # the acceptance eval drafts a block from every EVAL_STRIDE-th anchor choice
 
 
 def anchor_choices(loss_mask: torch.Tensor, length: int) -> torch.Tensor:

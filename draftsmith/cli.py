@@ -31,6 +31,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _add_engine_args(p: argparse.ArgumentParser, methods: list[str]) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="weights and activations dtype; auto = float32 on CPU, the checkpoint's on GPU")
@@ -128,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--input", required=True, help="JSONL (.xz ok) of chat or text records")
     dg.add_argument("--output", required=True)
     dg.add_argument("--num-samples", type=_positive_int, default=None)
+    dg.add_argument("--skip-samples", type=_non_negative_int, default=0,
+                    help="input records to skip first: another run's --num-samples, for records of other files")
     dg.add_argument("--max-tokens", type=_positive_int, default=256)
     dg.add_argument("--prompt-tokens", type=_positive_int, default=128,
                     help="text records: prompt length in tokens (the first ones with --cut start, the last ones with block)")

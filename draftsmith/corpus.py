@@ -81,7 +81,8 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "system": "system", "chatgpt": "assistant", "bing": "assistant"}
 
 
-def load_records(files: list[str], max_samples: int | None = None):
+def load_records(files: list[str], max_samples: int | None = None, skip: int = 0):
+    """The records of JSONL files (.xz ok), after the first `skip`, at most `max_samples` of them."""
     import datasets
 
     missing = [f for f in files if not Path(f).is_file()]
@@ -92,8 +93,11 @@ def load_records(files: list[str], max_samples: int | None = None):
         ds = datasets.load_dataset("json", data_files=list(files), split="train")
     except Exception as exc:  # datasets wraps parse errors in several types
         raise DraftsmithError(f"cannot read {files}: {exc}") from None
-    if max_samples is not None:
-        ds = ds.select(range(min(max_samples, len(ds))))
+    if skip >= len(ds) > 0:
+        raise DraftsmithError(f"{', '.join(files)} holds {len(ds)} records: none left after skipping {skip}")
+    end = len(ds) if max_samples is None else min(skip + max_samples, len(ds))
+    if skip or end < len(ds):
+        ds = ds.select(range(skip, end))
     return ds
 
 

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def regenerate(args: argparse.Namespace) -> Path:
-    records = load_records([args.input], args.num_samples)
+    records = load_records([args.input], args.num_samples, getattr(args, "skip_samples", 0))
     data_format = detect_format(records.column_names)
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,

@@ -164,3 +164,30 @@ def flattened_demo_copy(directory: Path, pard_token: int | None = None) -> Path:
     tensors["model.norm.weight"] = tensors["model.norm.weight"] * 0.4
     save_file(tensors, str(directory / "model.safetensors"))
     return directory
+
+
+def greedy_acceptance_lengths(make_llm, configs: list[dict], greedy_reference: list[list[int]]) -> list[float]:
+    """For each speculative config (keys for `make_llm(**keys)`): decodes CODE_PROMPTS greedily (32 tokens, the
+    `greedy_reference` fixture's run), asserts the ids equal plain decoding's, and returns its mean acceptance
+    length."""
+    from draftsmith.serve import SamplingParams
+
+    lengths = []
+    for keys in configs:
+        llm = make_llm(**keys)
+        outputs = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == greedy_reference, keys
+        lengths.append(llm.get_metrics()["mean_acceptance_length"])
+    return lengths
+
+
+def assert_samples_as_plain(target, llm) -> None:
+    """Seeded sampled requests over CODE_PROMPTS give `llm` (speculating) exactly plain decoding's ids, with
+    drafts accepted."""
+    from draftsmith.serve import LLM, SamplingParams
+
+    params = [SamplingParams(temperature=0.7, top_k=50, max_tokens=24, seed=10 + s) for s in range(len(CODE_PROMPTS))]
+    plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target)
+    want = [o.outputs[0].token_ids for o in plain.generate(CODE_PROMPTS, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(CODE_PROMPTS, params, use_tqdm=False)] == want
+    assert llm.get_metrics()["num_accepted_tokens"] > 0

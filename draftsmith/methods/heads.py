@@ -54,7 +54,11 @@ def load_attached_head(config, target, dtype: torch.dtype):
     if most is not None and tree is not None and tree.max_depth > most:
         raise DraftsmithError(f"speculative_token_tree is {tree.max_depth} deep, but the {head.head_type} head "
                               f"{config.model} drafts at most {most} tokens in a row")
-    if most is not None and tree is None and config.num_speculative_tokens > most:
+    depth = getattr(config, "tree_depth", None)  # a dynamic tree's (EAGLE-2's keys)
+    if most is not None and depth is not None and depth > most:
+        raise DraftsmithError(f"tree_depth={depth}, but the {head.head_type} head {config.model} drafts at most "
+                              f"{most} tokens in a row; set tree_depth <= {most}")
+    if most is not None and tree is None and depth is None and config.num_speculative_tokens > most:
         raise DraftsmithError(f"num_speculative_tokens={config.num_speculative_tokens}, but the {head.head_type} head "
                               f"{config.model} drafts at most {most} tokens a step; set num_speculative_tokens <= {most}")
     return head.attach_target(target)

@@ -59,3 +59,16 @@ def test_block_cut_prompts_end_mid_line_anywhere_in_the_file(tmp_path):
     continuation = llm.generate({"prompt_token_ids": ids[-6:]}, SamplingParams(temperature=0, max_tokens=10),
                                 use_tqdm=False)[0].outputs[0].text
     assert record == llm.tokenizer.decode(ids[-6:]) + continuation
+
+
+def test_skip_samples_regenerates_the_records_after_another_runs(tmp_path, capsys):
+    source = tmp_path / "code.jsonl"
+    source.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(5)))
+    out = tmp_path / "regen.jsonl"
+    args = ["datagen", "--model", str(DEMO_MODEL), "--input", str(source), "--output", str(out), "--max-tokens", "4",
+            "--prompt-tokens", "4", "--temperature", "0"]
+    assert main([*args, "--num-samples", "2", "--skip-samples", "2"]) == 0
+    prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    assert [p[:6] for p in prompts] == ["def f2", "def f3"]
+    assert main([*args, "--skip-samples", "5"]) == 2
+    assert "holds 5 records: none left after skipping 5" in capsys.readouterr().err

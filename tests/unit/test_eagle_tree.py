@@ -11,7 +11,7 @@ from draftsmith.methods.eagle import proposer as proposer_module
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.spec_decode.config import parse_speculative_config
-from helpers import CODE_PROMPTS, DEMO_MODEL
+from helpers import CODE_PROMPTS, DEMO_MODEL, assert_samples_as_plain, greedy_acceptance_lengths
 
 EAGLE3_HEAD = DEMO_MODEL.parent / "demo-code-7m-eagle3"
 
@@ -107,23 +107,13 @@ def test_tree_drafts_decode_what_plain_decoding_does_and_accept_more(target, gre
     """Mixed batch (4 prompts through 3 slots): greedy ids equal plain decoding's for the chain, a whole tree
     of the same depth, a tree sized each step by the cost model (rows cut to their likeliest nodes, or
     to none) and a static tree; the whole tree accepts more per step than the chain."""
-    params = SamplingParams(temperature=0, max_tokens=32)
-    lengths = []
-    for keys in ({"num_speculative_tokens": 5, "adaptive": False},
-                 {"num_speculative_tokens": 12, "tree_depth": 5, "tree_top_k": 3, "adaptive": False},
-                 {"num_speculative_tokens": 12, "tree_depth": 5, "tree_top_k": 3},
-                 {"num_speculative_tokens": 9, "speculative_token_tree": STATIC_TREE}):
-        llm = _llm(target, **keys)
-        outputs = llm.generate(CODE_PROMPTS, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == greedy_reference
-        lengths.append(llm.get_metrics()["mean_acceptance_length"])
+    lengths = greedy_acceptance_lengths(lambda **keys: _llm(target, **keys), [
+        {"num_speculative_tokens": 5, "adaptive": False},
+        {"num_speculative_tokens": 12, "tree_depth": 5, "tree_top_k": 3, "adaptive": False},
+        {"num_speculative_tokens": 12, "tree_depth": 5, "tree_top_k": 3},
+        {"num_speculative_tokens": 9, "speculative_token_tree": STATIC_TREE}], greedy_reference)
     assert lengths[1] > lengths[0] + 0.2
 
 
 def test_tree_drafts_sample_what_plain_decoding_samples(target):
-    params = [SamplingParams(temperature=0.7, top_k=50, max_tokens=24, seed=10 + s) for s in range(len(CODE_PROMPTS))]
-    plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target)
-    want = [o.outputs[0].token_ids for o in plain.generate(CODE_PROMPTS, params, use_tqdm=False)]
-    llm = _llm(target, num_speculative_tokens=8, tree_depth=4, tree_top_k=2)
-    assert [o.outputs[0].token_ids for o in llm.generate(CODE_PROMPTS, params, use_tqdm=False)] == want
-    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    assert_samples_as_plain(target, _llm(target, num_speculative_tokens=8, tree_depth=4, tree_top_k=2))

@@ -12,12 +12,17 @@ from pydantic import Field
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import MethodNeeds, RecipeModelSection, RecipeTrainingSection, SpecMethod
-from draftsmith.methods.eagle import HeadSpeculativeConfig
+from draftsmith.methods.eagle import EagleTreeConfig
 from draftsmith.methods.registry import register_method
 from draftsmith.models.dflash import DFlashConfig, DFlashHead
 
 
-class DFlashSpecConfig(HeadSpeculativeConfig):
+class DFlashSpecConfig(EagleTreeConfig):
+    """A chain of num_speculative_tokens drafts (at most block_size - 1), or a tree from the same one block
+    forward (`methods.draft_trees`): vLLM's static `speculative_token_tree`, or `tree_depth` (at most
+    block_size - 1) and `tree_top_k` for EAGLE-2's dynamic tree grown from the block's per-depth distributions,
+    of which the engine verifies the likeliest nodes, up to num_speculative_tokens."""
+
     method: Literal["dflash"]
 
 
@@ -37,7 +42,7 @@ class DFlashTraining(RecipeTrainingSection):
 class DFlashMethod(SpecMethod):
     name = "dflash"
     section = DFlashSpecConfig
-    needs = MethodNeeds(hidden_states=True, draft_probs=True, own_kv_cache=True, head=True, parallel=True)
+    needs = MethodNeeds(hidden_states=True, draft_probs=True, own_kv_cache=True, head=True, parallel=True, tree=True)
     head_type = "dflash"
     head_config = DFlashConfig
     head_module = DFlashHead

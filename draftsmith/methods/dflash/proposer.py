@@ -3,7 +3,8 @@ into each draft layer's context keys and values, kept per slot at their position
 (so a step never re-reads old features). A step writes the block [last token, masks] after the context, runs
 the draft layers once over it (each block token sees the context and the whole block) and reads the drafts
 from block positions 1..w. The block's own keys and values land where the next verified positions' context
-will overwrite them."""
+will overwrite them. With a tree config the same forward's per-depth distributions give a draft tree
+(`methods.draft_trees`), whose verified path comes back as a chain's would."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose_block
+from draftsmith.methods.draft_trees import TreeShape, marginal_tree, static_marginal_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head
 from draftsmith.models.attention import cached_attention
 from draftsmith.models.kv_cache import ForwardBatch
@@ -46,6 +48,14 @@ class DFlashProposer(Proposer):
         self.draft_tokens = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
         self.draft_counts = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
         self.draft_probs: torch.Tensor | None = None
+        # a static tree, or EAGLE-2's dynamic one grown from the block's per-depth distributions (draft_trees);
+        # their depth is checked against the block at load
+        depth = getattr(config, "tree_depth", None)
+        self.tree = config.token_tree() if config.speculative_token_tree else \
+            None if depth is None else TreeShape(depth, config.tree_top_k, self.k)
+        if self.tree is not None:
+            self.draft_parents = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
+            self.confidence = torch.zeros(max_num_seqs, self.k, device=self.device)
         # plain steps not yet projected: (slots, their generations, positions, hidden states) each, and the slots
         # with positions among them
         self._later: list[tuple[list[int], list[int], list[int], dict]] = []
@@ -132,7 +142,9 @@ class DFlashProposer(Proposer):
         if not active:
             return DraftBatch(tokens_out, counts_out, probs_out)
         limits = [min(max_drafts[b], self.k) for b in active]
-        width = max(limits)
+        # a tree reads every depth it may reach; a chain the longest row's drafts
+        width = max(limits) if self.tree is None else \
+            self.tree.depth if isinstance(self.tree, TreeShape) else self.tree.max_depth
         slots = [rows[b].slot for b in active]
         starts = [rows[b].num_tokens - 1 for b in active]  # the last token's position: the block's first
         for b, start in zip(active, starts):
@@ -163,6 +175,9 @@ class DFlashProposer(Proposer):
         hidden = self.head.block_forward(self.head.embed_block(last[:, None]), batch.positions, attend,
                                          outputs=slice(1, width + 1))
         logits = self.head.readout(hidden)  # [rows, width, V]
+        self.steps_run = 1
+        if self.tree is not None:
+            return self._tree(logits, active, limits, n)
         temperature, generators = None, {}
         if sampled:
             temperature = sampling.temperature.to(self.device)[torch.tensor(active, device=self.device)]
@@ -170,9 +185,32 @@ class DFlashProposer(Proposer):
             generators = {j: sampling.generators[b] for j, b in enumerate(active) if temps[b] > 0}
         rows_t = torch.tensor(active, device=self.device)
         choose_block(logits, limits, rows_t, temperature, generators, tokens_out, probs_out)
-        self.steps_run = 1
         counts_out[rows_t] = torch.tensor(limits, device=self.device)
         return DraftBatch(tokens_out, counts_out, probs_out)
+
+    def _tree(self, logits: torch.Tensor, active: list[int], limits: list[int], n: int) -> DraftBatch:
+        """The active rows' trees from their blocks' logits [A, depth, V], each cut to its row's limit (its
+        first nodes, a tree). A dynamic tree's nodes come likeliest first, with their paths' chances, so the
+        engine may verify the first w (`size_trees`); a static one is verified whole."""
+        dynamic = isinstance(self.tree, TreeShape)
+        if dynamic:
+            tokens, parents, scores = marginal_tree(logits, self.tree)
+        else:
+            tokens = static_marginal_tree(logits, self.tree)
+            parents = self.tree.parent_tensor(len(active), self.device)
+        rows_t = torch.tensor(active, device=self.device)
+        limit = torch.tensor(limits, device=self.device)
+        keep = torch.arange(self.k, device=self.device)[None, :] < limit[:, None]
+        self.draft_tokens[rows_t] = tokens.masked_fill(~keep, -1)
+        self.draft_counts[rows_t] = limit
+        parents_out, confidence = self.draft_parents[:n], None
+        parents_out.fill_(-1)
+        parents_out[rows_t] = parents
+        if dynamic:
+            confidence = self.confidence[:n]
+            confidence.zero_()
+            confidence[rows_t] = scores.exp().masked_fill(~keep, 0.0)
+        return DraftBatch(self.draft_tokens[:n], self.draft_counts[:n], None, parents_out, confidence)
 
     def release(self, request: RowState) -> None:
         if request.slot is not None and self.owner[request.slot] == request.request_id:

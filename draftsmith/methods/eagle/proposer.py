@@ -40,7 +40,8 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose, pick_greedy
-from draftsmith.methods.eagle.tree_drafting import TreeShape, draft_static_tree, draft_tree
+from draftsmith.methods.draft_trees import TreeShape
+from draftsmith.methods.eagle.tree_drafting import draft_static_tree, draft_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head
 from draftsmith.models.kv_cache import ForwardBatch
 

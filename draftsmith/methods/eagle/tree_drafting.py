@@ -16,28 +16,11 @@ positions the accepted path reaches; the rest lie past the verified prefix and a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from draftsmith.methods.draft_trees import TreeShape, rerank, top_log_probs
 from draftsmith.methods.token_tree import TokenTree
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
-
-# subtracted per depth from a node's score: a child whose draft probability rounds to 1 still ranks below
-# its parent, so the rerank never keeps a node without its parent
-DEPTH_PENALTY = 1e-4
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    depth: int
-    top_k: int
-    total: int  # nodes verified
-
-    @property
-    def cache_room(self) -> int:
-        """Head cache positions a tree needs past the verified prefix."""
-        return max(self.depth - 1, 1) * self.top_k
 
 
 def _node_batch(slots: list[int], base: torch.Tensor, key_starts: torch.Tensor, written: torch.Tensor,
@@ -55,13 +38,6 @@ def _node_batch(slots: list[int], base: torch.Tensor, key_starts: torch.Tensor, 
                         mask=(context | tree)[:, None], kv_len=kv_len, slot_start=None, kv_start=kv_start)
 
 
-def _top_log_probs(logits: torch.Tensor, k: int):
-    """The k likeliest draft ids and their log-probabilities: top-k of the logits less their logsumexp, not a
-    whole log-softmax written out first."""
-    top = logits.topk(k, dim=-1)
-    return top.values.float() - torch.logsumexp(logits.float(), -1, keepdim=True), top.indices
-
-
 def draft_tree(head, cache: KVCache, shape: TreeShape, state: torch.Tensor, logits: torch.Tensor, slots: list[int],
                base: list[int], key_starts: list[int], stop_below: float = 0.0) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         torch.Tensor]:
@@ -72,7 +48,7 @@ def draft_tree(head, cache: KVCache, shape: TreeShape, state: torch.Tensor, logi
     once the rows' mean chance of the likeliest new node falls below `stop_below` (one host sync a depth)."""
     rows, k = state.shape[0], shape.top_k
     device = state.device
-    log_probs, ids = _top_log_probs(logits, k)
+    log_probs, ids = top_log_probs(logits, k)
     tokens, scores = [head.to_target_ids(ids)], [log_probs]
     parents = [torch.full((rows, k), -1, dtype=torch.long, device=device)]
     frontier = torch.arange(k, device=device).expand(rows, k)  # global candidate index of each fed node
@@ -87,7 +63,7 @@ def draft_tree(head, cache: KVCache, shape: TreeShape, state: torch.Tensor, logi
         batch = _node_batch(slots, base_t, starts_t, written, ancestors, min(key_starts), max(base) + depth * k)
         out, step_logits = head.step(fed_tokens, fed_state, (base_t + depth - 1)[:, None].expand(rows, k), False,
                                      cache, batch)
-        log_probs, ids = _top_log_probs(step_logits, k)  # [A, K fed, K children]
+        log_probs, ids = top_log_probs(step_logits, k)  # [A, K fed, K children]
         child_scores = (fed_scores[:, :, None] + log_probs).reshape(rows, k * k)
         child_tokens = head.to_target_ids(ids).reshape(rows, k * k)
         tokens.append(child_tokens)
@@ -104,28 +80,7 @@ def draft_tree(head, cache: KVCache, shape: TreeShape, state: torch.Tensor, logi
         fed_tokens, fed_scores = child_tokens.gather(1, best), child_scores.gather(1, best)
         fed_state = out.gather(1, by[:, :, None].expand(-1, -1, out.shape[-1]))
         ancestors = ancestors.gather(1, by[:, :, None].expand(-1, -1, shape.depth))
-    return _rerank(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1), k, shape.total)
-
-
-def _rerank(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, k: int, total: int):
-    """The `total` likeliest candidates, likeliest first -> (tokens, parents as indices among them, their
-    cumulative draft log-probabilities)."""
-    rows, made = tokens.shape
-    device = tokens.device
-    index = torch.arange(made, device=device)
-    depth = torch.where(index < k, 0, (index - k) // (k * k) + 1)
-    taken = min(total, made)  # fewer where drafting stopped early
-    chosen = (scores - DEPTH_PENALTY * depth).topk(taken, dim=-1, sorted=True).indices
-    where = torch.full((rows, made), -1, dtype=torch.long, device=device)
-    where.scatter_(1, chosen, torch.arange(taken, device=device).expand(rows, taken))
-    parent = parents.gather(1, chosen)
-    out = (tokens.gather(1, chosen), torch.where(parent >= 0, where.gather(1, parent.clamp(min=0)), -1),
-           scores.gather(1, chosen))
-    if taken == total:
-        return out
-    pad = total - taken
-    return tuple(torch.cat([t, torch.full((rows, pad), fill, dtype=t.dtype, device=device)], dim=1)
-                 for t, fill in zip(out, (-1, -1, float("-inf"))))
+    return rerank(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1), k, shape.total)
 
 
 def draft_static_tree(head, cache: KVCache, tree: TokenTree, state: torch.Tensor, logits: torch.Tensor,
@@ -175,7 +130,7 @@ def draft_static_tree(head, cache: KVCache, tree: TokenTree, state: torch.Tensor
 def _place(tokens, scores, head, logits, nodes: list[int], source: list[int], tree: TokenTree, source_scores):
     """Writes `nodes`' tokens and cumulative scores: node n takes the rank-(its rank) draft of logits[:, source[n]]
     ([A, F, draft_vocab]), adding source_scores[:, source[n]]."""
-    log_probs, ids = _top_log_probs(logits, tree.top_k)  # [A, F, K]
+    log_probs, ids = top_log_probs(logits, tree.top_k)  # [A, F, K]
     at = torch.tensor(source, device=logits.device)
     rank = torch.tensor([tree.ranks[n] for n in nodes], device=logits.device)
     index = torch.tensor(nodes, device=logits.device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.methods.draft_trees import static_marginal_tree
 from draftsmith.methods.last_hidden import LastHiddenProposer
 
 
@@ -19,16 +20,11 @@ class MedusaProposer(LastHiddenProposer):
         # a static TokenTree, whose parents go with every propose (LastHiddenProposer); its depth is checked
         # against the heads at load
         self.tree = config.token_tree()
-        if self.tree is not None:
-            self._depths = torch.tensor(self.tree.depths, device=self.device) - 1
-            self._ranks = torch.tensor(self.tree.ranks, device=self.device)
 
     def _draft(self, rows, hidden, width):
         self.steps_run = 1
         if self.tree is not None:  # the first `width` nodes: parents come first, so they are a tree
             depth = self.tree.depths[width - 1]
-            logits = self.head(hidden, heads=depth)  # [n, depth, V]
-            top = logits.topk(min(self.tree.top_k, logits.shape[-1]), dim=-1).indices  # [n, depth, k]
-            return top[:, self._depths[:width], self._ranks[:width]]
+            return static_marginal_tree(self.head(hidden, heads=depth), self.tree, width)
         logits = self.head(hidden, heads=width)  # [n, width, V]
         return torch.stack([self._pick(logits[:, i]) for i in range(width)], dim=1)

@@ -13,6 +13,7 @@ were the depths independent); `static_marginal_tree` reads vLLM's static `specul
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +32,22 @@ class TreeShape:
     total: int  # nodes verified
 
     @property
+    def max_depth(self) -> int:  # as TokenTree's
+        return self.depth
+
+    @property
     def cache_room(self) -> int:
         """Head cache positions an EAGLE tree needs past the verified prefix."""
         return max(self.depth - 1, 1) * self.top_k
+
+
+def configured_tree(config, total: int) -> TokenTree | TreeShape | None:
+    """The tree a speculative config asks for: vLLM's static `speculative_token_tree`, EAGLE-2's dynamic
+    `tree_depth`/`tree_top_k` of at most `total` nodes, or None (a chain)."""
+    depth = getattr(config, "tree_depth", None)
+    if getattr(config, "speculative_token_tree", None):
+        return config.token_tree()
+    return None if depth is None else TreeShape(depth, config.tree_top_k, total)
 
 
 def top_log_probs(logits: torch.Tensor, k: int):
@@ -91,7 +105,11 @@ def static_marginal_tree(logits: torch.Tensor, tree: TokenTree, width: int | Non
     tokens [A, width] of those nodes: the node at path (r1, ..., rd) holds depth d's rank-rd token. (A static
     tree is verified whole: no scores.)"""
     width = tree.num_nodes if width is None else width
-    device = logits.device
     top = logits.topk(min(tree.top_k, logits.shape[-1]), dim=-1).indices  # [A, D, k]
-    depths = torch.tensor(tree.depths[:width], device=device) - 1
-    return top[:, depths, torch.tensor(tree.ranks[:width], device=device)]
+    return top[(slice(None), *_node_index(tree, width, logits.device))]
+
+
+@functools.lru_cache(maxsize=32)
+def _node_index(tree: TokenTree, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `width` nodes' depths - 1 and ranks as index tensors, built once per tree (not every step)."""
+    return (torch.tensor(tree.depths[:width], device=device) - 1, torch.tensor(tree.ranks[:width], device=device))

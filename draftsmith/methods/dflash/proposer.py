@@ -16,7 +16,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose_block
-from draftsmith.methods.draft_trees import TreeShape, marginal_tree, static_marginal_tree
+from draftsmith.methods.draft_trees import TreeShape, configured_tree, marginal_tree, static_marginal_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head
 from draftsmith.models.attention import cached_attention
 from draftsmith.models.kv_cache import ForwardBatch
@@ -50,9 +50,7 @@ class DFlashProposer(Proposer):
         self.draft_probs: torch.Tensor | None = None
         # a static tree, or EAGLE-2's dynamic one grown from the block's per-depth distributions (draft_trees);
         # their depth is checked against the block at load
-        depth = getattr(config, "tree_depth", None)
-        self.tree = config.token_tree() if config.speculative_token_tree else \
-            None if depth is None else TreeShape(depth, config.tree_top_k, self.k)
+        self.tree = configured_tree(config, self.k)
         if self.tree is not None:
             self.draft_parents = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
             self.confidence = torch.zeros(max_num_seqs, self.k, device=self.device)
@@ -143,8 +141,7 @@ class DFlashProposer(Proposer):
             return DraftBatch(tokens_out, counts_out, probs_out)
         limits = [min(max_drafts[b], self.k) for b in active]
         # a tree reads every depth it may reach; a chain the longest row's drafts
-        width = max(limits) if self.tree is None else \
-            self.tree.depth if isinstance(self.tree, TreeShape) else self.tree.max_depth
+        width = max(limits) if self.tree is None else self.tree.max_depth
         slots = [rows[b].slot for b in active]
         starts = [rows[b].num_tokens - 1 for b in active]  # the last token's position: the block's first
         for b, start in zip(active, starts):

@@ -40,7 +40,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose, pick_greedy
-from draftsmith.methods.draft_trees import TreeShape
+from draftsmith.methods.draft_trees import TreeShape, configured_tree
 from draftsmith.methods.eagle.tree_drafting import draft_static_tree, draft_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head
 from draftsmith.models.kv_cache import ForwardBatch
@@ -77,9 +77,7 @@ class EagleFamilyProposer(Proposer):
         self.head = load_attached_head(config, target, self.dtype)
         self.k = config.num_speculative_tokens
         # a static tree, or EAGLE-2's dynamic one (tree_drafting), when the config asks for one
-        depth = getattr(config, "tree_depth", None)
-        self.tree = config.token_tree() if getattr(config, "speculative_token_tree", None) else \
-            None if depth is None else TreeShape(depth, config.tree_top_k, self.k)
+        self.tree = configured_tree(config, self.k)
         # k positions of room past max_model_len: draft steps run all rows at one width, so a row whose
         # context is nearly full goes on drafting (its drafts discarded) past where its own limit stopped it;
         # a dynamic tree's nodes take more

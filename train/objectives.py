@@ -18,10 +18,13 @@ def target_features(target, aux_layer_ids: tuple[int, ...], input_ids: torch.Ten
     return {"features": features, "last": out.hidden_states[last_id].to(dtype)}
 
 
-def acceptance_report(counts: torch.Tensor, starts: int) -> dict[str, float]:
-    """Per-depth acceptance rates and mean acceptance length (1 + sum of rates) for k = 1..len(counts)."""
+def acceptance_report(counts: torch.Tensor, starts: int, served: tuple[int, int] | None = None) -> dict[str, float]:
+    """Per-depth acceptance rates and mean acceptance length (1 + sum of rates) for k = 1..len(counts); with
+    `served` (tokens, blocks of a walk drafted as a server drafts it), their ratio at the largest k."""
     rates = (counts.double() / max(starts, 1)).tolist()
     report = {f"sim_accept_pos{s + 1}": r for s, r in enumerate(rates)}
     for k in range(1, len(rates) + 1):
         report[f"sim_mean_acceptance_length_k{k}"] = 1 + sum(rates[:k])
+    if served is not None and served[1]:
+        report["sim_served_acceptance_length"] = served[0] / served[1]
     return report

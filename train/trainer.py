@@ -163,15 +163,20 @@ def evaluate(accelerator, trainee, loader, max_k: int) -> dict[str, float]:
     """Simulated acceptance over `loader` (sharded across ranks), summed over ranks. Runs through the prepared
     module's forward so that FSDP/ZeRO-3 gather the parameters; every rank must call it (collectives)."""
     trainee.eval()
-    counts, starts = torch.zeros(max_k, dtype=torch.long), 0
+    counts, starts, served = torch.zeros(max_k, dtype=torch.long), 0, None
     with torch.no_grad():
         for batch in loader:
-            c, n = trainee(batch, acceptance_depth=max_k)
+            # (counts, starts), or with a served walk's (tokens, blocks) after them
+            c, n, *walk = trainee(batch, acceptance_depth=max_k)
             counts, starts = counts + c.cpu(), starts + int(n)
+            if walk:
+                served = (served if served is not None else torch.zeros(2, dtype=torch.long)) + torch.tensor(walk)
     counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
     starts = int(accelerator.reduce(torch.tensor(starts, device=accelerator.device), reduction="sum"))
+    if served is not None:
+        served = accelerator.reduce(served.to(accelerator.device), reduction="sum").tolist()
     trainee.train()
-    return acceptance_report(counts, starts)
+    return acceptance_report(counts, starts, served)
 
 
 def save_head(accelerator, trainee, directory: Path) -> None:
@@ -312,7 +317,9 @@ def _report(accelerator, output: Path, name: str, report: dict[str, float], step
         (output / f"eval_{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     ks = [k for k in report if k.startswith("sim_mean_acceptance_length_k")]
     accelerator.print(f"eval {name}: simulated mean acceptance length " +
-                      ", ".join(f"k={k.rsplit('k', 1)[1]}: {report[k]:.2f}" for k in ks))
+                      ", ".join(f"k={k.rsplit('k', 1)[1]}: {report[k]:.2f}" for k in ks) +
+                      (f"; {report['sim_served_acceptance_length']:.2f} along the blocks a server drafts"
+                       if "sim_served_acceptance_length" in report else ""))
 
 
 def _token_view(ds):

@@ -291,6 +291,10 @@ class Proposer:
         # target's own ids)
         self.tokenizer_dir: str | None = None
         self.stop_below = 0.0
+        # what one draft forward costs, for the planner's first guess: about `draft_cost_guess` (None: the
+        # planner's default for a one-layer head) times the target's forward of `draft_query_len` tokens a row
+        self.draft_query_len = 1
+        self.draft_cost_guess: float | None = None
         # set where it drafts trees (DraftBatch.parents): the planner's chain width does not cap their nodes
         self.tree = None
         # runs the one-token draft steps at static shapes (`serve.step_graphs.DraftStepRunner`), set by the
@@ -385,7 +389,8 @@ class SpecMethod:
     @classmethod
     def acceptance_eval(cls) -> Callable[..., Any] | None:
         """`evaluate(head, target, batch, features, max_k) -> (accepted chains per depth [max_k], chain
-        starts)`: the trainer's per-epoch simulated acceptance, or None to skip it."""
+        starts)`, optionally followed by (tokens, blocks) of the batch drafted block after block as a server
+        drafts it: the trainer's per-epoch simulated acceptance, or None to skip it."""
         return None
 
     @classmethod

@@ -116,6 +116,14 @@ class CostModel:
     table: ForwardCostTable
     sequential_drafts: bool  # each draft token is one more draft forward
     drafts_before_plan: bool  # drafting already happened when the plan is made: its cost is sunk
+    # A draft forward is priced against the target's forward of `draft_query_len` tokens a row (1: a head
+    # drafting a token a row per forward; a block drafter's block), at first `draft_guess` times it. Priced
+    # against a one-token decode, the 3-layer demo DFlash head (a block of 9 a row) took 6.6 ms a propose at
+    # 8 in flight where the first guess said 1.75 and the ratio learned at one row (0.77 of a decode) 4.1: a
+    # block grows with the rows as the target's 9-token forward does, twice as fast as a decode. Priced
+    # against that forward: 5.7 at first, 7.6 once learned.
+    draft_query_len: int = 1
+    draft_guess: float = DRAFT_STEP_GUESS
     # live / table seconds: the table gives the shape of the cost, live steps its level today (context length,
     # other load); a geometric moving average, so one slow step moves it little. Decode and verify forwards
     # keep a factor each: longer contexts than the table's make a wide verify dearer relative to a decode,
@@ -128,12 +136,11 @@ class CostModel:
     # verify forwards (query_len > 1) by batch size; until one is timed: the decode scale
     verify_scales: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
     live_scaling: bool = True  # False: the table alone prices forwards (tests with synthetic tables)
-    # drafting seconds / F(rows, 1), by draft forwards run: a fixed part (catch-up, setup) plus a part per
-    # forward; relative to the target's decode cost so that its growth with rows comes from the measured
-    # table, while steps within one call (1..k) identify the two parts. Before evidence: a one-layer head
-    # costs about a third of the target per forward.
-    draft_ratio: DecayedLine = field(default_factory=lambda: DecayedLine(prior_slope=DRAFT_STEP_GUESS,
-                                                                         prior_weight=0.5))
+    # drafting seconds / F(rows, draft_query_len), by draft forwards run: a fixed part (catch-up, setup) plus a part per
+    # forward; relative to the target's forward of `draft_query_len` tokens a row (a decode for most heads)
+    # so that its growth with rows comes from the measured table, while steps within one call (1..k)
+    # identify the two parts. Before evidence: `draft_guess` per forward (a one-layer head: about a third).
+    draft_ratio: DecayedLine = field(init=False)
     # seconds per query token of a catch-up's own draft forward (rows x their longest pending run), from the
     # proposes that had one; before any, guessed from the target's table and the draft forward ratio
     catch_up_per_token: float | None = None
@@ -146,6 +153,9 @@ class CostModel:
     spec_corrections: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
     host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
     host_spec: DecayedLine = field(default_factory=DecayedLine)
+
+    def __post_init__(self) -> None:
+        self.draft_ratio = DecayedLine(prior_slope=self.draft_guess, prior_weight=0.5)
 
     def forward(self, rows: int, query_len: float) -> float:
         scale = self.forward_scales.get(rows)
@@ -163,11 +173,12 @@ class CostModel:
         if width == 0:
             return 0.0
         forwards = width if self.sequential_drafts else 1
-        return self._draft_ratio(forwards) * self.forward(rows, 1)
+        return self._draft_ratio(forwards) * self.forward(rows, self.draft_query_len)
 
     def _draft_ratio(self, forwards: int) -> float:
-        """Drafting seconds / F(rows, 1) for this many draft forwards: the fit weighed against the guess."""
-        guess = DRAFT_STEP_GUESS * forwards
+        """Drafting seconds / F(rows, draft_query_len) for this many draft forwards: the fit weighed against the
+        guess."""
+        guess = self.draft_guess * forwards
         if not self.draft_ratio.seen:
             return guess
         return _weighed(self.draft_ratio.predict(forwards), self.draft_ratio.n, guess)
@@ -198,7 +209,7 @@ class CostModel:
 
     def _catch_up_guess(self, rows: int, positions: int) -> float:
         # the target's forward of that shape, times what one draft forward costs next to a target decode
-        per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), DRAFT_STEP_GUESS / 4)
+        per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), self.draft_guess / 4)
         return per_forward * self.forward(rows, 1 + positions)
 
     def observe_catch_up(self, catch_up: tuple[int, int], rows: int, forwards: int, seconds: float,
@@ -208,17 +219,17 @@ class CostModel:
         tokens = catch_up[0] * (1 + catch_up[1])
         if tokens <= 0:
             return
-        extra = max(seconds - self._draft_ratio(forwards) * self.forward(rows, 1), 0.0)
+        extra = max(seconds - self.drafting(rows, forwards if self.sequential_drafts else 1), 0.0)
         per_token = min(extra, OUTLIER * max(self._catch_up_guess(*catch_up), 1e-9)) / tokens
         previous = self.catch_up_per_token
         self.catch_up_per_token = per_token if previous is None else decay * previous + (1 - decay) * per_token
         self.catch_up_weight = decay * self.catch_up_weight + 1
 
     def observe_draft(self, rows: int, forwards: int, seconds: float) -> None:
-        ratio = seconds / max(self.forward(rows, 1), 1e-9)
+        ratio = seconds / max(self.forward(rows, self.draft_query_len), 1e-9)
         # One stalled step (the OS, a first-touch allocation) must not price drafting out for good: it is only
         # re-measured while the planner drafts. A cost really that high still gets there, OUTLIER x at a time.
-        expected = max(DRAFT_STEP_GUESS * forwards, self._draft_ratio(forwards))
+        expected = max(self.draft_guess * forwards, self._draft_ratio(forwards))
         self.draft_ratio.add(forwards, min(ratio, OUTLIER * expected))
 
     def observe_host(self, rows: int, speculative: bool, seconds: float) -> None:
@@ -261,11 +272,12 @@ class CostModel:
         scale = self.forward_scales.get(rows)
         verify_scale, host = self.verify_scales.get(rows, scale), self.host(rows, True)
         correction, catch = self.spec_corrections.get(rows), self.catch_up(*catch_up) / CATCH_UP_HORIZON
+        draft_forward = decode if self.draft_query_len == 1 else self.forward(rows, self.draft_query_len)
         for width in range(1, len(query_lens)):
             query_len = query_lens[width]
             verify = self.table.estimate(rows, query_len) * (scale if query_len == 1 else verify_scale)
             draft = 0.0 if self.drafts_before_plan else \
-                self._draft_ratio(width if self.sequential_drafts else 1) * decode
+                self._draft_ratio(width if self.sequential_drafts else 1) * draft_forward
             seconds.append((verify + draft + host) * correction + catch)
         return seconds
 

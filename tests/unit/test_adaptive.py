@@ -313,6 +313,21 @@ def test_draft_cost_separates_catch_up_from_each_draft_forward():
         pytest.approx(CHEAP.estimate(4, 1) / 3)  # one forward drafts every token
 
 
+def test_a_block_drafter_is_priced_by_the_targets_forward_of_its_block():
+    """A proposer whose one draft forward runs a block of q tokens a row (DFlash) is priced against the target's
+    forward of q tokens a row, at first its own guess times it, then as measured at one batch size: another
+    batch size follows that forward's growth (not a decode's), and a plan's step prices the same drafting."""
+    table = synthetic_table(0.3)
+    cost = CostModel(table, sequential_drafts=False, drafts_before_plan=False, draft_query_len=8, draft_guess=0.5)
+    assert cost.draft(4, 6) == pytest.approx(0.5 * cost.forward(4, 8))
+    for _ in range(30):
+        cost.observe_draft(1, 1, 0.8 * cost.forward(1, 8))
+    assert cost.draft(8, 6) == pytest.approx(0.8 * cost.forward(8, 8), rel=0.02)
+    assert cost.forward(8, 8) > 2 * cost.forward(8, 1)  # a decode-based price would be under half of it
+    by_width = cost.step_seconds_by_width(8, [1.0, 2.0, 3.0])
+    assert by_width[1:] == pytest.approx([cost.step_seconds(8, w) for w in (1, 2)])
+
+
 def test_cost_evidence_fades_over_plain_steps():
     """Drafting measured dear (cold starts: a kernel compiled per new shape) is not re-measured while steps
     stay plain; over plain steps it fades back to the first guess, so the planner tries speculation again."""

@@ -129,6 +129,8 @@ def test_adaptive_dflash_keeps_greedy_equality(demo_target, tmp_path, greedy_ref
     from helpers import make_speculation_pay
 
     llm = _serve(_save(_random_head(demo_target, seed=1), tmp_path / "head"), adaptive=True)
+    cost = llm.engine.planner.cost  # a draft forward priced as the target's of a block (5 a row), 2 layers of 6
+    assert cost.draft_query_len == 5 and cost.draft_guess == pytest.approx(2 / 6)
     make_speculation_pay(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
@@ -158,6 +160,7 @@ def test_training_learns_the_targets_next_tokens(tmp_path):
     assert head.head_type == "dflash" and head.config.block_size == 4 and head.config.mask_token_id == 3
     report = json.loads((tmp_path / "run" / "eval_epoch4.json").read_text())
     assert report["sim_mean_acceptance_length_k1"] > 1.0 and report["sim_accept_pos2"] > 0, report
+    assert report["sim_served_acceptance_length"] > 1.0, report
 
 
 def test_anchors_draft_only_where_the_next_token_is_learned():
@@ -172,6 +175,35 @@ def test_anchors_draft_only_where_the_next_token_is_learned():
     anchors, valid = sample_anchors(loss_mask, [10, 12], 5, "cpu")
     assert sorted(anchors[0][valid[0]].tolist()) == [6, 7, 8] and valid[0].sum() == 3
     assert set(anchors[1].tolist()) <= set(range(1, 11)) and valid[1].all() and len(set(anchors[1].tolist())) == 5
+
+
+def test_the_served_walk_is_what_the_engine_drafts(demo_target):
+    """The eval's served walk (`served_walk`) over the engine's own greedy output, from teacher-forced blocks at
+    every position, accepts what the engine accepted step by step (k = 8, fp32 drafts)."""
+    from draftsmith.methods.dflash.objective import _block_targets, served_walk
+    from draftsmith.models.tokenizer import load_tokenizer
+    from draftsmith.train.objectives import target_features
+
+    llm = _serve(SHIPPED, k=8)
+    steps = []  # (drafted, accepted) of each row step
+    observe = llm.engine.spec_metrics.observe
+    llm.engine.spec_metrics.observe = lambda *step: steps.append(step) or observe(*step)
+    prompt = load_tokenizer(DEMO_MODEL)(CODE_PROMPTS[0], add_special_tokens=False).input_ids
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+    ids = torch.tensor([prompt + list(out[0].outputs[0].token_ids)])
+    head = llm.engine.proposer.head
+    anchors = torch.arange(len(prompt), ids.shape[1] - 8)[None]
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([ids.shape[1]])}
+    with torch.no_grad():
+        features = target_features(demo_target, head.hidden_layer_ids, ids, torch.float32)
+        hidden = head.training_forward(features["features"], ids, anchors)
+        drafts = head.readout(hidden.view(1, anchors.shape[1], 9, -1)[:, :, 1:]).argmax(-1)
+        _, _, target_logits = _block_targets(head, demo_target, batch, features, anchors)
+    chains = (drafts == target_logits.argmax(-1)).long().cumprod(-1).sum(-1)[0]
+    walk = served_walk(dict(zip(anchors[0].tolist(), chains.tolist())), len(prompt))
+    full = [accepted for drafted, accepted in steps if drafted == 8][: len(walk)]
+    assert len(full) >= 8 and walk[: len(full)] == full, (walk, steps)
+    assert sum(full) > 0
 
 
 # -- conversion -------------------------------------------------------------------------------------------------

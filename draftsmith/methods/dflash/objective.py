@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import torch
 
-EVAL_STRIDE = 4  # the acceptance eval drafts a block from every EVAL_STRIDE-th anchor choice
+EVAL_STRIDE = 4  # the per-depth acceptance eval counts the block from every EVAL_STRIDE-th anchor choice
+# blocks a row's eval drafts in one forward: each block attends over the row's every block (masked), so a long
+# row's hundreds of blocks at once would cost memory quadratic in them
+EVAL_BLOCKS = 128
 
 
 def anchor_choices(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
@@ -74,27 +77,46 @@ def dflash_objective(head, target, batch, features, cfg):
 
 @torch.no_grad()
 def simulated_acceptance(head, target, batch, features, max_k: int):
-    """(accepted chains per depth [max_k], chain starts): a block from every EVAL_STRIDE-th anchor choice; draft j is
+    """(accepted chains per depth [max_k], chain starts, served tokens, served blocks). Draft j of a block is
     accepted if drafts 1..j all equal the target's greedy choices given the text (given the text, not the
-    drafts: exact where the text is the target's greedy continuation, as regenerated data is)."""
+    drafts: exact where the text is the target's greedy continuation, as regenerated data is). The per-depth
+    counts take a block from every EVAL_STRIDE-th anchor choice; the served pair walks each row as a server
+    drafts it (`served_walk`): blocks drafted and the tokens they yield."""
     ids = batch["input_ids"]
     size = head.config.block_size
     counts, starts = torch.zeros(max_k, dtype=torch.long), 0  # depths past the block stay 0: never drafted
+    served_tokens = served_blocks = 0
     max_k = min(max_k, size - 1)
     lengths = batch["lengths"].tolist()
     for b, length in enumerate(lengths):
         choices = anchor_choices(batch["loss_mask"][b], length)
-        anchor_list = choices[choices < length - max_k][::EVAL_STRIDE].to(ids.device)
+        anchor_list = choices[choices < length - max_k].to(ids.device)
         if not len(anchor_list):
             continue
         row = {key: batch[key][b : b + 1] for key in ("input_ids", "loss_mask", "lengths")}
         feats = {key: value[b : b + 1] for key, value in features.items()}
-        anchors = anchor_list[None]
-        hidden = head.training_forward(feats["features"], row["input_ids"], anchors)
-        drafts = head.readout(hidden.view(1, len(anchor_list), size, -1)[:, :, 1 : max_k + 1]).argmax(-1)
-        _, _, target_logits = _block_targets(head, target, row, feats, anchors)
-        chain = (drafts == target_logits[:, :, :max_k].argmax(-1)).long().cumprod(-1)[0]
-        counts[:max_k] += chain.sum(0).cpu()
-        starts += len(anchor_list)
-    return counts, starts
+        chains = []
+        for anchors in anchor_list.split(EVAL_BLOCKS):
+            anchors = anchors[None]
+            hidden = head.training_forward(feats["features"], row["input_ids"], anchors)
+            drafts = head.readout(hidden.view(1, anchors.shape[1], size, -1)[:, :, 1 : max_k + 1]).argmax(-1)
+            _, _, target_logits = _block_targets(head, target, row, feats, anchors)
+            chains.append((drafts == target_logits[:, :, :max_k].argmax(-1)).long().cumprod(-1)[0])
+        chain = torch.cat(chains)
+        counts[:max_k] += chain[::EVAL_STRIDE].sum(0).cpu()
+        starts += len(chain[::EVAL_STRIDE])
+        # a server's first token comes from the prompt's forward: its first block starts after that
+        walk = served_walk(dict(zip(anchor_list.tolist(), chain.sum(-1).tolist())), anchor_list[0].item() + 1)
+        served_tokens, served_blocks = served_tokens + sum(walk) + len(walk), served_blocks + len(walk)
+    return counts, starts, served_tokens, served_blocks
 
+
+def served_walk(accepted: dict[int, int], start: int) -> list[int]:
+    """The accepted drafts of each block a server drafts from `start` on, given each anchor's (`accepted`:
+    anchor -> right drafts of its block): block after block, each starting where the last one's first wrong
+    draft was (or one past a fully accepted block), until an anchor without a block."""
+    walk, anchor = [], start
+    while anchor in accepted:
+        walk.append(accepted[anchor])
+        anchor += accepted[anchor] + 1
+    return walk

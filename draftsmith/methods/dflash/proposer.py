@@ -36,6 +36,9 @@ class DFlashProposer(Proposer):
         self.head = load_attached_head(config, target, self.dtype)
         self.hidden_layer_ids = self.head.hidden_layer_ids
         self.block_size = self.head.config.block_size
+        # a block of block_size tokens a row through the draft layers, the LM head on its drafts
+        self.draft_query_len = self.block_size
+        self.draft_cost_guess = self.head.config.num_hidden_layers / target.config.num_hidden_layers
         self.k = config.num_speculative_tokens
         self.cache = self.head.make_cache(max_num_seqs, max_model_len + self.block_size)
         self.head.init_rope(max_model_len + self.block_size, self.device)  # a block may run past max_model_len

@@ -124,10 +124,9 @@ class LLMEngine:
         if adaptive:
             if cost_table is None:  # no model folder to key a cached profile by: measure, keep in memory
                 cost_table = profile_forwards(self.model, {"model": "in-memory"})
-            guess = {} if self.proposer.draft_cost_guess is None else {"draft_guess": self.proposer.draft_cost_guess}
             cost = CostModel(cost_table, sequential_drafts=self.proposer.sequential,
                              drafts_before_plan=self.proposer.propose_first,
-                             draft_query_len=self.proposer.draft_query_len, **guess)
+                             draft_query_len=self.proposer.draft_query_len, draft_guess=self.proposer.draft_cost_guess)
         logger.info("speculation: %s", "adaptive (0..k per step, from the cost model)" if adaptive else
                     "fixed k" if spec_config.num_speculative_tokens_per_batch_size is None else
                     "k by batch size (num_speculative_tokens_per_batch_size)")

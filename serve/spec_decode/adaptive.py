@@ -123,7 +123,7 @@ class CostModel:
     # block grows with the rows as the target's 9-token forward does, twice as fast as a decode. Priced
     # against that forward: 5.7 at first, 7.6 once learned.
     draft_query_len: int = 1
-    draft_guess: float = DRAFT_STEP_GUESS
+    draft_guess: float | None = None  # None: DRAFT_STEP_GUESS
     # live / table seconds: the table gives the shape of the cost, live steps its level today (context length,
     # other load); a geometric moving average, so one slow step moves it little. Decode and verify forwards
     # keep a factor each: longer contexts than the table's make a wide verify dearer relative to a decode,
@@ -155,6 +155,8 @@ class CostModel:
     host_spec: DecayedLine = field(default_factory=DecayedLine)
 
     def __post_init__(self) -> None:
+        if self.draft_guess is None:
+            self.draft_guess = DRAFT_STEP_GUESS
         self.draft_ratio = DecayedLine(prior_slope=self.draft_guess, prior_weight=0.5)
 
     def forward(self, rows: int, query_len: float) -> float:

@@ -180,7 +180,7 @@ def test_anchors_draft_only_where_the_next_token_is_learned():
 def test_the_served_walk_is_what_the_engine_drafts(demo_target):
     """The eval's served walk (`served_walk`) over the engine's own greedy output, from teacher-forced blocks at
     every position, accepts what the engine accepted step by step (k = 8, fp32 drafts)."""
-    from draftsmith.methods.dflash.objective import _block_targets, served_walk
+    from draftsmith.methods.dflash.objective import block_chains, served_walk
     from draftsmith.models.tokenizer import load_tokenizer
     from draftsmith.train.objectives import target_features
 
@@ -196,10 +196,7 @@ def test_the_served_walk_is_what_the_engine_drafts(demo_target):
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([ids.shape[1]])}
     with torch.no_grad():
         features = target_features(demo_target, head.hidden_layer_ids, ids, torch.float32)
-        hidden = head.training_forward(features["features"], ids, anchors)
-        drafts = head.readout(hidden.view(1, anchors.shape[1], 9, -1)[:, :, 1:]).argmax(-1)
-        _, _, target_logits = _block_targets(head, demo_target, batch, features, anchors)
-    chains = (drafts == target_logits.argmax(-1)).long().cumprod(-1).sum(-1)[0]
+        chains = block_chains(head, demo_target, batch, features, anchors, 8).sum(-1)[0]
     walk = served_walk(dict(zip(anchors[0].tolist(), chains.tolist())), len(prompt))
     full = [accepted for drafted, accepted in steps if drafted == 8][: len(walk)]
     assert len(full) >= 8 and walk[: len(full)] == full, (walk, steps)

@@ -83,10 +83,9 @@ def simulated_acceptance(head, target, batch, features, max_k: int):
     counts take a block from every EVAL_STRIDE-th anchor choice; the served pair walks each row as a server
     drafts it (`served_walk`): blocks drafted and the tokens they yield."""
     ids = batch["input_ids"]
-    size = head.config.block_size
     counts, starts = torch.zeros(max_k, dtype=torch.long), 0  # depths past the block stay 0: never drafted
     served_tokens = served_blocks = 0
-    max_k = min(max_k, size - 1)
+    max_k = min(max_k, head.config.block_size - 1)
     lengths = batch["lengths"].tolist()
     for b, length in enumerate(lengths):
         choices = anchor_choices(batch["loss_mask"][b], length)
@@ -95,20 +94,24 @@ def simulated_acceptance(head, target, batch, features, max_k: int):
             continue
         row = {key: batch[key][b : b + 1] for key in ("input_ids", "loss_mask", "lengths")}
         feats = {key: value[b : b + 1] for key, value in features.items()}
-        chains = []
-        for anchors in anchor_list.split(EVAL_BLOCKS):
-            anchors = anchors[None]
-            hidden = head.training_forward(feats["features"], row["input_ids"], anchors)
-            drafts = head.readout(hidden.view(1, anchors.shape[1], size, -1)[:, :, 1 : max_k + 1]).argmax(-1)
-            _, _, target_logits = _block_targets(head, target, row, feats, anchors)
-            chains.append((drafts == target_logits[:, :, :max_k].argmax(-1)).long().cumprod(-1)[0])
-        chain = torch.cat(chains)
+        chain = torch.cat([block_chains(head, target, row, feats, anchors[None], max_k)[0]
+                           for anchors in anchor_list.split(EVAL_BLOCKS)])
         counts[:max_k] += chain[::EVAL_STRIDE].sum(0).cpu()
         starts += len(chain[::EVAL_STRIDE])
         # a server's first token comes from the prompt's forward: its first block starts after that
         walk = served_walk(dict(zip(anchor_list.tolist(), chain.sum(-1).tolist())), anchor_list[0].item() + 1)
         served_tokens, served_blocks = served_tokens + sum(walk) + len(walk), served_blocks + len(walk)
     return counts, starts, served_tokens, served_blocks
+
+
+def block_chains(head, target, batch, features, anchors, max_k: int) -> torch.Tensor:
+    """[B, A, max_k]: 1 where the teacher-forced block from each anchor [B, A] has drafts 1..j all equal to the
+    target's greedy choices given the text."""
+    size = head.config.block_size
+    hidden = head.training_forward(features["features"], batch["input_ids"], anchors)
+    drafts = head.readout(hidden.view(*anchors.shape, size, -1)[:, :, 1 : max_k + 1]).argmax(-1)
+    _, _, target_logits = _block_targets(head, target, batch, features, anchors)
+    return (drafts == target_logits[:, :, :max_k].argmax(-1)).long().cumprod(-1)
 
 
 def served_walk(accepted: dict[int, int], start: int) -> list[int]:

@@ -158,7 +158,7 @@ class DFlashHead(AttachedHead):
         return self.target.model.embed_tokens(ids.view(rows, -1)).to(self.fc.weight.dtype)
 
     def block_forward(self, hidden: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                      outputs: slice = slice(None)) -> torch.Tensor:
+                      outputs: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """Block embeddings [B, T, hidden] at `positions` -> final normed hidden states [B, T, hidden] of the
         block positions in `outputs`. `attend(i, q, k, v)` attends layer i's block queries over its context and
         the block's own keys and values. The last layer runs its queries, output projection and MLP for the
@@ -182,10 +182,12 @@ class DFlashHead(AttachedHead):
         lm_head = self.target.lm_head
         return lm_head(hidden.to(lm_head.weight.dtype)).float()
 
-    def training_forward(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def training_forward(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                         drafts: int | None = None) -> torch.Tensor:
         """Teacher-forced blocks: features [B, L, F] and input_ids [B, L] of whole sequences, anchors [B, A] (a
         block starts at each with the token there; its context is the positions before it) -> final hidden
-        states [B, A * block_size, hidden] of the blocks' tokens, block by block."""
+        states [B, A * block_size, hidden] of the blocks' tokens, block by block; with `drafts`, of block
+        positions 1..drafts only, [B, A * drafts, hidden] (the last layer computes no others)."""
         rows, length = input_ids.shape
         size = self.config.block_size
         device = input_ids.device
@@ -198,10 +200,16 @@ class DFlashHead(AttachedHead):
         sees_context = torch.arange(length, device=device)[None, None, :] < block_anchor[:, :, None]
         sees_block = (block_id[:, None] == block_id[None, :]).expand(rows, -1, -1)
         mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]  # [B, 1, T, L + T]
+        outputs = slice(None)
+        if drafts is not None:
+            outputs = (torch.arange(anchors.shape[1], device=device)[:, None] * size
+                       + torch.arange(1, drafts + 1, device=device)).view(-1)
+        last_mask = mask[:, :, outputs]  # the last layer's queries: the output positions'
 
         def attend(i, q, k, v):
             keys, values = context[i]
             return F.scaled_dot_product_attention(q, torch.cat([keys, k], 2), torch.cat([values, v], 2),
-                                                  attn_mask=mask, enable_gqa=True)
+                                                  attn_mask=mask if q.shape[2] == mask.shape[2] else last_mask,
+                                                  enable_gqa=True)
 
-        return self.block_forward(self.embed_block(input_ids.gather(1, anchors)), positions, attend)
+        return self.block_forward(self.embed_block(input_ids.gather(1, anchors)), positions, attend, outputs)

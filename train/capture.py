@@ -21,6 +21,8 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.dtypes import DTYPES
 from draftsmith.train.objectives import target_features
 
+MAX_OPEN_SHARDS = 256  # shard files a dataset keeps open (memory-mapped), well under the usual 1024 descriptors
+
 
 def bytes_needed(num_tokens: int, feature_dim: int, hidden: int, store_last: bool, dtype: str) -> int:
     per_token = (feature_dim + (hidden if store_last else 0)) * DTYPES[dtype].itemsize + 5  # + ids, mask
@@ -98,22 +100,34 @@ class CapturedDataset(torch.utils.data.Dataset):
         self.index = []  # sample -> (file, position in shard)
         for shard in sorted(manifest["shards"], key=lambda s: s["first_sample"]):
             self.index += [(directory / shard["file"], i) for i in range(shard["num_samples"])]
-        self._open: dict[Path, dict[str, torch.Tensor]] = {}
+        # per shard: its open file and sample offsets. Samples come shuffled, so a sample reads its own rows
+        # (safetensors slices, memory-mapped), not its whole shard: loading one 64-sample shard per sample
+        # had copied 32 MB to train on 0.5 MB (demo DFlash features).
+        self._files: dict[Path, tuple] = {}
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def _shard(self, path: Path) -> dict[str, torch.Tensor]:
-        if path not in self._open:
-            with safe_open(str(path), framework="pt") as f:
-                self._open = {path: {k: f.get_tensor(k) for k in f.keys()}}  # keep one shard in memory
-        return self._open[path]
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_files"] = {}  # open files do not pickle (DataLoader workers): each opens its own
+        return state
+
+    def _shard(self, path: Path) -> tuple:
+        if path not in self._files:
+            if len(self._files) >= MAX_OPEN_SHARDS:
+                self._files.clear()
+            handle = safe_open(str(path), framework="pt")
+            self._files[path] = (handle, handle.get_tensor("offsets").tolist(), set(handle.keys()))
+        return self._files[path]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         path, j = self.index[i]
-        shard = self._shard(path)
-        lo, hi = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
-        item = {"input_ids": shard["input_ids"][lo:hi].long().tolist(),
-                "loss_mask": shard["loss_mask"][lo:hi].long().tolist(), "features": shard["features"][lo:hi]}
-        item["last"] = shard["last"][lo:hi] if self.store_last else item["features"]
+        handle, offsets, keys = self._shard(path)
+        lo, hi = offsets[j], offsets[j + 1]
+        rows = {key: handle.get_slice(key)[lo:hi] for key in ("input_ids", "loss_mask", "features", "last")
+                if key in keys}
+        item = {"input_ids": rows["input_ids"].long().tolist(), "loss_mask": rows["loss_mask"].long().tolist(),
+                "features": rows["features"]}
+        item["last"] = rows["last"] if self.store_last else item["features"]
         return item

@@ -81,8 +81,9 @@ def test_online_and_offline_give_the_same_loss(workspace, tmp_path):
     capture(target, aux, tokenized, tmp_path / "hs", samples_per_shard=3)
     captured = CapturedDataset(tmp_path / "hs", aux)
     trainee = HeadWithObjective(head, target, resolve_method("eagle3").objective(), recipe.training, torch.bfloat16)
-    online = collate([tokenized[i] for i in range(4)])
-    offline = collate([captured[i] for i in range(4)])
+    shuffled = [5, 0, 7, 2]  # across shards, out of order: as a shuffled epoch reads them
+    online = collate([tokenized[i] for i in shuffled])
+    offline = collate([captured[i] for i in shuffled])
     assert torch.equal(online["input_ids"], offline["input_ids"]) and torch.equal(online["loss_mask"], offline["loss_mask"])
     loss_online, _ = trainee(online)
     loss_offline, _ = trainee(offline)

@@ -163,6 +163,35 @@ def test_training_learns_the_targets_next_tokens(tmp_path):
     assert report["sim_served_acceptance_length"] > 1.0, report
 
 
+def test_loss_positions_learn_the_first_block_positions_alone(demo_target):
+    """`loss_positions: n`: the last layer runs block positions 1..n only, as they are in the whole block's
+    forward, and the loss is the one every position gives when the later ones weigh nothing."""
+    from types import SimpleNamespace
+
+    from draftsmith.methods.dflash.objective import dflash_objective
+    from draftsmith.train.objectives import target_features
+
+    head = _random_head(demo_target, block_size=5)
+    ids = torch.randint(4, 8000, (2, 24))
+    features = target_features(demo_target, head.hidden_layer_ids, ids, torch.float32)
+    with torch.no_grad():
+        anchors = torch.tensor([[5, 13, 17], [2, 9, 19]])
+        whole = head.training_forward(features["features"], ids, anchors).view(2, 3, 5, -1)
+        firsts = head.training_forward(features["features"], ids, anchors, 2).view(2, 3, 2, -1)
+        torch.testing.assert_close(firsts, whole[:, :, 1:3], atol=1e-5, rtol=1e-5)
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([24, 24])}
+    losses = []
+    for positions in (None, 1):
+        torch.manual_seed(0)  # the same anchors
+        cfg = SimpleNamespace(num_anchors=4, loss_decay_gamma=0.01, loss_positions=positions)
+        losses.append(dflash_objective(head, demo_target, batch, features, cfg)[0])
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-4, rtol=1e-4)
+    assert losses[0] > 0
+    with pytest.raises(DraftsmithError, match="loss_positions 5: the head's block_size 5 drafts 4 positions; set loss_positions <= 4"):
+        dflash_objective(head, demo_target, batch, features, SimpleNamespace(num_anchors=4, loss_decay_gamma=1.0,
+                                                                              loss_positions=5))
+
+
 def test_anchors_draft_only_where_the_next_token_is_learned():
     """With a masked prompt (data.mask_prompt) every block starts where its first draft is a learned token, and
     a fully learned row draws from every position with context before it and a token after it."""

@@ -36,6 +36,9 @@ class DFlashRecipe(RecipeModelSection):
 class DFlashTraining(RecipeTrainingSection):
     num_anchors: int = Field(default=16, gt=0, description="blocks predicted per sequence, from random anchors")
     loss_decay_gamma: float = Field(default=4.0, gt=0, description="block position j weighs exp(-(j-1)/gamma)")
+    loss_positions: int | None = Field(default=None, gt=0, description=(
+        "block positions 1..n learn (default: all block_size - 1); the later ones, whose decayed weight is small, "
+        "then cost no LM head"))
 
 
 @register_method

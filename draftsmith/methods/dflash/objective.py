@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.errors import DraftsmithError
+
 EVAL_STRIDE = 4  # the per-depth acceptance eval counts the block from every EVAL_STRIDE-th anchor choice
 # blocks a row's eval drafts in one forward: each block attends over the row's every block (masked), so a long
 # row's hundreds of blocks at once would cost memory quadratic in them
@@ -34,41 +36,44 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: list[int], count: int, devi
     return anchors.to(device), valid.to(device)
 
 
-def _block_targets(head, target, batch, features, anchors):
-    """For block positions j = 1..size-1 of each anchor: the position whose token it predicts (anchor + j),
+def _block_targets(head, target, batch, features, anchors, positions: int):
+    """For block positions j = 1..positions of each anchor: the position whose token it predicts (anchor + j),
     whether that is a real token, and the target's logits for it (read at anchor + j - 1)."""
     ids = batch["input_ids"]
     rows, length = ids.shape
-    size = head.config.block_size
     lengths = batch["lengths"].to(ids.device)
-    predicted = anchors[:, :, None] + torch.arange(1, size, device=ids.device)  # [B, A, size - 1]
+    predicted = anchors[:, :, None] + torch.arange(1, positions + 1, device=ids.device)  # [B, A, positions]
     real = predicted < lengths[:, None, None]
     read_at = (predicted - 1).clamp(max=length - 1).view(rows, -1)
     last = features["last"].gather(1, read_at[:, :, None].expand(-1, -1, features["last"].shape[-1]))
     with torch.no_grad():
         target_logits = target.lm_head(last.to(target.lm_head.weight.dtype)).float()
-    return predicted, real, target_logits.view(rows, anchors.shape[1], size - 1, -1)
+    return predicted, real, target_logits.view(rows, anchors.shape[1], positions, -1)
 
 
 def dflash_objective(head, target, batch, features, cfg):
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     rows, length = ids.shape
     size = head.config.block_size
+    # later block positions weigh little (the decay) but cost as much LM head as the first ones: they may sit out
+    learned = cfg.loss_positions or size - 1
+    if learned > size - 1:
+        raise DraftsmithError(f"training.loss_positions {learned}: the head's block_size {size} drafts "
+                              f"{size - 1} positions; set loss_positions <= {size - 1}")
     anchors, valid = sample_anchors(loss_mask, batch["lengths"].tolist(), cfg.num_anchors, ids.device)
-    hidden = head.training_forward(features["features"], ids, anchors)
-    hidden = hidden.view(rows, anchors.shape[1], size, -1)[:, :, 1:]  # position 0 is the bonus token: no draft
-    logits = head.readout(hidden)
-    predicted, real, target_logits = _block_targets(head, target, batch, features, anchors)
+    hidden = head.training_forward(features["features"], ids, anchors, learned)  # position 0 drafts nothing
+    logits = head.readout(hidden.view(rows, anchors.shape[1], learned, -1))
+    predicted, real, target_logits = _block_targets(head, target, batch, features, anchors, learned)
     trained = real & valid[:, :, None] & loss_mask.gather(1, predicted.clamp(max=length - 1).view(rows, -1)).view(
         predicted.shape).bool()
-    decay = torch.exp(-torch.arange(size - 1, device=ids.device, dtype=torch.float32) / cfg.loss_decay_gamma)
+    decay = torch.exp(-torch.arange(learned, device=ids.device, dtype=torch.float32) / cfg.loss_decay_gamma)
     weights = trained.float() * decay
     soft_ce = -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     loss = (soft_ce * weights).sum() / weights.sum().clamp(min=1e-6)
     logs = {}
     with torch.no_grad():
         hits = logits.argmax(-1) == target_logits.argmax(-1)
-        for j in range(min(size - 1, 4)):
+        for j in range(min(learned, 4)):
             where = trained[:, :, j]
             if where.any():
                 logs[f"acc_pos{j + 1}"] = hits[:, :, j][where].float().mean().item()
@@ -107,11 +112,10 @@ def simulated_acceptance(head, target, batch, features, max_k: int):
 def block_chains(head, target, batch, features, anchors, max_k: int) -> torch.Tensor:
     """[B, A, max_k]: 1 where the teacher-forced block from each anchor [B, A] has drafts 1..j all equal to the
     target's greedy choices given the text."""
-    size = head.config.block_size
-    hidden = head.training_forward(features["features"], batch["input_ids"], anchors)
-    drafts = head.readout(hidden.view(*anchors.shape, size, -1)[:, :, 1 : max_k + 1]).argmax(-1)
-    _, _, target_logits = _block_targets(head, target, batch, features, anchors)
-    return (drafts == target_logits[:, :, :max_k].argmax(-1)).long().cumprod(-1)
+    hidden = head.training_forward(features["features"], batch["input_ids"], anchors, max_k)
+    drafts = head.readout(hidden.view(*anchors.shape, max_k, -1)).argmax(-1)
+    _, _, target_logits = _block_targets(head, target, batch, features, anchors, max_k)
+    return (drafts == target_logits.argmax(-1)).long().cumprod(-1)
 
 
 def served_walk(accepted: dict[int, int], start: int) -> list[int]:

@@ -118,15 +118,15 @@ class CapturedDataset(torch.utils.data.Dataset):
             if len(self._files) >= MAX_OPEN_SHARDS:
                 self._files.clear()
             handle = safe_open(str(path), framework="pt")
-            self._files[path] = (handle, handle.get_tensor("offsets").tolist(), set(handle.keys()))
+            self._files[path] = (handle, handle.get_tensor("offsets").tolist())
         return self._files[path]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         path, j = self.index[i]
-        handle, offsets, keys = self._shard(path)
+        handle, offsets = self._shard(path)
         lo, hi = offsets[j], offsets[j + 1]
-        rows = {key: handle.get_slice(key)[lo:hi] for key in ("input_ids", "loss_mask", "features", "last")
-                if key in keys}
+        stored = ("input_ids", "loss_mask", "features") + (("last",) if self.store_last else ())
+        rows = {key: handle.get_slice(key)[lo:hi] for key in stored}
         item = {"input_ids": rows["input_ids"].long().tolist(), "loss_mask": rows["loss_mask"].long().tolist(),
                 "features": rows["features"]}
         item["last"] = rows["last"] if self.store_last else item["features"]

@@ -36,7 +36,7 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: list[int], count: int, devi
     return anchors.to(device), valid.to(device)
 
 
-def _block_targets(head, target, batch, features, anchors, positions: int):
+def _block_targets(target, batch, features, anchors, positions: int):
     """For block positions j = 1..positions of each anchor: the position whose token it predicts (anchor + j),
     whether that is a real token, and the target's logits for it (read at anchor + j - 1)."""
     ids = batch["input_ids"]
@@ -63,7 +63,7 @@ def dflash_objective(head, target, batch, features, cfg):
     anchors, valid = sample_anchors(loss_mask, batch["lengths"].tolist(), cfg.num_anchors, ids.device)
     hidden = head.training_forward(features["features"], ids, anchors, learned)  # position 0 drafts nothing
     logits = head.readout(hidden.view(rows, anchors.shape[1], learned, -1))
-    predicted, real, target_logits = _block_targets(head, target, batch, features, anchors, learned)
+    predicted, real, target_logits = _block_targets(target, batch, features, anchors, learned)
     trained = real & valid[:, :, None] & loss_mask.gather(1, predicted.clamp(max=length - 1).view(rows, -1)).view(
         predicted.shape).bool()
     decay = torch.exp(-torch.arange(learned, device=ids.device, dtype=torch.float32) / cfg.loss_decay_gamma)
@@ -114,7 +114,7 @@ def block_chains(head, target, batch, features, anchors, max_k: int) -> torch.Te
     target's greedy choices given the text."""
     hidden = head.training_forward(features["features"], batch["input_ids"], anchors, max_k)
     drafts = head.readout(hidden.view(*anchors.shape, max_k, -1)).argmax(-1)
-    _, _, target_logits = _block_targets(head, target, batch, features, anchors, max_k)
+    _, _, target_logits = _block_targets(target, batch, features, anchors, max_k)
     return (drafts == target_logits.argmax(-1)).long().cumprod(-1)
 
 

@@ -1,10 +1,11 @@
 """The draft-head trainer on accelerate: one script for `accelerate launch -m draftsmith.train RECIPE.yaml`
 and `draftsmith train RECIPE.yaml`.
 
-Checkpoints are `accelerator.save_state` directories (model, optimizer, scheduler, RNG states and our
-progress counters) written under a temporary name and renamed, with the resolved recipe and command line
-beside them; a rerun of the same command resumes from the newest one and skips the batches already
-consumed, so a killed run loses only the step in flight.
+Checkpoints are `accelerator.save_state` directories (model, optimizer, scheduler, RNG states) written under
+a temporary name and renamed, with our progress counters (`progress.json`), the resolved recipe and the
+command line beside them; a rerun of the same command resumes from the newest one and skips the batches
+already consumed, so a killed run loses only the step in flight. Before resuming, every pickle in the
+checkpoint must load as plain data (`checkpoint_files`): a planted one is refused, never run.
 
 Under FSDP and DeepSpeed ZeRO-3 each rank holds only shards of the head's parameters, so nothing reads the
 unwrapped head's weights directly: the eval runs through the wrapped module's `forward` (where the wrapper
@@ -18,7 +19,6 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +33,13 @@ from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.models.loader import load_target
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.train.capture import CapturedDataset
+from draftsmith.train.checkpoint_files import (
+    Progress,
+    read_progress,
+    refuse_code_pickles,
+    without_custom_pickles,
+    write_progress,
+)
 from draftsmith.train.data import check_tokenizer, collate, tokenize_dataset
 from draftsmith.train.objectives import acceptance_report, target_features
 from draftsmith.train.recipe import Recipe, dump_recipe
@@ -72,21 +79,6 @@ class HeadWithObjective(nn.Module):
         if acceptance_depth:
             return self.acceptance_eval(self.head, self._target[0], batch, feats, acceptance_depth)
         return self.objective(self.head, self._target[0], batch, feats, self.cfg)
-
-
-@dataclass
-class Progress:
-    """Counters saved with every checkpoint (registered with accelerate)."""
-
-    step: int = 0  # optimizer steps done
-    epoch: int = 0
-    batches_in_epoch: int = 0  # micro-batches of `epoch` already consumed
-
-    def state_dict(self):
-        return dict(self.__dict__)
-
-    def load_state_dict(self, state):
-        self.__dict__.update(state)
 
 
 def _as_recipe(value):
@@ -147,6 +139,7 @@ def _save_checkpoint(accelerator, recipe: Recipe, output: Path, progress: Progre
     if accelerator.is_main_process:
         (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
         (tmp / "command.txt").write_text(" ".join(argv) + "\n")
+        write_progress(tmp, progress)
         os.replace(tmp, final)  # a kill before this line leaves only a .tmp directory, ignored on resume
         kept = sorted(checkpoints.glob("step_*"))
         for old in kept[: -recipe.training.keep_checkpoints]:
@@ -157,6 +150,16 @@ def _save_checkpoint(accelerator, recipe: Recipe, output: Path, progress: Progre
 def latest_checkpoint(output: Path) -> Path | None:
     found = sorted((output / "checkpoints").glob("step_*"))
     return found[-1] if found else None
+
+
+def resume_state(accelerator, checkpoint: Path) -> Progress:
+    """Loads `checkpoint` into the prepared objects and returns its counters. Every rank checks the pickles
+    first, so each refuses (or loads) the same files before accelerate unpickles any."""
+    refuse_code_pickles(checkpoint)
+    progress = read_progress(checkpoint)
+    with without_custom_pickles(checkpoint) as state_dir:
+        accelerator.load_state(str(state_dir))
+    return progress
 
 
 def evaluate(accelerator, trainee, loader, max_k: int) -> dict[str, float]:
@@ -251,11 +254,9 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
         optimizer, int(t.warmup_ratio * total_steps) * scale, total_steps * scale))
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    progress = Progress()
-    accelerator.register_for_checkpointing(progress)
     resume = latest_checkpoint(output)
+    progress = Progress() if resume is None else resume_state(accelerator, resume)
     if resume is not None:
-        accelerator.load_state(str(resume))
         accelerator.print(f"resumed from {resume} (step {progress.step}, epoch {progress.epoch})")
     if log_with:
         accelerator.init_trackers("draftsmith", config={"head_type": recipe.model.head_type})

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +139,71 @@ def test_kill_and_resume_matches_an_uninterrupted_run(workspace, tmp_path):
     a = load_file(str(tmp_path / "straight" / "head" / "model.safetensors"))
     b = load_file(str(tmp_path / "killed" / "head" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _RunsCode:
+    """Writes `marker` when unpickled: a planted checkpoint file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+@pytest.fixture(scope="module")
+def finished_run(workspace):
+    """A two-step run that saved a checkpoint after each step."""
+    root, target, data = workspace
+    raw = tiny_recipe(target, data, root / "finished", max_steps=2, save_every_steps=1, batch_size=2)
+    train(validate_recipe(raw), ["test"])
+    return raw
+
+
+def _copy_of(finished_run, tmp_path):
+    """A copy of the finished run and its recipe, to resume; returns the recipe path and newest checkpoint."""
+    raw = json.loads(json.dumps(finished_run))
+    shutil.copytree(raw["training"]["output_dir"], tmp_path / "run")
+    raw["training"]["output_dir"] = str(tmp_path / "run")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    return tmp_path / "recipe.yaml", tmp_path / "run" / "checkpoints" / "step_00000002"
+
+
+def test_checkpoints_keep_progress_as_json_and_no_pickle_of_it(finished_run):
+    checkpoint = Path(finished_run["training"]["output_dir"]) / "checkpoints" / "step_00000002"
+    assert json.loads((checkpoint / "progress.json").read_text()) == {"step": 2, "epoch": 0, "batches_in_epoch": 2}
+    assert not list(checkpoint.glob("custom_checkpoint*"))
+
+
+DRAFTSMITH_TRAIN = [sys.executable, "-m", "draftsmith", "train"]
+
+
+@pytest.mark.parametrize("planted", ["custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin"])
+def test_resume_refuses_a_planted_code_pickle_and_runs_none_of_it(finished_run, tmp_path, planted):
+    recipe_path, checkpoint = _copy_of(finished_run, tmp_path)
+    marker = tmp_path / "MARKER"
+    torch.save(_RunsCode(marker), checkpoint / planted)
+    resumed = _run_cli(recipe_path, launcher=DRAFTSMITH_TRAIN)
+    log = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 2, log
+    errors = [line for line in log.splitlines() if line.startswith("draftsmith train: error: ")]
+    assert len(errors) == 1 and "Traceback" not in log, log
+    assert f"refusing to resume from {checkpoint / planted}: " in errors[0], log
+    assert "nothing from it was run" in errors[0], log
+    assert not marker.exists()
+
+
+def test_a_checkpoint_with_pickled_progress_and_no_json_resumes(finished_run, tmp_path):
+    """A checkpoint whose counters accelerate pickled for a registered object (custom_checkpoint_0.pkl)."""
+    recipe_path, checkpoint = _copy_of(finished_run, tmp_path)
+    (checkpoint / "progress.json").unlink()
+    torch.save({"step": 2, "epoch": 0, "batches_in_epoch": 2}, checkpoint / "custom_checkpoint_0.pkl")
+    shutil.rmtree(tmp_path / "run" / "head")
+    resumed = _run_cli(recipe_path, launcher=DRAFTSMITH_TRAIN)
+    log = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, log
+    assert f"resumed from {checkpoint} (step 2, epoch 0)" in log
+    assert (tmp_path / "run" / "head" / "model.safetensors").is_file()
 
 
 @pytest.mark.skipif(shutil.which("accelerate") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "accelerate")),

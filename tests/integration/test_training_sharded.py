@@ -9,6 +9,7 @@ and torch's real FSDP2 code (fully_shard on a CPU mesh, DTensor gradients, shard
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -46,20 +47,20 @@ def _select_fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = __init__
 
 
-def _launch(recipe_path: Path, launcher: list[str], **env) -> str:
+def _launch(recipe_path: Path, launcher: list[str], succeed: bool = True, **env) -> str:
     """Two processes in a gloo group: torchrun (accelerate's --multi_gpu and FSDP launcher) with
     ACCELERATE_USE_CPU; `accelerate launch --cpu --num_processes 2` would start one process."""
     proc = subprocess.run([*launcher, str(recipe_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, cwd=REPO, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO / "tests"), "OMP_NUM_THREADS": "1", **env})
-    assert proc.returncode == 0, proc.stdout
+    assert (proc.returncode == 0) == succeed, proc.stdout
     return proc.stdout
 
 
-def _fsdp(recipe_path: Path) -> str:
+def _fsdp(recipe_path: Path, succeed: bool = True) -> str:
     # the FSDP_* settings come from fsdp.yaml (the command line overrides its process count and precision)
     return _launch(recipe_path, [*LAUNCH, "--config_file", str(REPO / "recipes/accelerate/fsdp.yaml"), __file__],
-                   ACCELERATE_USE_CPU="true")
+                   succeed, ACCELERATE_USE_CPU="true")
 
 
 def _write_recipe(path: Path, target, data, output: Path) -> Path:
@@ -122,6 +123,34 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(runs, tmp_path):
     a = load_file(str(root / "fsdp" / "head" / "model.safetensors"))
     b = load_file(str(resumed / "head" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _RunsCode:
+    """Writes `marker` when unpickled: a planted checkpoint file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_fsdp_resume_refuses_a_planted_dcp_index_and_runs_none_of_it(runs, tmp_path):
+    """torch's DCP reader would `pickle.load` the index; every rank refuses it first, in one line."""
+    root, _ = runs
+    resumed = tmp_path / "resumed"
+    shutil.copytree(root / "fsdp", resumed)
+    planted = resumed / "checkpoints" / f"step_{STEPS:08d}" / "pytorch_model_fsdp_0" / ".metadata"
+    marker = tmp_path / "MARKER"
+    planted.write_bytes(pickle.dumps(_RunsCode(marker)))
+    recipe = tiny_recipe(root / "target", root / "code.jsonl", resumed, max_steps=STEPS, save_every_steps=2)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    log = _fsdp(tmp_path / "r.yaml", succeed=False)
+    errors = [line for line in log.splitlines() if line.startswith("draftsmith train: error: ")]
+    assert len(errors) == 2, log  # one line from each rank
+    assert all(line.startswith(f"draftsmith train: error: refusing to resume from {planted}: it is a pickle that "
+                               "needs code to load") and "nothing from it was run" in line for line in errors), log
+    assert not marker.exists()
 
 
 def test_save_head_refuses_a_shard(tmp_path):

@@ -10,6 +10,7 @@ draft counts, because the host sizes the verify batch from them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -26,10 +27,11 @@ from draftsmith.models.llama import CausalLM
 from draftsmith.models.tokenizer import check_same_vocabulary
 from draftsmith.serve.cost_profile import ForwardCostTable, profile_forwards
 from draftsmith.serve.frontend import check_prompt, check_samples
-from draftsmith.serve.logprobs import LOGPROBS_MODES, prompt_logprobs, token_logprobs
+from draftsmith.serve.logprobs import LOGPROBS_MODES, prompt_logprobs
 from draftsmith.serve.request import Request, RequestGroup, RequestOutput, Status
+from draftsmith.serve.row_faults import EngineFault, FaultIsolatingSteps, RowFaults, try_request_row
 from draftsmith.serve.sampling import SamplingBatch, sample
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.sampling_params import SamplingParams, wrap_int64
 from draftsmith.serve.spec_decode.adaptive import CostModel, SpeculationPlanner
 from draftsmith.serve.spec_decode.tree_verify import size_trees, verify_tree
 from draftsmith.serve.spec_decode.verify import SpecMetrics, pick_sampler, verify
@@ -59,7 +61,7 @@ class EngineConfig:
             raise DraftsmithError(f"logprobs_mode {self.logprobs_mode!r}: one of {', '.join(LOGPROBS_MODES)}")
 
 
-class LLMEngine:
+class LLMEngine(FaultIsolatingSteps):
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, eos_token_ids: set[int],
                  spec_config: SpeculativeConfig | None = None, cost_table: ForwardCostTable | None = None):
         self.model = model
@@ -76,6 +78,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self.stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0, "num_forward_passes": 0}
+        self.faults = RowFaults()  # requests a step failed alone (`row_faults` has the rules)
         self.ledger = StepLedger()
         self.spec_config = spec_config
         self.proposer = None
@@ -142,6 +145,8 @@ class LLMEngine:
         self.check_samples(params)
         if params.stop and self.tokenizer is None:
             raise DraftsmithError("stop strings need a tokenizer, and this engine has none (skip_tokenizer_init)")
+        if params.top_k >= self.model.config.vocab_size:  # keeps every token: the filter is off
+            params = dataclasses.replace(params, top_k=-1)
         request_id = request_id if request_id is not None else str(next(self._ids))
         n = params.n
         ids = [request_id] if n == 1 else [f"{request_id}:{i}" for i in range(n)]
@@ -150,8 +155,10 @@ class LLMEngine:
             raise DraftsmithError(f"request id {taken[0]!r} is already in use")
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        members = [self._new_request(member_id, prompt_token_ids, params, prompt, seed + i)
-                   for i, member_id in enumerate(ids)]
+        seeds = [wrap_int64(seed + i) for i in range(n)]
+        try_request_row(params, self.device, seeds)
+        members = [self._new_request(member_id, prompt_token_ids, params, prompt, member_seed)
+                   for member_id, member_seed in zip(ids, seeds)]
         leader = members[0]
         self.waiting.append(leader)  # its followers come in with it (`_admit`)
         if n == 1:
@@ -173,7 +180,7 @@ class LLMEngine:
         return request
 
     def check_samples(self, params: SamplingParams) -> None:
-        check_samples(params, self.config.max_num_seqs)
+        check_samples(params, self.config.max_num_seqs, self.model.config.vocab_size)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         check_prompt(prompt_token_ids, self.config.max_model_len, self.model.config.vocab_size)
@@ -206,17 +213,22 @@ class LLMEngine:
         decoding = sorted((r for r in self.running if not r.prefilling), key=lambda r: r.slot)
         prefilling = [r for r in self.running if r.prefilling and r.leader is None]  # followers share theirs
         if prefilling:
-            moved += self._prefill(prefilling)
+            moved += self._phase("prefill", prefilling, self._prefill)
         if decoding:
-            moved += self._decode(decoding)
+            moved += self._phase("decode", decoding, self._decode)
+        moved += self.faults.take()
+        moved = list({id(r): r for r in moved}.values())
         for request in moved:
             if request.status is Status.FINISHED:
-                self.stop_checker.finalize_text(request)
-                self._release(request)
+                self._retire(request)
         outputs = {}  # one per request or group, however many of its samples moved
         for request in moved:
             if request.output_id not in outputs:
                 outputs[request.output_id] = request.to_output()
+        broken = self.faults.engine_broken
+        if broken is not None:
+            raise EngineFault(f"{broken} failed {self.faults.consecutive[broken]} steps in a row, whatever requests "
+                              "it held")
         return list(outputs.values())
 
     def _admit(self) -> None:
@@ -362,8 +374,10 @@ class LLMEngine:
             # drafting is cheap: draft first, then size the step knowing which rows have drafts (a plan
             # without speculation holds, and held steps draft nothing)
             draft_at = self._clock()
-            drafts = self.proposer.propose(rows, limits, draft_sampling)
+            drafts = self._propose(rows, limits, draft_sampling)
             draft_s = self._clock() - draft_at
+            if drafts is None:
+                return self._decode_without_drafts(rows, started, draft_s)
             planned_limits = drafts.counts.cpu()
             plan = self.planner.plan(slots, planned_limits)
             drafts.counts.clamp_(max=plan.width)
@@ -375,8 +389,10 @@ class LLMEngine:
                 draft_at = self._clock()
                 # a tree is drafted whole and sized after (size_trees), not capped by a chain's width
                 widths = limits if self.proposer.tree is not None else [min(n, plan.width) for n in limits]
-                drafts = self.proposer.propose(rows, widths, draft_sampling)
+                drafts = self._propose(rows, widths, draft_sampling)
                 draft_s = self._clock() - draft_at
+                if drafts is None:
+                    return self._decode_without_drafts(rows, started, draft_s)
                 if drafts.confidence is not None and self.planner.cost is not None:
                     size_trees(drafts, len(rows), self.planner.cost, draft_s)
         self.planner.record(planned_limits, plan.width)
@@ -408,13 +424,9 @@ class LLMEngine:
         starts = [r.num_tokens - 1 for r in rows]
         self._observe_features(rows, starts, counts, out)  # last token + accepted drafts
         self.planner.acceptance.observe(slots, num_draft, [n - 1 for n in counts])
-        logprobs = token_logprobs(rows, kept, out.logits, sampling, self.config.logprobs_mode)
-        for request, n_draft, new_tokens, entries in zip(rows, num_draft, kept, logprobs):
+        self._take_tokens(rows, kept, out.logits, sampling)
+        for request, n_draft, new_tokens in zip(rows, num_draft, kept):
             self.spec_metrics.observe(n_draft, len(new_tokens) - 1)
-            appended = self.stop_checker.append(request, new_tokens)
-            self.stats["num_generated_tokens"] += appended
-            if entries is not None:
-                request.logprobs += entries[:appended]
             # K/V of the last token and the accepted drafts are in the cache; rejected ones are past the
             # length and get overwritten: nothing to copy.
             request.num_computed = request.num_tokens - 1
@@ -483,12 +495,7 @@ class LLMEngine:
 
     def _append(self, rows: list[Request], tokens: list[int], logits: torch.Tensor, sampling: SamplingBatch) -> None:
         """One new token per row, sampled from `logits` [B, 1, V]."""
-        logprobs = token_logprobs(rows, [[token] for token in tokens], logits, sampling, self.config.logprobs_mode)
-        for request, token, entries in zip(rows, tokens, logprobs):
-            appended = self.stop_checker.append(request, [token])
-            self.stats["num_generated_tokens"] += appended
-            if entries is not None:
-                request.logprobs += entries[:appended]
+        self._take_tokens(rows, [[token] for token in tokens], logits, sampling)
 
     def get_metrics(self) -> dict:
         metrics = dict(self.stats)

@@ -48,7 +48,7 @@ class Frontend:
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def check_samples(self, params: SamplingParams) -> None:
-        check_samples(params, self.max_num_seqs)
+        check_samples(params, self.max_num_seqs, self.vocab_size)
 
 
 def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
@@ -61,7 +61,9 @@ def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: in
         raise DraftsmithError(f"prompt token ids must be in [0, {vocab_size})")
 
 
-def check_samples(params: SamplingParams, max_num_seqs: int) -> None:
+def check_samples(params: SamplingParams, max_num_seqs: int, vocab_size: int) -> None:
     if params.n > max_num_seqs:
         raise DraftsmithError(f"n={params.n} samples run at once, one cache slot each, but max_num_seqs is "
                               f"{max_num_seqs}")
+    if any(not 0 <= token < vocab_size for token in params.stop_token_ids):
+        raise DraftsmithError(f"stop_token_ids must be in [0, {vocab_size})")

@@ -21,7 +21,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort"
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort", "error"
     stop_reason: int | str | None = None
     # per token: {token id: Logprob}, the token first (SamplingParams.logprobs set), else None
     logprobs: list[dict] | None = None
@@ -36,6 +36,8 @@ class RequestOutput:
     finished: bool
     # per prompt token: None for the first, then {token id: Logprob} (SamplingParams.prompt_logprobs set)
     prompt_logprobs: list[dict | None] | None = None
+    # why the engine failed this request alone (finish reason "error"), naming the step phase; None otherwise
+    error: str | None = None
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Request:
     index: int = 0
     leader: Request | None = None
     followers: list[Request] = field(default_factory=list)  # the siblings sharing this one's prefill
+    error: str | None = None  # set with finish reason "error": what failed for this request (`row_faults`)
 
     @property
     def prompt_len(self) -> int:
@@ -99,7 +102,7 @@ class Request:
             return self.group.to_output()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [self.completion()],
                              self.status is Status.FINISHED,
-                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs), self.error)
 
 
 @dataclass
@@ -118,4 +121,5 @@ class RequestGroup:
         first = self.members[0]
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids,
                              [m.completion() for m in self.members], self.finished,
-                             None if first.prompt_logprobs is None else list(first.prompt_logprobs))
+                             None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+                             next((m.error for m in self.members if m.error is not None), None))

@@ -50,6 +50,16 @@ class SamplingBatch:
             positions=positions,
         )
 
+    def select(self, rows: list[int]) -> SamplingBatch:
+        """The settings of `rows` alone, in that order (the engine retries failed batched work row by row)."""
+        index = torch.tensor(rows, device=self.temperature.device)
+        greedy = [self.temperature[r].item() == 0 for r in rows]
+        return SamplingBatch(self.temperature[index], self.top_k[index], self.top_p[index],
+                             [self.generators[r] for r in rows], all(greedy), self.needs_filter,
+                             [i for i, g in enumerate(greedy) if not g],
+                             None if self.seeds is None else [self.seeds[r] for r in rows],
+                             None if self.positions is None else [self.positions[r] for r in rows])
+
 
 def logits_to_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [B, N, V] -> probabilities [B, N, V] after temperature, top-k and top-p (per row b).

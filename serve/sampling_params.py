@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 from draftsmith.errors import DraftsmithError
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's top_logprobs bound, vLLM's default)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range, as vLLM's API bounds it
+
+
+def wrap_int64(value: int) -> int:
+    """`value` wrapped into int64 (two's complement): sample i of a request seeded s is seeded s + i, which
+    may pass INT64_MAX."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
 @dataclass
@@ -43,6 +50,7 @@ class SamplingParams:
             ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (disabled), 0 (disabled) or positive"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("seed", self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "must be None or in int64's range"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must be None or 0..{MAX_LOGPROBS}"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     from draftsmith.convert.registry import OUTPUTS, load_formats
     from draftsmith.methods import method_names, servable, trainable
     from draftsmith.methods.ngram import CODE_DEFAULTS
+    from draftsmith.serve.http_limits import DEFAULT_MAX_BODY_BYTES
+    from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG
 
     served, trained, sources = method_names(servable), method_names(trainable), list(load_formats())
     parser = OneLineErrorParser(prog="draftsmith", description=(
@@ -97,11 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: MODEL)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    srv.add_argument("--max-queue", type=_positive_int, default=256,
-                     help="waiting requests beyond this get 503 at once instead of queueing")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health (401 otherwise)")
+    srv.add_argument("--public-metrics", action="store_true",
+                     help="serve /metrics without the API key (for scrapers that cannot send one)")
+    srv.add_argument("--max-queue", type=_non_negative_int, default=256,
+                     help="requests that may wait for a cache slot; more get 503 at once instead of queueing")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds SIGTERM waits for in-flight requests before cancelling them")
+                     help="seconds SIGTERM gives in-flight requests; then they end with an error (a stream's "
+                     "error event and [DONE])")
+    srv.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                     help="larger request bodies get 413 without being read")
+    srv.add_argument("--max-stream-backlog", type=_positive_int, default=DEFAULT_MAX_BACKLOG,
+                     help="token ids plus logprob entries a stream may leave unread; a client that falls further "
+                     "behind has its request aborted (slot freed) and gets an error")
+    srv.add_argument("--max-engine-restarts", type=_non_negative_int, default=3,
+                     help="restarts of a dead engine process within 10 minutes; the next death makes the server "
+                     "exit with status 1 (0: exit at the first, for systemd or Kubernetes to restart it)")
     srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                      help="step the engine in its own process, as vLLM does (the HTTP side only parses, tokenises "
                      "and streams; if the engine dies, requests fail with 500 and /health turns 503); "

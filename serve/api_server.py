@@ -1,10 +1,16 @@
 """OpenAI-compatible HTTP server (FastAPI) over the shared engine loop. Handlers stay thin: validate the
-body with pydantic, turn it into token ids and `SamplingParams`, and relay the engine's outputs."""
+body with pydantic, turn it into token ids and `SamplingParams`, and relay the engine's outputs.
+
+No request can stall the others: bodies and keys are checked before a handler runs (`http_limits`), text
+that cannot fit the context is refused untokenized (`Frontend.check_text`), and tokenizing, chat templates
+and detokenizing whole sequences run on worker threads, off the event loop that streams everyone's tokens.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -19,8 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftsmith import __version__
 from draftsmith.errors import DraftsmithError, format_validation_error
-from draftsmith.serve.async_engine import AsyncEngine, QueueFullError
+from draftsmith.serve.async_engine import AsyncEngine, QueueFullError, RequestRejected
 from draftsmith.serve.detokenizer import IncrementalText, token_bytes
+from draftsmith.serve.http_limits import DEFAULT_MAX_BODY_BYTES, EdgeLimits
 from draftsmith.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,10 +48,31 @@ from draftsmith.serve.openai_protocol import (
     new_id,
     usage_chunk,
 )
+from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG
 from draftsmith.serve.request import RequestOutput
 from draftsmith.serve.server_metrics import ServerMetrics
 
 logger = logging.getLogger("draftsmith")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """The server's own settings (`draftsmith serve` flags of the same names)."""
+
+    api_key: str | None = None  # required on every route but /health (and /metrics when public_metrics)
+    public_metrics: bool = False
+    max_queue: int = 256  # requests that may wait for cache slots; more get 503 at once
+    shutdown_timeout: float = 30.0  # after SIGTERM, in-flight requests get this long, then an error
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get 413 unread
+    max_stream_backlog: int = DEFAULT_MAX_BACKLOG  # unread tokens + logprobs a stream may hold (`output_streams`)
+    max_engine_restarts: int = 3  # engine process restarts within engine_process.RESTART_WINDOW_S
+
+
+def error_status(exc: BaseException) -> int:
+    """The HTTP status of a request's failure: refused by the engine 400, the server unavailable 503, else 500."""
+    if isinstance(exc, RequestRejected):
+        return 400
+    return 503 if isinstance(exc, DraftsmithError) else 500
 
 
 class APIError(Exception):
@@ -78,18 +106,21 @@ _abandoned: set[asyncio.Task] = set()  # held until done: the event loop keeps o
 # error body (a bad body is 400 here, as in OpenAI's API, never FastAPI's 422)
 def _errors(*statuses: int) -> dict:
     why = {400: "invalid request (the message names the field)", 401: "missing or wrong API key (--api-key)",
-           404: "no such model", 499: "the client disconnected before the answer",
-           500: "the engine failed while running the request", 503: "queue full (--max-queue) or engine stopped"}
+           404: "no such model", 413: "request body over --max-body-bytes",
+           499: "the client disconnected before the answer",
+           500: "the engine failed while running the request (the message says why)",
+           503: "queue full (--max-queue), engine restarting or stopped, or the server shutting down"}
     return {status: {"model": ErrorResponse, "description": why[status]} for status in statuses}
 
 
 _GENERATION = {200: {"description": "the answer; with stream=true, server-sent events ending in `data: [DONE]`",
                      "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-               **_errors(400, 401, 404, 499, 500, 503)}
+               **_errors(400, 401, 404, 413, 499, 500, 503)}
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              metrics: ServerMetrics | None = None, shutdown_timeout: float = 30.0) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_name: str, options: ServerOptions | None = None,
+              metrics: ServerMetrics | None = None) -> FastAPI:
+    options = options or ServerOptions()
     llm = engine.frontend  # the tokenizer, chat template and prompt checks (no weights in the API process)
     max_model_len = llm.max_model_len
     metrics = metrics or ServerMetrics(served_model_name)
@@ -99,10 +130,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         engine.start()
         yield
         # uvicorn has stopped taking connections and waited for open ones; finish or cancel the rest.
-        await asyncio.to_thread(engine.shutdown, shutdown_timeout)
+        await asyncio.to_thread(engine.shutdown, options.shutdown_timeout)
 
     app = FastAPI(title="draftsmith", version=__version__, lifespan=lifespan)
-    app.state.engine = engine
+    app.state.engine, app.state.options = engine, options
+    # SIGTERM (`serve_cli`): requests still running after --shutdown-timeout end with an error while their
+    # connections are open
+    app.state.begin_shutdown = lambda: engine.begin_shutdown(options.shutdown_timeout)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -115,13 +149,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     app.openapi = openapi
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                metrics.request_failure.labels(served_model_name, "401").inc()
-                return _error(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
-        return await call_next(request)
+    public = frozenset({"/health", "/metrics"} if options.public_metrics else {"/health"})
+    app.add_middleware(EdgeLimits, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
+                       public_paths=public,
+                       on_refused=lambda status: metrics.request_failure.labels(served_model_name, str(status)).inc())
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_request: Request, exc: RequestValidationError):
@@ -147,16 +178,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                                    **_errors(503)})
     async def health():
         if not engine.healthy:
-            return _error(503, "the engine is not running")
+            return _error(503, f"the engine is not running: {engine.unavailable_reason()}")
         return {"status": "ok"}
 
-    @app.get("/version")
+    @app.get("/version", responses=_errors(401))
     async def version():
         return {"version": __version__}
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format",
-                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(401)})
     async def prometheus_metrics():
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -186,6 +217,27 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         except DraftsmithError as exc:
             raise APIError(400, str(exc), "prompt" if "prompt" in str(exc) else None) from None
 
+    async def off_loop(work, *args, param: str = "prompt"):
+        """work(*args) on a worker thread (tokenizing, templates); its DraftsmithError is a 400 naming `param`."""
+        try:
+            return await asyncio.to_thread(work, *args)
+        except DraftsmithError as exc:
+            raise APIError(400, str(exc), param) from None
+
+    def encode_prompts(prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+        for index, p in enumerate(prompts):  # all checked before any is tokenized
+            if isinstance(p, str):
+                llm.check_text(p, f"prompt {index}" if len(prompts) > 1 else "prompt")
+        return [llm.encode(p) if isinstance(p, str) else (None, list(p)) for p in prompts]
+
+    def render_chat(messages: list) -> tuple[str, list[int]]:
+        """The chat template's prompt and its ids; more messages or text than the context holds is refused."""
+        if len(messages) > max_model_len:
+            raise DraftsmithError(f"messages: {len(messages)} messages cannot fit max_model_len {max_model_len}")
+        llm.check_text("".join(m.content for m in messages), "messages")
+        prompt = llm.apply_chat_template([m.model_dump() for m in messages])
+        return prompt, llm.tokenizer(prompt, add_special_tokens=False).input_ids  # the template wrote them
+
     async def collect(raw: Request, outputs: AsyncIterator[RequestOutput], start: float) -> RequestOutput:
         """Runs a non-streamed request to the end; a client that disconnects cancels it."""
         async def consume():
@@ -211,10 +263,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             raise
         try:
             return task.result()
-        except DraftsmithError as exc:
-            raise APIError(503, str(exc)) from None
-        except RuntimeError as exc:
-            raise APIError(500, str(exc)) from None
+        except (DraftsmithError, RuntimeError) as exc:
+            raise APIError(error_status(exc), str(exc)) from None
 
     def finished(output: RequestOutput, start: float) -> None:
         metrics.e2e.labels(served_model_name).observe(time.perf_counter() - start)
@@ -263,37 +313,39 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     if include_usage:
                         yield f"data: {json.dumps(usage_chunk(rid, served_model_name, obj, n_prompt, n_tokens))}\n\n"
         except (DraftsmithError, RuntimeError) as exc:
-            yield f"data: {json.dumps(error_body(str(exc), 500))}\n\n"
+            yield f"data: {json.dumps(error_body(str(exc), error_status(exc)))}\n\n"
         yield "data: [DONE]\n\n"
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404))
+    def tokenize_prompt(text: str, add_special_tokens: bool) -> list[int]:
+        llm.check_text(text)
+        return llm.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest):
         if body.model is not None:
             check_model(body.model)
         if body.messages is not None:
-            try:
-                text = llm.apply_chat_template([m.model_dump() for m in body.messages])
-            except DraftsmithError as exc:
-                raise APIError(400, str(exc), "messages") from None
-            ids = llm.tokenizer(text, add_special_tokens=False).input_ids  # the template wrote them already
+            _, ids = await off_loop(render_chat, body.messages, param="messages")
         else:
-            ids = llm.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            ids = await off_loop(tokenize_prompt, body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404))
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest):
         if body.model is not None:
             check_model(body.model)
         vocab = llm.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise APIError(400, f"tokens: ids must be below the vocabulary size {vocab}", "tokens")
-        return DetokenizeResponse(prompt=llm.tokenizer.decode(body.tokens))
+        if len(body.tokens) > max_model_len:
+            raise APIError(400, f"tokens: {len(body.tokens)} ids, more than max_model_len {max_model_len}", "tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(llm.tokenizer.decode, body.tokens))
 
     @app.post("/v1/completions", responses=_GENERATION)
     async def completions(body: CompletionRequest, raw: Request):
         start = time.perf_counter()
         check_model(body.model)
-        encoded = [llm.encode(p) if isinstance(p, str) else (None, list(p)) for p in body.prompts()]
+        encoded = await off_loop(encode_prompts, body.prompts())
         for index, (_, ids) in enumerate(encoded):  # all checked before any is queued
             try:
                 llm.check_prompt(ids)
@@ -362,11 +414,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         start = time.perf_counter()
         check_model(body.model)
-        try:
-            prompt = llm.apply_chat_template([m.model_dump() for m in body.messages])
-        except DraftsmithError as exc:
-            raise APIError(400, str(exc), "messages") from None
-        _, ids = llm.encode(prompt)
+        prompt, ids = await off_loop(render_chat, body.messages, param="messages")
         params, outputs = submit(ids, body, prompt)
         rid = new_id("chatcmpl")
         if body.stream:

@@ -1,23 +1,25 @@
 """The engine behind the HTTP server: one loop thread steps the engine for every request.
 
-All engine mutations (add, abort, step) happen on the loop thread; the asyncio side only enqueues
-commands and reads per-request output queues, so no engine state is shared across threads. A request
-that fails validation fails alone; if a step itself raises, the requests in flight get the error and
-the loop goes on with an empty engine, so the server never dies from a request.
+All engine mutations (add, abort, step) happen on the loop thread; the asyncio side only enqueues commands
+and reads per-request output streams (`output_streams`), so no engine state is shared across threads. A
+request the engine cannot take, or one it fails alone (`row_faults`), fails alone; if a step itself raises,
+the requests in flight get the error and the loop goes on with an empty engine.
+
+`AsyncEngine` is also the base of `engine_process.ProcessEngine`: what the two share is here (submitting,
+the queue bound, the streams, cancelling what is in flight at shutdown).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve.llm import LLM
+from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG, DeltaTracker, OutputDelta, OutputStream
 from draftsmith.serve.request import RequestOutput
 from draftsmith.serve.sampling_params import SamplingParams
 
@@ -25,29 +27,32 @@ logger = logging.getLogger("draftsmith")
 
 
 class QueueFullError(DraftsmithError):
-    """More requests are waiting than --max-queue allows."""
+    """More requests are waiting than --max-queue allows, or the engine is not taking requests (503)."""
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue  # RequestOutput | BaseException
+class RequestRejected(DraftsmithError):
+    """The engine refused the request when it was added (400)."""
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, max_queue: int = 256, observer=None):
+    def __init__(self, llm: LLM, max_queue: int = 256, observer=None, max_backlog: int = DEFAULT_MAX_BACKLOG):
+        self._init_streams(max_queue, max_backlog)
         self.frontend = llm
         self.engine = llm.engine
-        self.max_queue = max_queue
         self.observer = observer  # called on the loop thread after every step (metrics)
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
-        self._pending = 0  # submitted, not yet admitted by the loop thread
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draftsmith-engine", daemon=True)
+        self._tracker = DeltaTracker()
+
+    def _init_streams(self, max_queue: int, max_backlog: int) -> None:
+        self.max_queue = max_queue
+        self.max_backlog = max_backlog
+        self._streams: dict[str, OutputStream] = {}  # in flight, in the order they came (the engine's)
+        self._lock = threading.Lock()
         self._ids = 0
+        self._shutdown_timer: threading.Timer | None = None
 
     # ------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -55,12 +60,24 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Finishes in-flight work for up to `timeout` seconds, then cancels the rest."""
-        deadline = time.monotonic() + timeout
-        while self.num_unfinished() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self._wait_unfinished(timeout)
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """The server was told to stop (SIGTERM): requests still in flight `timeout` seconds from now fail with
+        an error (a stream's error event and [DONE]) while their connections are still open."""
+        if self._shutdown_timer is None:
+            message = f"the server is shutting down: the request was cancelled after --shutdown-timeout {timeout:g} s"
+            self._shutdown_timer = threading.Timer(timeout, self.cancel_all, (DraftsmithError(message),))
+            self._shutdown_timer.daemon = True
+            self._shutdown_timer.start()
+
+    def _wait_unfinished(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.num_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     @property
     def healthy(self) -> bool:
@@ -76,53 +93,83 @@ class AsyncEngine:
         """Queues a request (raising at once if it is invalid or the queue is full) and returns an async
         iterator over its outputs; leaving the iterator early aborts the request and frees its slot."""
         if not self.healthy:
-            raise QueueFullError("server is shutting down")
+            raise QueueFullError(self.unavailable_reason())
         self.frontend.check_prompt(prompt_token_ids)
         self.frontend.check_samples(params)
         with self._lock:
-            if self._queued() >= self.max_queue:
+            if self._waiting_for_slots(params.n) > self.max_queue:
                 raise QueueFullError(f"server queue is full ({self.max_queue} waiting requests); retry later")
             self._ids += 1
             request_id = f"req-{self._ids}"
-            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+            stream = OutputStream(request_id, params.n, prompt, prompt_token_ids, self.max_backlog, self._cut_off)
             self._streams[request_id] = stream
-            self._pending += 1
         self._send(("add", request_id, prompt_token_ids, params, prompt))
         return self._iterate(request_id, stream)
 
-    def _queued(self) -> int:
-        """Requests waiting for a slot, or on their way to the engine (under the lock)."""
-        return len(self.engine.waiting) + self._pending
+    def unavailable_reason(self) -> str:
+        return "server is shutting down"
+
+    def _waiting_for_slots(self, n: int) -> int:
+        """How many in-flight requests, with one more of `n` samples, would wait for cache slots (under the
+        lock; --max-queue bounds it): the engine admits first come first served while a request's samples fit the free slots, so
+        every request from the first that does not fit waits."""
+        free, waiting = self.frontend.max_num_seqs, 0
+        for takes in [s.n for s in self._streams.values()] + [n]:
+            if waiting or takes > free:
+                waiting += 1
+            else:
+                free -= takes
+        return waiting
+
+    async def _iterate(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
+        try:
+            async for output in stream.outputs():
+                yield output
+        finally:
+            self._forget(request_id)
+            # a stream closes when its request finished or failed, or was cut off or cancelled (which abort it
+            # themselves); one left open here lost its reader: the client went away or the handler was cancelled
+            if not stream.closed:
+                self._send(("abort", request_id))
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def _cut_off(self, request_id: str) -> None:
+        """A stream's reader left too much unread (`OutputStream`): abort its request, free its slot."""
+        logger.warning("request %s: its client is not reading its stream; aborting it", request_id)
+        self._forget(request_id)
+        self._send(("abort", request_id))
+
+    def cancel_all(self, exc: BaseException) -> None:
+        """Fails every request in flight with `exc` and aborts them in the engine (shutdown's deadline)."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._fail(request_id, exc)
+            self._send(("abort", request_id))
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
 
-    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await stream.outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:  # client went away or the handler was cancelled
-                self._send(("abort", request_id))
+    def _push(self, delta: OutputDelta) -> None:
+        """Hands a request's delta to its stream (dropped if the request was aborted meanwhile)."""
+        with self._lock:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None and (delta.finished or delta.error is not None):
+                del self._streams[delta.request_id]
+        if stream is not None:
+            stream.push(delta)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail(exc)
 
     # ------------------------------------------------------------------------------------ loop thread
-    def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-            if stream is not None and (isinstance(item, BaseException) or item.finished):
-                del self._streams[request_id]
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
-
     def _drain_commands(self) -> None:
         while True:
             try:
@@ -131,16 +178,14 @@ class AsyncEngine:
                 return
             if command[0] == "add":
                 _, request_id, ids, params, prompt = command
-                with self._lock:
-                    self._pending -= 1
                 try:
                     self.engine.add_request(ids, params, request_id=request_id, prompt=prompt)
-                except DraftsmithError as exc:
-                    self._deliver(request_id, exc)
+                except Exception as exc:  # the request's own fault: it fails alone
+                    self._fail(request_id, RequestRejected(str(exc) if isinstance(exc, DraftsmithError) else
+                                                           f"the engine refused the request: {type(exc).__name__}: {exc}"))
             else:
                 self.engine.abort_request(command[1])
-                with self._lock:
-                    self._streams.pop(command[1], None)
+                self._tracker.forget(command[1])
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -151,12 +196,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # a bug, not a user error: fail what is in flight, keep serving
+            except Exception as exc:  # an engine fault, not a request's: fail what is in flight, keep serving
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(RuntimeError(f"engine error: {exc}"))
                 continue
             for output in outputs:
-                self._deliver(output.request_id, output)
+                self._push(self._tracker.delta(output))
             if self.observer is not None:
                 self.observer(self.engine)
         self._fail_all(DraftsmithError("server is shutting down"))
@@ -164,8 +209,8 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for request in list(self.engine.running) + list(self.engine.waiting):
             self.engine.abort_request(request.request_id)
-            self._deliver(request.output_id, exc)
+        self._tracker.clear()
         with self._lock:
             leftovers = list(self._streams)
         for request_id in leftovers:
-            self._deliver(request_id, exc)
+            self._fail(request_id, exc)

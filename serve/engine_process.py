@@ -1,59 +1,40 @@
 """The engine in its own process, as vLLM's AsyncLLM runs its EngineCore: the API process parses, tokenises,
 detokenises and streams; the engine process only steps. HTTP handling and the engine loop then never wait
-on each other's GIL.
+on each other's GIL. They talk in JSON frames (`engine_frames`): the engine sends, per step, what each moved
+request gained since its last report, and the API side merges that into vLLM's cumulative `RequestOutput`s
+as each request's reader takes them (`output_streams`).
 
-They talk over a `multiprocessing` pipe: each message is one length-prefixed frame (`send_bytes`) of JSON,
-never pickle, so a frame can only ever be data. The engine sends, per step, what each moved request gained
-since its last report (new token ids and logprobs, a finished sample's text and reasons), not the whole
-output again; the API side rebuilds vLLM's cumulative `RequestOutput`s from them.
-
-The engine process dying (killed, out of memory, a crash in a kernel) is seen as the pipe closing: every
-request in flight fails at once with an error naming the exit code, `/health` turns 503 and new requests are
-refused, instead of hanging.
+The API process supervises the engine process. Its dying (killed, out of memory, a crash in a kernel, or an
+engine fault: `row_faults.EngineFault`, after which it exits with ENGINE_FAULT_EXIT) is seen as the pipe
+closing: every request in flight fails at once with an error naming the exit code, and `/health` answers
+503 while a fresh engine process loads. At most `max_restarts` restarts happen within RESTART_WINDOW_S;
+the next death is fatal: `on_fatal` is called (`draftsmith serve` then exits with status 1, for a
+supervisor such as systemd or Kubernetes to restart it) and the server answers 503 until then.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import multiprocessing
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.async_engine import AsyncEngine, QueueFullError, _Stream
+from draftsmith.serve.async_engine import AsyncEngine, QueueFullError, RequestRejected
+from draftsmith.serve.engine_frames import delta_frame, delta_from_frame, recv, send
 from draftsmith.serve.frontend import Frontend
-from draftsmith.serve.logprobs import Logprob
-from draftsmith.serve.request import CompletionOutput, RequestOutput
+from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG, DeltaTracker
 from draftsmith.serve.sampling_params import SamplingParams
 
 logger = logging.getLogger("draftsmith")
 
 STATS_EVERY_S = 0.25  # how often the engine reports its counters (Prometheus gauges) while busy
 START_TIMEOUT_S = 600.0  # loading the weights and profiling forwards happen in the engine process
-
-
-def _send(conn, message) -> None:
-    conn.send_bytes(json.dumps(message).encode())
-
-
-def _recv(conn):
-    return json.loads(conn.recv_bytes())
-
-
-def _entries(entries: list[dict] | None) -> list | None:
-    """Logprob entries ({token: Logprob}, in order) as JSON: [[token, logprob, rank], ...] each."""
-    if entries is None:
-        return None
-    return [None if e is None else [[t, lp.logprob, lp.rank] for t, lp in e.items()] for e in entries]
-
-
-def _from_entries(entries: list | None) -> list[dict | None] | None:
-    if entries is None:
-        return None
-    return [None if e is None else {t: Logprob(lp, rank) for t, lp, rank in e} for e in entries]
+ENGINE_FAULT_EXIT = 70  # the engine process's exit status after an engine fault
+RESTART_WINDOW_S = 600.0  # restarts counted against max_restarts
 
 
 # ------------------------------------------------------------------------------------------ engine side
@@ -66,12 +47,12 @@ def engine_main(conn, llm_kwargs: dict) -> None:
     try:
         llm = LLM(**llm_kwargs)
     except Exception as exc:  # a bad model folder or speculative config: the API process reports it
-        _send(conn, {"failed": str(exc) if isinstance(exc, DraftsmithError) else f"{type(exc).__name__}: {exc}"})
+        send(conn, {"failed": str(exc) if isinstance(exc, DraftsmithError) else f"{type(exc).__name__}: {exc}"})
         return
     spec = llm.engine.spec_config
-    _send(conn, {"ready": {"num_speculative_tokens": spec.num_speculative_tokens if spec else 0,
-                           "max_model_len": llm.max_model_len, "vocab_size": llm.vocab_size,
-                           "max_num_seqs": llm.max_num_seqs}})
+    send(conn, {"ready": {"num_speculative_tokens": spec.num_speculative_tokens if spec else 0,
+                          "max_model_len": llm.max_model_len, "vocab_size": llm.vocab_size,
+                          "max_num_seqs": llm.max_num_seqs}})
     try:
         _EngineLoop(llm.engine, conn).run()
     except (EOFError, OSError):  # the API process is gone: nothing left to serve
@@ -82,7 +63,7 @@ class _EngineLoop:
     def __init__(self, engine, conn):
         self.engine = engine
         self.conn = conn
-        self.sent: dict[str, dict[int, int]] = {}  # request id -> sample index -> tokens reported
+        self.tracker = DeltaTracker()
         self.last_stats = 0.0
         self.stopping_at: float | None = None
         self.idle_reported = True
@@ -98,52 +79,36 @@ class _EngineLoop:
                 return
             if not engine.has_unfinished_requests():
                 if not self.idle_reported:  # once per idle spell: the gauges fall to 0, then quiet
-                    _send(self.conn, {"out": [], "stats": self._stats(force=True)})
+                    send(self.conn, {"out": [], "stats": self._stats(force=True)})
                     self.idle_reported = True
                 continue
             self.idle_reported = False
             try:
                 outputs = engine.step()
-            except Exception as exc:  # a bug, not a user error: fail what is in flight, keep serving
-                logger.exception("engine step failed; failing the requests in flight")
-                for request in list(engine.running) + list(engine.waiting):
-                    engine.abort_request(request.request_id)
-                self.sent.clear()
-                _send(self.conn, {"step_failed": f"engine error: {exc}"})
-                continue
-            _send(self.conn, {"out": [self._delta(o) for o in outputs], "stats": self._stats(force=False)})
+            except Exception as exc:  # requests fail alone inside the step: what reaches here is the engine's
+                logger.exception("engine fault; the engine process exits for a fresh one")
+                send(self.conn, {"step_failed": f"engine error: {exc}"})
+                raise SystemExit(ENGINE_FAULT_EXIT) from None
+            frames = [delta_frame(self.tracker.delta(o)) for o in outputs]
+            send(self.conn, {"out": frames, "stats": self._stats(force=False)})
 
     def _commands(self) -> None:
         while self.conn.poll(0):
-            command = _recv(self.conn)
+            command = recv(self.conn)
             op = command[0]
             if op == "add":
                 _, request_id, ids, params, prompt = command
                 try:
                     self.engine.add_request(ids, SamplingParams(**params), request_id=request_id, prompt=prompt)
-                except DraftsmithError as exc:
-                    _send(self.conn, {"rejected": request_id, "message": str(exc)})
+                except Exception as exc:  # the request's own fault: it fails alone
+                    message = str(exc) if isinstance(exc, DraftsmithError) else \
+                        f"the engine refused the request: {type(exc).__name__}: {exc}"
+                    send(self.conn, {"rejected": request_id, "message": message})
             elif op == "abort":
                 self.engine.abort_request(command[1])
-                self.sent.pop(command[1], None)
+                self.tracker.forget(command[1])
             elif op == "stop":
                 self.stopping_at = time.monotonic() + command[1]
-
-    def _delta(self, output: RequestOutput) -> list:
-        """What `output` adds to what its request reported before: [id, finished, prompt logprobs (first report
-        only), [[index, new token ids, their logprobs, final text, finish reason, stop reason], ...]]."""
-        first = output.request_id not in self.sent
-        sent = self.sent.setdefault(output.request_id, {})
-        samples = []
-        for c in output.outputs:
-            start = sent.get(c.index, 0)
-            sent[c.index] = len(c.token_ids)
-            done = c.finish_reason is not None
-            samples.append([c.index, c.token_ids[start:], _entries(c.logprobs[start:]) if c.logprobs is not None
-                            else None, c.text if done else None, c.finish_reason, c.stop_reason])
-        if output.finished:
-            del self.sent[output.request_id]
-        return [output.request_id, output.finished, _entries(output.prompt_logprobs) if first else None, samples]
 
     def _stats(self, force: bool) -> dict | None:
         """The engine's counts and counters for the API side's Prometheus gauges: every STATS_EVERY_S while
@@ -157,56 +122,35 @@ class _EngineLoop:
 
 
 # --------------------------------------------------------------------------------------------- API side
-@dataclasses.dataclass
-class _Accumulated:
-    """A request's output as the API side rebuilds it from the engine's reports."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[CompletionOutput]
-    prompt_logprobs: list | None = None
-
-    def add(self, request_id: str, finished: bool, prompt_logprobs, samples: list) -> RequestOutput:
-        if prompt_logprobs is not None:
-            self.prompt_logprobs = _from_entries(prompt_logprobs)
-        for index, new_ids, new_logprobs, text, finish_reason, stop_reason in samples:
-            sample = self.samples[index]
-            sample.token_ids = sample.token_ids + new_ids
-            if new_logprobs is not None:
-                sample.logprobs = (sample.logprobs or []) + _from_entries(new_logprobs)
-            if text is not None:
-                sample.text = text
-            sample.finish_reason, sample.stop_reason = finish_reason, stop_reason
-        # new lists each time: the consumer reads this output while the next report comes in
-        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, [dataclasses.replace(s) for s in self.samples],
-                             finished, None if self.prompt_logprobs is None else list(self.prompt_logprobs))
-
-
 class ProcessEngine(AsyncEngine):
-    """`AsyncEngine`'s interface (submit, streams, abort on leaving, shutdown) over an engine process."""
+    """`AsyncEngine`'s interface (submit, streams, abort on leaving, shutdown) over a supervised engine
+    process."""
 
-    def __init__(self, llm_kwargs: dict, max_queue: int = 256, observer=None):
+    def __init__(self, llm_kwargs: dict, max_queue: int = 256, observer=None, max_backlog: int = DEFAULT_MAX_BACKLOG,
+                 max_restarts: int = 3):
+        self._init_streams(max_queue, max_backlog)
         self.frontend: Frontend | None = None  # once the engine has loaded the model (`wait_ready`)
         self.llm_kwargs = llm_kwargs
-        self.max_queue = max_queue
         self.observer = observer  # called with (running, waiting, metrics) as the engine reports them
-        self._streams: dict[str, _Stream] = {}
-        self._outputs: dict[str, _Accumulated] = {}
-        self._lock = threading.Lock()
+        self.max_restarts = max_restarts
+        self.on_restart: Callable[[], None] | None = None  # after each restart (the metrics' counter)
+        self.on_fatal: Callable[[str], None] | None = None  # the engine is dead for good (the server exits)
+        self.restarted_at: list[float] = []
         self._send_lock = threading.Lock()
-        self._ids = 0
-        self._pending = 0  # AsyncEngine's count of adds not yet taken by its thread: unused here (`_queued`)
-        self._running = 0  # as last reported
         self._dead: str | None = None
+        self._restarting: str | None = None  # why, while a fresh engine process loads
         self._stopping = False
         self.num_speculative_tokens = 0
+        self._spawn()
+        self._reader: threading.Thread | None = None
+
+    def _spawn(self) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
         self._conn, child = context.Pipe()
-        self.process = context.Process(target=engine_main, args=(child, llm_kwargs), name="draftsmith-engine",
+        self.process = context.Process(target=engine_main, args=(child, self.llm_kwargs), name="draftsmith-engine",
                                        daemon=True)
         self.process.start()
         child.close()
-        self._reader: threading.Thread | None = None
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Blocks until the engine process has loaded the model; its load error becomes a DraftsmithError."""
@@ -214,7 +158,7 @@ class ProcessEngine(AsyncEngine):
             self.process.kill()
             raise DraftsmithError(f"the engine process did not start within {timeout:.0f} s")
         try:
-            message = _recv(self._conn)
+            message = recv(self._conn)
         except EOFError:
             self.process.join(5)
             raise DraftsmithError(f"the engine process exited while starting (exit code {self.process.exitcode})") from None
@@ -223,24 +167,24 @@ class ProcessEngine(AsyncEngine):
             raise DraftsmithError(message["failed"])
         ready = message["ready"]
         self.num_speculative_tokens = ready["num_speculative_tokens"]
-        self.frontend = Frontend.from_model_dir(self.llm_kwargs["model"], ready["max_model_len"], ready["vocab_size"],
-                                                ready["max_num_seqs"])
+        if self.frontend is None:
+            self.frontend = Frontend.from_model_dir(self.llm_kwargs["model"], ready["max_model_len"],
+                                                    ready["vocab_size"], ready["max_num_seqs"])
 
     # ------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        self._reader = threading.Thread(target=self._read, name="draftsmith-engine-reader", daemon=True)
+        self._reader = threading.Thread(target=self._supervise, name="draftsmith-engine-reader", daemon=True)
         self._reader.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
-        while self.num_unfinished() and time.monotonic() < deadline and self._dead is None:
+        while self.num_unfinished() and time.monotonic() < deadline and self.healthy:
             time.sleep(0.05)
         self._stopping = True
-        if self._dead is None:
-            try:
-                self._post(("stop", 0.0))
-            except OSError:
-                pass
+        try:
+            self._post(("stop", 0.0))
+        except OSError:
+            pass
         self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()
@@ -248,79 +192,110 @@ class ProcessEngine(AsyncEngine):
 
     @property
     def healthy(self) -> bool:
-        return self._dead is None and not self._stopping and self.process.is_alive()
+        return self._dead is None and self._restarting is None and not self._stopping and self.process.is_alive()
 
-    def _queued(self) -> int:
-        return max(len(self._streams) - self._running, 0)
-
-    def submit(self, prompt_token_ids, params, prompt=None):
+    def unavailable_reason(self) -> str:
         if self._dead is not None:
-            raise QueueFullError(self._dead)
-        return super().submit(prompt_token_ids, params, prompt)
+            return self._dead
+        if self._restarting is not None or not (self._stopping or self.process.is_alive()):
+            return "the engine process died and is restarting; retry shortly"
+        return "server is shutting down"
 
     def _send(self, command: tuple) -> None:
         if command[0] == "add":
             _, request_id, ids, params, prompt = command
-            self._outputs[request_id] = _Accumulated(
-                prompt, list(ids), [CompletionOutput(i, "", [], None) for i in range(params.n)])
+            if request_id not in self._streams:  # failed meanwhile (the engine it was meant for died)
+                return
             command = ("add", request_id, list(ids), dataclasses.asdict(params), prompt)
-        elif command[0] == "abort":
-            with self._lock:
-                self._streams.pop(command[1], None)
-            self._outputs.pop(command[1], None)
         try:
             self._post(command)
-        except OSError:  # the engine is gone: the reader fails the streams
+        except OSError:  # the engine is gone: the supervisor fails the streams
             pass
 
     def _post(self, command: tuple) -> None:
         with self._send_lock:
-            self._conn.send_bytes(json.dumps(command).encode())
+            send(self._conn, command)
 
-    # ---------------------------------------------------------------------------------- reader thread
+    # -------------------------------------------------------------------------------- supervisor thread
+    def _supervise(self) -> None:
+        """Reads the engine's reports; when the engine process dies, fails what was in flight and restarts it,
+        or gives up (`on_fatal`) once max_restarts restarts happened within RESTART_WINDOW_S."""
+        while True:
+            self._read()
+            if self._stopping:
+                return
+            self.process.join(timeout=5)
+            reason = f"the engine process died (exit code {self.process.exitcode})"
+            logger.error(reason)
+            if self._restarts_left():  # /health and new requests answer 503 from here on, saying which
+                self._restarting = reason
+            else:
+                self._dead = f"{reason}; the server cannot serve"
+            self._fail_all(RuntimeError(reason))
+            if self._dead is None and self._restart(reason):
+                continue
+            self._dead = self._dead or f"{reason}; restarting failed, the server cannot serve"
+            self._restarting = None
+            logger.error("%s (%d restarts within %.0f s at most)", self._dead, self.max_restarts, RESTART_WINDOW_S)
+            if self.on_fatal is not None:
+                self.on_fatal(self._dead)
+            return
+
+    def _restarts_left(self) -> int:
+        now = time.monotonic()
+        self.restarted_at = [t for t in self.restarted_at if now - t < RESTART_WINDOW_S]
+        return max(self.max_restarts - len(self.restarted_at), 0)
+
+    def _restart(self, reason: str) -> bool:
+        """Starts fresh engine processes until one loads or the restart budget is spent; True if one did."""
+        while self._restarts_left() and not self._stopping:
+            self.restarted_at.append(time.monotonic())
+            logger.warning("%s: restarting it (restart %d of at most %d within %.0f s)", reason,
+                           len(self.restarted_at), self.max_restarts, RESTART_WINDOW_S)
+            try:
+                self._spawn()
+                self.wait_ready()
+            except DraftsmithError as exc:
+                reason = f"the engine process failed to restart: {exc}"
+                logger.error(reason)
+                continue
+            self._restarting = None
+            if self.on_restart is not None:
+                self.on_restart()
+            logger.warning("engine process restarted")
+            return True
+        return False
+
     def _read(self) -> None:
+        """The engine's reports, until the pipe closes."""
         while True:
             try:
-                message = _recv(self._conn)
+                message = recv(self._conn)
             except (EOFError, OSError):
-                break
+                return
             if "out" in message:
-                for request_id, finished, prompt_logprobs, samples in message["out"]:
-                    accumulated = self._outputs.get(request_id)
-                    if accumulated is None:  # aborted meanwhile
-                        continue
-                    output = accumulated.add(request_id, finished, prompt_logprobs, samples)
-                    if finished:
-                        self._outputs.pop(request_id, None)
-                    self._deliver(request_id, output)
+                for frame in message["out"]:
+                    self._push(delta_from_frame(frame))
                 stats = message.get("stats")
-                if stats is not None:
-                    self._running = stats["running"]
-                    if self.observer is not None:
-                        self.observer(stats["running"], stats["waiting"], stats["metrics"])
+                if stats is not None and self.observer is not None:
+                    self.observer(stats["running"], stats["waiting"], stats["metrics"])
             elif "rejected" in message:
-                self._outputs.pop(message["rejected"], None)
-                self._deliver(message["rejected"], DraftsmithError(message["message"]))
+                self._fail(message["rejected"], RequestRejected(message["message"]))
             elif "step_failed" in message:
                 self._fail_all(RuntimeError(message["step_failed"]))
-        if not self._stopping:
-            self.process.join(timeout=5)
-            self._dead = f"the engine process died (exit code {self.process.exitcode}); the server cannot serve"
-            logger.error(self._dead)
-            self._fail_all(RuntimeError(self._dead))
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             leftovers = list(self._streams)
         for request_id in leftovers:
-            self._outputs.pop(request_id, None)
-            self._deliver(request_id, exc)
+            self._fail(request_id, exc)
 
 
-def start_engine_process(llm_kwargs: dict, max_queue: int = 256, observer=None) -> ProcessEngine:
+def start_engine_process(llm_kwargs: dict, max_queue: int = 256, observer=None,
+                         max_backlog: int = DEFAULT_MAX_BACKLOG, max_restarts: int = 3) -> ProcessEngine:
     """Starts the engine process for `LLM(**llm_kwargs)` and waits for its model to load; the API process
     loads only the tokenizer."""
-    engine = ProcessEngine(llm_kwargs, max_queue, observer)
+    engine = ProcessEngine(llm_kwargs, max_queue, observer, max_backlog, max_restarts)
     try:
         engine.wait_ready()
     except BaseException:

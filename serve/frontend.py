@@ -4,6 +4,7 @@ the API process holds a bare `Frontend` and never loads the weights."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,24 @@ class Frontend:
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+
+    @functools.cached_property
+    def max_text_bytes(self) -> int:
+        """UTF-8 bytes of text past which a prompt cannot fit max_model_len tokens, whatever it says: no token
+        stands for more bytes than the vocabulary's longest, and a normalizer (NFKC, NFC) shrinks text at most
+        4-fold. The server refuses longer text without tokenizing it."""
+        from draftsmith.serve.detokenizer import token_bytes
+
+        longest = max(len(token_bytes(self.tokenizer, i)) for i in range(len(self.tokenizer)))
+        return self.max_model_len * max(longest, 1) * 4
+
+    def check_text(self, text: str, what: str = "prompt") -> None:
+        """Refuses text that cannot fit the context (`max_text_bytes`) before it is tokenized."""
+        if self.tokenizer is not None and len(text) * 4 > self.max_text_bytes:  # 1-4 bytes a character
+            size = len(text.encode())
+            if size > self.max_text_bytes:
+                raise DraftsmithError(f"{what} is {size} bytes of text, more than max_model_len {self.max_model_len} "
+                                      f"tokens of this tokenizer can hold ({self.max_text_bytes} bytes)")
 
     def check_samples(self, params: SamplingParams) -> None:
         check_samples(params, self.max_num_seqs, self.vocab_size)

@@ -1,25 +1,60 @@
 """OpenAI request bodies (pydantic) and response builders for /v1/completions and /v1/chat/completions.
 
 Unknown fields are ignored with a warning, as vLLM does, because OpenAI clients add fields over time;
-known fields are validated and a bad one is a 400 naming it.
+known fields are validated and a bad one is a 400 naming it. Every number is bounded (vLLM's bounds or
+tighter: seeds in int64, token ids in int64 and then below the vocabulary, counts of stop strings and
+token ids), and every string anywhere in a body, unknown fields included, must be valid Unicode (JSON can
+carry a lone UTF-16 surrogate, which no tokenizer or response can encode).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from draftsmith.serve.sampling_params import MAX_LOGPROBS, SamplingParams
+from draftsmith.serve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger("draftsmith")
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_STOP_TOKEN_IDS = 1024
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def invalid_unicode_at(value: Any) -> str | None:
+    """The dotted path of the first string in `value` (parsed JSON) holding a lone UTF-16 surrogate, or None;
+    iterative, so that no nesting depth overflows the stack."""
+    todo = [((), value)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, str) and _SURROGATE.search(item):
+            return ".".join(map(str, path)) or "body"
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return ".".join(map(str, path)) or "body"
+                todo.append(((*path, key), child))
+        elif isinstance(item, list):
+            todo.extend(((*path, i), child) for i, child in enumerate(item))
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = invalid_unicode_at(data)
+        if where is not None:
+            raise ValueError(f"{where}: not valid Unicode (a lone UTF-16 surrogate)")
+        return data
 
     @model_validator(mode="after")
     def _warn_unknown(self):
@@ -32,15 +67,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
 class _Sampling(_Body):
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="at most the context; larger is the context")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    top_k: int = Field(default=-1, ge=-1, description="-1 or 0: off; the vocabulary size or more is off too")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(default=1, ge=1, description="samples of each prompt, one choice each; all share one prefill")
     ignore_eos: bool = False
     stream: bool = False
@@ -56,7 +95,7 @@ class _Sampling(_Body):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=self.max_tokens or default_max_tokens, stop=self.stop,
+                              max_tokens=min(self.max_tokens or default_max_tokens, default_max_tokens), stop=self.stop,
                               stop_token_ids=self.stop_token_ids or [], seed=self.seed, ignore_eos=self.ignore_eos,
                               logprobs=self.top_alternatives(), n=self.n)
 
@@ -65,7 +104,7 @@ class _Sampling(_Body):
         return None
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
 
 
@@ -226,7 +265,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):
@@ -248,5 +287,5 @@ class ErrorResponse(BaseModel):
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+            413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

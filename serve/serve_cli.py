@@ -1,38 +1,78 @@
-"""`draftsmith serve`: load the model, start the engine loop, serve the OpenAI API with uvicorn."""
+"""`draftsmith serve`: load the model, start the engine loop, serve the OpenAI API with uvicorn.
+
+The server exits with status 1 when its engine process has died more often than --max-engine-restarts allows
+(`engine_process`), for a supervisor (systemd, Kubernetes) to restart it; SIGTERM gives requests in flight
+--shutdown-timeout seconds, then ends them with an error (a stream's error event and [DONE]) before the
+connections close.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import socket
+import sys
 import threading
 import time
 
 import uvicorn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.api_server import build_app
+from draftsmith.serve.api_server import ServerOptions, build_app
 from draftsmith.serve.async_engine import AsyncEngine
 from draftsmith.serve.engine_process import start_engine_process
 from draftsmith.serve.llm import LLM, engine_kwargs
 from draftsmith.serve.server_metrics import ServerMetrics
 
+SHUTDOWN_GRACE_S = 5.0  # uvicorn's wait past --shutdown-timeout, for the requests' error events to go out
 
-def build_server_app(llm: LLM, served_model_name: str, api_key: str | None = None, max_queue: int = 256,
-                     shutdown_timeout: float = 30.0):
+
+def build_server_app(llm: LLM, served_model_name: str, options: ServerOptions | None = None, **overrides):
+    """The app over an engine on a thread of this process; `overrides`: ServerOptions fields."""
+    options = dataclasses.replace(options or ServerOptions(), **overrides)
     spec = llm.engine.spec_config
     metrics = ServerMetrics(served_model_name, spec.num_speculative_tokens if spec else 0)
-    engine = AsyncEngine(llm, max_queue=max_queue, observer=metrics.observe_engine)
-    return build_app(engine, served_model_name, api_key, metrics, shutdown_timeout)
+    engine = AsyncEngine(llm, options.max_queue, metrics.observe_engine, options.max_stream_backlog)
+    return build_app(engine, served_model_name, options, metrics)
 
 
-def build_process_server_app(llm_kwargs: dict, served_model_name: str, api_key: str | None = None,
-                             max_queue: int = 256, shutdown_timeout: float = 30.0):
+def build_process_server_app(llm_kwargs: dict, served_model_name: str, options: ServerOptions | None = None,
+                             **overrides):
     """The app over an engine process running `LLM(**llm_kwargs)` (started here; the model loads there)."""
-    engine = start_engine_process(llm_kwargs, max_queue)
+    options = dataclasses.replace(options or ServerOptions(), **overrides)
+    engine = start_engine_process(llm_kwargs, options.max_queue, max_backlog=options.max_stream_backlog,
+                                  max_restarts=options.max_engine_restarts)
     metrics = ServerMetrics(served_model_name, engine.num_speculative_tokens)
     engine.observer = metrics.observe
-    return build_app(engine, served_model_name, api_key, metrics, shutdown_timeout)
+    engine.on_restart = metrics.engine_restarted
+    return build_app(engine, served_model_name, options, metrics)
+
+
+class DraftsmithServer(uvicorn.Server):
+    """uvicorn's server, which starts the app's shutdown deadline (`begin_shutdown`) when it starts stopping."""
+
+    def __init__(self, config: uvicorn.Config, app):
+        super().__init__(config)
+        self.app = app
+
+    async def shutdown(self, sockets=None) -> None:
+        begin = getattr(self.app.state, "begin_shutdown", None)
+        if begin is not None:
+            begin()
+        await super().shutdown(sockets)
+
+
+def make_server(app, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> DraftsmithServer:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=int(shutdown_timeout + SHUTDOWN_GRACE_S))
+    return DraftsmithServer(config, app)
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(api_key=args.api_key, public_metrics=args.public_metrics, max_queue=args.max_queue,
+                         shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
+                         max_stream_backlog=args.max_stream_backlog, max_engine_restarts=args.max_engine_restarts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,12 +86,23 @@ def run(args: argparse.Namespace) -> int:
             raise DraftsmithError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
     llm_kwargs = {"model": args.model, **engine_kwargs(args)}
     name = args.served_model_name or args.model
+    options = server_options(args)
     if args.engine_process:
-        app = build_process_server_app(llm_kwargs, name, args.api_key, args.max_queue, args.shutdown_timeout)
+        app = build_process_server_app(llm_kwargs, name, options)
     else:
-        app = build_server_app(LLM(**llm_kwargs), name, args.api_key, args.max_queue, args.shutdown_timeout)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=int(args.shutdown_timeout))
+        app = build_server_app(LLM(**llm_kwargs), name, options)
+    server = make_server(app, args.host, args.port, options.shutdown_timeout)
+    fatal: list[str] = []
+
+    def give_up(reason: str) -> None:  # on the supervisor thread: uvicorn polls should_exit
+        fatal.append(reason)
+        server.should_exit = True
+
+    app.state.engine.on_fatal = give_up
+    server.run()
+    if fatal:
+        print(f"draftsmith serve: error: {fatal[0]}; exiting for a supervisor to restart the server", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -65,7 +116,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def server_in_thread(app, host: str = "127.0.0.1", port: int | None = None):
     """Runs `app` under a real uvicorn server on loopback in a thread; yields the base URL (tests, bench)."""
     port = port or free_port(host)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = make_server(app, host, port, app.state.options.shutdown_timeout, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -31,6 +31,8 @@ class ServerMetrics:
                                        labels + ["finished_reason"], registry=r)
         self.request_failure = Counter("draftsmith:request_failure", "Requests rejected or failed, by HTTP status",
                                        labels + ["status"], registry=r)
+        self.engine_restarts = Counter("draftsmith:engine_restarts", "Engine processes started after one died",
+                                       labels, registry=r)
         self.prompt_tokens = Counter("draftsmith:prompt_tokens", "Prefilled prompt tokens", labels, registry=r)
         self.generation_tokens = Counter("draftsmith:generation_tokens", "Generated tokens", labels, registry=r)
         self.running = Gauge("draftsmith:num_requests_running", "Requests holding a KV slot", labels, registry=r)
@@ -91,6 +93,13 @@ class ServerMetrics:
             if key in now:
                 gauge.labels(name).set(now[key])
         self._last = now
+
+    def engine_restarted(self) -> None:
+        """A fresh engine process counts from zero: its reports are new baselines, not decreases."""
+        self.engine_restarts.labels(self.model_name).inc()
+        self._last = {}
+        self.running.labels(self.model_name).set(0)
+        self.waiting.labels(self.model_name).set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -72,7 +72,8 @@ def test_answers_and_logprobs_with_eagle3_equal_plain_decoding_with_samples_and_
 
 
 def test_killing_the_engine_fails_requests_in_flight_and_turns_health_503():
-    app = build_process_server_app(KWARGS, "demo")
+    """With no restarts left (the restart itself: test_server_reliability), a dead engine stays dead: 503."""
+    app = build_process_server_app(KWARGS, "demo", max_engine_restarts=0)
     with server_in_thread(app) as url:
         engine, client = app.state.engine, _client(url)
         assert httpx.get(f"{url}/health").status_code == 200
@@ -111,6 +112,7 @@ def test_killing_the_engine_fails_requests_in_flight_and_turns_health_503():
         assert health.status_code == 503 and health.json()["error"]["code"] == 503
         after = httpx.post(f"{url}/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2})
         assert after.status_code == 503 and "engine process died" in after.json()["error"]["message"]
+        assert "cannot serve" in after.json()["error"]["message"]
 
 
 def test_an_engine_that_cannot_load_is_one_line():

@@ -20,6 +20,7 @@ from draftsmith.serve.serve_cli import build_server_app, free_port, server_in_th
 from helpers import DEMO_MODEL, make_speculation_pay
 
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}  # every route but /health needs it
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa",
            "class Stack:\n    def push(self, item):\n        self.it", "for i in ra"]
@@ -39,7 +40,7 @@ def _client(url, **kw):
 
 
 def _metrics(url):
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -192,18 +193,18 @@ def test_n_seeded_samples_one_choice_each_streamed_or_not(server):
 def test_tokenize_and_detokenize_in_vllms_shapes(server):
     url, llm = server
     text = PROMPTS[0]
-    tokens = httpx.post(f"{url}/tokenize", json={"model": "demo", "prompt": text}).json()
+    tokens = httpx.post(f"{url}/tokenize", json={"model": "demo", "prompt": text}, headers=AUTH).json()
     assert tokens["tokens"] == llm.tokenizer(text).input_ids and tokens["count"] == len(tokens["tokens"])
     assert tokens["max_model_len"] == 256
-    assert httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH).json() == {
         "prompt": llm.tokenizer.decode(tokens["tokens"])}
     messages = [{"role": "user", "content": "hi"}]
-    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}, headers=AUTH).json()
     assert chat["tokens"] == llm.encode(llm.apply_chat_template(messages))[1]
     for path, body, needle in (("/tokenize", {}, "either prompt or messages"),
                                ("/detokenize", {"tokens": [10**6]}, "vocabulary size"),
                                ("/tokenize", {"model": "nope", "prompt": "x"}, "does not exist")):
-        response = httpx.post(f"{url}{path}", json=body)
+        response = httpx.post(f"{url}{path}", json=body, headers=AUTH)
         assert response.status_code in (400, 404) and needle in response.json()["error"]["message"]
 
 
@@ -366,7 +367,7 @@ def test_openai_client_sees_typed_errors(server):
     with pytest.raises(openai.AuthenticationError):
         _client(url, api_key="wrong").models.list()
     assert [m.id for m in _client(url).models.list().data] == ["demo"]
-    assert httpx.get(f"{url}/version").json()["version"]
+    assert httpx.get(f"{url}/version", headers=AUTH).json()["version"]
 
 
 def test_full_queue_answers_503_at_once():

@@ -10,7 +10,7 @@ SPECULATORS ?= 0.9.0
 ARCTIC ?= 0.3.0
 SHARED ?= ../shared
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench lint clean fuzz-serve
 
 # --speculative-config lists for `make bench`, kept in variables: a backslash-newline inside a recipe's quoted
 # argument reaches the shell as it is (and breaks the JSON), one in a variable's value becomes a space
@@ -58,6 +58,12 @@ bench: $(STAMP)
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m --methods eagle3,eagle3-tree,medusa,medusa-tree \
 		--speculative-config '$(BENCH_TREES)' --concurrency 1,8 --rounds 3 --no-hf --json build/bench-tree.json
 	$(VENV)/bin/draftsmith bench-serve --shared $(SHARED)
+
+# The standing server fuzz at length: 10,000 requests of boundary values against a live speculating server while
+# a canary streams (`make test` runs 150 of them); prints the status counts, 5xx, canary changes, restarts.
+FUZZ_REQUESTS ?= 10000
+fuzz-serve: $(STAMP)
+	cd tests && ../$(PY) fuzz_server.py --requests $(FUZZ_REQUESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -48,7 +48,7 @@ from draftsmith.serve.openai_protocol import (
     new_id,
     usage_chunk,
 )
-from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG
+from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG, BacklogFull
 from draftsmith.serve.request import RequestOutput
 from draftsmith.serve.server_metrics import ServerMetrics
 
@@ -69,8 +69,9 @@ class ServerOptions:
 
 
 def error_status(exc: BaseException) -> int:
-    """The HTTP status of a request's failure: refused by the engine 400, the server unavailable 503, else 500."""
-    if isinstance(exc, RequestRejected):
+    """The HTTP status of a request's failure: refused by the engine or cut off for not reading 400, the server
+    unavailable 503, else 500."""
+    if isinstance(exc, (RequestRejected, BacklogFull)):
         return 400
     return 503 if isinstance(exc, DraftsmithError) else 500
 
@@ -83,23 +84,6 @@ class APIError(Exception):
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status)
-
-
-def _abandon(outputs: AsyncIterator[RequestOutput]) -> None:
-    """Aborts a queued request whose outputs nobody has started reading (closing an async generator that never
-    started runs none of its code, so its abort would not happen): read its first output, then close it."""
-    async def drop():
-        try:
-            await outputs.__anext__()
-        except (StopAsyncIteration, DraftsmithError, RuntimeError):
-            return
-        await outputs.aclose()
-
-    _abandoned.add(task := asyncio.ensure_future(drop()))
-    task.add_done_callback(_abandoned.discard)
-
-
-_abandoned: set[asyncio.Task] = set()  # held until done: the event loop keeps only weak references to tasks
 
 
 # What /openapi.json says each route may answer besides 200: every status the server returns, in OpenAI's
@@ -314,6 +298,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, options: ServerOption
                         yield f"data: {json.dumps(usage_chunk(rid, served_model_name, obj, n_prompt, n_tokens))}\n\n"
         except (DraftsmithError, RuntimeError) as exc:
             yield f"data: {json.dumps(error_body(str(exc), error_status(exc)))}\n\n"
+        finally:  # the client left, or the stream was cancelled: the request goes too (a no-op once it ended)
+            outputs.abort()
         yield "data: [DONE]\n\n"
 
     def tokenize_prompt(text: str, add_special_tokens: bool) -> list[int]:
@@ -358,7 +344,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, options: ServerOption
                 submitted.append(submit(ids, body, prompt))
         except APIError:  # the queue filled up part way: the prompts already queued go too
             for _, outputs in submitted:
-                _abandon(outputs)
+                outputs.abort()
             raise
         rid = new_id("cmpl")
         if body.stream:  # one prompt (the body's validation)

@@ -2,8 +2,9 @@
 
 All engine mutations (add, abort, step) happen on the loop thread; the asyncio side only enqueues commands
 and reads per-request output streams (`output_streams`), so no engine state is shared across threads. A
-request the engine cannot take, or one it fails alone (`row_faults`), fails alone; if a step itself raises,
-the requests in flight get the error and the loop goes on with an empty engine.
+request the engine cannot take, or one it fails alone (`row_faults`), fails alone; if a step itself raises
+(an engine fault), or anything else on the loop thread does, the requests in flight get the error and the
+loop goes on with an empty engine.
 
 `AsyncEngine` is also the base of `engine_process.ProcessEngine`: what the two share is here (submitting,
 the queue bound, the streams, cancelling what is in flight at shutdown).
@@ -15,7 +16,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve.llm import LLM
@@ -32,6 +32,53 @@ class QueueFullError(DraftsmithError):
 
 class RequestRejected(DraftsmithError):
     """The engine refused the request when it was added (400)."""
+
+
+def refusal(exc: Exception) -> Exception:
+    """What a request whose add raised `exc` fails with: a refusal (400) for its own mistake, else an engine
+    error (500)."""
+    if isinstance(exc, DraftsmithError):
+        return RequestRejected(str(exc))
+    return RuntimeError(f"engine error while adding the request: {type(exc).__name__}: {exc}")
+
+
+class RequestOutputs:
+    """What `submit` returns: an async iterator over a request's cumulative outputs. Leaving it before the
+    request finished (closing it, an exception or cancellation while reading, or dropping it unread) aborts
+    the request, which frees its slot."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: OutputStream):
+        self.engine, self.request_id, self.stream = engine, request_id, stream
+        self._outputs = stream.outputs()
+        self._left = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            return await self._outputs.__anext__()
+        except BaseException:  # the end, a failure, or the reader cancelled
+            self.abort()
+            raise
+
+    async def aclose(self) -> None:
+        self.abort()
+        await self._outputs.aclose()
+
+    def abort(self) -> None:
+        """Aborts the request unless the engine already finished or failed it (idempotent, takes no lock: the
+        consuming thread forgets the stream when it takes the abort)."""
+        if not self._left:
+            self._left = True
+            if not self.stream.closed:
+                self.engine._send(("abort", self.request_id))
+
+    def __del__(self):
+        try:
+            self.abort()
+        except Exception:  # an engine torn down already (interpreter exit): nothing left to abort
+            pass
 
 
 class AsyncEngine:
@@ -89,14 +136,14 @@ class AsyncEngine:
 
     # -------------------------------------------------------------------------------------- requests
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+               prompt: str | None = None) -> RequestOutputs:
         """Queues a request (raising at once if it is invalid or the queue is full) and returns an async
         iterator over its outputs; leaving the iterator early aborts the request and frees its slot."""
-        if not self.healthy:
-            raise QueueFullError(self.unavailable_reason())
         self.frontend.check_prompt(prompt_token_ids)
         self.frontend.check_samples(params)
-        with self._lock:
+        with self._lock:  # checked under the lock: a supervisor failing every stream sees this one or refuses it
+            if not self.healthy:
+                raise QueueFullError(self.unavailable_reason())
             if self._waiting_for_slots(params.n) > self.max_queue:
                 raise QueueFullError(f"server queue is full ({self.max_queue} waiting requests); retry later")
             self._ids += 1
@@ -104,7 +151,7 @@ class AsyncEngine:
             stream = OutputStream(request_id, params.n, prompt, prompt_token_ids, self.max_backlog, self._cut_off)
             self._streams[request_id] = stream
         self._send(("add", request_id, prompt_token_ids, params, prompt))
-        return self._iterate(request_id, stream)
+        return RequestOutputs(self, request_id, stream)
 
     def unavailable_reason(self) -> str:
         return "server is shutting down"
@@ -121,17 +168,6 @@ class AsyncEngine:
                 free -= takes
         return waiting
 
-    async def _iterate(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
-        try:
-            async for output in stream.outputs():
-                yield output
-        finally:
-            self._forget(request_id)
-            # a stream closes when its request finished or failed, or was cut off or cancelled (which abort it
-            # themselves); one left open here lost its reader: the client went away or the handler was cancelled
-            if not stream.closed:
-                self._send(("abort", request_id))
-
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
@@ -139,7 +175,6 @@ class AsyncEngine:
     def _cut_off(self, request_id: str) -> None:
         """A stream's reader left too much unread (`OutputStream`): abort its request, free its slot."""
         logger.warning("request %s: its client is not reading its stream; aborting it", request_id)
-        self._forget(request_id)
         self._send(("abort", request_id))
 
     def cancel_all(self, exc: BaseException) -> None:
@@ -178,37 +213,45 @@ class AsyncEngine:
                 return
             if command[0] == "add":
                 _, request_id, ids, params, prompt = command
+                if request_id not in self._streams:  # failed or left before the loop took it
+                    continue
                 try:
                     self.engine.add_request(ids, params, request_id=request_id, prompt=prompt)
-                except Exception as exc:  # the request's own fault: it fails alone
-                    self._fail(request_id, RequestRejected(str(exc) if isinstance(exc, DraftsmithError) else
-                                                           f"the engine refused the request: {type(exc).__name__}: {exc}"))
+                except Exception as exc:
+                    self._fail(request_id, refusal(exc))
             else:
+                self._forget(command[1])
                 self.engine.abort_request(command[1])
                 self._tracker.forget(command[1])
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain_commands()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
-                outputs = self.engine.step()
+                self._turn()
             except Exception as exc:  # an engine fault, not a request's: fail what is in flight, keep serving
-                logger.exception("engine step failed; failing the requests in flight")
+                logger.exception("engine loop failed; failing the requests in flight")
                 self._fail_all(RuntimeError(f"engine error: {exc}"))
-                continue
-            for output in outputs:
-                self._push(self._tracker.delta(output))
-            if self.observer is not None:
-                self.observer(self.engine)
         self._fail_all(DraftsmithError("server is shutting down"))
+
+    def _turn(self) -> None:
+        """Takes the queued commands, then steps the engine once (or waits for work)."""
+        self._drain_commands()
+        if not self.engine.has_unfinished_requests():
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+            return
+        outputs = self.engine.step()
+        for output in outputs:
+            self._push(self._tracker.delta(output))
+        if self.observer is not None:
+            self.observer(self.engine)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request in list(self.engine.running) + list(self.engine.waiting):
-            self.engine.abort_request(request.request_id)
+            try:
+                self.engine.abort_request(request.request_id)
+            except Exception:  # an abort that raises still leaves the request unserved; go on with the rest
+                logger.exception("aborting request %s failed", request.request_id)
         self._tracker.clear()
         with self._lock:
             leftovers = list(self._streams)

@@ -29,7 +29,13 @@ from draftsmith.serve.cost_profile import ForwardCostTable, profile_forwards
 from draftsmith.serve.frontend import check_prompt, check_samples
 from draftsmith.serve.logprobs import LOGPROBS_MODES, prompt_logprobs
 from draftsmith.serve.request import Request, RequestGroup, RequestOutput, Status
-from draftsmith.serve.row_faults import EngineFault, FaultIsolatingSteps, RowFaults, try_request_row
+from draftsmith.serve.row_faults import (
+    MAX_CONSECUTIVE_FAULTS,
+    EngineFault,
+    FaultIsolatingSteps,
+    RowFaults,
+    try_request_row,
+)
 from draftsmith.serve.sampling import SamplingBatch, sample
 from draftsmith.serve.sampling_params import SamplingParams, wrap_int64
 from draftsmith.serve.spec_decode.adaptive import CostModel, SpeculationPlanner
@@ -197,8 +203,7 @@ class LLMEngine(FaultIsolatingSteps):
             if member.status is Status.WAITING and member in self.waiting:
                 self.waiting.remove(member)
             member.finish("abort")
-            self.stop_checker.finalize_text(member)  # also drops its incremental decoder
-            self._release(member)
+            self._retire(member)  # its final text (and its incremental decoder dropped), its slot freed
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -216,19 +221,21 @@ class LLMEngine(FaultIsolatingSteps):
             moved += self._phase("prefill", prefilling, self._prefill)
         if decoding:
             moved += self._phase("decode", decoding, self._decode)
-        moved += self.faults.take()
-        moved = list({id(r): r for r in moved}.values())
-        for request in moved:
-            if request.status is Status.FINISHED:
-                self._retire(request)
+        retiring = moved + self.faults.take()
+        while retiring:  # retiring may fail a request's text, and with it the request's other samples
+            for request in retiring:
+                if request.status is Status.FINISHED:
+                    self._retire(request)
+            retiring = self.faults.take()
+            moved += retiring
         outputs = {}  # one per request or group, however many of its samples moved
         for request in moved:
             if request.output_id not in outputs:
                 outputs[request.output_id] = request.to_output()
         broken = self.faults.engine_broken
         if broken is not None:
-            raise EngineFault(f"{broken} failed {self.faults.consecutive[broken]} steps in a row, whatever requests "
-                              "it held")
+            self.faults.consecutive.clear()  # the engine's owner decides; the count starts again after
+            raise EngineFault(f"{broken} failed {MAX_CONSECUTIVE_FAULTS} steps in a row, whatever requests it held")
         return list(outputs.values())
 
     def _admit(self) -> None:
@@ -245,6 +252,9 @@ class LLMEngine(FaultIsolatingSteps):
     def _release(self, request: Request) -> None:
         if self.proposer is not None:
             self.proposer.release(request)
+        self._free_slot(request)
+
+    def _free_slot(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
             self.free_slots.append(request.slot)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import queue
 import signal
 import threading
 import time
 from collections.abc import Callable
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.async_engine import AsyncEngine, QueueFullError, RequestRejected
+from draftsmith.serve.async_engine import AsyncEngine, QueueFullError, RequestRejected, refusal
 from draftsmith.serve.engine_frames import delta_frame, delta_from_frame, recv, send
 from draftsmith.serve.frontend import Frontend
 from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG, DeltaTracker
@@ -100,10 +101,10 @@ class _EngineLoop:
                 _, request_id, ids, params, prompt = command
                 try:
                     self.engine.add_request(ids, SamplingParams(**params), request_id=request_id, prompt=prompt)
-                except Exception as exc:  # the request's own fault: it fails alone
-                    message = str(exc) if isinstance(exc, DraftsmithError) else \
-                        f"the engine refused the request: {type(exc).__name__}: {exc}"
-                    send(self.conn, {"rejected": request_id, "message": message})
+                except Exception as exc:  # fails alone: a refusal (400) or an engine error (500)
+                    failure = refusal(exc)
+                    send(self.conn, {"rejected": request_id, "message": str(failure),
+                                     "refused": isinstance(failure, RequestRejected)})
             elif op == "abort":
                 self.engine.abort_request(command[1])
                 self.tracker.forget(command[1])
@@ -136,7 +137,10 @@ class ProcessEngine(AsyncEngine):
         self.on_restart: Callable[[], None] | None = None  # after each restart (the metrics' counter)
         self.on_fatal: Callable[[str], None] | None = None  # the engine is dead for good (the server exits)
         self.restarted_at: list[float] = []
-        self._send_lock = threading.Lock()
+        # every command goes out through one writer thread: the event loop and the reader never block on a
+        # full pipe (the engine process reads its commands only between steps)
+        self._outbox: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write, name="draftsmith-engine-writer", daemon=True)
         self._dead: str | None = None
         self._restarting: str | None = None  # why, while a fresh engine process loads
         self._stopping = False
@@ -175,16 +179,14 @@ class ProcessEngine(AsyncEngine):
     def start(self) -> None:
         self._reader = threading.Thread(target=self._supervise, name="draftsmith-engine-reader", daemon=True)
         self._reader.start()
+        self._writer.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         while self.num_unfinished() and time.monotonic() < deadline and self.healthy:
             time.sleep(0.05)
         self._stopping = True
-        try:
-            self._post(("stop", 0.0))
-        except OSError:
-            pass
+        self._send(("stop", 0.0))
         self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()
@@ -202,19 +204,25 @@ class ProcessEngine(AsyncEngine):
         return "server is shutting down"
 
     def _send(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, request_id, ids, params, prompt = command
-            if request_id not in self._streams:  # failed meanwhile (the engine it was meant for died)
-                return
-            command = ("add", request_id, list(ids), dataclasses.asdict(params), prompt)
-        try:
-            self._post(command)
-        except OSError:  # the engine is gone: the supervisor fails the streams
-            pass
+        self._outbox.put(command)
 
-    def _post(self, command: tuple) -> None:
-        with self._send_lock:
-            send(self._conn, command)
+    def _write(self) -> None:
+        """The writer thread: posts each command to the engine process of the moment. An add whose stream has
+        gone (failed, or left) is not sent; one the pipe refuses fails its stream (the engine died)."""
+        while True:
+            command = self._outbox.get()
+            if command[0] == "abort":
+                self._forget(command[1])
+            elif command[0] == "add":
+                _, request_id, ids, params, prompt = command
+                if request_id not in self._streams:
+                    continue
+                command = ("add", request_id, list(ids), dataclasses.asdict(params), prompt)
+            try:
+                send(self._conn, command)
+            except OSError:
+                if command[0] == "add":
+                    self._fail(command[1], RuntimeError("the engine process died before taking the request"))
 
     # -------------------------------------------------------------------------------- supervisor thread
     def _supervise(self) -> None:
@@ -234,6 +242,8 @@ class ProcessEngine(AsyncEngine):
             self._fail_all(RuntimeError(reason))
             if self._dead is None and self._restart(reason):
                 continue
+            if self._stopping:  # shut down while restarting: not a death to report
+                return
             self._dead = self._dead or f"{reason}; restarting failed, the server cannot serve"
             self._restarting = None
             logger.error("%s (%d restarts within %.0f s at most)", self._dead, self.max_restarts, RESTART_WINDOW_S)
@@ -255,7 +265,7 @@ class ProcessEngine(AsyncEngine):
             try:
                 self._spawn()
                 self.wait_ready()
-            except DraftsmithError as exc:
+            except Exception as exc:  # a load error, or no process to be had: counts as another death
                 reason = f"the engine process failed to restart: {exc}"
                 logger.error(reason)
                 continue
@@ -278,9 +288,13 @@ class ProcessEngine(AsyncEngine):
                     self._push(delta_from_frame(frame))
                 stats = message.get("stats")
                 if stats is not None and self.observer is not None:
-                    self.observer(stats["running"], stats["waiting"], stats["metrics"])
+                    try:
+                        self.observer(stats["running"], stats["waiting"], stats["metrics"])
+                    except Exception:  # metrics are not worth the reader thread
+                        logger.exception("the metrics observer failed")
             elif "rejected" in message:
-                self._fail(message["rejected"], RequestRejected(message["message"]))
+                failure = RequestRejected if message.get("refused", True) else RuntimeError
+                self._fail(message["rejected"], failure(message["message"]))
             elif "step_failed" in message:
                 self._fail_all(RuntimeError(message["step_failed"]))
 

@@ -9,6 +9,7 @@ parser or the tokenizer.
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import Callable
 
@@ -40,13 +41,16 @@ class EdgeLimits:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key and scope["path"] not in self.public_paths:
-            if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
+            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
                 self.on_refused(401)
                 return await _answer(send, 401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
         declared = headers.get(b"content-length")
         if declared is None:
             return await self._counted(scope, receive, send)
-        if not declared.isdigit() or int(declared) > self.max_body_bytes:
+        if not declared.isdigit():
+            self.on_refused(400)
+            return await _answer(send, 400, "Content-Length is not a number")
+        if int(declared) > self.max_body_bytes:
             self.on_refused(413)
             return await _answer(send, 413, self._too_large())
         await self.app(scope, receive, send)  # the server reads no more than the declared length

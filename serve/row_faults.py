@@ -47,7 +47,10 @@ class RowFaults:
         self.consecutive: dict[str, int] = {}  # per phase: its failures since it last succeeded
 
     def fail(self, request: Request, phase: str, exc: BaseException) -> None:
+        """Fails `request` and its other samples (those finished already keep their answer but the request's
+        output carries the error, so it fails whole)."""
         message = f"{phase} failed for this request: {type(exc).__name__}: {exc}"
+        request.error = message
         for member in request.group.members if request.group is not None else [request]:
             if member.status is not Status.FINISHED:
                 member.finish("error")
@@ -86,12 +89,13 @@ def failing_alone(faults: RowFaults, rows: list[Request], phase: str, single: Ca
 
 def try_request_row(params: SamplingParams, generator_device: torch.device, seeds: list[int]) -> None:
     """Builds what a step builds from one request's settings (its generators, its sampling row), raising a
-    DraftsmithError naming what fails: a request that cannot be stepped is refused when added."""
+    DraftsmithError naming what fails: a request whose values cannot be stepped is refused when added (other
+    errors, such as running out of memory, are the engine's and propagate)."""
     try:
         generators = [torch.Generator(device=generator_device).manual_seed(seed) for seed in seeds]
         SamplingBatch.build([params] * len(seeds), generators, generator_device, seeds=seeds,
                             positions=[0] * len(seeds))
-    except Exception as exc:
+    except (ValueError, OverflowError, TypeError) as exc:
         raise DraftsmithError(f"the request's sampling settings cannot be used ({type(exc).__name__}: {exc})") \
             from None
 
@@ -101,27 +105,35 @@ class FaultIsolatingSteps:
     `stop_checker`, `proposer`, `planner`, `stats` and `config`)."""
 
     def _phase(self, name: str, rows: list[Request], run) -> list[Request]:
-        """run(rows) -> the requests that moved; if it raises, the rows of this phase fail."""
+        """run(rows) -> the requests that moved; if it raises, the rows of this phase fail (all of them: rows
+        that had finished before the fault keep their answer and are retired too)."""
         try:
             moved = run(rows)
         except Exception as exc:
             logger.exception("%s failed; failing its %d requests", name, len(rows))
             for request in rows:
-                self.faults.fail(request, name, exc)
+                if request.status is not Status.FINISHED:
+                    self.faults.fail(request, name, exc)
             self.faults.phase_failed(name)
-            return []
+            return list(rows)
         self.faults.phase_succeeded(name)
         return moved
 
     def _retire(self, request: Request) -> None:
-        """A finished request's final text (failing it if that raises), then its slot freed."""
+        """A finished (or aborted) request's final text, then its slot freed; if the text raises, the request
+        fails (its other samples with it) and is released all the same."""
         try:
             self.stop_checker.finalize_text(request)
         except Exception as exc:
             logger.exception("detokenizing request %s failed; failing it alone", request.request_id)
-            request.finish("error")
-            request.error = f"detokenizing failed for this request: {type(exc).__name__}: {exc}"
-        self._release(request)
+            if request.finish_reason != "abort":
+                request.finish_reason = "error"
+                self.faults.fail(request, "detokenizing", exc)
+        try:
+            self._release(request)
+        except Exception:  # a proposer that cannot drop its state for one request: the slot is freed anyway
+            logger.exception("releasing request %s failed", request.request_id)
+            self._free_slot(request)
 
     def _take_tokens(self, rows: list[Request], new_tokens: list[list[int]], logits: torch.Tensor,
                      sampling: SamplingBatch) -> None:
@@ -155,14 +167,19 @@ class FaultIsolatingSteps:
     def _propose(self, rows: list[Request], widths: list[int], sampling: SamplingBatch | None):
         """The proposer's DraftBatch, or None once it raises, after failing the rows that raise alone."""
         try:
-            return self.proposer.propose(rows, widths, sampling)
+            drafts = self.proposer.propose(rows, widths, sampling)
         except Exception:
             logger.exception("drafting failed for a batch of %d; retrying its rows alone", len(rows))
+        else:
+            self.faults.phase_succeeded("drafting")
+            return drafts
 
         def one(i: int):
             return self.proposer.propose([rows[i]], [widths[i]], None if sampling is None else sampling.select([i]))
 
-        failing_alone(self.faults, rows, "drafting", one)
+        alone = failing_alone(self.faults, rows, "drafting", one)
+        if all(r.error is None for r in rows) or all(a is None for a in alone):  # nobody's fault alone
+            self.faults.phase_failed("drafting")
         return None
 
     def _decode_without_drafts(self, rows: list[Request], started: float, draft_s: float) -> None:

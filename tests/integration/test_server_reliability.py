@@ -237,6 +237,27 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed():
         engine.shutdown(timeout=1)
 
 
+def test_outputs_dropped_unread_abort_their_request():
+    """A handler cancelled before it read anything (its outputs never iterated) still frees the slot."""
+    llm = LLM(**{**KWARGS, "speculative_config": None})
+    engine = AsyncEngine(llm)
+    engine.start()
+
+    async def drop():
+        engine.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))  # dropped at once
+        for _ in range(200):
+            if engine.num_unfinished() == 0 and not llm.engine.has_unfinished_requests():
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    try:
+        assert asyncio.run(drop()) and sorted(llm.engine.free_slots) == [0, 1, 2, 3]
+        assert llm.engine.stats["num_generated_tokens"] < 200  # aborted, not run to its end
+    finally:
+        engine.shutdown(timeout=1)
+
+
 def test_killing_the_engine_process_mid_stream_restarts_it(canary_text):
     app = build_process_server_app(KWARGS, "demo", api_key=KEY, max_engine_restarts=1)
     with server_in_thread(app) as url:

@@ -147,3 +147,44 @@ def test_settings_that_cannot_be_stepped_are_refused_when_added(demo_llm, monkey
     with pytest.raises(DraftsmithError, match="sampling settings cannot be used.*injected"):
         demo_llm.engine.add_request([1, 2, 3], SamplingParams(temperature=0.123))
     assert not demo_llm.engine.requests and not demo_llm.engine.waiting
+
+
+def test_after_an_engine_fault_the_engine_serves_again(monkeypatch):
+    """The fault count starts again once EngineFault is raised: an engine on a thread (which cannot be
+    restarted) fails what was in flight, then serves the next request."""
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=128)
+    engine = llm.engine
+    monkeypatch.setattr(engine, "_step_forward", lambda *args: (_ for _ in ()).throw(RuntimeError("broken")))
+    with pytest.raises(EngineFault):
+        for _ in range(4 * MAX_CONSECUTIVE_FAULTS):
+            if not engine.has_unfinished_requests():
+                engine.add_request(llm.encode(CODE_PROMPTS[0])[1], SamplingParams(temperature=0, max_tokens=64))
+            engine.step()
+    monkeypatch.undo()
+    for request in list(engine.running) + list(engine.waiting):
+        engine.abort_request(request.request_id)
+    again = llm.generate(CODE_PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert again.error is None and len(again.outputs[0].token_ids) == 8
+
+
+def test_a_sample_whose_text_fails_fails_its_request_whole_and_aborts_survive_a_failing_text(eagle3_llm, monkeypatch):
+    finalize = eagle3_llm.engine.stop_checker.finalize_text
+
+    def failing_for_bad(request):
+        if request.request_id.startswith(BAD):
+            raise ValueError("injected text fault")
+        return finalize(request)
+
+    monkeypatch.setattr(eagle3_llm.engine.stop_checker, "finalize_text", failing_for_bad)
+    params = SamplingParams(temperature=0, max_tokens=8, n=2)
+    eagle3_llm.engine.add_request(eagle3_llm.encode(CODE_PROMPTS[0])[1], params, request_id=BAD)
+    outputs = []
+    while eagle3_llm.engine.has_unfinished_requests():
+        outputs += eagle3_llm.engine.step()
+    assert outputs[-1].finished and "detokenizing failed" in outputs[-1].error
+    assert not eagle3_llm.engine.running and not eagle3_llm.engine.groups and not eagle3_llm.engine.requests
+
+    eagle3_llm.engine.add_request(eagle3_llm.encode(CODE_PROMPTS[0])[1], SamplingParams(max_tokens=64), request_id=BAD)
+    eagle3_llm.engine.step()
+    eagle3_llm.engine.abort_request(BAD)  # its text raises: the abort still frees the slot
+    assert not eagle3_llm.engine.has_unfinished_requests() and sorted(eagle3_llm.engine.free_slots) == [0, 1, 2, 3]

@@ -11,8 +11,9 @@ The rules the engine step follows (`LLMEngine.step`):
   drafting failed decodes its rows without drafts, which is lossless.
 - A phase that fails as a whole (a prefill or decode forward) fails the rows of that phase, not the
   engine's other requests. `MAX_CONSECUTIVE_FAULTS` failures of one phase in a row (whatever requests it
-  held) is an engine fault (`EngineFault`): the engine's state is suspect, and the engine process exits so
-  that its supervisor starts a fresh one.
+  held; drafting counts when it fails for a batch with no row at fault) is an engine fault (`EngineFault`):
+  the engine's state is suspect, so an engine process exits for its supervisor to start a fresh one, and an
+  engine on a thread fails what is in flight and counts again.
 A failed request's samples (n > 1) fail together: a request either answers whole or fails.
 """
 

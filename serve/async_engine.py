@@ -122,8 +122,9 @@ class AsyncEngine:
             self._shutdown_timer.start()
 
     def _wait_unfinished(self, timeout: float) -> None:
+        """Until nothing is in flight, `timeout` passes, or the engine stops serving."""
         deadline = time.monotonic() + timeout
-        while self.num_unfinished() and time.monotonic() < deadline:
+        while self.num_unfinished() and time.monotonic() < deadline and self.healthy:
             time.sleep(0.05)
 
     @property

@@ -43,7 +43,8 @@ def demo_speculation(model: Path) -> dict:
     return dict(CODE_DEFAULTS)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Returns once `proc`, a `draftsmith serve` writing to `log`, answers /health with 200; one line else."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     with log.open("w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     try:
-        _wait_healthy(url, proc, log)
+        wait_healthy(url, proc, log)
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         start, generated = time.perf_counter(), 0
         for prompt in DEMO_PROMPTS[:-1]:

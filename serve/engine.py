@@ -162,9 +162,9 @@ class LLMEngine(FaultIsolatingSteps):
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
         seeds = [wrap_int64(seed + i) for i in range(n)]
-        try_request_row(params, self.device, seeds)
-        members = [self._new_request(member_id, prompt_token_ids, params, prompt, member_seed)
-                   for member_id, member_seed in zip(ids, seeds)]
+        generators = try_request_row(params, self.device, seeds)
+        members = [self._new_request(member_id, prompt_token_ids, params, prompt, member_seed, generator)
+                   for member_id, member_seed, generator in zip(ids, seeds, generators)]
         leader = members[0]
         self.waiting.append(leader)  # its followers come in with it (`_admit`)
         if n == 1:
@@ -177,8 +177,7 @@ class LLMEngine(FaultIsolatingSteps):
         return group
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     prompt: str | None, seed: int) -> Request:
-        generator = torch.Generator(device=self.device).manual_seed(seed)
+                     prompt: str | None, seed: int, generator: torch.Generator) -> Request:
         request = Request(request_id, list(prompt_token_ids), params, generator, prompt=prompt, seed=seed,
                           logprobs=None if params.logprobs is None else [],
                           prompt_logprobs=None if params.prompt_logprobs is None else [None])

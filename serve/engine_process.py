@@ -182,9 +182,7 @@ class ProcessEngine(AsyncEngine):
         self._writer.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.num_unfinished() and time.monotonic() < deadline and self.healthy:
-            time.sleep(0.05)
+        self._wait_unfinished(timeout)
         self._stopping = True
         self._send(("stop", 0.0))
         self.process.join(timeout=10)

@@ -142,12 +142,6 @@ class OutputStream:
         except RuntimeError:  # the event loop has closed: nobody reads any more
             pass
 
-    @property
-    def unread(self) -> int:
-        """Token ids and logprob entries pushed and not yet read."""
-        with self._lock:
-            return self._backlog
-
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The cumulative output after each read (every delta pushed since the last one merged in), until the
         request finishes; its error, if it failed or was cut off."""

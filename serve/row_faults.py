@@ -88,14 +88,17 @@ def failing_alone(faults: RowFaults, rows: list[Request], phase: str, single: Ca
     return [faults.guard(row, phase, single, i) for i, row in enumerate(rows)]
 
 
-def try_request_row(params: SamplingParams, generator_device: torch.device, seeds: list[int]) -> None:
-    """Builds what a step builds from one request's settings (its generators, its sampling row), raising a
-    DraftsmithError naming what fails: a request whose values cannot be stepped is refused when added (other
-    errors, such as running out of memory, are the engine's and propagate)."""
+def try_request_row(params: SamplingParams, generator_device: torch.device,
+                    seeds: list[int]) -> list[torch.Generator]:
+    """Builds what a step builds from one request's settings: its samples' generators (returned, for the
+    requests to keep) and its sampling row. A request whose values cannot be stepped is refused when added,
+    with a DraftsmithError naming what fails (other errors, such as running out of memory, are the engine's
+    and propagate)."""
     try:
         generators = [torch.Generator(device=generator_device).manual_seed(seed) for seed in seeds]
         SamplingBatch.build([params] * len(seeds), generators, generator_device, seeds=seeds,
                             positions=[0] * len(seeds))
+        return generators
     except (ValueError, OverflowError, TypeError) as exc:
         raise DraftsmithError(f"the request's sampling settings cannot be used ({type(exc).__name__}: {exc})") \
             from None

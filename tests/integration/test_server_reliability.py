@@ -14,12 +14,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.async_engine import AsyncEngine, QueueFullError
+from draftsmith.serve.demo import wait_healthy
 from draftsmith.serve.output_streams import BacklogFull
 from draftsmith.serve.serve_cli import build_process_server_app, build_server_app, free_port, server_in_thread
 from helpers import DEMO_MODEL, REPO
@@ -298,51 +300,44 @@ def test_killing_the_engine_process_mid_stream_restarts_it(canary_text):
         assert response.status_code == 503 and "cannot serve" in response.json()["error"]["message"]
 
 
-def _serve(port: int, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "draftsmith", "serve", str(DEMO_MODEL), "--port", str(port),
-                             "--served-model-name", "demo", "--dtype", "float32", "--device", "cpu",
-                             "--max-num-seqs", "2", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _wait_healthy(port: int, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not come up")
+def _serve(port: int, log: Path, *flags: str) -> subprocess.Popen:
+    """`draftsmith serve` on the demo model at `port`, its output in `log`, once /health answers 200."""
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "draftsmith", "serve", str(DEMO_MODEL), "--port", str(port),
+                                    "--served-model-name", "demo", "--dtype", "float32", "--device", "cpu",
+                                    "--max-num-seqs", "2", *flags],
+                                   stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process, log, timeout=120)
+    except BaseException:
+        process.kill()
+        raise
+    return process
 
 
 @pytest.mark.slow
-def test_serve_exits_non_zero_when_its_engine_dies_past_the_restart_budget():
+def test_serve_exits_non_zero_when_its_engine_dies_past_the_restart_budget(tmp_path):
     import psutil
 
-    port = free_port()
-    process = _serve(port, "--max-model-len", "256", "--max-engine-restarts", "0")
+    log = tmp_path / "serve.log"
+    process = _serve(free_port(), log, "--max-model-len", "256", "--max-engine-restarts", "0")
     try:
-        _wait_healthy(port, process)
         engines = psutil.Process(process.pid).children()
         engine = next(p for p in engines if "spawn_main" in " ".join(p.cmdline()))  # not the resource tracker
         engine.kill()
         assert process.wait(timeout=60) == 1
-        assert "exiting for a supervisor to restart the server" in process.stdout.read()
+        assert "exiting for a supervisor to restart the server" in log.read_text()
     finally:
         if process.poll() is None:
             process.kill()
 
 
 @pytest.mark.slow
-def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done():
+def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done(tmp_path):
     port = free_port()
-    process = _serve(port, "--max-model-len", "2048", "--shutdown-timeout", "1", "--no-engine-process")
+    process = _serve(port, tmp_path / "serve.log", "--max-model-len", "2048", "--shutdown-timeout", "1",
+                     "--no-engine-process")
     try:
-        _wait_healthy(port, process)
         result = {}
         reader = threading.Thread(target=lambda: result.setdefault("r", _stream_text(
             f"http://127.0.0.1:{port}", max_tokens=2000)))  # about 10 s: far past the timeout

@@ -137,17 +137,22 @@ def test_a_real_dcp_checkpoint_passes(checkpoint, sharded):
     refuse_code_pickles(checkpoint)
 
 
+def _refusal(checkpoint) -> str:
+    """The one-line refusal `refuse_code_pickles(checkpoint)` raises, which says nothing from the file ran."""
+    with pytest.raises(DraftsmithError) as refused:
+        refuse_code_pickles(checkpoint)
+    message = str(refused.value)
+    assert "nothing from it was run" in message and "\n" not in message
+    return message
+
+
 @pytest.mark.parametrize("name", [".metadata", "__1.metadata"])  # the index, or a rank's own one
 def test_a_code_dcp_index_is_refused_without_running(checkpoint, sharded, tmp_path, name):
     marker = tmp_path / "MARKER"
     (sharded / name).write_bytes(pickle.dumps(RunsCode(marker)))  # what torch's FileSystemReader pickle.loads
-    with pytest.raises(DraftsmithError) as refused:
-        refuse_code_pickles(checkpoint)
-    message = str(refused.value)
-    assert message.startswith(f"refusing to resume from {sharded / name}: it is a pickle that needs code to load "
-                              "(the DCP metadata allowlist refused it: global 'builtins.exec' is not a DCP "
-                              "metadata record)")
-    assert "nothing from it was run" in message and "\n" not in message
+    assert _refusal(checkpoint).startswith(
+        f"refusing to resume from {sharded / name}: it is a pickle that needs code to load (the DCP metadata "
+        "allowlist refused it: global 'builtins.exec' is not a DCP metadata record)")
     assert not marker.exists()
 
 
@@ -167,13 +172,9 @@ def test_a_code_pickle_in_a_distcp_entry_is_refused_without_running(checkpoint, 
     """DCP's planner loads a non-tensor entry with torch.load(weights_only=False)."""
     marker = tmp_path / "MARKER"
     _dcp_save({"w": torch.ones(2), "planted": RunsCode(marker)}, checkpoint / "pytorch_model_fsdp_0")
-    with pytest.raises(DraftsmithError) as refused:
-        refuse_code_pickles(checkpoint)
-    message = str(refused.value)
-    assert message.startswith(f"refusing to resume from {checkpoint / 'pytorch_model_fsdp_0' / '__0_0.distcp'} "
-                              "(its entry 'planted'): it is a pickle that needs code to load (torch.load "
-                              "weights_only=True refused it")
-    assert "nothing from it was run" in message and "\n" not in message
+    assert _refusal(checkpoint).startswith(
+        f"refusing to resume from {checkpoint / 'pytorch_model_fsdp_0' / '__0_0.distcp'} (its entry 'planted'): "
+        "it is a pickle that needs code to load (torch.load weights_only=True refused it")
     assert not marker.exists()
 
 

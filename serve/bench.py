@@ -87,9 +87,14 @@ def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dic
         for config in configs if isinstance(configs, list) else [configs]:
             if not isinstance(config, dict):
                 raise DraftsmithError("--speculative-config must be a JSON object, or a list of them")
-            if row_name(config) in methods:
-                raise DraftsmithError(f"--speculative-config names {row_name(config)!r} twice: one config a method")
-            methods[row_name(config)] = config
+            name = row_name(config)
+            if name in methods and config.get("model") not in (None, methods[name].get("model")):
+                # a second head or model of one method, compared side by side: named by its folder
+                name = f"{name}@{Path(str(config['model'])).name}"
+            if name in methods:
+                raise DraftsmithError(f"--speculative-config names {name!r} twice: one config a method, or a "
+                                      "method's heads in folders of different names")
+            methods[name] = config
     for name, head in shipped_heads(model_name).items():
         if name not in methods:  # the user's own config for a method wins over the shipped head
             # heads drafting one token per head or stage (Medusa, MLP speculator) draft no more than they have;

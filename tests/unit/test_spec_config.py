@@ -78,6 +78,10 @@ def test_bench_runs_a_list_of_configs_and_names_parallel_draft_models_pard():
     assert methods == {"draft_model": draft, "pard": pard}
     with pytest.raises(DraftsmithError, match="names 'draft_model' twice"):
         speculation_methods("house-code-28m", json.dumps([draft, draft]), k=5)
+    # two heads of one method side by side (e.g. one in bf16, one in fp32): the second row is named by its folder
+    other = {**draft, "model": "/heads/draft-fp32"}
+    assert list(speculation_methods("house-code-28m", json.dumps([draft, other]), k=5)) == [
+        "draft_model", "draft_model@draft-fp32"]
     with pytest.raises(DraftsmithError, match="a JSON object, or a list of them"):
         speculation_methods("house-code-28m", "[3]", k=5)
 

@@ -182,8 +182,9 @@ def evaluate(accelerator, trainee, loader, max_k: int) -> dict[str, float]:
     return acceptance_report(counts, starts, served)
 
 
-def save_head(accelerator, trainee, directory: Path) -> None:
-    """Writes the trained head in the native format from the full, gathered state dict.
+def save_head(accelerator, trainee, directory: Path, dtype: torch.dtype) -> None:
+    """Writes the trained head in the native format from the full, gathered state dict, its floating tensors
+    in `dtype`.
 
     Every rank must call this: `get_state_dict` gathers FSDP shards (and ZeRO-3 partitions, which needs
     `stage3_gather_16bit_weights_on_model_save`) and hands the full tensors to the main process, which writes
@@ -194,7 +195,8 @@ def save_head(accelerator, trainee, directory: Path) -> None:
     if not accelerator.is_main_process:
         return
     head = accelerator.unwrap_model(trainee).head
-    weights = {k.removeprefix("head."): v.detach().cpu().contiguous() for k, v in state.items() if k.startswith("head.")}
+    weights = {k.removeprefix("head."): v.detach().cpu().to(dtype if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in state.items() if k.startswith("head.")}
     with torch.device("meta"):
         full = type(head)(head.config)
     full.load_state_dict(weights, strict=True, assign=True)
@@ -303,7 +305,7 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     if not (output / "checkpoints" / f"step_{progress.step:08d}").exists():
         _save_checkpoint(accelerator, recipe, output, progress, argv)
     final = output / "head"
-    save_head(accelerator, trainee, final)  # on every rank: it gathers
+    save_head(accelerator, trainee, final, DTYPES[t.save_dtype])  # on every rank: it gathers
     if accelerator.is_main_process:
         (final / "recipe.yaml").write_text(dump_recipe(recipe))
     accelerator.wait_for_everyone()

@@ -204,6 +204,8 @@ class RecipeTrainingSection(BaseModel):
     output_dir: str
     epochs: int = Field(default=1, gt=0)
     max_steps: int | None = Field(default=None, gt=0, description="optimizer steps; stops early when reached")
+    save_dtype: Literal["bfloat16", "float32"] = Field(default="bfloat16", description="floating tensors of the "
+                                                       "saved head (public heads ship in bf16)")
     batch_size: int = Field(default=4, gt=0, description="per process")
     gradient_accumulation_steps: int = Field(default=1, gt=0)
     learning_rate: float = Field(default=1e-4, gt=0)

@@ -64,7 +64,9 @@ def _fsdp(recipe_path: Path, succeed: bool = True) -> str:
 
 
 def _write_recipe(path: Path, target, data, output: Path) -> Path:
-    path.write_text(yaml.safe_dump(tiny_recipe(target, data, output, max_steps=STEPS, save_every_steps=2)))
+    # fp32 heads: FSDP and DDP are compared to 2e-5, finer than a bf16 rounding apart
+    path.write_text(yaml.safe_dump(tiny_recipe(target, data, output, max_steps=STEPS, save_every_steps=2,
+                                               save_dtype="float32")))
     return path
 
 
@@ -116,7 +118,8 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(runs, tmp_path):
     shutil.copytree(root / "fsdp", resumed)
     shutil.rmtree(resumed / "head")
     shutil.rmtree(resumed / "checkpoints" / f"step_{STEPS:08d}")  # as if killed after step 2's checkpoint
-    recipe = tiny_recipe(root / "target", root / "code.jsonl", resumed, max_steps=STEPS, save_every_steps=2)
+    recipe = tiny_recipe(root / "target", root / "code.jsonl", resumed, max_steps=STEPS, save_every_steps=2,
+                         save_dtype="float32")
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     log = _fsdp(tmp_path / "r.yaml")
     assert f"resumed from {resumed / 'checkpoints' / 'step_00000002'}" in log
@@ -143,7 +146,8 @@ def test_fsdp_resume_refuses_a_planted_dcp_index_and_runs_none_of_it(runs, tmp_p
     planted = resumed / "checkpoints" / f"step_{STEPS:08d}" / "pytorch_model_fsdp_0" / ".metadata"
     marker = tmp_path / "MARKER"
     planted.write_bytes(pickle.dumps(_RunsCode(marker)))
-    recipe = tiny_recipe(root / "target", root / "code.jsonl", resumed, max_steps=STEPS, save_every_steps=2)
+    recipe = tiny_recipe(root / "target", root / "code.jsonl", resumed, max_steps=STEPS, save_every_steps=2,
+                         save_dtype="float32")
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     log = _fsdp(tmp_path / "r.yaml", succeed=False)
     errors = [line for line in log.splitlines() if line.startswith("draftsmith train: error: ")]
@@ -179,13 +183,18 @@ def test_save_head_refuses_a_shard(tmp_path):
             return model
 
     full = module.state_dict()
-    save_head(Rank0(full), module, tmp_path / "whole")
+    save_head(Rank0(full), module, tmp_path / "whole", torch.float32)
     saved = load_file(str(tmp_path / "whole" / "model.safetensors"))
     assert saved.keys() == head.state_dict().keys()
     assert all(torch.equal(saved[k], head.state_dict()[k]) for k in saved)
+    save_head(Rank0(full), module, tmp_path / "bf16", torch.bfloat16)  # the default save_dtype: floats rounded
+    rounded = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    for name, tensor in head.state_dict().items():
+        want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert rounded[name].dtype == want.dtype and torch.equal(rounded[name], want)
     shard = {k: v[: max(1, v.shape[0] // 2)] if v.dim() else v for k, v in full.items()}  # rank 0's half
     with pytest.raises(RuntimeError, match="size mismatch"):
-        save_head(Rank0(shard), module, tmp_path / "shard")
+        save_head(Rank0(shard), module, tmp_path / "shard", torch.float32)
     assert not (tmp_path / "shard").exists()
 
 

@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -182,6 +183,18 @@ def evaluate(accelerator, trainee, loader, max_k: int) -> dict[str, float]:
     return acceptance_report(counts, starts, served)
 
 
+clock = time.monotonic  # the training loop's time budget reads this clock
+
+
+def out_of_time(accelerator, deadline: float | None) -> bool:
+    """Whether the training loop's wall-clock budget is spent, agreed by every process (the first one past it
+    stops them all, at the same step)."""
+    if deadline is None:
+        return False
+    late = torch.tensor(float(clock() > deadline), device=accelerator.device)
+    return bool(accelerator.reduce(late, reduction="sum") > 0) if accelerator.num_processes > 1 else bool(late)
+
+
 def save_head(accelerator, trainee, directory: Path, dtype: torch.dtype) -> None:
     """Writes the trained head in the native format from the full, gathered state dict, its floating tensors
     in `dtype`.
@@ -265,7 +278,8 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     accelerator.print(f"training {recipe.model.head_type} head: {num_parameters:,} "
                       f"parameters, {len(train_ds)} samples, {total_steps} optimizer steps")
     bar = tqdm(total=total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process)
-    while progress.epoch < t.epochs and progress.step < total_steps:
+    deadline = clock() + 60 * t.max_minutes if t.max_minutes else None
+    while progress.epoch < t.epochs and progress.step < total_steps and not out_of_time(accelerator, deadline):
         train_loader.set_epoch(progress.epoch)
         loader = accelerator.skip_first_batches(train_loader, progress.batches_in_epoch) \
             if progress.batches_in_epoch else train_loader
@@ -291,16 +305,16 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
                             f.write(json.dumps(record) + "\n")
                 if progress.step % t.save_every_steps == 0:
                     _save_checkpoint(accelerator, recipe, output, progress, argv)
-                if progress.step >= total_steps:
+                if progress.step >= total_steps or out_of_time(accelerator, deadline):
                     break
         if progress.batches_in_epoch < len(train_loader):
-            break  # max_steps reached inside the epoch
+            break  # max_steps or max_minutes reached inside the epoch
         progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
         if eval_loader is not None:
             _report(accelerator, output, f"epoch{progress.epoch}",
                     evaluate(accelerator, trainee, eval_loader, t.eval_max_k), progress.step)
     bar.close()
-    if progress.batches_in_epoch and eval_loader is not None:  # stopped mid-epoch by max_steps
+    if progress.batches_in_epoch and eval_loader is not None:  # stopped mid-epoch by max_steps or max_minutes
         _report(accelerator, output, "final", evaluate(accelerator, trainee, eval_loader, t.eval_max_k), progress.step)
     if not (output / "checkpoints" / f"step_{progress.step:08d}").exists():
         _save_checkpoint(accelerator, recipe, output, progress, argv)

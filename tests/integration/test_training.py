@@ -247,3 +247,21 @@ def test_init_from_keeps_the_saved_architecture_and_says_so(workspace, tmp_path)
     with pytest.raises(DraftsmithError, match=r"norm_output: False \(the head has True\); sliding_window: 64 \(the "
                                               r"head has None\), but model.init_from continues a saved head"):
         build_head(validate_recipe(raw), target, None)
+
+
+def test_max_minutes_stops_at_the_first_step_past_the_budget_and_saves(workspace, tmp_path, monkeypatch):
+    """A wall-clock budget (a clock moving one second a look, 6 s of budget): the loop stops at the first
+    optimizer step past it, mid-epoch, then evaluates and saves the head in bf16 as public heads ship."""
+    from itertools import count
+
+    from draftsmith.train import trainer
+
+    _, target, data = workspace
+    seconds = count()
+    monkeypatch.setattr(trainer, "clock", lambda: float(next(seconds)))
+    recipe = validate_recipe(tiny_recipe(target, data, tmp_path / "run", epochs=3, batch_size=2, max_minutes=0.1))
+    final = train(recipe, ["test"])
+    assert len(_log(tmp_path / "run", "loss")) == 6  # the budget is read at 0, the loop's start at 1, step n at n + 1
+    assert (tmp_path / "run" / "eval_final.json").is_file()
+    saved = load_file(str(final / "model.safetensors"))
+    assert {t.dtype for t in saved.values() if t.is_floating_point()} == {torch.bfloat16}

@@ -191,3 +191,15 @@ def assert_samples_as_plain(target, llm) -> None:
     want = [o.outputs[0].token_ids for o in plain.generate(CODE_PROMPTS, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in llm.generate(CODE_PROMPTS, params, use_tqdm=False)] == want
     assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def random_mlp_speculator(directory: Path) -> str:
+    """A random 4-stage MLP speculator for the demo target saved in `directory` (none ships: a trained one
+    accepts too little on a 7M target to earn its place in the tree)."""
+    from draftsmith.models.head_configs import MLPSpeculatorConfig
+    from draftsmith.models.mlp_speculator import MLPSpeculatorHead
+
+    torch.manual_seed(2)
+    config = MLPSpeculatorConfig(emb_dim=256, inner_dim=128, vocab_size=8192, n_predict=4, target_model="demo")
+    MLPSpeculatorHead(config).save_pretrained(directory)
+    return str(directory)

@@ -28,7 +28,7 @@ from draftsmith.serve.spec_decode.adaptive import (
     SpeculationPlanner,
 )
 from draftsmith.serve.spec_decode.estimators import AcceptanceStats, ScaleByBatch
-from helpers import DEMO_MODEL, REPO, synthetic_table
+from helpers import DEMO_MODEL, REPO, random_mlp_speculator, synthetic_table
 
 PROMPTS = [
     "x = 1\ny = 2\nz = 3\nx = 1\ny = ",
@@ -602,18 +602,6 @@ def _eagle_head(tmp_path_factory) -> str:
     return str(directory)
 
 
-def _mlp_speculator(tmp_path_factory) -> str:
-    """A random 4-stage MLP speculator for the demo target."""
-    from draftsmith.models.head_configs import MLPSpeculatorConfig
-    from draftsmith.models.mlp_speculator import MLPSpeculatorHead
-
-    torch.manual_seed(2)
-    config = MLPSpeculatorConfig(emb_dim=256, inner_dim=128, vocab_size=8192, n_predict=4, target_model="demo")
-    directory = tmp_path_factory.mktemp("mlp_speculator")
-    MLPSpeculatorHead(config).save_pretrained(directory)
-    return str(directory)
-
-
 SERVABLE_CONFIGS = {
     "ngram": lambda _: {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "eagle": lambda factory: {"method": "eagle", "model": _eagle_head(factory)},
@@ -621,7 +609,8 @@ SERVABLE_CONFIGS = {
     # the shipped heads draft one token per head: 3
     "medusa": lambda _: {"method": "medusa", "model": str(REPO / "assets" / "demo-code-7m-medusa"),
                          "num_speculative_tokens": 3},
-    "mlp_speculator": lambda factory: {"method": "mlp_speculator", "model": _mlp_speculator(factory)},
+    "mlp_speculator": lambda factory: {"method": "mlp_speculator",
+                                        "model": random_mlp_speculator(factory.mktemp("mlp_speculator"))},
     "mtp": lambda _: {"method": "mtp", "model": str(REPO / "assets" / "demo-code-7m-mtp")},
     "suffix": lambda _: {"method": "suffix"},
     "draft_model": lambda _: {"method": "draft_model", "model": str(DEMO_MODEL)},

@@ -18,7 +18,7 @@ from draftsmith.serve.sampling import SamplingBatch
 from draftsmith.serve.spec_decode.config import parse_speculative_config
 from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
 from draftsmith.serve.spec_decode.verify import verify
-from helpers import DEMO_MODEL, REPO, Row, flattened_demo_copy
+from helpers import DEMO_MODEL, REPO, Row, flattened_demo_copy, random_mlp_speculator
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
 SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "dflash"]
@@ -48,6 +48,8 @@ def sampled_step(request, tmp_path_factory):
     target = load_target(DEMO_MODEL, dtype="float32")
     tokenizer_ids = load_tokenizer(DEMO_MODEL)(PROMPT, add_special_tokens=False).input_ids
     model = REPO / "assets" / f"demo-code-7m-{method}"
+    if method == "mlp_speculator":  # none ships: a random one drafts from a distribution all the same
+        model = random_mlp_speculator(tmp_path_factory.mktemp("mlp_speculator"))
     if method == "draft_model":  # the demo model with a flattened readout: a draft that disagrees with it
         model = flattened_demo_copy(tmp_path_factory.mktemp("draft"), pard_token=3 if parallel else None)
     config = parse_speculative_config({"method": method, "model": str(model), "num_speculative_tokens": 2,
@@ -94,7 +96,9 @@ def test_emitted_tokens_follow_the_target_distribution(sampled_step):
     emitted = torch.bincount(tokens[:, 0], minlength=p_first.numel()).float() / TRIALS
     assert _bucketed_tv(emitted, p_first, top) < TV_TOLERANCE
     accepted_first = (counts > 1).float().mean().item()
-    assert 0.05 < accepted_first < 0.95  # both branches (accept, and recover from the residual) ran
+    # both branches (accept, and recover from the residual) ran, each in 20 of the 2000 trials at least (a
+    # random MLP speculator accepts about 4%)
+    assert 0.01 < accepted_first < 0.99
     # the same check catches a verifier that keeps drafts regardless (synthetic acceptance of 1)
     always, _ = verify(logits, drafts, num_draft, sampling, rejection_sample_reference, 1.0)
     kept = torch.bincount(always[:, 0], minlength=p_first.numel()).float() / TRIALS

@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from draftsmith.models.kernel_backend import check_kernel_devices
+
 try:
     import triton
     import triton.language as tl
@@ -122,6 +124,8 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     CUDA graph cannot capture; splits past a row's keys return at once."""
     if triton is None:
         raise RuntimeError("slot_attention needs Triton")
+    check_kernel_devices("slot_attention", q=q, k_cache=k_cache, v_cache=v_cache, slots=slots, positions=positions,
+                         kv_lens=kv_lens, key_starts=key_starts, tree_mask=tree_mask, block_starts=block_starts)
     rows, heads, queries, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads

@@ -18,18 +18,42 @@ DEMO_MODEL = REPO / "assets" / "demo-code-7m"
 CODE_PROMPTS = ["def add(a, b):\n    return a", "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa",
                 "for i in ra", "class A:\n    def __init__(self):\n        self.x = 1\n        self.y"]
 SHARED = Path(os.environ.get("DRAFTSMITH_SHARED", REPO.parent / "shared"))
+# where the tests marked `cuda` run their kernels and engine steps: the GPU when there is one (`make gpu-check`
+# proves them there), else the CPU, the kernels under Triton's interpreter (TRITON_INTERPRET=1)
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def triton_kernel_module(name: str):
-    """The kernel module `name` (importable without Triton), or a skip of the calling test module: Triton is not
-    installed, or there is no GPU and kernels would need TRITON_INTERPRET=1 (`make test` sets it)."""
-    module = pytest.importorskip(name)
-    if module.triton is None:
-        pytest.skip("Triton is not installed", allow_module_level=True)
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU: Triton kernels run on CPU only under TRITON_INTERPRET=1 (`make test` sets it)",
-                    allow_module_level=True)
+def triton_kernel_marks(module) -> list[pytest.MarkDecorator]:
+    """The `pytestmark` of a test module whose tests run the kernels of `module` (importable without Triton):
+    skips where they cannot run: Triton is not installed, or there is no GPU and kernels would need
+    TRITON_INTERPRET=1 (`make test` sets it). Marks, not a module-level skip: the tests are still collected,
+    so `pytest -m cuda --collect-only` counts them on any machine (`make gpu-check`'s dry run)."""
+    no_interpreter = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    return [pytest.mark.skipif(module.triton is None, reason="Triton is not installed"),
+            pytest.mark.skipif(no_interpreter, reason="no GPU: Triton kernels run on CPU only under "
+                                                      "TRITON_INTERPRET=1 (`make test` sets it)")]
+
+
+def slot_kernel_or_skip():
+    """The slot attention kernel module for one test, or a skip of that test: Triton is not installed, or there
+    is no GPU and kernels would need TRITON_INTERPRET=1."""
+    module = pytest.importorskip("draftsmith.models.slot_attention_triton")
+    if module.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1 (`make test` sets it)")
     return module
+
+
+def model_device(model) -> torch.device:
+    """Where a loaded target's weights are."""
+    return model.model.embed_tokens.weight.device
+
+
+def greedy_token_ids(llm, prompts: list[str] = CODE_PROMPTS, max_tokens: int = 32) -> list[list[int]]:
+    """`llm`'s greedy token ids for `prompts` (by default the `greedy_reference` fixture's run)."""
+    from draftsmith.serve import SamplingParams
+
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def shared_path(*parts: str) -> Path:

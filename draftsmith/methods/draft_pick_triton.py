@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.models.kernel_backend import check_kernel_devices
+
 try:
     import triton
     import triton.language as tl
@@ -53,6 +55,7 @@ def greedy_pick(logits: torch.Tensor, d2t: torch.Tensor | None = None) -> tuple[
     """logits [A, V] (rows contiguous), d2t [V] int64 or None -> (target ids [A] int64, probabilities [A] fp32)."""
     if triton is None:
         raise RuntimeError("greedy_pick needs Triton")
+    check_kernel_devices("greedy_pick", logits=logits, d2t=d2t)
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()

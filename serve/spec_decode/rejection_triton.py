@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.models.kernel_backend import check_kernel_devices
+
 try:
     import triton
     import triton.language as tl
@@ -108,6 +110,9 @@ def rejection_sample_triton(target_probs, target_argmax, draft_tokens, num_draft
     """Same contract as `rejection_sample_reference`."""
     if triton is None:
         raise RuntimeError("Triton is not installed: pip install 'draftsmith[triton]'")
+    check_kernel_devices("rejection_sample_triton", target_probs=target_probs, target_argmax=target_argmax,
+                         draft_tokens=draft_tokens, num_draft=num_draft, draft_probs=draft_probs, uniforms=uniforms,
+                         noise=noise, is_greedy=is_greedy)
     rows, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
     out = torch.empty(rows, k + 1, dtype=torch.long, device=draft_tokens.device)

@@ -111,10 +111,12 @@ def _save(head, directory):
     return directory
 
 
-def _serve(head_dir, k=4, adaptive=False, **extra):
-    return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-               speculative_config={"method": "dflash", "model": str(head_dir), "num_speculative_tokens": k,
-                                   "adaptive": adaptive, "draft_dtype": "float32", **extra})
+def _serve(head_dir, k=4, adaptive=False, engine: dict | None = None, **extra):
+    """An engine drafting with the DFlash head in `head_dir`; `engine`: LLM arguments over the defaults (a
+    device, a target to share)."""
+    engine = {"dtype": "float32", "device": "cpu", "max_num_seqs": 3, "max_model_len": 256, **(engine or {})}
+    return LLM(DEMO_MODEL, speculative_config={"method": "dflash", "model": str(head_dir), "num_speculative_tokens": k,
+                                               "adaptive": adaptive, "draft_dtype": "float32", **extra}, **engine)
 
 
 def test_a_random_head_decodes_with_greedy_equality_one_draft_forward_a_step(demo_target, tmp_path, greedy_reference):
@@ -402,14 +404,15 @@ def test_a_head_config_missing_a_key_is_one_line():
         DFlashConfig.from_json(config)
 
 
-def test_blocks_run_through_the_triton_kernel(monkeypatch, demo_target, tmp_path, greedy_reference):
+@pytest.mark.cuda
+def test_blocks_run_through_the_triton_kernel(monkeypatch, demo_target, tmp_path, kernel_target,
+                                              kernel_greedy_reference):
     """A DFlash block (every block query sees the whole block) attends through the Triton slot kernel as a
-    causal mask at the block's end; greedy decoding stays the plain engine's."""
-    import os
+    causal mask at the block's end (eager steps, on KERNEL_DEVICE); greedy decoding stays the plain engine's."""
+    from helpers import KERNEL_DEVICE, slot_kernel_or_skip
 
-    kernel = pytest.importorskip("draftsmith.models.slot_attention_triton")
-    if kernel.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-        pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1 (`make test` sets it)")
+    kernel = slot_kernel_or_skip()
+    engine = {"device": KERNEL_DEVICE, "target": kernel_target, "enforce_eager": True}
     calls = []
     real = kernel.slot_attention
     monkeypatch.setattr(kernel, "slot_attention", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
@@ -427,13 +430,13 @@ def test_blocks_run_through_the_triton_kernel(monkeypatch, demo_target, tmp_path
         llm.engine.proposer.propose = recorded
         return seen
 
-    llm = _serve(head_dir)
+    llm = _serve(head_dir, engine=engine)
     kernel_drafts = drafts(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert [o.outputs[0].token_ids for o in got] == kernel_greedy_reference
     assert llm.engine.proposer.cache.k[0].shape in calls and llm.get_metrics()["num_draft_tokens"] > 0
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")  # the same drafts as PyTorch's masked attention makes
-    torch_llm = _serve(head_dir)
+    torch_llm = _serve(head_dir, engine=engine)
     torch_drafts = drafts(torch_llm)
     torch_llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert kernel_drafts == torch_drafts and len(kernel_drafts) > 10

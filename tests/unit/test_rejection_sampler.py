@@ -1,11 +1,14 @@
-"""Rejection sampler: Triton kernel == PyTorch reference, and the output distribution is the target's."""
+"""Rejection sampler: Triton kernel == PyTorch reference (on the GPU where there is one), the kernel's device
+rules, and the output distribution is the target's."""
 
 import os
 
 import pytest
 import torch
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
+from helpers import KERNEL_DEVICE
 
 # Both implementations compute identical fp32 expressions; the outputs are integer tokens, so exact.
 triton_interpreted = pytest.mark.skipif(
@@ -29,6 +32,12 @@ def _case(rows, k, vocab, seed, with_q, greedy_rows=(), num_draft=None):
     return p, argmax, draft, num_draft, q, uniforms, noise, greedy
 
 
+def _on(device, args: tuple) -> tuple:
+    """A case's tensors moved to `device` (None, for no draft probabilities, stays None)."""
+    return tuple(None if t is None else t.to(device) for t in args)
+
+
+@pytest.mark.cuda
 @triton_interpreted
 @pytest.mark.parametrize("rows,k,vocab,with_q,synthetic", [
     (4, 3, 64, False, None),  # one-hot drafts (n-gram)
@@ -40,11 +49,26 @@ def test_triton_kernel_equals_reference(rows, k, vocab, with_q, synthetic):
     from draftsmith.serve.spec_decode.rejection_triton import rejection_sample_triton
 
     for seed in range(3):
-        args = _case(rows, k, vocab, seed, with_q, greedy_rows=[0],
-                     num_draft=[k, max(k - 1, 0)] + [k] * (rows - 2))
+        args = _on(KERNEL_DEVICE, _case(rows, k, vocab, seed, with_q, greedy_rows=[0],
+                                        num_draft=[k, max(k - 1, 0)] + [k] * (rows - 2)))
         ref_out, ref_n = rejection_sample_reference(*args, synthetic_rate=synthetic)
         out, n = rejection_sample_triton(*args, synthetic_rate=synthetic)
         assert torch.equal(out, ref_out) and torch.equal(n, ref_n)
+
+
+@triton_interpreted
+def test_kernel_tensors_are_on_cuda_or_under_the_interpreter(monkeypatch):
+    """The kernel's device rules, each one line rather than a bad pointer inside Triton: its tensors share one
+    device, and that is CUDA, or the CPU under Triton's interpreter alone."""
+    from draftsmith.serve.spec_decode.rejection_triton import rejection_sample_triton
+
+    args = list(_on(KERNEL_DEVICE, _case(2, 3, 64, 0, with_q=True)))
+    args[6] = args[6].to("meta")  # the noise elsewhere than the rest
+    with pytest.raises(DraftsmithError, match="rejection_sample_triton: noise is on meta but target_probs on"):
+        rejection_sample_triton(*args)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(DraftsmithError, match="rejection_sample_triton: target_probs is on cpu: Triton kernels run"):
+        rejection_sample_triton(*_case(2, 3, 64, 0, with_q=True))
 
 
 def test_greedy_rows_accept_the_matching_prefix():

@@ -1,9 +1,8 @@
 """Static-shape decode, verify and draft steps (serve.step_graphs): the padded static forward computes what the
 eager forward computes, torch.compile traces it (and a draft head's step) whole (fullgraph) and decodes
-greedily what eager decodes, plain and speculative; static draft steps draft what eager ones draft; CUDA
-graphs where a GPU is present."""
-
-import os
+greedily what eager decodes, plain and speculative; static draft steps draft what eager ones draft. The tests
+marked `cuda` run their static steps as the engine does on a GPU where there is one (captured CUDA graphs),
+else in mode compile with the untraced function standing in for the compiled one."""
 
 import pytest
 import torch
@@ -20,9 +19,26 @@ from draftsmith.serve.step_graphs import (
     static_draft_step,
     static_forward,
 )
-from helpers import CODE_PROMPTS, DEMO_MODEL, make_tiny_checkpoint
+from helpers import (
+    CODE_PROMPTS,
+    DEMO_MODEL,
+    KERNEL_DEVICE,
+    make_tiny_checkpoint,
+    model_device,
+    slot_kernel_or_skip,
+)
 
 EAGLE3_HEAD = DEMO_MODEL.parent / "demo-code-7m-eagle3"
+# the mode a `cuda` test's static steps run in: the engine's own on CUDA; on CPU compile, untraced (`_static`)
+STATIC_MODE = "cuda-graph" if KERNEL_DEVICE == "cuda" else "compile"
+
+
+def _static(runner):
+    """`runner` ready to step: in mode compile, its function untraced stands in for torch.compile's (what
+    compile and capture start from: tracing is the compile tests' business); a CUDA graph runner as it is."""
+    if runner.mode == "compile":
+        runner._compiled = runner.fn
+    return runner
 
 
 def _prefilled(model, lengths, slots, num_slots=6, max_len=96, seed=0):
@@ -30,8 +46,8 @@ def _prefilled(model, lengths, slots, num_slots=6, max_len=96, seed=0):
     cache = model.make_cache(num_slots, max_len)
     generator = torch.Generator().manual_seed(seed)
     for slot, n in zip(slots, lengths):
-        ids = torch.randint(model.config.vocab_size, (1, n), generator=generator)
-        batch = ForwardBatch.build([slot], [0], [n], cache, model.config.sliding_window)
+        ids = torch.randint(model.config.vocab_size, (1, n), generator=generator).to(model_device(model))
+        batch = ForwardBatch.build([slot], [0], [n], cache, model.config.sliding_window, model_device(model))
         with torch.inference_mode():
             model(ids, cache=cache, batch=batch, compute_logits=False)
     return cache
@@ -39,26 +55,29 @@ def _prefilled(model, lengths, slots, num_slots=6, max_len=96, seed=0):
 
 def _step_inputs(model, slots, starts, q_lens, width, seed=1):
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(model.config.vocab_size, (len(slots), width), generator=generator)
+    return torch.randint(model.config.vocab_size, (len(slots), width), generator=generator).to(model_device(model))
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("family", ["llama", "mistral-window"])
-def test_static_forward_computes_what_the_eager_forward_does(tmp_path, family):
+def test_static_forward_computes_what_the_eager_forward_does(tmp_path, family, monkeypatch):
     """Rows of unequal queries (a verify of 0, 3 and 1 drafts) in scattered slots, padded to a bucket of 4
     rows: every real query's logits and hidden states equal the eager forward's, the real keys and values
     land where eager puts them, and nothing outside the rows' new positions changes (padding writes go to
-    the scratch slot). The sliding-window family checks the window in the static mask."""
+    the scratch slot). The sliding-window family checks the window in the static mask (PyTorch's attention:
+    test_slot_kernel_static_forward_under_the_interpreter runs the kernel's)."""
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")
     make_tiny_checkpoint(family, tmp_path / family)
-    model = load_target(tmp_path / family, dtype="float32")
+    model = load_target(tmp_path / family, dtype="float32", device=KERNEL_DEVICE)
     slots, starts, q_lens, width = [4, 0, 2], [30, 7, 19], [1, 4, 2], 4
     eager_cache = _prefilled(model, starts, slots)
     static_cache = _prefilled(model, starts, slots)
     ids = _step_inputs(model, slots, starts, q_lens, width)
-    batch = ForwardBatch.build(slots, starts, q_lens, eager_cache, model.config.sliding_window, pack=True)
+    batch = ForwardBatch.build(slots, starts, q_lens, eager_cache, model.config.sliding_window, KERNEL_DEVICE,
+                               pack=True)
     with torch.inference_mode():
         want = model(ids, cache=eager_cache, batch=batch, hidden_layer_ids=(1, 3))
-    runner = StepRunner(model, static_cache, max_rows=6, hidden_layer_ids=(1, 3), mode="compile")
-    runner._compiled = static_forward  # the same function, untraced: what compile and capture start from
+    runner = _static(StepRunner(model, static_cache, max_rows=6, hidden_layer_ids=(1, 3), mode=STATIC_MODE))
     got = runner.forward(ids, slots, starts, q_lens)
     assert got.logits.shape == (3, width, model.config.vocab_size)
     for row, n in enumerate(q_lens):
@@ -146,16 +165,17 @@ def _record_confidence(proposer) -> list:
 LONG_PROMPT = "def walk(tree):\n" + "".join(f"    visit(tree.child_{i})\n" for i in range(24)) + "    ret"
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("kernel", [False, True])
-def test_static_draft_steps_draft_what_eager_steps_draft(target, monkeypatch, kernel):
+def test_static_draft_steps_draft_what_eager_steps_draft(kernel_target, monkeypatch, kernel):
     """EAGLE-3 drafts 2..4 through DraftStepRunner's static step (rows padded to a bucket, positions moved
     on in the buffer, a long prompt whose head context starts mid-sequence): the same drafts as eager steps,
     so the same tokens accepted out of as many drafted, and the same greedy output. With `kernel`, the step
-    attends through the Triton slot kernel (interpreter on CPU) with each row's first key."""
+    attends through the Triton slot kernel (interpreter on CPU) with each row's first key; every other
+    forward, eager, through PyTorch's attention."""
     if kernel:
-        module = pytest.importorskip("draftsmith.models.slot_attention_triton")
-        if module.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-            pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1 (`make test` sets it)")
+        slot_kernel_or_skip()
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")
     prompts = [LONG_PROMPT, *CODE_PROMPTS[:2]]
     # a float32 head: bfloat16 matmuls round differently with the number of keys read
     spec = {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": 4, "adaptive": False,
@@ -164,12 +184,11 @@ def test_static_draft_steps_draft_what_eager_steps_draft(target, monkeypatch, ke
     runs = []
     for static in (False, True):
         # buckets of 1, 2, 4 and 5 rows: three rows run padded to four
-        llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=5, max_model_len=256, target=target,
-                  speculative_config=spec)
+        llm = LLM(DEMO_MODEL, dtype="float32", device=KERNEL_DEVICE, max_num_seqs=5, max_model_len=256,
+                  target=kernel_target, enforce_eager=True, speculative_config=spec)
         proposer, steps = llm.engine.proposer, []
         if static:
-            proposer.draft_steps = DraftStepRunner(*proposer.static_step_head(), 5, "compile")
-            proposer.draft_steps._compiled = static_draft_step
+            proposer.draft_steps = _static(DraftStepRunner(*proposer.static_step_head(), 5, STATIC_MODE))
             proposer.draft_steps.slot_kernel = kernel
             _count_rows(proposer.draft_steps, steps)
         confidences = _record_confidence(proposer)
@@ -202,28 +221,30 @@ def test_inductor_compiles_a_step(target):
         torch.testing.assert_close(got.logits[row, :n], want.logits[row, :n], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.cuda
 def test_slot_kernel_static_forward_under_the_interpreter(monkeypatch, tmp_path):
-    """What a captured CUDA graph runs: the static forward through the Triton slot kernel, every row
-    reading the whole cache's length bound by its own key count, equals the eager forward."""
-    kernel = pytest.importorskip("draftsmith.models.slot_attention_triton")
-    if kernel.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-        pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1 (`make test` sets it)")
+    """What a captured CUDA graph runs (on a GPU, captured and replayed): the static forward through the Triton
+    slot kernel, every row reading the whole cache's length bound by its own key count, equals the eager
+    forward through PyTorch's attention."""
+    slot_kernel_or_skip()
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")
     make_tiny_checkpoint("llama", tmp_path / "llama")
-    model = load_target(tmp_path / "llama", dtype="float32")
+    model = load_target(tmp_path / "llama", dtype="float32", device=KERNEL_DEVICE)
     slots, starts, q_lens = [3, 1], [21, 50], [2, 3]
     eager_cache, static_cache = _prefilled(model, starts, slots), _prefilled(model, starts, slots)
     ids = _step_inputs(model, slots, starts, q_lens, 3)
+    batch = ForwardBatch.build(slots, starts, q_lens, eager_cache, device=KERNEL_DEVICE, pack=True)
     with torch.inference_mode():
-        want = model(ids, cache=eager_cache, batch=ForwardBatch.build(slots, starts, q_lens, eager_cache, pack=True))
+        want = model(ids, cache=eager_cache, batch=batch)
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
-    runner = StepRunner(model, static_cache, max_rows=4, hidden_layer_ids=(), mode="compile")
+    runner = _static(StepRunner(model, static_cache, max_rows=4, hidden_layer_ids=(), mode=STATIC_MODE))
     assert runner.slot_kernel
-    runner._compiled = static_forward
     got = runner.forward(ids, slots, starts, q_lens)
     for row, n in enumerate(q_lens):
         torch.testing.assert_close(got.logits[row, :n], want.logits[row, :n], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (none on this machine)")
 def test_cuda_graph_steps_decode_what_eager_decodes():
     prompts, params = CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32)

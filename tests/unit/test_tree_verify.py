@@ -1,9 +1,9 @@
 """Static draft trees (methods.token_tree) and tree verification (serve.spec_decode.tree_verify): parsing and its
 errors, the accepted path against a walk of the tree, every node's logits against a plain forward of its own
 path, the accepted path's K/V where a chain puts them, and a Medusa candidate tree served greedy-equal and
-seeded-sample-equal to plain decoding in a mixed batch, through the Triton slot kernel too."""
+seeded-sample-equal to plain decoding in a mixed batch, through the Triton slot kernel too (on the GPU where
+there is one)."""
 
-import os
 import random
 
 import pytest
@@ -17,7 +17,14 @@ from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.sampling import SamplingBatch
 from draftsmith.serve.spec_decode.config import parse_speculative_config
 from draftsmith.serve.spec_decode.tree_verify import accept_path, ancestors, block_parents, verify_tree
-from helpers import CODE_PROMPTS, DEMO_MODEL, make_tiny_checkpoint
+from helpers import (
+    CODE_PROMPTS,
+    DEMO_MODEL,
+    KERNEL_DEVICE,
+    make_tiny_checkpoint,
+    model_device,
+    slot_kernel_or_skip,
+)
 
 MEDUSA_HEAD = DEMO_MODEL.parent / "demo-code-7m-medusa"
 # Medusa's shape of tree: wide at the first head, narrowing after; 9 nodes, 3 deep
@@ -117,20 +124,18 @@ def test_accepted_path_is_the_walk_of_the_tree():
 
 
 def _prefill(model, cache, slot, ids):
-    batch = ForwardBatch.build([slot], [0], [len(ids)], cache, model.config.sliding_window)
+    batch = ForwardBatch.build([slot], [0], [len(ids)], cache, model.config.sliding_window, model_device(model))
     with torch.inference_mode():
-        model(torch.tensor([ids]), cache=cache, batch=batch, compute_logits=False)
+        model(torch.tensor([ids], device=model_device(model)), cache=cache, batch=batch, compute_logits=False)
 
 
 def _plain_logits(model, sequence: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(torch.tensor([sequence])).logits[0]
+        return model(torch.tensor([sequence], device=model_device(model))).logits[0]
 
 
-GREEDY = SamplingBatch.build([SamplingParams(temperature=0)] * 2, [torch.Generator()] * 2, "cpu")
-
-
-@pytest.mark.parametrize("family,kernel", [("llama", False), ("mistral-window", False), ("llama", True)])
+@pytest.mark.parametrize("family,kernel", [("llama", False), ("mistral-window", False),
+                                           pytest.param("llama", True, marks=pytest.mark.cuda)])
 def test_every_node_scores_as_its_own_path_and_the_path_lands_where_a_chain_puts_it(tmp_path, family, kernel,
                                                                                      monkeypatch):
     """Two rows, each a prompt in its slot and a tree after it (the second verifies only a 4-node prefix of it).
@@ -138,21 +143,22 @@ def test_every_node_scores_as_its_own_path_and_the_path_lands_where_a_chain_puts
     its last token (tree mask, depth positions; the window family checks the window on depth positions).
     verify_tree then accepts the path built from the target's own choices, off the first branch where it
     can be, and afterwards the cache holds at the path's positions the K/V a plain forward of prompt + path
-    writes there. With `kernel`, attention runs the Triton slot kernel's tree mask (interpreter on CPU)."""
+    writes there. With `kernel`, attention runs the Triton slot kernel's tree mask (on KERNEL_DEVICE:
+    the interpreter on CPU); without, PyTorch's on the CPU."""
+    device = KERNEL_DEVICE if kernel else "cpu"
     if kernel:
-        module = pytest.importorskip("draftsmith.models.slot_attention_triton")
-        if module.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-            pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1 (`make test` sets it)")
+        slot_kernel_or_skip()
         monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
     make_tiny_checkpoint(family, tmp_path / family)
-    model = load_target(tmp_path / family, dtype="float32")
+    model = load_target(tmp_path / family, dtype="float32", device=device)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     # the window family's tiny config has a window shorter than the first prompt
     prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (21, 13)]
     slots, starts, q_lens = [2, 0], [len(p) - 1 for p in prompts], [7, 5]
     tree = TokenTree.parse("[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]")
-    ids = torch.tensor([[p[-1], *torch.randint(vocab, (tree.num_nodes,), generator=gen).tolist()] for p in prompts])
+    ids = torch.tensor([[p[-1], *torch.randint(vocab, (tree.num_nodes,), generator=gen).tolist()] for p in prompts],
+                       device=device)
     # row 0 accepts (0,) then (0, 1) (node 3, block column 4: moved to start + 2); row 1 accepts (1,)
     first = [int(_plain_logits(model, p)[-1].argmax()) for p in prompts]
     ids[0, 1], ids[0, 3] = first[0], first[0] + 1 if first[0] + 1 < vocab else 0  # (0,0) is not the choice
@@ -162,12 +168,12 @@ def test_every_node_scores_as_its_own_path_and_the_path_lands_where_a_chain_puts
 
     from draftsmith.serve.spec_decode.tree_verify import tree_batch
 
-    parents = tree.parent_tensor(2, "cpu")
+    parents = tree.parent_tensor(2, device)
     cache = model.make_cache(3, 64)
     for slot, prompt in zip(slots, prompts):
         _prefill(model, cache, slot, prompt[:-1])
-    seen = ancestors(block_parents(parents, torch.tensor(q_lens) - 1))
-    batch, positions = tree_batch(slots, starts, q_lens, seen, cache, model.config.sliding_window, "cpu")
+    seen = ancestors(block_parents(parents, torch.tensor(q_lens, device=device) - 1))
+    batch, positions = tree_batch(slots, starts, q_lens, seen, cache, model.config.sliding_window, device)
     assert (batch.slot_rows is not None) == kernel
     with torch.inference_mode():
         scored = model(ids, positions=positions, cache=cache, batch=batch).logits
@@ -180,7 +186,8 @@ def test_every_node_scores_as_its_own_path_and_the_path_lands_where_a_chain_puts
             torch.testing.assert_close(scored[row, node + 1], _plain_logits(model, prompt + path)[-1], rtol=1e-4,
                                        atol=1e-4)
 
-    out, tokens, counts = verify_tree(model, cache, ids, slots, starts, q_lens, parents, GREEDY, ())
+    greedy = SamplingBatch.build([SamplingParams(temperature=0)] * 2, [torch.Generator()] * 2, device)
+    out, tokens, counts = verify_tree(model, cache, ids, slots, starts, q_lens, parents, greedy, ())
     assert counts.tolist() == [3, 2]
     reference = model.make_cache(1, 64)
     for row, prompt in enumerate(prompts):

@@ -10,7 +10,7 @@ SPECULATORS ?= 0.9.0
 ARCTIC ?= 0.3.0
 SHARED ?= ../shared
 
-.PHONY: install test demo bench lint clean fuzz-serve
+.PHONY: install test demo bench lint clean fuzz-serve gpu-wheels gpu-check
 
 # --speculative-config lists for `make bench`, kept in variables: a backslash-newline inside a recipe's quoted
 # argument reaches the shell as it is (and breaks the JSON), one in a variable's value becomes a space
@@ -64,6 +64,18 @@ bench: $(STAMP)
 FUZZ_REQUESTS ?= 10000
 fuzz-serve: $(STAMP)
 	cd tests && ../$(PY) fuzz_server.py --requests $(FUZZ_REQUESTS)
+
+# The GPU check (docs/gpu.md). Here: `make gpu-wheels` fetches into .whl/ the wheels the GPU image lacks. There,
+# with the machine's own python3 and .whl carried: `make gpu-check` (OUT names the summary's folder). On a CPU,
+# GPU_CHECK_DRY=1 runs it all through this venv: the CUDA checks collect their tests and report skipped, the
+# bench runs the tiny shape.
+GPU_DRY := $(filter 1,$(GPU_CHECK_DRY))
+GPU_PYTHON ?= $(if $(GPU_DRY),$(PY),python3)
+gpu-wheels: $(STAMP)
+	$(PY) -m draftsmith.gpu.wheels
+
+gpu-check: $(if $(GPU_DRY),$(STAMP))
+	$(GPU_PYTHON) -m draftsmith.gpu.check
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -10,7 +10,7 @@ SPECULATORS ?= 0.9.0
 ARCTIC ?= 0.3.0
 SHARED ?= ../shared
 
-.PHONY: install test demo bench lint clean fuzz-serve gpu-wheels gpu-check
+.PHONY: install test demo bench lint clean fuzz-serve gpu-wheels gpu-check gpu-train-pack gpu-train
 
 # --speculative-config lists for `make bench`, kept in variables: a backslash-newline inside a recipe's quoted
 # argument reaches the shell as it is (and breaks the JSON), one in a variable's value becomes a space
@@ -69,13 +69,23 @@ fuzz-serve: $(STAMP)
 # with the machine's own python3 and .whl carried: `make gpu-check` (OUT names the summary's folder). On a CPU,
 # GPU_CHECK_DRY=1 runs it all through this venv: the CUDA checks collect their tests and report skipped, the
 # bench runs the tiny shape.
-GPU_DRY := $(filter 1,$(GPU_CHECK_DRY))
+GPU_DRY := $(findstring 1,$(GPU_CHECK_DRY)$(GPU_TRAIN_DRY))
 GPU_PYTHON ?= $(if $(GPU_DRY),$(PY),python3)
 gpu-wheels: $(STAMP)
 	$(PY) -m draftsmith.gpu.wheels
 
 gpu-check: $(if $(GPU_DRY),$(STAMP))
 	$(GPU_PYTHON) -m draftsmith.gpu.check
+
+# The house recipes on the GPU (docs/gpu.md): `make gpu-train-pack` here packs ../shared's inputs into
+# .gpu-carry/part-K and prints the device calls, one a part; the last one ends in `make gpu-train`. With
+# GPU_TRAIN_DRY=1 `make gpu-train` runs pack, receive and two training steps here, on the CPU.
+gpu-train-pack: $(STAMP)
+	$(PY) -m draftsmith.gpu.train pack
+
+gpu-train: $(if $(filter 1,$(GPU_TRAIN_DRY)),gpu-train-pack)
+	$(if $(filter 1,$(GPU_TRAIN_DRY)),$(GPU_PYTHON) -m draftsmith.gpu.train receive &&) \
+		$(GPU_PYTHON) -m draftsmith.gpu.train run
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

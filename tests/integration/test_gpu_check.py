@@ -1,16 +1,17 @@
-"""`make gpu-wheels` and `make gpu-check` end to end on the CPU, in the check's dry mode: what a task lent a
-GPU runs, proved to install, collect and bench before any GPU time is spent."""
+"""`make gpu-wheels`, `make gpu-check` and `make gpu-train` end to end on the CPU, in their dry modes: what a
+task lent a GPU runs, proved to install, collect, bench and train before any GPU time is spent."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, shared_path
 
 pytestmark = pytest.mark.slow
 TRAVEL_LIMIT = 64 * 2**20
@@ -56,3 +57,16 @@ def test_gpu_check_dry_mode_runs_every_check(fetched_wheels, tmp_path):
     assert bench["shape"] == "tiny" and {row["batch"] for row in bench["rows"]} == {1, 4}
     assert {row["method"] for row in bench["rows"]} == {"none", "eagle3 k=4 accept 0.6", "eagle3 k=4 accept 0.8"}
     assert "bench tiny on cpu" in done.stdout and "gpu-check: passed" in done.stdout
+
+
+def test_gpu_train_dry_mode_packs_joins_and_trains_the_house_recipe(fetched_wheels, tmp_path):
+    shared_path("models", "house-code-28m")
+    done = _make("gpu-train", GPU_TRAIN_DRY=1, OUT=tmp_path / "out", GPU_WHEELS=fetched_wheels,
+                 GPU_SITE=tmp_path / "site")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"receive: (\d+) of \1 parts here", done.stdout), done.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["passed"] and [c["name"] for c in summary["checks"]] == ["join", "install", "train eagle3-house"]
+    head = tmp_path / "out" / "eagle3-house"
+    assert json.loads((head / "config.json").read_text())["draftsmith_head_type"] == "eagle3"
+    assert (head / "model.safetensors").is_file() and summary["checks"][2]["figures"]["steps"] == 2

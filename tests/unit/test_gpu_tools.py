@@ -1,5 +1,5 @@
-"""The GPU tools' pieces on the CPU: which wheels travel, how a gap in them shows, and how the check reads a
-JUnit report."""
+"""The GPU tools' pieces on the CPU: which wheels travel, how a gap in them shows, how ../shared's inputs go
+over in parts and come back whole, and how the check reads a JUnit report."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
-from draftsmith.gpu import check, wheels
+from draftsmith.gpu import check, train, wheels
 from draftsmith.gpu.image import in_image
 
 
@@ -53,6 +54,64 @@ def test_prune_keeps_one_version_of_each(tmp_path):
     assert sorted(wheels.prune(tmp_path, {"alpha": "1.0"})) == ["alpha-0.9-py3-none-any.whl",
                                                                "stale-3.0-py3-none-any.whl"]
     assert [p.name for p in tmp_path.glob("*.whl")] == ["alpha-1.0-py3-none-any.whl"]
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """Files beside a repository, as ../shared is: a model folder and a corpus."""
+    base = tmp_path / "work"
+    model = base / "shared" / "models" / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 1200)
+    (base / "shared" / "data.jsonl.xz").write_bytes(b"corpus" * 40000)
+    return base, sorted(p for p in base.rglob("*") if p.is_file())
+
+
+def test_inputs_go_over_in_parts_and_come_back_whole(tmp_path, inputs):
+    base, files = inputs
+    parts = train.pack(files, 50_000, 120_000, tmp_path / "carry", base)
+    sizes = [(p / "data.bin").stat().st_size for p in parts]
+    assert sizes[0] == 50_000 and all(s <= 120_000 for s in sizes) and sum(sizes) == sum(f.stat().st_size for f in files)
+    received = tmp_path / "received"
+    for part in parts:  # one device call a part
+        (tmp_path / "call").mkdir()
+        part.rename(tmp_path / "call" / part.name)
+        assert train.receive(tmp_path / "call", received) == 0
+        (tmp_path / "call").rmdir()
+    result = train.join(received, tmp_path / "joined")
+    assert result.status == "pass", result.detail
+    for path in files:
+        assert (tmp_path / "joined" / path.relative_to(base)).read_bytes() == path.read_bytes()
+
+
+def test_a_missing_or_damaged_part_is_named(tmp_path, inputs):
+    base, files = inputs
+    parts = train.pack(files, 100_000, 100_000, tmp_path / "carry", base)
+    assert len(parts) >= 3
+    parts[1].rename(tmp_path / "lost")
+    result = train.join(tmp_path / "carry", tmp_path / "joined")
+    assert result.status == "fail" and result.detail.startswith("missing part-2:")
+    (tmp_path / "lost").rename(parts[1])
+    with (parts[2] / "data.bin").open("r+b") as f:
+        f.write(b"x")
+    result = train.join(tmp_path / "carry", tmp_path / "joined")
+    assert result.status == "fail" and result.detail == "part-3 arrived damaged: carry them again"
+
+
+def test_only_inputs_beside_the_repository_are_packed(tmp_path):
+    with pytest.raises(SystemExit, match="not beside the repository"):
+        train.carry_name(Path("/etc/hostname"))
+    assert train.carry_name(train.REPO.parent / "shared" / "data" / "x.jsonl") == "shared/data/x.jsonl"
+
+
+def test_the_house_recipe_reads_the_house_model_and_corpus_from_beside_the_repository():
+    keys = train.recipe_inputs(train.REPO / "recipes" / "eagle3-house.yaml")
+    assert keys == {"model.target": ["../shared/models/house-code-28m"],
+                    "data.train_files": ["../shared/data/code-train.jsonl.xz"]}
+    calls = train.device_calls([train.CARRY / "part-1", train.CARRY / "part-2"])
+    assert calls[0]["carry"] == [".whl", ".gpu-carry/part-1"] and calls[1]["carry"] == [".gpu-carry/part-2"]
+    assert calls[1]["command"].endswith("python3 -m draftsmith.gpu.train run)")
 
 
 def test_the_check_reads_failures_from_a_junit_report(tmp_path):

@@ -124,7 +124,9 @@ def device_calls(parts: list[Path]) -> list[dict]:
         carry = ([".whl"] if index == 1 else []) + [part.relative_to(REPO).as_posix()]
         command = "python3 -m draftsmith.gpu.train receive"
         if index == len(parts):
-            command += " && (command -v make >/dev/null && make gpu-train || python3 -m draftsmith.gpu.train run)"
+            # not `make ... || python3 ...`: a failed training would run again
+            command += (" && if command -v make >/dev/null; then make gpu-train; "
+                        "else python3 -m draftsmith.gpu.train run; fi")
         calls.append({"carry": carry, "command": command})
     return calls
 

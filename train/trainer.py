@@ -191,8 +191,10 @@ def out_of_time(accelerator, deadline: float | None) -> bool:
     stops them all, at the same step)."""
     if deadline is None:
         return False
-    late = torch.tensor(float(clock() > deadline), device=accelerator.device)
-    return bool(accelerator.reduce(late, reduction="sum") > 0) if accelerator.num_processes > 1 else bool(late)
+    late = clock() > deadline
+    if accelerator.num_processes == 1:
+        return late
+    return bool(accelerator.reduce(torch.tensor(float(late), device=accelerator.device), reduction="sum") > 0)
 
 
 def save_head(accelerator, trainee, directory: Path, dtype: torch.dtype) -> None:

@@ -19,10 +19,9 @@ import re
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
-from dataclasses import asdict
 from pathlib import Path
 
-from draftsmith.gpu.runner import Result, Setup, cuda_available, install, make_setup, run, timed
+from draftsmith.gpu.runner import Result, Setup, cuda_available, install, make_setup, report, run, timed
 
 # the figures to hold ours against (../shared/docs/anchors.md, issue #37): Llama-3.1-8B bf16 at batch 1, H100
 ANCHORS_MS = {"gpt-fast": 7.0, "weights / HBM floor": 5.3}
@@ -144,15 +143,8 @@ def main() -> int:
         return 2
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     results = checks(setup, cuda)
-    failed = [r.name for r in results if r.status in ("fail", "timeout")]
-    summary = {"started": started, "dry": setup.dry, "passed": not failed, "failed": failed,
-               "checks": [asdict(r) for r in results]}
-    (setup.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(table(results))
-    print(f"gpu-check: {'passed' if not failed else 'FAILED: ' + ', '.join(failed)}; summary in "
-          f"{setup.out / 'summary.json'}")
-    return 1 if failed else 0
-
+    return report("gpu-check", setup, results, started=started)
 
 if __name__ == "__main__":
     raise SystemExit(main())

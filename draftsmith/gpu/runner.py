@@ -8,18 +8,21 @@ repository root finds this folder, not the installed package).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from draftsmith.gpu.image import PLATFORMS, PYTHON
 
 REPO = Path(__file__).resolve().parents[2]
 WHEELS = Path(os.environ.get("GPU_WHEELS") or REPO / ".whl")  # what `make gpu-wheels` fetched
-PY312_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
-                  "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64"]
+PY312_PLATFORM = ["--python-version", PYTHON, "--implementation", "cp", "--only-binary=:all:",
+                  *(arg for platform in PLATFORMS for arg in ("--platform", platform))]
 
 
 @dataclass
@@ -101,6 +104,17 @@ def copy_sources(site: Path) -> None:
     for package, folder in sorted(mapping.items()):  # the root package before the folders mapped into it
         shutil.copytree(REPO / folder, site.joinpath(*package.split(".")), dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+
+def report(script: str, setup: Setup, results: list[Result], **extra) -> int:
+    """Writes OUT/summary.json (every result, which failed or timed out, `extra`) and prints its last line;
+    -> the exit status: 1 if any failed."""
+    failed = [r.name for r in results if r.status in ("fail", "timeout")]
+    summary = {**extra, "dry": setup.dry, "passed": not failed, "failed": failed, "checks": [asdict(r) for r in results]}
+    (setup.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"{script}: {'passed' if not failed else 'FAILED: ' + ', '.join(failed)}; summary in "
+          f"{setup.out / 'summary.json'}")
+    return 1 if failed else 0
 
 
 def make_setup(environ: dict, name: str, default_budget_s: float) -> Setup:

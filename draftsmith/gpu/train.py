@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from draftsmith.gpu.runner import (
@@ -34,6 +33,7 @@ from draftsmith.gpu.runner import (
     cuda_available,
     install,
     make_setup,
+    report,
     run,
     timed,
     travelling_bytes,
@@ -230,17 +230,11 @@ def run_all(recipes: list[str]) -> int:
     if results[-1].status == "pass":
         results += [timed(f"train {Path(r).stem}", train_recipe, r, setup, inputs, setup.seconds_left(540))
                     for r in recipes]
-    failed = [r.name for r in results if r.status != "pass"]
-    (setup.out / "summary.json").write_text(json.dumps(
-        {"dry": setup.dry, "passed": not failed, "failed": failed, "checks": [asdict(r) for r in results]},
-        indent=2) + "\n")
     for r in results:
         print(f"{r.name:22s} {r.status:8s} {r.seconds:7.1f} s  {r.detail.splitlines()[-1] if r.detail else ''}"[:160])
         if r.figures.get("evaluation"):
             print(f"  after {r.figures['steps']} steps: {json.dumps(r.figures['evaluation'])}"[:400])
-    print(f"gpu-train: {'passed' if not failed else 'FAILED: ' + ', '.join(failed)}; summary in "
-          f"{setup.out / 'summary.json'}")
-    return 1 if failed else 0
+    return report("gpu-train", setup, results)
 
 
 def pack_and_plan(recipes: list[str]) -> int:

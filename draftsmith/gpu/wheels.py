@@ -21,8 +21,8 @@ from packaging.requirements import Requirement
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
-from draftsmith.gpu.image import KNOWN_VERSIONS, PLATFORMS, PYTHON, canonical, in_image
-from draftsmith.gpu.runner import WHEELS
+from draftsmith.gpu.image import KNOWN_VERSIONS, PYTHON, canonical, in_image
+from draftsmith.gpu.runner import PY312_PLATFORM, WHEELS
 
 # the GPU machine, as PEP 508 markers see it
 TARGET_MARKERS = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.3", "sys_platform": "linux",
@@ -77,9 +77,7 @@ def needed_distributions(root: str = "draftsmith") -> Needed:
 
 def pip_download(wheels: dict[str, str], dest: Path) -> None:
     """Fetches exactly `wheels` (name -> version) as binary wheels for the GPU's Python and platform."""
-    platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    command = [sys.executable, "-m", "pip", "download", "-qq", "--no-deps", "--only-binary=:all:",
-               "--python-version", PYTHON, "--implementation", "cp", *platforms, "--dest", str(dest),
+    command = [sys.executable, "-m", "pip", "download", "-qq", "--no-deps", *PY312_PLATFORM, "--dest", str(dest),
                *(f"{name}=={version}" for name, version in wheels.items())]
     subprocess.run(command, check=True)
 

@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     from draftsmith.convert.registry import OUTPUTS, load_formats
     from draftsmith.methods import method_names, servable, trainable
     from draftsmith.methods.ngram import CODE_DEFAULTS
-    from draftsmith.serve.http_limits import DEFAULT_MAX_BODY_BYTES
-    from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG
+    from draftsmith.serve.client.output_streams import DEFAULT_MAX_BACKLOG
+    from draftsmith.serve.openai.http_limits import DEFAULT_MAX_BODY_BYTES
 
     served, trained, sources = method_names(servable), method_names(trainable), list(load_formats())
     parser = OneLineErrorParser(prog="draftsmith", description=(
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same output")
     gen.add_argument("--metrics-json", default=None, help="write elapsed_s, tokens_per_s and counters here")
     _add_engine_args(gen, served)
-    gen.set_defaults(handler="draftsmith.serve.generate_cli:run")
+    gen.set_defaults(handler="draftsmith.serve.apps.generate:run")
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the speculative engine",
                          description="Serve MODEL over an OpenAI-compatible API: /v1/completions, "
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "and streams; if the engine dies, requests fail with 500 and /health turns 503); "
                      "--no-engine-process runs it on a thread of the API process")
     _add_engine_args(srv, served)
-    srv.set_defaults(handler="draftsmith.serve.serve_cli:run")
+    srv.set_defaults(handler="draftsmith.serve.openai.cli:run")
 
     tr = sub.add_parser("train", help=f"train a draft head ({', '.join(trained)}) from a recipe (single process)",
                         description="Train a draft head. For several processes or GPUs use "
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--top-p", type=float, default=1.0)
     dg.add_argument("--seed", type=int, default=None)
     _add_engine_args(dg, served)
-    dg.set_defaults(handler="draftsmith.serve.datagen:run")
+    dg.set_defaults(handler="draftsmith.serve.apps.datagen:run")
 
     conv = sub.add_parser("convert", help="convert draft checkpoints between public formats and draftsmith's",
                           description="Read a draft checkpoint (format detected from its config and tensor names, or "
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     chart.add_argument("--plot", default=None,
                        help="speedup chart PNG (default: --json with .png, else bench.png; needs matplotlib)")
     chart.add_argument("--no-plot", action="store_true", help="skip the chart")
-    bench.set_defaults(handler="draftsmith.serve.shape_bench:dispatch")
+    bench.set_defaults(handler="draftsmith.serve.bench.shape:dispatch")
 
     prof = sub.add_parser("profile", help="time target forwards by batch shape (the speculation cost model's input)",
                           description="Time the target's forward for 1..32 rows of 1..8 query tokens against a warm KV "
@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--max-rows", type=_positive_int, default=32, help="largest batch profiled (1, 2, 4, ... up to it)")
     prof.add_argument("--context", type=_positive_int, default=256, help="tokens already cached per row")
     prof.add_argument("--refresh", action="store_true", help="measure again even if a saved table matches")
-    prof.set_defaults(handler="draftsmith.serve.cost_profile:run")
+    prof.set_defaults(handler="draftsmith.serve.speculation.cost_profile:run")
 
     load = sub.add_parser("bench-serve", help="HTTP load check: requests/s and latency, without and with speculation",
                           description="Starts the server on loopback twice (no speculation, then with "
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--engine", default="thread,process",
                       help="where the engine steps, each measured in turn: on a thread of the API process, in a "
                       "process of its own (serve's default), or both (side by side)")
-    load.set_defaults(handler="draftsmith.serve.load_bench:run")
+    load.set_defaults(handler="draftsmith.serve.bench.load:run")
 
     demo = sub.add_parser("demo", help="serve the embedded demo model with its shipped EAGLE-3 head and query it",
                           description="Start `draftsmith serve` on the embedded demo model with speculation by its "
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None, help="default: assets/demo-code-7m")
     demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     demo.add_argument("--max-tokens", type=_positive_int, default=64)
-    demo.set_defaults(handler="draftsmith.serve.demo:run")
+    demo.set_defaults(handler="draftsmith.serve.apps.demo:run")
     return parser
 
 

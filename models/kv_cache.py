@@ -44,7 +44,7 @@ class SlotRows:
     # the longest row's keys, when the host knows it (sizes the kernel's key splits without reading kv_lens
     # back); a captured step passes the cache's length, so one graph serves every context length
     max_keys: int | None = None
-    # tree verification (`serve.spec_decode.tree_verify`): [B, Q, Q] which of the row's block keys each query
+    # tree verification (`serve.speculation.tree_verify`): [B, Q, Q] which of the row's block keys each query
     # sees, the block's first cache position [B], and the queries' sequence positions [B, Q] (the window's
     # reference: a node sits at its depth, not at its place in the block)
     tree_mask: torch.Tensor | None = None
@@ -177,7 +177,7 @@ class ForwardBatch:
     def static(cls, positions: torch.Tensor, read_slots: torch.Tensor, write_slots: torch.Tensor,
                kv_lens: torch.Tensor, num_keys: int, sliding_window: int | None, slot_kernel: bool,
                key_starts: torch.Tensor | None = None) -> ForwardBatch:
-        """A batch built on the device from tensors of fixed shapes alone (`serve.step_graphs`): no host
+        """A batch built on the device from tensors of fixed shapes alone (`serve.engine.step_graphs`): no host
         values but `num_keys`, the keys every row reads (a bucket, or the cache's length), so a captured or
         compiled step runs it again for new rows by refilling its inputs. positions, write_slots [B, Q];
         read_slots, kv_lens [B]: row b sees keys below kv_lens[b], causally, and from key_starts[b] on."""

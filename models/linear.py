@@ -117,7 +117,7 @@ def warm_up(modules: Iterable[nn.Module], max_rows: int) -> int:
 
 
 def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # Traced by torch.compile (`serve.step_graphs`), a layer is aten's linear: the reordered weight is an
+    # Traced by torch.compile (`serve.engine.step_graphs`), a layer is aten's linear: the reordered weight is an
     # opaque tensor cached by address, which a graph cannot hold, and Inductor's own CPU lowering of a linear
     # is this same oneDNN call.
     return (x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()

@@ -1,9 +1,17 @@
-"""The speculative serving engine: continuous batching over a per-slot KV cache, verification of any
-registered method's drafts (`spec_decode`), the offline `LLM` API, `draftsmith generate`/`datagen`/`bench`,
-and `draftsmith serve` (OpenAI-compatible HTTP, `api_server`). Proposers come from `draftsmith.methods`."""
+"""The speculative serving engine, one folder per subsystem:
 
-from draftsmith.serve.llm import LLM
-from draftsmith.serve.request import CompletionOutput, RequestOutput
-from draftsmith.serve.sampling_params import SamplingParams
+- `engine/`: the engine core: requests, the scheduler and its step, sampling, stopping, logprobs, step graphs;
+- `speculation/`: the `--speculative-config` schema, verification (chains and trees, rejection sampling) and
+  the policy that sizes each step, with its cost model;
+- `client/`: what talks to the engine: the prompt checks at the edge, the engine on a thread or in a process;
+- `openai/`: the OpenAI-compatible HTTP server and `draftsmith serve`;
+- `apps/`: the offline `LLM` API, `draftsmith generate`, `datagen` and `demo`;
+- `bench/`: `draftsmith bench` and `bench-serve`.
+
+Proposers come from `draftsmith.methods`."""
+
+from draftsmith.serve.apps.llm import LLM
+from draftsmith.serve.engine.request import CompletionOutput, RequestOutput
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

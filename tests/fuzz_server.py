@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=10000)
     parser.add_argument("--seed", type=int, default=0, help="0: hypothesis' derandomized run")
     args = parser.parse_args(argv)
-    from draftsmith.serve.serve_cli import build_process_server_app, server_in_thread
+    from draftsmith.serve.openai.cli import build_process_server_app, server_in_thread
 
     expected = plain_canary()
     app = build_process_server_app(SERVER_KWARGS, "demo")

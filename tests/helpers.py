@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.serve.cost_profile import ForwardCostTable
+from draftsmith.serve.speculation.cost_profile import ForwardCostTable
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "assets" / "demo-code-7m"

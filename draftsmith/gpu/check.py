@@ -30,7 +30,7 @@ ENGINE_TESTS = ["tests/integration/test_cuda_engine.py"]
 
 
 ENVIRONMENT = """
-import json, subprocess, torch, triton, transformers, draftsmith.cli, draftsmith.serve.api_server
+import json, subprocess, torch, triton, transformers, draftsmith.cli, draftsmith.serve.openai.app
 try:
     driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                             capture_output=True, text=True, timeout=20).stdout.strip()

@@ -46,7 +46,7 @@ class MethodNeeds:
 class SpeculativeConfig(BaseModel):
     """The keys every method accepts (vLLM's names). Each method subclasses it with `method: Literal[name]`
     and its own keys, and the union of those subclasses, discriminated by `method`, is the schema of
-    `--speculative-config` (see `draftsmith.serve.spec_decode.config`)."""
+    `--speculative-config` (see `draftsmith.serve.speculation.config`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -133,7 +133,7 @@ class TreeSpeculativeConfig(SpeculativeConfig):
     """The keys of a method that can draft a static tree: vLLM's `speculative_token_tree`
     (`methods.token_tree`), whose nodes are the num_speculative_tokens drafts of every step. A static tree is
     verified whole (its order is not likeliest-first, so no sizing), and its drafts are deterministic (a sampled request still
-    samples exactly: `serve.spec_decode.tree_verify`)."""
+    samples exactly: `serve.speculation.tree_verify`)."""
 
     speculative_token_tree: str | None = None
 
@@ -302,7 +302,7 @@ class Proposer:
         self.draft_cost_guess: float | None = None
         # set where it drafts trees (DraftBatch.parents): the planner's chain width does not cap their nodes
         self.tree = None
-        # runs the one-token draft steps at static shapes (`serve.step_graphs.DraftStepRunner`), set by the
+        # runs the one-token draft steps at static shapes (`serve.engine.step_graphs.DraftStepRunner`), set by the
         # engine when its step mode is not eager and `static_step_head` names a head
         self.draft_steps = None
 

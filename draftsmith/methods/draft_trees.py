@@ -1,7 +1,7 @@
 """What drafting a dynamic tree shares (EAGLE-2, arXiv 2406.16858): its shape, the top-k draft
 log-probabilities, and the rerank that keeps the `total` likeliest candidates, likeliest first, so that the
 first w nodes are the w likeliest and still a tree (how the engine sizes a step's tree:
-`serve.spec_decode.tree_verify.size_trees`).
+`serve.speculation.tree_verify.size_trees`).
 
 And trees from drafters that draft every depth in one pass (a DFlash block, Medusa's heads): depth d's
 distribution does not depend on the drafts before it, so every node of depth d - 1 has the same candidate

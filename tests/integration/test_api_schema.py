@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from draftsmith.serve import LLM
-from draftsmith.serve.serve_cli import build_server_app, server_in_thread
+from draftsmith.serve.openai.cli import build_server_app, server_in_thread
 from helpers import DEMO_MODEL
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (a [dev] dependency)")

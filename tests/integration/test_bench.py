@@ -6,7 +6,8 @@ import pytest
 
 from draftsmith.cli import build_parser, main
 from draftsmith.models.loader import load_target
-from draftsmith.serve import bench, cost_profile
+from draftsmith.serve.bench import matrix as bench
+from draftsmith.serve.speculation import cost_profile
 from helpers import DEMO_MODEL, shared_path
 
 LEVELS = (1, 2)

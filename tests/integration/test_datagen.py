@@ -42,7 +42,7 @@ def test_text_records_get_model_continuations(tmp_path):
 def test_block_cut_prompts_end_mid_line_anywhere_in_the_file(tmp_path):
     import random
 
-    from draftsmith.serve.datagen import _opening
+    from draftsmith.serve.apps.datagen import _opening
 
     body = "".join(f"def f{i}(x):\n    return x * {i} + {i}\n\n\n" for i in range(12))
     source = tmp_path / "code.jsonl"

@@ -14,7 +14,7 @@ import pytest
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.serve_cli import build_process_server_app, server_in_thread
+from draftsmith.serve.openai.cli import build_process_server_app, server_in_thread
 from helpers import DEMO_MODEL, REPO
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'

@@ -11,7 +11,7 @@ pytest.importorskip("hypothesis", reason="hypothesis is not installed (schemathe
 
 from fuzz_server import SERVER_KWARGS, plain_canary, run_fuzz  # noqa: E402
 
-from draftsmith.serve.serve_cli import build_process_server_app, server_in_thread  # noqa: E402
+from draftsmith.serve.openai.cli import build_process_server_app, server_in_thread  # noqa: E402
 
 EXAMPLES = 150
 

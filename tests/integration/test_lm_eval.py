@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from draftsmith.serve import LLM
-from draftsmith.serve.serve_cli import build_server_app, server_in_thread
+from draftsmith.serve.openai.cli import build_server_app, server_in_thread
 from helpers import DEMO_MODEL, REPO, make_speculation_pay
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'lm-eval[api]'; `make test` "

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draftsmith.cli import main
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.serve_cli import build_server_app, free_port, server_in_thread
+from draftsmith.serve.openai.cli import build_server_app, free_port, server_in_thread
 from helpers import DEMO_MODEL, make_speculation_pay
 
 KEY = "test-key"

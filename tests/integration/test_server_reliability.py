@@ -20,10 +20,15 @@ import httpx
 import pytest
 
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.async_engine import AsyncEngine, QueueFullError
-from draftsmith.serve.demo import wait_healthy
-from draftsmith.serve.output_streams import BacklogFull
-from draftsmith.serve.serve_cli import build_process_server_app, build_server_app, free_port, server_in_thread
+from draftsmith.serve.apps.demo import wait_healthy
+from draftsmith.serve.client.async_engine import AsyncEngine, QueueFullError
+from draftsmith.serve.client.output_streams import BacklogFull
+from draftsmith.serve.openai.cli import (
+    build_process_server_app,
+    build_server_app,
+    free_port,
+    server_in_thread,
+)
 from helpers import DEMO_MODEL, REPO
 
 KEY = "reliability-key"
@@ -186,7 +191,7 @@ def test_max_queue_counts_requests_that_wait_not_those_that_run(kind):
     if kind == "thread":
         engine = AsyncEngine(LLM(**kwargs), max_queue=8)
     else:
-        from draftsmith.serve.engine_process import start_engine_process
+        from draftsmith.serve.client.engine_process import start_engine_process
         engine = start_engine_process(kwargs, max_queue=8)
     engine.start()
 

@@ -10,7 +10,7 @@ import torch
 from draftsmith.cli import main
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.llama import CausalLM
-from draftsmith.serve.shape_bench import SHAPES
+from draftsmith.serve.bench.shape import SHAPES
 
 
 @pytest.mark.parametrize("shape,billions", [("llama-3.1-8b", 8.03), ("qwen3-8b", 8.19)])

@@ -11,7 +11,7 @@ from draftsmith.methods import method_names, resolve_method, servable
 from draftsmith.models import load_target
 from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.spec_decode.adaptive import (
+from draftsmith.serve.speculation.adaptive import (
     CATCH_UP_HORIZON,
     CLOSE_HOLD,
     COST_IDLE_DECAY,
@@ -27,7 +27,7 @@ from draftsmith.serve.spec_decode.adaptive import (
     CostModel,
     SpeculationPlanner,
 )
-from draftsmith.serve.spec_decode.estimators import AcceptanceStats, ScaleByBatch
+from draftsmith.serve.speculation.estimators import AcceptanceStats, ScaleByBatch
 from helpers import DEMO_MODEL, REPO, random_mlp_speculator, synthetic_table
 
 PROMPTS = [
@@ -448,7 +448,7 @@ def test_one_stalled_step_does_not_price_speculation_out():
 def test_an_engines_first_steps_teach_the_cost_model_nothing():
     """The first steps of each kind run cold; the cost model learns from the steps after COLD_STEPS of them,
     and from plain steps only once SETTLING_STEPS of them in a row have followed a speculative one."""
-    from draftsmith.serve.step_accounting import COLD_STEPS, SETTLING_STEPS
+    from draftsmith.serve.engine.step_accounting import COLD_STEPS, SETTLING_STEPS
 
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})

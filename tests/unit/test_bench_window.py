@@ -4,7 +4,7 @@ finish)."""
 
 from dataclasses import dataclass, field
 
-from draftsmith.serve import bench
+from draftsmith.serve.bench import matrix as bench
 
 
 @dataclass

@@ -8,8 +8,13 @@ import torch
 
 from draftsmith.cli import main
 from draftsmith.models import load_target
-from draftsmith.serve import cost_profile
-from draftsmith.serve.cost_profile import ForwardCostTable, cache_path, load_or_profile, profile_key
+from draftsmith.serve.speculation import cost_profile
+from draftsmith.serve.speculation.cost_profile import (
+    ForwardCostTable,
+    cache_path,
+    load_or_profile,
+    profile_key,
+)
 from helpers import DEMO_MODEL
 
 GRID = {"rows": (1, 2), "query_lens": (1, 3), "context": 16}

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from draftsmith.models.tokenizer import load_tokenizer
-from draftsmith.serve.detokenizer import (
+from draftsmith.serve.engine.detokenizer import (
     IncrementalDecoder,
     IncrementalText,
     decode_all,
     stream_backend,
     token_bytes,
 )
-from draftsmith.serve.request import Request
-from draftsmith.serve.sampling_params import SamplingParams
-from draftsmith.serve.stopping import StopChecker
+from draftsmith.serve.engine.request import Request
+from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.engine.stopping import StopChecker
 from helpers import DEMO_MODEL
 
 # Demo tokenizer ids whose bytes split one character: "😀" is three tokens, "é" two (b"\xc3" + b"\xa9").

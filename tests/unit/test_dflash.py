@@ -339,7 +339,7 @@ def test_served_blocks_are_the_teacher_forced_blocks_step_after_step(demo_target
     that accept part of the drafts: the block's own keys and values never leak into a later step."""
     from draftsmith.methods.dflash.proposer import DFlashProposer
     from draftsmith.models.tokenizer import load_tokenizer
-    from draftsmith.serve.spec_decode.config import parse_speculative_config
+    from draftsmith.serve.speculation.config import parse_speculative_config
     from helpers import Row
 
     config = parse_speculative_config({"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8,

@@ -12,7 +12,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.methods.draft_trees import TreeShape, marginal_tree, static_marginal_tree
 from draftsmith.methods.token_tree import TokenTree
 from draftsmith.serve import LLM
-from draftsmith.serve.spec_decode.config import parse_speculative_config
+from draftsmith.serve.speculation.config import parse_speculative_config
 from helpers import DEMO_MODEL, REPO, assert_samples_as_plain, greedy_acceptance_lengths
 
 SHIPPED = REPO / "assets" / "demo-code-7m-dflash"

@@ -16,8 +16,8 @@ from draftsmith.methods import resolve_method
 from draftsmith.methods.eagle import proposer as proposer_module
 from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.sampling import SamplingBatch
-from draftsmith.serve.spec_decode.config import parse_speculative_config
+from draftsmith.serve.engine.sampling import SamplingBatch
+from draftsmith.serve.speculation.config import parse_speculative_config
 from helpers import DEMO_MODEL, REPO, Row, make_tiny_checkpoint
 
 K = 4

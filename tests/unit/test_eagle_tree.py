@@ -10,7 +10,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.methods.eagle import proposer as proposer_module
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.spec_decode.config import parse_speculative_config
+from draftsmith.serve.speculation.config import parse_speculative_config
 from helpers import CODE_PROMPTS, DEMO_MODEL, assert_samples_as_plain, greedy_acceptance_lengths
 
 EAGLE3_HEAD = DEMO_MODEL.parent / "demo-code-7m-eagle3"

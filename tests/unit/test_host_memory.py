@@ -1,4 +1,4 @@
-"""serve/host_memory.py: after tuning, a loop that allocates and frees large buffers stops faulting in fresh
+"""serve/engine/host_memory.py: after tuning, a loop that allocates and frees large buffers stops faulting in fresh
 pages on every pass. Each case runs in its own interpreter: malloc settings are per process and not undone."""
 
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 
 SCRIPT = """
 import resource, sys, torch
-from draftsmith.serve.host_memory import keep_freed_memory
+from draftsmith.serve.engine.host_memory import keep_freed_memory
 tuned = keep_freed_memory() if sys.argv[1] == "tune" else False
 def churn():  # like a forward: many buffers alive at once, all freed at the end
     for _ in range(10):

@@ -9,7 +9,7 @@ from draftsmith.methods import resolve_method
 from draftsmith.models.head_configs import MedusaConfig, MLPSpeculatorConfig
 from draftsmith.models.medusa import MedusaHead
 from draftsmith.models.mlp_speculator import MLPSpeculatorHead
-from draftsmith.serve.spec_decode.config import parse_speculative_config
+from draftsmith.serve.speculation.config import parse_speculative_config
 from helpers import Row
 
 

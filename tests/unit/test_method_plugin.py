@@ -191,7 +191,7 @@ def test_toy_method_through_generate_cli(toy_head, reference_ids, tmp_path):
 
 
 def test_toy_config_keys_are_its_own(toy_head):
-    from draftsmith.serve.spec_decode.config import parse_speculative_config
+    from draftsmith.serve.speculation.config import parse_speculative_config
 
     with pytest.raises(DraftsmithError, match="chain_temp.*valid keys: .*chain_temperature"):
         parse_speculative_config({"method": "toy_bigram", "model": "x", "num_speculative_tokens": 2, "chain_temp": 1})
@@ -220,7 +220,7 @@ def test_recipe_validator_takes_the_toy_section(toy_head):
 
 
 def test_unregistered_toy_is_gone_everywhere(toy_head):
-    from draftsmith.serve.spec_decode.config import parse_speculative_config
+    from draftsmith.serve.speculation.config import parse_speculative_config
 
     unregister_method("toy_bigram")
     try:

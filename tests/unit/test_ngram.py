@@ -1,9 +1,9 @@
 import torch
 
 from draftsmith.methods.ngram.proposer import NgramProposer, find_continuations
-from draftsmith.serve.request import Request
-from draftsmith.serve.sampling_params import SamplingParams
-from draftsmith.serve.spec_decode.config import parse_speculative_config
+from draftsmith.serve.engine.request import Request
+from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.speculation.config import parse_speculative_config
 
 
 def _starts(histories, min_n, max_n):

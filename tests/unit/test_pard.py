@@ -187,7 +187,7 @@ def test_parallel_drafts_are_the_uncached_forward_over_masks_step_after_step():
     from draftsmith.methods.draft_model.proposer import DraftModelProposer
     from draftsmith.models import load_target
     from draftsmith.models.tokenizer import load_tokenizer
-    from draftsmith.serve.spec_decode.config import parse_speculative_config
+    from draftsmith.serve.speculation.config import parse_speculative_config
 
     target = load_target(DEMO_MODEL, dtype="float32")
     config = parse_speculative_config({"method": "draft_model", "model": str(SHIPPED), "num_speculative_tokens": 4,

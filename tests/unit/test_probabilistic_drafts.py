@@ -14,10 +14,10 @@ from draftsmith.methods import resolve_method
 from draftsmith.models import load_target
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.sampling import SamplingBatch
-from draftsmith.serve.spec_decode.config import parse_speculative_config
-from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
-from draftsmith.serve.spec_decode.verify import verify
+from draftsmith.serve.engine.sampling import SamplingBatch
+from draftsmith.serve.speculation.config import parse_speculative_config
+from draftsmith.serve.speculation.rejection_reference import rejection_sample_reference
+from draftsmith.serve.speculation.verify import verify
 from helpers import DEMO_MODEL, REPO, Row, flattened_demo_copy, random_mlp_speculator
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
+from draftsmith.serve.speculation.rejection_reference import rejection_sample_reference
 from helpers import KERNEL_DEVICE
 
 # Both implementations compute identical fp32 expressions; the outputs are integer tokens, so exact.
@@ -46,7 +46,7 @@ def _on(device, args: tuple) -> tuple:
     (2, 1, 8192, True, None),  # the demo model's vocabulary
 ])
 def test_triton_kernel_equals_reference(rows, k, vocab, with_q, synthetic):
-    from draftsmith.serve.spec_decode.rejection_triton import rejection_sample_triton
+    from draftsmith.serve.speculation.rejection_triton import rejection_sample_triton
 
     for seed in range(3):
         args = _on(KERNEL_DEVICE, _case(rows, k, vocab, seed, with_q, greedy_rows=[0],
@@ -60,7 +60,7 @@ def test_triton_kernel_equals_reference(rows, k, vocab, with_q, synthetic):
 def test_kernel_tensors_are_on_cuda_or_under_the_interpreter(monkeypatch):
     """The kernel's device rules, each one line rather than a bad pointer inside Triton: its tensors share one
     device, and that is CUDA, or the CPU under Triton's interpreter alone."""
-    from draftsmith.serve.spec_decode.rejection_triton import rejection_sample_triton
+    from draftsmith.serve.speculation.rejection_triton import rejection_sample_triton
 
     args = list(_on(KERNEL_DEVICE, _case(2, 3, 64, 0, with_q=True)))
     args[6] = args[6].to("meta")  # the noise elsewhere than the rest

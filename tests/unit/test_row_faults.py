@@ -1,4 +1,4 @@
-"""One request's fault fails that request alone (`serve.row_faults`): a row that fails in a speculative batch
+"""One request's fault fails that request alone (`serve.engine.row_faults`): a row that fails in a speculative batch
 leaves the other rows' greedy outputs exactly as plain decoding's, the engine goes on, and settings that
 cannot be stepped (seeds past int64, a top_k past any tensor) are refused or bounded when a request comes in."""
 
@@ -7,9 +7,10 @@ import json
 import pytest
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve import LLM, SamplingParams, row_faults
-from draftsmith.serve.row_faults import MAX_CONSECUTIVE_FAULTS, EngineFault
-from draftsmith.serve.sampling_params import INT64_MAX, INT64_MIN
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.engine import row_faults
+from draftsmith.serve.engine.row_faults import MAX_CONSECUTIVE_FAULTS, EngineFault
+from draftsmith.serve.engine.sampling_params import INT64_MAX, INT64_MIN
 from helpers import CODE_PROMPTS, DEMO_MODEL, REPO
 
 EAGLE3 = json.dumps({"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"),

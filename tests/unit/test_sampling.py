@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.sampling import SamplingBatch, logits_to_probs, sample
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.engine.sampling import SamplingBatch, logits_to_probs, sample
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 
 def _batch(params, seeds=None):
@@ -70,7 +70,7 @@ def test_a_verify_row_without_drafts_draws_its_token_as_a_plain_step():
     """In a verify step, a sampled row that drafted nothing (at its max_tokens while others draft) must draw
     the token a plain step would, and leave its own stream alone: alone, that step is plain, and a seeded
     request samples the same tokens batched or alone (this broke with the retrained demo head)."""
-    from draftsmith.serve.sampling import verify_noise
+    from draftsmith.serve.engine.sampling import verify_noise
 
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=2)]
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))

@@ -5,7 +5,7 @@ import pytest
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM
-from draftsmith.serve.spec_decode.config import parse_speculative_config
+from draftsmith.serve.speculation.config import parse_speculative_config
 from helpers import DEMO_MODEL
 
 
@@ -61,7 +61,7 @@ def test_config_objects_get_the_same_checks_as_json():
 
 
 def test_bench_keeps_the_users_config_for_a_method_that_also_ships_a_head():
-    from draftsmith.serve.bench import speculation_methods
+    from draftsmith.serve.bench.matrix import speculation_methods
 
     mine = {"method": "eagle3", "model": "/my/head", "num_speculative_tokens": 2}
     methods = speculation_methods("demo-code-7m", json.dumps(mine), k=5)
@@ -70,7 +70,7 @@ def test_bench_keeps_the_users_config_for_a_method_that_also_ships_a_head():
 
 
 def test_bench_runs_a_list_of_configs_and_names_parallel_draft_models_pard():
-    from draftsmith.serve.bench import speculation_methods
+    from draftsmith.serve.bench.matrix import speculation_methods
 
     draft = {"method": "draft_model", "model": "/draft", "num_speculative_tokens": 4}
     pard = {**draft, "parallel_drafting": True}

@@ -1,4 +1,4 @@
-"""Static-shape decode, verify and draft steps (serve.step_graphs): the padded static forward computes what the
+"""Static-shape decode, verify and draft steps (serve.engine.step_graphs): the padded static forward computes what the
 eager forward computes, torch.compile traces it (and a draft head's step) whole (fullgraph) and decodes
 greedily what eager decodes, plain and speculative; static draft steps draft what eager ones draft. The tests
 marked `cuda` run their static steps as the engine does on a GPU where there is one (captured CUDA graphs),
@@ -11,7 +11,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.loader import load_target
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.step_graphs import (
+from draftsmith.serve.engine.step_graphs import (
     DraftStepRunner,
     StepRunner,
     resolve_step_mode,
@@ -261,7 +261,7 @@ def test_engine_flags_reach_the_engine(tmp_path, capsys):
     """--enforce-eager and --step-mode go from every engine command to LLM; a mode the device cannot run is
     one line on stderr, exit status 2."""
     from draftsmith.cli import build_parser, main
-    from draftsmith.serve.llm import engine_kwargs
+    from draftsmith.serve.apps.llm import engine_kwargs
 
     args = build_parser().parse_args(["serve", str(DEMO_MODEL), "--enforce-eager"])
     assert engine_kwargs(args)["enforce_eager"] is True and engine_kwargs(args)["step_mode"] == "auto"

@@ -7,7 +7,7 @@ import pytest
 
 from draftsmith.methods.suffix.tree import SuffixTree
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.spec_decode.config import parse_speculative_config
+from draftsmith.serve.speculation.config import parse_speculative_config
 from helpers import CODE_PROMPTS, DEMO_MODEL, Row
 
 
@@ -208,7 +208,7 @@ def test_the_server_exports_the_trees_memory():
     """`draftsmith serve` mirrors what the proposer reports of its caches as Prometheus gauges."""
     from types import SimpleNamespace
 
-    from draftsmith.serve.server_metrics import ServerMetrics
+    from draftsmith.serve.openai.metrics import ServerMetrics
 
     proposer = config_proposer(parse_speculative_config({"method": "suffix", "num_speculative_tokens": 4}))
     row = Row("a", 0, [1, 2], [3, 4, 5, 6])

@@ -1,4 +1,4 @@
-"""Static draft trees (methods.token_tree) and tree verification (serve.spec_decode.tree_verify): parsing and its
+"""Static draft trees (methods.token_tree) and tree verification (serve.speculation.tree_verify): parsing and its
 errors, the accepted path against a walk of the tree, every node's logits against a plain forward of its own
 path, the accepted path's K/V where a chain puts them, and a Medusa candidate tree served greedy-equal and
 seeded-sample-equal to plain decoding in a mixed batch, through the Triton slot kernel too (on the GPU where
@@ -14,9 +14,9 @@ from draftsmith.methods.token_tree import TokenTree
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.loader import load_target
 from draftsmith.serve import LLM, SamplingParams
-from draftsmith.serve.sampling import SamplingBatch
-from draftsmith.serve.spec_decode.config import parse_speculative_config
-from draftsmith.serve.spec_decode.tree_verify import accept_path, ancestors, block_parents, verify_tree
+from draftsmith.serve.engine.sampling import SamplingBatch
+from draftsmith.serve.speculation.config import parse_speculative_config
+from draftsmith.serve.speculation.tree_verify import accept_path, ancestors, block_parents, verify_tree
 from helpers import (
     CODE_PROMPTS,
     DEMO_MODEL,
@@ -166,7 +166,7 @@ def test_every_node_scores_as_its_own_path_and_the_path_lands_where_a_chain_puts
     ids[1, 2] = first[1]
     ids[1, 1] = first[1] - 1 if first[1] > 0 else 1
 
-    from draftsmith.serve.spec_decode.tree_verify import tree_batch
+    from draftsmith.serve.speculation.tree_verify import tree_batch
 
     parents = tree.parent_tensor(2, device)
     cache = model.make_cache(3, 64)
@@ -268,7 +268,7 @@ def test_tree_sampling_keeps_the_target_distribution(drafts):
                                    seeds=list(range(trials)), positions=[0] * trials)
     cols = block_parents(tree.parent_tensor(trials, "cpu"), torch.full((trials,), tree.num_nodes))
     seen = ancestors(cols)
-    from draftsmith.serve.spec_decode.tree_verify import tree_choices
+    from draftsmith.serve.speculation.tree_verify import tree_choices
 
     choice = tree_choices(logits, seen.sum(-1) - 1, sampling)
     path, accepted = accept_path(choice, ids, cols, seen, torch.full((trials,), tree.num_nodes))
@@ -299,7 +299,7 @@ def test_trees_are_sized_by_confidence_against_the_verify_cost():
     step); in between, the likeliest nodes while each still pays (here the first two, at 0.9 and 0.6 against a
     node's cost of 0.3 of a step)."""
     from draftsmith.methods.base import DraftBatch
-    from draftsmith.serve.spec_decode.tree_verify import size_trees
+    from draftsmith.serve.speculation.tree_verify import size_trees
 
     def drafts():
         confidence = torch.tensor([[0.9, 0.6, 0.2, 0.1], [0.9, 0.6, 0.0, 0.0]])

@@ -349,7 +349,7 @@ class EagleFamilyProposer(Proposer):
         running probability products [A, k], 0 past it). q_out [A, k, draft_vocab] receives sampled q."""
         rows, steps = len(host_limits), max(host_limits)
         batches = []
-        if steps > 1 and self.draft_steps is not None:  # static steps (serve.step_graphs): no batches to build
+        if steps > 1 and self.draft_steps is not None:  # static steps (serve.engine.step_graphs): no batches to build
             self.draft_steps.begin(slots, base, self._key_starts(slots, base))
         elif steps > 1:
             batches = self._step_batches(slots, base, steps - 1)

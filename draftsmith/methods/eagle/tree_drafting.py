@@ -6,7 +6,7 @@ log-probability) to the head in one step, k queries a row, each node with the he
 produced; each yields its top-k children. After `depth` depths, the `total` likeliest nodes of all are the
 tree, likeliest first (a child is never likelier than its parent, and a tiny per-depth penalty breaks the
 ties of probability 1): parents come before children, so the first w nodes are the w likeliest and still a
-tree, which is how the engine sizes a step's tree (`serve.spec_decode.tree_verify.size_trees`).
+tree, which is how the engine sizes a step's tree (`serve.speculation.tree_verify.size_trees`).
 
 In the head's cache, a node fed at depth d sits at `base + (d - 1) * top_k + j` (j: its place in that step),
 so the nodes of one depth do not overwrite each other; its rotary position is that of its depth, `base + d -

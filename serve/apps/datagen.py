@@ -17,8 +17,8 @@ from pathlib import Path
 
 from draftsmith.corpus import cut_inside_block, detect_format, load_records, to_messages
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.llm import LLM, engine_kwargs
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.apps.llm import LLM, engine_kwargs
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.methods.base import DraftBatch
-from draftsmith.serve.sampling import SamplingBatch, choose_tokens, logits_to_probs, verify_noise
-from draftsmith.serve.spec_decode.rejection_reference import rejection_sample_reference
-from draftsmith.serve.spec_decode.rejection_triton import rejection_sample_triton, triton
+from draftsmith.serve.engine.sampling import SamplingBatch, choose_tokens, logits_to_probs, verify_noise
+from draftsmith.serve.speculation.rejection_reference import rejection_sample_reference
+from draftsmith.serve.speculation.rejection_triton import rejection_sample_triton, triton
 
 SAMPLERS: dict[str, Callable] = {"torch": rejection_sample_reference, "triton": rejection_sample_triton}
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from draftsmith.serve.logprobs import Logprob
-from draftsmith.serve.output_streams import OutputDelta, SampleDelta
+from draftsmith.serve.client.output_streams import OutputDelta, SampleDelta
+from draftsmith.serve.engine.logprobs import Logprob
 
 
 def send(conn, message) -> None:

@@ -25,10 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftsmith import __version__
 from draftsmith.errors import DraftsmithError, format_validation_error
-from draftsmith.serve.async_engine import AsyncEngine, QueueFullError, RequestRejected
-from draftsmith.serve.detokenizer import IncrementalText, token_bytes
-from draftsmith.serve.http_limits import DEFAULT_MAX_BODY_BYTES, EdgeLimits
-from draftsmith.serve.openai_protocol import (
+from draftsmith.serve.client.async_engine import AsyncEngine, QueueFullError, RequestRejected
+from draftsmith.serve.client.output_streams import DEFAULT_MAX_BACKLOG, BacklogFull
+from draftsmith.serve.engine.detokenizer import IncrementalText, token_bytes
+from draftsmith.serve.engine.request import RequestOutput
+from draftsmith.serve.openai.http_limits import DEFAULT_MAX_BODY_BYTES, EdgeLimits
+from draftsmith.serve.openai.metrics import ServerMetrics
+from draftsmith.serve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -48,9 +51,6 @@ from draftsmith.serve.openai_protocol import (
     new_id,
     usage_chunk,
 )
-from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG, BacklogFull
-from draftsmith.serve.request import RequestOutput
-from draftsmith.serve.server_metrics import ServerMetrics
 
 logger = logging.getLogger("draftsmith")
 

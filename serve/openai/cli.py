@@ -19,11 +19,11 @@ import time
 import uvicorn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.api_server import ServerOptions, build_app
-from draftsmith.serve.async_engine import AsyncEngine
-from draftsmith.serve.engine_process import start_engine_process
-from draftsmith.serve.llm import LLM, engine_kwargs
-from draftsmith.serve.server_metrics import ServerMetrics
+from draftsmith.serve.apps.llm import LLM, engine_kwargs
+from draftsmith.serve.client.async_engine import AsyncEngine
+from draftsmith.serve.client.engine_process import start_engine_process
+from draftsmith.serve.openai.app import ServerOptions, build_app
+from draftsmith.serve.openai.metrics import ServerMetrics
 
 SHUTDOWN_GRACE_S = 5.0  # uvicorn's wait past --shutdown-timeout, for the requests' error events to go out
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import method_names, resolve_method, servable
 from draftsmith.methods.ngram import CODE_DEFAULTS
-from draftsmith.serve.serve_cli import free_port
+from draftsmith.serve.openai.cli import free_port
 
 DEMO_PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fib",
@@ -27,7 +27,7 @@ DEMO_PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self.it",
     "def read_json(path):\n    with open(path) as f:\n        return json.lo",
 ]
-ASSETS = Path(__file__).resolve().parents[1] / "assets"  # an editable install keeps the package beside it
+ASSETS = Path(__file__).resolve().parents[2] / "assets"  # an editable install keeps the package beside it
 
 
 def default_demo_model() -> Path:

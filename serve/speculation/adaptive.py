@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from draftsmith.serve.cost_profile import ForwardCostTable
-from draftsmith.serve.spec_decode.estimators import AcceptanceStats, DecayedLine, ScaleByBatch
+from draftsmith.serve.speculation.cost_profile import ForwardCostTable
+from draftsmith.serve.speculation.estimators import AcceptanceStats, DecayedLine, ScaleByBatch
 
 FLOOR_MARGIN = 0.5
 DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts are timed

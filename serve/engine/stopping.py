@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from draftsmith.serve.detokenizer import IncrementalDecoder, decode_all
-from draftsmith.serve.request import Request
+from draftsmith.serve.engine.detokenizer import IncrementalDecoder, decode_all
+from draftsmith.serve.engine.request import Request
 
 
 class StopChecker:

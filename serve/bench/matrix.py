@@ -28,11 +28,11 @@ from draftsmith.corpus import code_prompts, edit_prompts
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import method_names, read_head_config, resolve_method, servable
 from draftsmith.models.tokenizer import load_tokenizer
-from draftsmith.serve.bench_plot import plot_speedups, require_matplotlib
-from draftsmith.serve.llm import LLM
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.apps.llm import LLM
+from draftsmith.serve.bench.plot import plot_speedups, require_matplotlib
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 NO_SPEC = "none"  # the row every ratio divides by
 HF = "hf"  # HF transformers generate, concurrency 1 only
 DRAFT_OVERSHOOT = 16  # cache room past prompt + max_tokens for the drafts a last verify step writes

@@ -5,7 +5,7 @@ EAGLE-3 head whose drafts are accepted at a set rate (`rejection_sample_method: 
 engine spends around a real head's draft cost shows without a trained head.
 
 Each row runs for every `--step-modes` entry side by side (on CUDA: eager and captured CUDA graphs,
-`serve.step_graphs`), the verify-cost curve too.
+`serve.engine.step_graphs`), the verify-cost curve too.
 
 The shapes are the anchors' (`../shared/docs/anchors.md`: Llama-3.1-8B, Qwen3-8B), `tiny` (what `make test`
 runs on CPU), the shared models' by name, or any HF config.json path.
@@ -26,12 +26,12 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.dtypes import DTYPES
 from draftsmith.models.llama import CausalLM
-from draftsmith.serve import bench
-from draftsmith.serve.bench import drive, parse_concurrency
-from draftsmith.serve.cost_profile import time_forward
-from draftsmith.serve.llm import LLM
-from draftsmith.serve.sampling_params import SamplingParams
-from draftsmith.serve.step_graphs import STEP_MODES, make_step_runner, resolve_step_mode
+from draftsmith.serve.apps.llm import LLM
+from draftsmith.serve.bench import matrix
+from draftsmith.serve.bench.matrix import drive, parse_concurrency
+from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.engine.step_graphs import STEP_MODES, make_step_runner, resolve_step_mode
+from draftsmith.serve.speculation.cost_profile import time_forward
 
 SHAPES = {
     "llama-3.1-8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
@@ -97,8 +97,8 @@ def _random_eagle3_head(target: CausalLM, model_dir: Path, directory: Path) -> P
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    """`draftsmith bench`: the shape bench with --shape, else the shared models' matrix (`bench.run`)."""
-    return run(args) if args.shape is not None else bench.run(args)
+    """`draftsmith bench`: the shape bench with --shape, else the shared models' matrix (`matrix.run`)."""
+    return run(args) if args.shape is not None else matrix.run(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from draftsmith.corpus import code_prompts
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.llm import LLM
-from draftsmith.serve.serve_cli import build_process_server_app, build_server_app, server_in_thread
+from draftsmith.serve.apps.llm import LLM
+from draftsmith.serve.openai.cli import build_process_server_app, build_server_app, server_in_thread
 
 
 def percentile(values: list[float], q: float) -> float:

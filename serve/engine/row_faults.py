@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.logprobs import token_logprobs
-from draftsmith.serve.request import Request, Status
-from draftsmith.serve.sampling import SamplingBatch
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.engine.logprobs import token_logprobs
+from draftsmith.serve.engine.request import Request, Status
+from draftsmith.serve.engine.sampling import SamplingBatch
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("draftsmith")
 

@@ -19,7 +19,7 @@ import torch
 
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
 from draftsmith.models.llama import ForwardOutput
-from draftsmith.serve.sampling import SamplingBatch, logits_to_probs, position_noise
+from draftsmith.serve.engine.sampling import SamplingBatch, logits_to_probs, position_noise
 
 
 def block_parents(parents: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -55,7 +55,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
     text: str = ""  # detokenized output, kept current only when stop strings need it
     seed: int = 0  # with each token's position, keys its sampling noise
-    logprobs: list[dict] | None = None  # per output token, when params.logprobs is set (`serve.logprobs`)
+    logprobs: list[dict] | None = None  # per output token, when params.logprobs is set (`serve.engine.logprobs`)
     prompt_logprobs: list[dict | None] | None = None  # per prompt token read so far (params.prompt_logprobs)
     # n > 1: the group of samples this one belongs to, its place there, and until its prompt is in the cache,
     # the sibling whose prefill it shares (None: it prefills itself)

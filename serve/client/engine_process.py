@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.async_engine import AsyncEngine, QueueFullError, RequestRejected, refusal
-from draftsmith.serve.engine_frames import delta_frame, delta_from_frame, recv, send
-from draftsmith.serve.frontend import Frontend
-from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG, DeltaTracker
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.client.async_engine import AsyncEngine, QueueFullError, RequestRejected, refusal
+from draftsmith.serve.client.frames import delta_frame, delta_from_frame, recv, send
+from draftsmith.serve.client.frontend import Frontend
+from draftsmith.serve.client.output_streams import DEFAULT_MAX_BACKLOG, DeltaTracker
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("draftsmith")
 
@@ -43,7 +43,7 @@ def engine_main(conn, llm_kwargs: dict) -> None:
     """The engine process: builds the LLM, then steps it and answers commands until told to stop or the API
     process goes away (the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
-    from draftsmith.serve.llm import LLM
+    from draftsmith.serve.apps.llm import LLM
 
     try:
         llm = LLM(**llm_kwargs)

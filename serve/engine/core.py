@@ -25,25 +25,25 @@ from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import warm_up as warm_up_linears
 from draftsmith.models.llama import CausalLM
 from draftsmith.models.tokenizer import check_same_vocabulary
-from draftsmith.serve.cost_profile import ForwardCostTable, profile_forwards
-from draftsmith.serve.frontend import check_prompt, check_samples
-from draftsmith.serve.logprobs import LOGPROBS_MODES, prompt_logprobs
-from draftsmith.serve.request import Request, RequestGroup, RequestOutput, Status
-from draftsmith.serve.row_faults import (
+from draftsmith.serve.client.frontend import check_prompt, check_samples
+from draftsmith.serve.engine.logprobs import LOGPROBS_MODES, prompt_logprobs
+from draftsmith.serve.engine.request import Request, RequestGroup, RequestOutput, Status
+from draftsmith.serve.engine.row_faults import (
     MAX_CONSECUTIVE_FAULTS,
     EngineFault,
     FaultIsolatingSteps,
     RowFaults,
     try_request_row,
 )
-from draftsmith.serve.sampling import SamplingBatch, sample
-from draftsmith.serve.sampling_params import SamplingParams, wrap_int64
-from draftsmith.serve.spec_decode.adaptive import CostModel, SpeculationPlanner
-from draftsmith.serve.spec_decode.tree_verify import size_trees, verify_tree
-from draftsmith.serve.spec_decode.verify import SpecMetrics, pick_sampler, verify
-from draftsmith.serve.step_accounting import StepLedger
-from draftsmith.serve.step_graphs import DraftStepRunner, make_step_runner, resolve_step_mode
-from draftsmith.serve.stopping import StopChecker
+from draftsmith.serve.engine.sampling import SamplingBatch, sample
+from draftsmith.serve.engine.sampling_params import SamplingParams, wrap_int64
+from draftsmith.serve.engine.step_accounting import StepLedger
+from draftsmith.serve.engine.step_graphs import DraftStepRunner, make_step_runner, resolve_step_mode
+from draftsmith.serve.engine.stopping import StopChecker
+from draftsmith.serve.speculation.adaptive import CostModel, SpeculationPlanner
+from draftsmith.serve.speculation.cost_profile import ForwardCostTable, profile_forwards
+from draftsmith.serve.speculation.tree_verify import size_trees, verify_tree
+from draftsmith.serve.speculation.verify import SpecMetrics, pick_sampler, verify
 
 logger = logging.getLogger("draftsmith")
 
@@ -57,8 +57,8 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt + output tokens per request
     max_num_batched_tokens: int = 2048  # padded prefill tokens per step
     seed: int = 0
-    logprobs_mode: str = "raw_logprobs"  # vLLM's names: raw_logprobs or processed_logprobs (serve.logprobs)
-    # how decode and verify forwards run (serve.step_graphs): auto = CUDA graphs on CUDA, eager elsewhere
+    logprobs_mode: str = "raw_logprobs"  # vLLM's names: raw_logprobs or processed_logprobs (serve.engine.logprobs)
+    # how decode and verify forwards run (serve.engine.step_graphs): auto = CUDA graphs on CUDA, eager elsewhere
     step_mode: str = "auto"
     enforce_eager: bool = False  # vLLM's flag: every forward eager (step_mode auto or eager only)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.serve.sampling import SamplingBatch, logits_to_probs
+from draftsmith.serve.engine.sampling import SamplingBatch, logits_to_probs
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 
 @dataclass

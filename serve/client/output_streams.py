@@ -18,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.request import CompletionOutput, RequestOutput
+from draftsmith.serve.engine.request import CompletionOutput, RequestOutput
 
 DEFAULT_MAX_BACKLOG = 16384  # unread token ids + logprob entries per request (a few MB at most)
 

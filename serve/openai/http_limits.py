@@ -13,7 +13,7 @@ import hmac
 import json
 from collections.abc import Callable
 
-from draftsmith.serve.openai_protocol import error_body
+from draftsmith.serve.openai.protocol import error_body
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 

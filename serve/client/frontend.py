@@ -10,7 +10,7 @@ from typing import Any
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.tokenizer import load_tokenizer
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 PromptInput = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": str}
 
@@ -53,7 +53,7 @@ class Frontend:
         """UTF-8 bytes of text past which a prompt cannot fit max_model_len tokens, whatever it says: no token
         stands for more bytes than the vocabulary's longest, and a normalizer (NFKC, NFC) shrinks text at most
         4-fold. The server refuses longer text without tokenizing it."""
-        from draftsmith.serve.detokenizer import token_bytes
+        from draftsmith.serve.engine.detokenizer import token_bytes
 
         longest = max(len(token_bytes(self.tokenizer, i)) for i in range(len(self.tokenizer)))
         return self.max_model_len * max(longest, 1) * 4

@@ -14,12 +14,12 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.llama import CausalLM
 from draftsmith.models.loader import load_target
 from draftsmith.models.tokenizer import eos_token_ids, load_tokenizer
-from draftsmith.serve.engine import EngineConfig, LLMEngine
-from draftsmith.serve.frontend import Frontend, PromptInput
-from draftsmith.serve.host_memory import keep_freed_memory
-from draftsmith.serve.request import RequestOutput
-from draftsmith.serve.sampling_params import SamplingParams
-from draftsmith.serve.spec_decode.config import from_legacy_kwargs, parse_speculative_config
+from draftsmith.serve.client.frontend import Frontend, PromptInput
+from draftsmith.serve.engine.core import EngineConfig, LLMEngine
+from draftsmith.serve.engine.host_memory import keep_freed_memory
+from draftsmith.serve.engine.request import RequestOutput
+from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.speculation.config import from_legacy_kwargs, parse_speculative_config
 
 LEGACY_SPEC_KWARGS = ("speculative_model", "num_speculative_tokens", "ngram_prompt_lookup_max",
                       "ngram_prompt_lookup_min")
@@ -45,7 +45,7 @@ class LLM(Frontend):
         target: the target model another LLM of the same `model` already loaded (`llm.model`), to share
             instead of loading again: serving only reads its weights. The bench runs every method on one
             copy, so that no method's forwards differ from another's by where its weights sit in memory.
-        enforce_eager, step_mode: how decode and verify forwards run (`serve.step_graphs`): by default as
+        enforce_eager, step_mode: how decode and verify forwards run (`serve.engine.step_graphs`): by default as
             captured CUDA graphs on CUDA and eagerly on CPU; enforce_eager (vLLM's name) keeps them eager.
         skip_tokenizer_init: load no tokenizer (vLLM's name): prompts are token ids and outputs have no text (a
             model folder of config.json alone, as `draftsmith bench --shape` builds with random weights).
@@ -99,7 +99,7 @@ class LLM(Frontend):
     def _forward_costs(self, model_dir: Path):
         """The target's forward cost table for adaptive speculation: from the disk cache, or measured now
         (a few seconds, once per model, device, dtype and torch version)."""
-        from draftsmith.serve.cost_profile import cache_path, load_or_profile
+        from draftsmith.serve.speculation.cost_profile import cache_path, load_or_profile
 
         table, cached = load_or_profile(self.model, model_dir)
         if not cached:

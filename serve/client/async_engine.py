@@ -18,10 +18,15 @@ import threading
 import time
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.llm import LLM
-from draftsmith.serve.output_streams import DEFAULT_MAX_BACKLOG, DeltaTracker, OutputDelta, OutputStream
-from draftsmith.serve.request import RequestOutput
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.apps.llm import LLM
+from draftsmith.serve.client.output_streams import (
+    DEFAULT_MAX_BACKLOG,
+    DeltaTracker,
+    OutputDelta,
+    OutputStream,
+)
+from draftsmith.serve.engine.request import RequestOutput
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("draftsmith")
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from draftsmith.serve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from draftsmith.serve.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger("draftsmith")
 

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.llm import LLM, engine_kwargs
-from draftsmith.serve.sampling_params import SamplingParams
+from draftsmith.serve.apps.llm import LLM, engine_kwargs
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 
 def read_prompt_file(path: Path) -> list[dict]:

@@ -140,8 +140,9 @@ def test_training_and_conversion_run_without_loading_serving_code():
 
 
 def _layer(module: str) -> str:
-    """Foundation (errors, corpus) < models < methods < train, convert, serve < entry points (the CLI)."""
-    if module in ("draftsmith.cli", "draftsmith.__main__"):
+    """Foundation (errors, corpus) < models < methods < train, convert, serve < entry points (the CLI, the
+    developer tools of `draftsmith.tools`)."""
+    if module in ("draftsmith.cli", "draftsmith.__main__") or module.startswith("draftsmith.tools"):
         return "entry"
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in ("models", "methods", "train", "convert", "serve"):

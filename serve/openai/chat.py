@@ -1,0 +1,71 @@
+"""POST /v1/chat/completions: chat messages rendered with the model's chat template, answered whole or streamed
+as `chat.completion.chunk` events."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from draftsmith.serve.client.async_engine import RequestOutputs
+from draftsmith.serve.engine.detokenizer import token_bytes
+from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.openai.http_errors import GENERATION_RESPONSES
+from draftsmith.serve.openai.outputs import collect, record_finished, token_text
+from draftsmith.serve.openai.prompts import check_model, off_loop, render_chat, submit
+from draftsmith.serve.openai.protocol import (
+    ChatCompletionRequest,
+    chat_body,
+    chat_choice,
+    chat_chunk,
+    chat_logprobs,
+    new_id,
+)
+from draftsmith.serve.openai.state import ServerState
+from draftsmith.serve.openai.streaming import stream_events, usage_chunk_for
+
+
+def chat_router(state: ServerState) -> APIRouter:
+    """/v1/chat/completions: one prompt, from the messages, and `n` samples of it."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        start = time.perf_counter()
+        check_model(state, body.model)
+        prompt, ids = await off_loop(render_chat, state.frontend, body.messages, param="messages")
+        params, outputs = submit(state, ids, body, prompt)
+        rid = new_id("chatcmpl")
+        if body.stream:
+            return _streamed(state, body, rid, len(ids), params, outputs, start)
+        out = await collect(state, raw, outputs, start)
+        record_finished(state, out, start)
+        choices = [chat_choice(c.index, c.text, c.finish_reason,
+                               None if c.logprobs is None else _logprobs(state, c.logprobs, params))
+                   for c in out.outputs]
+        return chat_body(rid, state.model_name, choices, len(ids), sum(len(c.token_ids) for c in out.outputs))
+
+    return router
+
+
+def _logprobs(state: ServerState, entries: list[dict], params: SamplingParams) -> dict:
+    """Engine logprob entries in the chat shape, with the `params.logprobs` top alternatives of each token."""
+    return chat_logprobs(entries, functools.partial(token_text, state.frontend), params.logprobs,
+                         functools.partial(token_bytes, state.frontend.tokenizer))
+
+
+def _streamed(state: ServerState, body: ChatCompletionRequest, rid: str, n_prompt: int, params: SamplingParams,
+              outputs: RequestOutputs, start: float) -> StreamingResponse:
+    """The streamed answer: each sample opens with the assistant's role, then its text as it comes."""
+    first = [chat_chunk(rid, state.model_name, {"role": "assistant", "content": ""}, None, None, index)
+             for index in range(params.n)]
+
+    def chunk(index: int, delta: str, finish: str | None, entries: list[dict] | None) -> dict:
+        logprobs = None if entries is None else _logprobs(state, entries, params)
+        return chat_chunk(rid, state.model_name, {"content": delta} if delta else {}, finish, logprobs, index)
+
+    usage = usage_chunk_for(state, body, rid, "chat.completion.chunk", n_prompt)
+    events = stream_events(state, outputs, params, start, chunk, first_chunks=first, usage=usage)
+    return StreamingResponse(events, media_type="text/event-stream")

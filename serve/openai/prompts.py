@@ -1,0 +1,68 @@
+"""From a request body to a request on the engine: the model name checked, prompts tokenized and chat messages
+rendered off the event loop, and the token ids submitted with the body's `SamplingParams`.
+
+Text is measured before it is tokenized (`Frontend.check_text`), so that no prompt too long for the context
+costs a tokenizer run; tokenizing and chat templates run on worker threads, off the event loop that streams
+everyone's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.serve.client.async_engine import QueueFullError, RequestOutputs
+from draftsmith.serve.client.frontend import Frontend
+from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.openai.http_errors import APIError
+from draftsmith.serve.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from draftsmith.serve.openai.state import ServerState
+
+T = TypeVar("T")
+
+
+def check_model(state: ServerState, name: str) -> None:
+    """A request naming another model than the one served is a 404."""
+    if name != state.model_name:
+        raise APIError(404, f"The model `{name}` does not exist; this server serves `{state.model_name}`", "model")
+
+
+async def off_loop(work: Callable[..., T], *args: Any, param: str = "prompt") -> T:
+    """work(*args) on a worker thread (tokenizing, templates); its DraftsmithError is a 400 naming `param`."""
+    try:
+        return await asyncio.to_thread(work, *args)
+    except DraftsmithError as exc:
+        raise APIError(400, str(exc), param) from None
+
+
+def encode_prompts(frontend: Frontend, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+    """Each prompt's text (None for token ids) and token ids; every text is measured before any is tokenized."""
+    for index, p in enumerate(prompts):
+        if isinstance(p, str):
+            frontend.check_text(p, f"prompt {index}" if len(prompts) > 1 else "prompt")
+    return [frontend.encode(p) if isinstance(p, str) else (None, list(p)) for p in prompts]
+
+
+def render_chat(frontend: Frontend, messages: list[ChatMessage]) -> tuple[str, list[int]]:
+    """The chat template's prompt and its ids; more messages or text than the context holds is refused."""
+    max_model_len = frontend.max_model_len
+    if len(messages) > max_model_len:
+        raise DraftsmithError(f"messages: {len(messages)} messages cannot fit max_model_len {max_model_len}")
+    frontend.check_text("".join(m.content for m in messages), "messages")
+    prompt = frontend.apply_chat_template([m.model_dump() for m in messages])
+    return prompt, frontend.tokenizer(prompt, add_special_tokens=False).input_ids  # the template wrote them
+
+
+def submit(state: ServerState, ids: list[int], body: CompletionRequest | ChatCompletionRequest,
+           prompt: str | None) -> tuple[SamplingParams, RequestOutputs]:
+    """Queues `ids` with the body's sampling parameters: a full queue is a 503, a request the engine refuses
+    a 400."""
+    try:
+        params = body.sampling_params(default_max_tokens=state.max_model_len)
+        return params, state.engine.submit(ids, params, prompt)
+    except QueueFullError as exc:
+        raise APIError(503, str(exc)) from None
+    except DraftsmithError as exc:
+        raise APIError(400, str(exc), "prompt" if "prompt" in str(exc) else None) from None

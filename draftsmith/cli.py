@@ -60,25 +60,31 @@ def _add_engine_args(p: argparse.ArgumentParser, methods: list[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # Every list of methods and formats below comes from the registries, so a new method shows up here by
-    # registering (these imports cost what torch costs; every subcommand needs torch anyway).
-    from draftsmith.convert.registry import OUTPUTS, load_formats
-    from draftsmith.methods import method_names, servable, trainable
-    from draftsmith.methods.ngram import CODE_DEFAULTS
-    from draftsmith.serve.client.output_streams import DEFAULT_MAX_BACKLOG
-    from draftsmith.serve.openai.http_limits import DEFAULT_MAX_BODY_BYTES
+    """The root parser and one subparser per command, in the order `draftsmith --help` lists them.
 
-    served, trained, sources = method_names(servable), method_names(trainable), list(load_formats())
+    Every list of methods and formats in the help comes from the registries, so a new method shows up here by
+    registering (those imports cost what torch costs; every subcommand needs torch anyway).
+    """
     parser = OneLineErrorParser(prog="draftsmith", description=(
         "Speculative decoding end to end: train draft heads, convert checkpoints, serve and measure."))
     parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
+    for add_command in (_add_generate, _add_serve, _add_train, _add_capture, _add_datagen, _add_convert, _add_bench,
+                        _add_profile, _add_bench_serve, _add_demo):
+        add_command(commands)
+    return parser
 
-    gen = sub.add_parser("generate", help="offline batched generation from a JSONL prompts file",
-                         description="Generate completions for every line of a JSONL file. Lines are "
-                         '{"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} (chat '
-                         "template applied). Output lines: index, text, token_ids, num_prompt_tokens, "
-                         "finish_reason, in input order.")
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith generate`: offline batched generation."""
+    from draftsmith.methods import method_names, servable
+
+    gen = commands.add_parser(
+        "generate", help="offline batched generation from a JSONL prompts file",
+        description="Generate completions for every line of a JSONL file. Lines are "
+        '{"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} (chat '
+        "template applied). Output lines: index, text, token_ids, num_prompt_tokens, "
+        "finish_reason, in input order.")
     gen.add_argument("--model", required=True, help="HF model directory (config.json, safetensors, tokenizer)")
     gen.add_argument("--prompts", required=True, help="input JSONL file")
     gen.add_argument("--output", required=True, help="output JSONL file")
@@ -88,13 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
     gen.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same output")
     gen.add_argument("--metrics-json", default=None, help="write elapsed_s, tokens_per_s and counters here")
-    _add_engine_args(gen, served)
+    _add_engine_args(gen, method_names(servable))
     gen.set_defaults(handler="draftsmith.serve.apps.generate:run")
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the speculative engine",
-                         description="Serve MODEL over an OpenAI-compatible API: /v1/completions, "
-                         "/v1/chat/completions (both with stream=true), /v1/models, /health, /version and "
-                         "Prometheus /metrics. Flags are named as in `vllm serve`.")
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith serve`: the OpenAI-compatible HTTP server."""
+    from draftsmith.methods import method_names, servable
+    from draftsmith.serve.client.output_streams import DEFAULT_MAX_BACKLOG
+    from draftsmith.serve.openai.http_limits import DEFAULT_MAX_BODY_BYTES
+
+    srv = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server on the speculative engine",
+        description="Serve MODEL over an OpenAI-compatible API: /v1/completions, "
+        "/v1/chat/completions (both with stream=true), /v1/models, /health, /version and "
+        "Prometheus /metrics. Flags are named as in `vllm serve`.")
     srv.add_argument("model", help="HF model directory")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
@@ -120,21 +134,31 @@ def build_parser() -> argparse.ArgumentParser:
                      help="step the engine in its own process, as vLLM does (the HTTP side only parses, tokenises "
                      "and streams; if the engine dies, requests fail with 500 and /health turns 503); "
                      "--no-engine-process runs it on a thread of the API process")
-    _add_engine_args(srv, served)
+    _add_engine_args(srv, method_names(servable))
     srv.set_defaults(handler="draftsmith.serve.openai.cli:run")
 
-    tr = sub.add_parser("train", help=f"train a draft head ({', '.join(trained)}) from a recipe (single process)",
-                        description="Train a draft head. For several processes or GPUs use "
-                        "`accelerate launch --config_file recipes/accelerate/ddp.yaml -m draftsmith.train RECIPE`. "
-                        "Rerunning the same command resumes from the newest checkpoint in training.output_dir.")
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith train`: one process training a draft head from a recipe."""
+    from draftsmith.methods import method_names, trainable
+
+    tr = commands.add_parser(
+        "train", help=f"train a draft head ({', '.join(method_names(trainable))}) from a recipe (single process)",
+        description="Train a draft head. For several processes or GPUs use "
+        "`accelerate launch --config_file recipes/accelerate/ddp.yaml -m draftsmith.train RECIPE`. "
+        "Rerunning the same command resumes from the newest checkpoint in training.output_dir.")
     tr.add_argument("recipe", help="recipe YAML (see recipes/)")
     tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.learning_rate=3e-4")
     tr.set_defaults(handler="draftsmith.train.cli:run_train")
 
-    cap = sub.add_parser("capture", help="write the target's hidden states for a recipe's data (offline mode)",
-                         description="Run the target over the recipe's training data and store the features its "
-                         "head reads as bf16 safetensors shards plus a manifest. Prints the disk it needs first; "
-                         "rerun to resume. Train on it with data.hidden_states_dir=DIR.")
+
+def _add_capture(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith capture`: the target's hidden states for offline training."""
+    cap = commands.add_parser(
+        "capture", help="write the target's hidden states for a recipe's data (offline mode)",
+        description="Run the target over the recipe's training data and store the features its "
+        "head reads as bf16 safetensors shards plus a manifest. Prints the disk it needs first; "
+        "rerun to resume. Train on it with data.hidden_states_dir=DIR.")
     cap.add_argument("recipe")
     cap.add_argument("overrides", nargs="*")
     cap.add_argument("--output", default=None, help="default: data.hidden_states_dir of the recipe")
@@ -142,9 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     cap.set_defaults(handler="draftsmith.train.cli:run_capture")
 
-    dg = sub.add_parser("datagen", help="regenerate training data with the target (self-distillation)",
-                        description="Replay chat records turn by turn, or continue text records, with the target "
-                        "through draftsmith's engine, and write JSONL for training.")
+
+def _add_datagen(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith datagen`: training data regenerated by the target."""
+    from draftsmith.methods import method_names, servable
+
+    dg = commands.add_parser(
+        "datagen", help="regenerate training data with the target (self-distillation)",
+        description="Replay chat records turn by turn, or continue text records, with the target "
+        "through draftsmith's engine, and write JSONL for training.")
     dg.add_argument("--model", required=True)
     dg.add_argument("--input", required=True, help="JSONL (.xz ok) of chat or text records")
     dg.add_argument("--output", required=True)
@@ -160,19 +190,25 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--temperature", type=float, default=0.7)
     dg.add_argument("--top-p", type=float, default=1.0)
     dg.add_argument("--seed", type=int, default=None)
-    _add_engine_args(dg, served)
+    _add_engine_args(dg, method_names(servable))
     dg.set_defaults(handler="draftsmith.serve.apps.datagen:run")
 
-    conv = sub.add_parser("convert", help="convert draft checkpoints between public formats and draftsmith's",
-                          description="Read a draft checkpoint (format detected from its config and tensor names, or "
-                          "named with --from), normalize it to draftsmith's native head format, optionally check it "
-                          "against the target, and write it as native or as what vLLM, SGLang or speculators load. "
-                          "Weights load without executing anything (.bin via torch.load(weights_only=True)); OUT "
-                          "appears only when complete.")
+
+def _add_convert(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith convert`: draft checkpoints between formats."""
+    from draftsmith.convert.registry import OUTPUTS, load_formats
+
+    conv = commands.add_parser(
+        "convert", help="convert draft checkpoints between public formats and draftsmith's",
+        description="Read a draft checkpoint (format detected from its config and tensor names, or "
+        "named with --from), normalize it to draftsmith's native head format, optionally check it "
+        "against the target, and write it as native or as what vLLM, SGLang or speculators load. "
+        "Weights load without executing anything (.bin via torch.load(weights_only=True)); OUT "
+        "appears only when complete.")
     conv.add_argument("src", help="checkpoint directory (or a single weights file)")
     conv.add_argument("out", nargs="?", help="output directory (must not exist unless --force)")
     conv.add_argument("--from", dest="from_format", default=None, metavar="FORMAT",
-                      help=f"source format, default: detected; one of {', '.join(sources)}")
+                      help=f"source format, default: detected; one of {', '.join(load_formats())}")
     conv.add_argument("--to", choices=OUTPUTS, default="native",
                       help="output layout (default: %(default)s)")
     conv.add_argument("--target", default=None,
@@ -186,19 +222,25 @@ def build_parser() -> argparse.ArgumentParser:
                       "write nothing")
     conv.set_defaults(handler="draftsmith.convert.cli:run")
 
-    bench = sub.add_parser("bench", help="throughput matrix: every speculation method against none, by concurrency",
-                           description="For each model, runs no speculation and every method (--speculative-config "
-                           "and every head shipped as assets/MODEL-HEADTYPE) at each --concurrency level, in one "
-                           "process on the same validation code prompts, greedy. Concurrency c = c requests in "
-                           "flight, the next prompt queued as one finishes; max(--waves x c, --num-prompts) prompts per "
-                           "level, so that c requests stay in flight for most of the run, as under steady load, "
-                           "rather than one batch draining; tokens/s counts the steps that begin with c in flight (the final drain is "
-                           "reported apart, as the whole run's ratio). The methods take turns of a quarter second of engine steps, each "
-                           "timed over its own steps and all on one copy of the target's weights, so that machine speed "
-                           "drifts reach them alike. Prints tokens/s, the ratio to no speculation at the same level and the mean "
-                           "acceptance length, checks every method's tokens against no speculation's, and writes "
-                           "--json rows and a PNG of speedup against concurrency (one line per method). HF "
-                           "transformers generate is timed at concurrency 1 as a reference.")
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith bench`: the throughput matrix, by method and concurrency."""
+    from draftsmith.methods.ngram import CODE_DEFAULTS
+
+    bench = commands.add_parser(
+        "bench", help="throughput matrix: every speculation method against none, by concurrency",
+        description="For each model, runs no speculation and every method (--speculative-config "
+        "and every head shipped as assets/MODEL-HEADTYPE) at each --concurrency level, in one "
+        "process on the same validation code prompts, greedy. Concurrency c = c requests in "
+        "flight, the next prompt queued as one finishes; max(--waves x c, --num-prompts) prompts per "
+        "level, so that c requests stay in flight for most of the run, as under steady load, "
+        "rather than one batch draining; tokens/s counts the steps that begin with c in flight (the final drain is "
+        "reported apart, as the whole run's ratio). The methods take turns of a quarter second of engine steps, each "
+        "timed over its own steps and all on one copy of the target's weights, so that machine speed "
+        "drifts reach them alike. Prints tokens/s, the ratio to no speculation at the same level and the mean "
+        "acceptance length, checks every method's tokens against no speculation's, and writes "
+        "--json rows and a PNG of speedup against concurrency (one line per method). HF "
+        "transformers generate is timed at concurrency 1 as a reference.")
     bench.add_argument("--shared", default="../shared", help="folder holding data/ and models/")
     bench.add_argument("--models", default="demo-code-7m,house-code-28m", help="comma-separated names under models/")
     bench.add_argument("--concurrency", default=None,
@@ -234,6 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also print where each decode step's time goes (draft, target forward, verify and "
                        "sample, bookkeeping) in ms per step and share")
     bench.add_argument("--json", default=None, help="write the rows (one per model, method and level) here")
+    _add_bench_shape_args(bench)
+    chart = bench.add_mutually_exclusive_group()
+    chart.add_argument("--plot", default=None,
+                       help="speedup chart PNG (default: --json with .png, else bench.png; needs matplotlib)")
+    chart.add_argument("--no-plot", action="store_true", help="skip the chart")
+    bench.set_defaults(handler="draftsmith.serve.bench.shape:dispatch")
+
+
+def _add_bench_shape_args(bench: argparse.ArgumentParser) -> None:
+    """`draftsmith bench --shape`: the engine's speed on a model shape with random weights."""
     shape = bench.add_argument_group("model shapes with random weights (the engine's own speed, no download)")
     shape.add_argument("--shape", default=None,
                        help="instead of --models: llama-3.1-8b, qwen3-8b, tiny, a model under SHARED/models or a "
@@ -247,17 +299,16 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--step-modes", default=None,
                        help="comma-separated ways to run decode and verify steps, side by side: eager, cuda-graph, "
                        "compile (default: eager,cuda-graph on CUDA, eager on CPU)")
-    chart = bench.add_mutually_exclusive_group()
-    chart.add_argument("--plot", default=None,
-                       help="speedup chart PNG (default: --json with .png, else bench.png; needs matplotlib)")
-    chart.add_argument("--no-plot", action="store_true", help="skip the chart")
-    bench.set_defaults(handler="draftsmith.serve.bench.shape:dispatch")
 
-    prof = sub.add_parser("profile", help="time target forwards by batch shape (the speculation cost model's input)",
-                          description="Time the target's forward for 1..32 rows of 1..8 query tokens against a warm KV "
-                          "cache and print the table (ms, and each shape relative to a one-token decode of the same "
-                          "rows). The table is saved under ~/.cache/draftsmith/profiles (DRAFTSMITH_CACHE_DIR "
-                          "overrides), keyed by model, device, dtype, threads and torch version, and reused.")
+
+def _add_profile(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith profile`: target forward times by batch shape."""
+    prof = commands.add_parser(
+        "profile", help="time target forwards by batch shape (the speculation cost model's input)",
+        description="Time the target's forward for 1..32 rows of 1..8 query tokens against a warm KV "
+        "cache and print the table (ms, and each shape relative to a one-token decode of the same "
+        "rows). The table is saved under ~/.cache/draftsmith/profiles (DRAFTSMITH_CACHE_DIR "
+        "overrides), keyed by model, device, dtype, threads and torch version, and reused.")
     prof.add_argument("model", help="HF model directory")
     prof.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     prof.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
@@ -266,10 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--refresh", action="store_true", help="measure again even if a saved table matches")
     prof.set_defaults(handler="draftsmith.serve.speculation.cost_profile:run")
 
-    load = sub.add_parser("bench-serve", help="HTTP load check: requests/s and latency, without and with speculation",
-                          description="Starts the server on loopback twice (no speculation, then with "
-                          "--speculative-config), for each --engine placement, sends the same requests at a fixed concurrency with the openai "
-                          "client, and prints requests/s, output tokens/s and p50/p99 latency side by side.")
+
+def _add_bench_serve(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith bench-serve`: the HTTP load check."""
+    from draftsmith.methods.ngram import CODE_DEFAULTS
+
+    load = commands.add_parser(
+        "bench-serve", help="HTTP load check: requests/s and latency, without and with speculation",
+        description="Starts the server on loopback twice (no speculation, then with "
+        "--speculative-config), for each --engine placement, sends the same requests at a fixed concurrency with the openai "
+        "client, and prints requests/s, output tokens/s and p50/p99 latency side by side.")
     load.add_argument("--shared", default="../shared", help="folder holding data/ and models/")
     load.add_argument("--models", default="demo-code-7m,house-code-28m", help="comma-separated names under models/")
     load.add_argument("--concurrency", type=_positive_int, default=8)
@@ -281,15 +338,19 @@ def build_parser() -> argparse.ArgumentParser:
                       "process of its own (serve's default), or both (side by side)")
     load.set_defaults(handler="draftsmith.serve.bench.load:run")
 
-    demo = sub.add_parser("demo", help="serve the embedded demo model with its shipped EAGLE-3 head and query it",
-                          description="Start `draftsmith serve` on the embedded demo model with speculation by its "
-                          "shipped EAGLE-3 head (n-gram when the head is missing), send four code completions through "
-                          "the openai client (one streamed), print the text, tokens/s and acceptance, and stop.")
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith demo`: serve the demo model with speculation and query it."""
+    demo = commands.add_parser(
+        "demo", help="serve the embedded demo model with the first head shipped beside it (today DFlash) and query it",
+        description="Start `draftsmith serve` on the embedded demo model with speculation by the first head "
+        "shipped beside it (MODEL-HEADTYPE, servable methods tried in name order; today DFlash), n-gram when there "
+        "is none, send four code completions through the openai client (one streamed), print the text, tokens/s "
+        "and acceptance, and stop.")
     demo.add_argument("--model", default=None, help="default: assets/demo-code-7m")
     demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     demo.add_argument("--max-tokens", type=_positive_int, default=64)
     demo.set_defaults(handler="draftsmith.serve.apps.demo:run")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

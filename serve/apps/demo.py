@@ -1,6 +1,7 @@
-"""`draftsmith demo`: start `draftsmith serve` on the embedded demo model with its shipped EAGLE-3 head
-(n-gram if the head is missing), talk to it with the official `openai` client (one request streamed), print
-the text and the speculation metrics, and stop the server. A newcomer's first minute, end to end."""
+"""`draftsmith demo`: start `draftsmith serve` on the embedded demo model with the first head shipped beside
+it (`MODEL-HEADTYPE`, servable methods tried in name order; today DFlash), or n-gram if there is none, talk
+to it with the official `openai` client (one request streamed), print the text and the speculation metrics,
+and stop the server. A newcomer's first minute, end to end."""
 
 from __future__ import annotations
 

@@ -20,7 +20,9 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +30,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.corpus import load_records
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods import load_head, resolve_method
+from draftsmith.methods import RecipeTrainingSection, load_head, resolve_method
 from draftsmith.models.dtypes import DTYPES
 from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.models.loader import load_target
@@ -218,22 +220,55 @@ def save_head(accelerator, trainee, directory: Path, dtype: torch.dtype) -> None
     full.save_pretrained(directory)
 
 
+@dataclass(frozen=True)
+class PreparedRun:
+    """What `accelerator.prepare` hands back for one run, and the optimizer steps its schedule spans."""
+
+    trainee: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_loader: Any
+    eval_loader: Any | None  # None when there is no eval data or the method has no acceptance eval
+    total_steps: int
+
+
 def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     """Runs (or resumes) the recipe; returns the directory of the final head."""
+    output = Path(recipe.training.output_dir)
+    log_with = "tensorboard" if _has_tensorboard() else None
+    accelerator = _start_run(recipe, output, log_with)
+    argv = argv or sys.argv
+    trainee, train_ds, eval_ds, pad = _build_trainee(accelerator, recipe)
+    num_parameters = sum(p.numel() for p in trainee.head.parameters())  # before prepare shards them
+    run = _prepare(accelerator, recipe.training, trainee, train_ds, eval_ds, pad)
+    progress = _resume(accelerator, output)
+    if log_with:
+        accelerator.init_trackers("draftsmith", config={"head_type": recipe.model.head_type})
+    accelerator.print(f"training {recipe.model.head_type} head: {num_parameters:,} "
+                      f"parameters, {len(train_ds)} samples, {run.total_steps} optimizer steps")
+    progress = _train_epochs(accelerator, recipe, output, argv, run, progress)
+    return _finish(accelerator, recipe, output, argv, run, progress)
+
+
+def _start_run(recipe: Recipe, output: Path, log_with: str | None):
+    """The run's one `Accelerator`, seeded, with the resolved recipe written into the run directory."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
     t = recipe.training
-    output = Path(t.output_dir)
-    log_with = "tensorboard" if _has_tensorboard() else None
     accelerator = Accelerator(gradient_accumulation_steps=t.gradient_accumulation_steps,
                               mixed_precision=t.mixed_precision, log_with=log_with, project_dir=str(output),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     set_seed(t.seed)
-    argv = argv or sys.argv
     if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
         (output / "recipe.yaml").write_text(dump_recipe(recipe))
+    return accelerator
+
+
+def _build_trainee(accelerator, recipe: Recipe):
+    """Loads the target and the data and builds the head; returns (trainee, train set, eval set or None,
+    pad token id)."""
     on_cpu = accelerator.device.type == "cpu"  # multi-process CPU runs get "cpu:0", which safetensors rejects
     target = load_target(recipe.model.target, dtype="float32" if on_cpu else "bfloat16",
                          device="cpu" if on_cpu else accelerator.device)
@@ -245,16 +280,22 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
         raise DraftsmithError("no training samples left after tokenization and filtering")
     head = build_head(recipe, target, train_ds if not recipe.data.hidden_states_dir else _token_view(train_ds))
     method = resolve_method(recipe.model.head_type)
-    method.record_training(head, t)
-    trainee = HeadWithObjective(head, target, method.objective(), t, DTYPES[recipe.data.hidden_states_dtype],
-                                method.acceptance_eval())
-    pad = tokenizer.pad_token_id or 0
+    method.record_training(head, recipe.training)
+    trainee = HeadWithObjective(head, target, method.objective(), recipe.training,
+                                DTYPES[recipe.data.hidden_states_dtype], method.acceptance_eval())
+    return trainee, train_ds, eval_ds, tokenizer.pad_token_id or 0
+
+
+def _prepare(accelerator, t: RecipeTrainingSection, trainee: HeadWithObjective, train_ds, eval_ds, pad: int) -> PreparedRun:
+    """Builds the loaders, the optimizer and the cosine schedule and hands them to `accelerator.prepare`."""
+    from transformers import get_cosine_schedule_with_warmup
+
     train_loader = torch.utils.data.DataLoader(train_ds, batch_size=t.batch_size, shuffle=True,
                                                collate_fn=lambda r: collate(r, pad), num_workers=t.num_workers)
     eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=t.batch_size, collate_fn=lambda r: collate(r, pad)) \
         if eval_ds is not None and len(eval_ds) and trainee.acceptance_eval is not None else None
-    num_parameters = sum(p.numel() for p in head.parameters())  # before prepare shards them
-    optimizer = torch.optim.AdamW(head.parameters(), lr=t.learning_rate, betas=(0.9, 0.95), weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(trainee.head.parameters(), lr=t.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=t.weight_decay)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None and plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
         # DeepSpeed clips inside its own step (accelerate's clip_grad_norm_ does nothing there) and would
@@ -263,65 +304,91 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     trainee, optimizer, train_loader = accelerator.prepare(trainee, optimizer, train_loader)
     steps_per_epoch = math.ceil(len(train_loader) / t.gradient_accumulation_steps)  # per process
     total_steps = min(t.epochs * steps_per_epoch, t.max_steps or t.epochs * steps_per_epoch)
-    from transformers import get_cosine_schedule_with_warmup
-
     # accelerate steps a prepared scheduler once per process per optimizer step
     scale = accelerator.num_processes
     scheduler = accelerator.prepare(get_cosine_schedule_with_warmup(
         optimizer, int(t.warmup_ratio * total_steps) * scale, total_steps * scale))
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    resume = latest_checkpoint(output)
-    progress = Progress() if resume is None else resume_state(accelerator, resume)
-    if resume is not None:
-        accelerator.print(f"resumed from {resume} (step {progress.step}, epoch {progress.epoch})")
-    if log_with:
-        accelerator.init_trackers("draftsmith", config={"head_type": recipe.model.head_type})
-    accelerator.print(f"training {recipe.model.head_type} head: {num_parameters:,} "
-                      f"parameters, {len(train_ds)} samples, {total_steps} optimizer steps")
-    bar = tqdm(total=total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process)
+    return PreparedRun(trainee, optimizer, scheduler, train_loader, eval_loader, total_steps)
+
+
+def _resume(accelerator, output: Path) -> Progress:
+    """The newest checkpoint's counters, loaded with its state into the prepared objects; fresh ones if none."""
+    checkpoint = latest_checkpoint(output)
+    if checkpoint is None:
+        return Progress()
+    progress = resume_state(accelerator, checkpoint)
+    accelerator.print(f"resumed from {checkpoint} (step {progress.step}, epoch {progress.epoch})")
+    return progress
+
+
+def _train_epochs(accelerator, recipe: Recipe, output: Path, argv: list[str], run: PreparedRun,
+                  progress: Progress) -> Progress:
+    """The epoch loop from `progress` on, which it advances and returns. It stops after `training.epochs`,
+    at `total_steps` or at the first optimizer step past `max_minutes`, and evaluates at each epoch's end."""
+    t = recipe.training
+    bar = tqdm(total=run.total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process)
     deadline = clock() + 60 * t.max_minutes if t.max_minutes else None
-    while progress.epoch < t.epochs and progress.step < total_steps and not out_of_time(accelerator, deadline):
-        train_loader.set_epoch(progress.epoch)
-        loader = accelerator.skip_first_batches(train_loader, progress.batches_in_epoch) \
-            if progress.batches_in_epoch else train_loader
+    while progress.epoch < t.epochs and progress.step < run.total_steps and not out_of_time(accelerator, deadline):
+        run.train_loader.set_epoch(progress.epoch)
+        loader = accelerator.skip_first_batches(run.train_loader, progress.batches_in_epoch) \
+            if progress.batches_in_epoch else run.train_loader
         for batch in loader:
-            with accelerator.accumulate(trainee):
-                loss, logs = trainee(batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(trainee.parameters(), t.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
+            loss, logs = _micro_batch(accelerator, run, batch, t.max_grad_norm)
             progress.batches_in_epoch += 1
             if accelerator.sync_gradients:
                 progress.step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.3f}")
                 if progress.step % t.log_every_steps == 0:
-                    record = {"step": progress.step, "loss": loss.item(), "lr": scheduler.get_last_lr()[0], **logs}
-                    accelerator.log(record, step=progress.step)
-                    if accelerator.is_main_process:  # a plain-text twin of the TensorBoard scalars
-                        with (output / "train_log.jsonl").open("a") as f:
-                            f.write(json.dumps(record) + "\n")
+                    _log(accelerator, output, {"step": progress.step, "loss": loss.item(),
+                                               "lr": run.scheduler.get_last_lr()[0], **logs})
                 if progress.step % t.save_every_steps == 0:
                     _save_checkpoint(accelerator, recipe, output, progress, argv)
-                if progress.step >= total_steps or out_of_time(accelerator, deadline):
+                if progress.step >= run.total_steps or out_of_time(accelerator, deadline):
                     break
-        if progress.batches_in_epoch < len(train_loader):
+        if progress.batches_in_epoch < len(run.train_loader):
             break  # max_steps or max_minutes reached inside the epoch
         progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
-        if eval_loader is not None:
+        if run.eval_loader is not None:
             _report(accelerator, output, f"epoch{progress.epoch}",
-                    evaluate(accelerator, trainee, eval_loader, t.eval_max_k), progress.step)
+                    evaluate(accelerator, run.trainee, run.eval_loader, t.eval_max_k), progress.step)
     bar.close()
-    if progress.batches_in_epoch and eval_loader is not None:  # stopped mid-epoch by max_steps or max_minutes
-        _report(accelerator, output, "final", evaluate(accelerator, trainee, eval_loader, t.eval_max_k), progress.step)
+    return progress
+
+
+def _micro_batch(accelerator, run: PreparedRun, batch, max_grad_norm: float):
+    """Forward and backward of one batch, and the clipped optimizer step when it closes an accumulation
+    window (accelerate skips the step otherwise); returns the objective's (loss, logs)."""
+    with accelerator.accumulate(run.trainee):
+        loss, logs = run.trainee(batch)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(run.trainee.parameters(), max_grad_norm)
+        run.optimizer.step()
+        run.scheduler.step()
+        run.optimizer.zero_grad()
+    return loss, logs
+
+
+def _log(accelerator, output: Path, record: dict) -> None:
+    accelerator.log(record, step=record["step"])
+    if accelerator.is_main_process:  # a plain-text twin of the TensorBoard scalars
+        with (output / "train_log.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _finish(accelerator, recipe: Recipe, output: Path, argv: list[str], run: PreparedRun, progress: Progress) -> Path:
+    """After the loop: the eval of a run stopped mid-epoch, a checkpoint of the last step unless the loop saved
+    one, and the final head in `training.save_dtype`; returns the head's directory."""
+    if progress.batches_in_epoch and run.eval_loader is not None:  # stopped mid-epoch by max_steps or max_minutes
+        _report(accelerator, output, "final", evaluate(accelerator, run.trainee, run.eval_loader,
+                                                       recipe.training.eval_max_k), progress.step)
     if not (output / "checkpoints" / f"step_{progress.step:08d}").exists():
         _save_checkpoint(accelerator, recipe, output, progress, argv)
     final = output / "head"
-    save_head(accelerator, trainee, final, DTYPES[t.save_dtype])  # on every rank: it gathers
+    save_head(accelerator, run.trainee, final, DTYPES[recipe.training.save_dtype])  # on every rank: it gathers
     if accelerator.is_main_process:
         (final / "recipe.yaml").write_text(dump_recipe(recipe))
     accelerator.wait_for_everyone()

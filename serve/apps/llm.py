@@ -47,6 +47,9 @@ class LLM(Frontend):
             copy, so that no method's forwards differ from another's by where its weights sit in memory.
         enforce_eager, step_mode: how decode and verify forwards run (`serve.engine.step_graphs`): by default as
             captured CUDA graphs on CUDA and eagerly on CPU; enforce_eager (vLLM's name) keeps them eager.
+        profile_steps: time each decode step's parts on the device (`get_metrics()["step_profile"]`): on CUDA
+            that synchronises several times a step, so it is off unless asked (an adaptive policy times its
+            steps anyway).
         skip_tokenizer_init: load no tokenizer (vLLM's name): prompts are token ids and outputs have no text (a
             model folder of config.json alone, as `draftsmith bench --shape` builds with random weights).
     """
@@ -55,7 +58,8 @@ class LLM(Frontend):
                  speculative_config: dict | str | None = None, max_num_seqs: int = 16,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048, seed: int = 0,
                  target: CausalLM | None = None, logprobs_mode: str = "raw_logprobs", skip_tokenizer_init: bool = False,
-                 enforce_eager: bool = False, step_mode: str = "auto", **legacy_speculation):
+                 enforce_eager: bool = False, step_mode: str = "auto", profile_steps: bool = False,
+                 **legacy_speculation):
         unknown = set(legacy_speculation) - set(LEGACY_SPEC_KWARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
@@ -91,7 +95,8 @@ class LLM(Frontend):
             self.model, self.tokenizer,
             EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          max_num_batched_tokens=max(max_num_batched_tokens, 1), seed=seed,
-                         logprobs_mode=logprobs_mode, step_mode=step_mode, enforce_eager=enforce_eager),
+                         logprobs_mode=logprobs_mode, step_mode=step_mode, enforce_eager=enforce_eager,
+                         profile_steps=profile_steps),
             eos_token_ids(model_dir, self.model.config.eos_token_ids, self.tokenizer),
             spec_config, cost_table,
         )

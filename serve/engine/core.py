@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -37,13 +36,19 @@ from draftsmith.serve.engine.row_faults import (
 )
 from draftsmith.serve.engine.sampling import SamplingBatch, sample
 from draftsmith.serve.engine.sampling_params import SamplingParams, wrap_int64
+from draftsmith.serve.engine.speculative_step import (
+    draft_limits,
+    finish_step,
+    plan_and_propose,
+    verify_drafts,
+)
 from draftsmith.serve.engine.step_accounting import StepLedger
+from draftsmith.serve.engine.step_clock import StepClock
 from draftsmith.serve.engine.step_graphs import DraftStepRunner, make_step_runner, resolve_step_mode
 from draftsmith.serve.engine.stopping import StopChecker
-from draftsmith.serve.speculation.adaptive import CostModel, SpeculationPlanner
-from draftsmith.serve.speculation.cost_profile import ForwardCostTable, profile_forwards
-from draftsmith.serve.speculation.tree_verify import size_trees, verify_tree
-from draftsmith.serve.speculation.verify import SpecMetrics, pick_sampler, verify
+from draftsmith.serve.speculation.adaptive import make_planner
+from draftsmith.serve.speculation.cost_profile import ForwardCostTable
+from draftsmith.serve.speculation.verify import SpecMetrics, pick_sampler
 
 logger = logging.getLogger("draftsmith")
 
@@ -61,6 +66,9 @@ class EngineConfig:
     # how decode and verify forwards run (serve.engine.step_graphs): auto = CUDA graphs on CUDA, eager elsewhere
     step_mode: str = "auto"
     enforce_eager: bool = False  # vLLM's flag: every forward eager (step_mode auto or eager only)
+    # time every decode step's parts on the device (`step_clock`): the step profile then holds device time on
+    # CUDA too, at the price of a synchronize per part; an adaptive policy times its steps whatever this says
+    profile_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -96,10 +104,12 @@ class LLMEngine(FaultIsolatingSteps):
             self.rejection_sampler = pick_sampler(self.device)
             self.spec_metrics = SpecMetrics(spec_config.num_speculative_tokens)
             self.sample_drafts = spec_config.draft_sample_method == "probabilistic"
-            self.planner = self._make_planner(spec_config, method, cost_table)
+            self.planner = make_planner(spec_config, self.proposer, config.max_num_seqs, cost_table, model)
             logger.info("speculation: %s, k=%d, %s drafts, rejection sampler %s", spec_config.method,
                         spec_config.num_speculative_tokens, spec_config.draft_sample_method,
                         self.rejection_sampler.__name__)
+        timed = self.proposer is not None and self.planner.cost is not None  # the policy learns from timings
+        self.clock = StepClock(self.device, timed or config.profile_steps)
         # target layers the proposer reads (EAGLE: last, EAGLE-3: three): the method declares that it reads
         # some, its proposer (from the loaded head) says which
         self.feature_layers: tuple[int, ...] = ()
@@ -126,21 +136,6 @@ class LLMEngine(FaultIsolatingSteps):
                 self.proposer.draft_steps = DraftStepRunner(*head, config.max_num_seqs, self.step_mode)
                 buckets = self.proposer.draft_steps.warm_up()
                 logger.info("draft steps: %s, %d buckets ready", self.step_mode, buckets)
-
-    def _make_planner(self, spec_config: SpeculativeConfig, method, cost_table) -> SpeculationPlanner:
-        adaptive = spec_config.adaptive and spec_config.num_speculative_tokens_per_batch_size is None
-        cost = None
-        if adaptive:
-            if cost_table is None:  # no model folder to key a cached profile by: measure, keep in memory
-                cost_table = profile_forwards(self.model, {"model": "in-memory"})
-            cost = CostModel(cost_table, sequential_drafts=self.proposer.sequential,
-                             drafts_before_plan=self.proposer.propose_first,
-                             draft_query_len=self.proposer.draft_query_len, draft_guess=self.proposer.draft_cost_guess)
-        logger.info("speculation: %s", "adaptive (0..k per step, from the cost model)" if adaptive else
-                    "fixed k" if spec_config.num_speculative_tokens_per_batch_size is None else
-                    "k by batch size (num_speculative_tokens_per_batch_size)")
-        return SpeculationPlanner(spec_config.num_speculative_tokens, self.config.max_num_seqs, cost, adaptive,
-                                  spec_config.num_speculative_tokens_per_batch_size)
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -295,7 +290,7 @@ class LLMEngine(FaultIsolatingSteps):
         last = chunk_t[:, None] - 1
         logits_index = torch.arange(width)[None, :].minimum(last) if scored else last
         out = self._forward(ids, batch, logits_index, hidden_index)
-        self._observe_features(rows, seen_starts, seen_counts, out)
+        self.observe_features(rows, seen_starts, seen_counts, out)
         self._share_prefill(rows, chunks, seen_starts, seen_counts, out)
         out = out.logits
         if scored:
@@ -318,7 +313,7 @@ class LLMEngine(FaultIsolatingSteps):
                 reads.append(i)
             rows[i].followers = []
         sampling = self._sampling(finished)  # each sample its own generator: n different first tokens
-        self._append(finished, self._sample(out[reads, 0], sampling), out[reads], sampling)
+        self.take_tokens(finished, self._sample(out[reads, 0], sampling), out[reads], sampling)
         return finished
 
     def _share_prefill(self, rows: list[Request], chunks: list[int], seen_starts: list[int],
@@ -333,13 +328,13 @@ class LLMEngine(FaultIsolatingSteps):
                 start = request.num_computed
                 self.cache.copy_positions(request.slot, [f.slot for f in request.followers], start, start + chunks[i])
         followers = [f for _, f in shared]
-        self._observe_features(followers, [seen_starts[i] for i, _ in shared], [seen_counts[i] for i, _ in shared],
+        self.observe_features(followers, [seen_starts[i] for i, _ in shared], [seen_counts[i] for i, _ in shared],
                                out, index=[i for i, _ in shared])
         for i, follower in shared:
             follower.num_computed += chunks[i]
 
     def _decode(self, rows: list[Request]) -> list[Request]:
-        started = self._clock()
+        started = self.clock()
         if self.proposer is not None:
             self._speculative_decode(rows, started)
         else:
@@ -348,126 +343,59 @@ class LLMEngine(FaultIsolatingSteps):
 
     def _plain_decode(self, rows: list[Request], started: float, sampling: SamplingBatch, draft_s: float = 0.0):
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
-        out, forward_at = self._step_forward(ids, rows, [1] * len(rows))
-        sample_at = self._clock()
+        out, forward_at = self.step_forward(ids, rows, [1] * len(rows))
+        sample_at = self.clock()
         starts = [r.num_tokens - 1 for r in rows]
         if self.feature_layers and not self.proposer.observe_later(rows, starts, out.hidden_states):
-            self._observe_features(rows, starts, [1] * len(rows), out)
+            self.observe_features(rows, starts, [1] * len(rows), out)
         for request in rows:
             request.num_computed += 1
         tokens = self._sample(out.logits[:, -1], sampling)
-        sampled_at = self._clock()
-        self._append(rows, tokens, out.logits[:, -1:], sampling)
+        sampled_at = self.clock()
+        self.take_tokens(rows, tokens, out.logits[:, -1:], sampling)
         self._account(rows, 0, started, draft_s, sample_at - forward_at, sampled_at - sample_at)
 
     def _speculative_decode(self, rows: list[Request], started: float) -> None:
-        """Draft up to w tokens per row (w chosen by the planner), score [last token, drafts] in one forward,
-        keep what verifies. A step the planner sizes at w = 0, or where no row has a draft, decodes plainly."""
+        """Draft up to w tokens per row (w chosen by the policy), score [last token, drafts] in one forward,
+        keep what verifies (`speculative_step` has the pipeline)."""
+        sampling = self._sampling(rows)
         if self.planner.held(tuple(r.slot for r in rows)):
             # the step's hidden states still go to the proposer (by reference, `observe_later`): a head
-            # resuming with a context of a few positions drafts almost nothing right (0-1 of 5 accepted
-            # until about ten positions are back on the demo head)
-            return self._plain_decode(rows, started, self._sampling(rows))
-        k = self.spec_config.num_speculative_tokens
-        limits = []
-        for r in rows:
-            room = self.config.max_model_len - r.num_tokens - 1  # drafts + the new token must fit
-            left = (r.params.max_tokens - len(r.output_token_ids) - 1) if r.params.max_tokens else k
-            limits.append(max(0, min(k, room, left)))
-        sampling = self._sampling(rows)
-        slots = [r.slot for r in rows]
-        planned_limits = limits
-        draft_sampling = sampling if self.sample_drafts else None
-        drafts, draft_s, catch_up = None, 0.0, (0, 0)
-        if self.proposer.propose_first and self.planner.may_draft(len(rows)):
-            # drafting is cheap: draft first, then size the step knowing which rows have drafts (a plan
-            # without speculation holds, and held steps draft nothing)
-            draft_at = self._clock()
-            drafts = self._propose(rows, limits, draft_sampling)
-            draft_s = self._clock() - draft_at
-            if drafts is None:
-                return self._decode_without_drafts(rows, started, draft_s)
-            planned_limits = drafts.counts.cpu()
-            plan = self.planner.plan(slots, planned_limits)
-            drafts.counts.clamp_(max=plan.width)
-        else:
-            catch_up = self.proposer.catch_up(rows)
-            plan = self.planner.plan(slots, planned_limits, catch_up)
-            if plan.width:
-                self.proposer.stop_below = plan.stop_below
-                draft_at = self._clock()
-                # a tree is drafted whole and sized after (size_trees), not capped by a chain's width
-                widths = limits if self.proposer.tree is not None else [min(n, plan.width) for n in limits]
-                drafts = self._propose(rows, widths, draft_sampling)
-                draft_s = self._clock() - draft_at
-                if drafts is None:
-                    return self._decode_without_drafts(rows, started, draft_s)
-                if drafts.confidence is not None and self.planner.cost is not None:
-                    size_trees(drafts, len(rows), self.planner.cost, draft_s)
-        self.planner.record(planned_limits, plan.width)
-        num_draft = drafts.counts.tolist() if plan.width else [0] * len(rows)  # sizes the forward
+            # resuming with a context of a few positions drafts almost nothing right
+            return self._plain_decode(rows, started, sampling)
+        limits = draft_limits(rows, self.spec_config.num_speculative_tokens, self.config.max_model_len)
+        drafted = plan_and_propose(self, rows, limits, sampling)
+        if drafted.failed:
+            return self._decode_without_drafts(rows, started, drafted.draft_s)
+        self.planner.record(drafted.planned_limits, drafted.plan.width)
+        num_draft = drafted.num_draft(len(rows))  # sizes the forward
         if max(num_draft) == 0:
-            self.planner.idle(slots)
-            return self._plain_decode(rows, started, sampling, draft_s)
-        width = 1 + max(num_draft)
-        ids = torch.empty(len(rows), width, dtype=torch.long, device=self.device)
-        ids[:, 0] = torch.tensor([r.last_token for r in rows], device=self.device)
-        ids[:, 1:] = drafts.tokens[:, : width - 1].clamp(min=0)  # -1 padding becomes token 0 in padding slots
-        q_lens = [1 + n for n in num_draft]
-        if drafts.parents is None:
-            out, forward_at = self._step_forward(ids, rows, q_lens)
-            verify_at = self._clock()
-            with torch.inference_mode():
-                tokens, counts = verify(out.logits, drafts, num_draft, sampling, self.rejection_sampler,
-                                        self.spec_config.synthetic_acceptance_rate)
-        else:  # a tree: its mask and rotary positions, its accepted path's K/V moved into place; eager
-            self.stats["num_forward_passes"] += 1
-            forward_at = self._clock()
-            out, tokens, counts = verify_tree(self.model, self.cache, ids, slots, [r.num_tokens - 1 for r in rows],
-                                              q_lens, drafts.parents, sampling, self.feature_layers)
-            verify_at = self._clock()
-        packed = torch.cat([tokens, counts[:, None]], dim=1).tolist()  # one device-to-host copy for both
-        verified_at = self._clock()
-        counts = [row[-1] for row in packed]
-        kept = [row[:n] for row, n in zip(packed, counts)]
-        starts = [r.num_tokens - 1 for r in rows]
-        self._observe_features(rows, starts, counts, out)  # last token + accepted drafts
-        self.planner.acceptance.observe(slots, num_draft, [n - 1 for n in counts])
-        self._take_tokens(rows, kept, out.logits, sampling)
-        for request, n_draft, new_tokens in zip(rows, num_draft, kept):
-            self.spec_metrics.observe(n_draft, len(new_tokens) - 1)
-            # K/V of the last token and the accepted drafts are in the cache; rejected ones are past the
-            # length and get overwritten: nothing to copy.
-            request.num_computed = request.num_tokens - 1
-        self._account(rows, width - 1, started, draft_s, verify_at - forward_at, verified_at - verify_at, catch_up,
-                      sum(q_lens) / len(rows))
+            self.planner.idle([r.slot for r in rows])
+            return self._plain_decode(rows, started, sampling, drafted.draft_s)
+        checked = verify_drafts(self, rows, drafted.drafts, num_draft, sampling)
+        finish_step(self, rows, num_draft, checked, sampling)
+        self._account(rows, max(num_draft), started, drafted.draft_s, checked.forward_s, checked.verify_s,
+                      drafted.catch_up, sum(checked.query_lens) / len(rows))
 
     def _account(self, rows: list[Request], width: int, started: float, draft_s: float, forward_s: float,
                  verify_s: float, catch_up: tuple[int, int] = (0, 0), query_len: float = 1.0) -> None:
         """Books one decode step (`StepLedger.book`); `query_len`: the forward's mean real tokens per row."""
         cost = self.planner.cost if self.proposer is not None else None
-        self.ledger.book(len(rows), width, self._clock() - started, draft_s, forward_s, verify_s, cost, self.proposer,
+        self.ledger.book(len(rows), width, self.clock() - started, draft_s, forward_s, verify_s, cost, self.proposer,
                          catch_up, query_len)
 
-    def _clock(self) -> float:
-        """Wall seconds for the step profile and the cost model. On CUDA, kernels run behind the host: without
-        a sync here, the time of a forward would be booked to whatever waits on it next."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _step_forward(self, ids: torch.Tensor, rows: list[Request], q_lens: list[int]):
+    def step_forward(self, ids: torch.Tensor, rows: list[Request], q_lens: list[int]):
         """A decode or verify forward of ids [B, W] (row b's first q_lens[b] real) -> (its output, when it
         started: its batch's host build is not forward time)."""
         slots, starts = [r.slot for r in rows], [r.num_tokens - 1 for r in rows]
         if self.steps is not None:
             self.stats["num_forward_passes"] += 1
-            forward_at = self._clock()
+            forward_at = self.clock()
             return self.steps.forward(ids.to(self.device), slots, starts, q_lens), forward_at
         # packed when rows verify unequal numbers of drafts (ForwardBatch.build decides)
         batch = ForwardBatch.build(slots, starts, q_lens, self.cache, self.model.config.sliding_window, self.device,
                                    pack=max(q_lens) > 1)
-        forward_at = self._clock()
+        forward_at = self.clock()
         return self._forward(ids, batch, None), forward_at
 
     def _forward(self, ids: torch.Tensor, batch: ForwardBatch, logits_index: torch.Tensor | None,
@@ -481,7 +409,7 @@ class LLMEngine(FaultIsolatingSteps):
             return self.model(ids.to(self.device), cache=self.cache, batch=batch, logits_index=logits_index,
                               hidden_layer_ids=self.feature_layers, hidden_index=hidden_index)
 
-    def _observe_features(self, rows: list[Request], starts: list[int], counts: list[int], out,
+    def observe_features(self, rows: list[Request], starts: list[int], counts: list[int], out,
                           index: list[int] | None = None) -> None:
         """Hands the proposer the target features of newly verified positions (EAGLE-style heads); `index`:
         the forward's row each of `rows` reads (samples sharing a prefill read their leader's)."""
@@ -497,14 +425,10 @@ class LLMEngine(FaultIsolatingSteps):
         return SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device,
                                    seeds=[r.seed for r in rows], positions=[r.num_tokens for r in rows])
 
-    def _sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> list[int]:
-        """logits [B, V] -> one token per row, on the host (the stop checks need them there)."""
+    def _sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> list[list[int]]:
+        """logits [B, V] -> each row's new token, as a one-token list, on the host (the stop checks need it)."""
         with torch.inference_mode():
-            return sample(logits, sampling).tolist()
-
-    def _append(self, rows: list[Request], tokens: list[int], logits: torch.Tensor, sampling: SamplingBatch) -> None:
-        """One new token per row, sampled from `logits` [B, 1, V]."""
-        self._take_tokens(rows, [[token] for token in tokens], logits, sampling)
+            return sample(logits, sampling)[:, None].tolist()
 
     def get_metrics(self) -> dict:
         metrics = dict(self.stats)

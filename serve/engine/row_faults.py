@@ -139,7 +139,7 @@ class FaultIsolatingSteps:
             logger.exception("releasing request %s failed", request.request_id)
             self._free_slot(request)
 
-    def _take_tokens(self, rows: list[Request], new_tokens: list[list[int]], logits: torch.Tensor,
+    def take_tokens(self, rows: list[Request], new_tokens: list[list[int]], logits: torch.Tensor,
                      sampling: SamplingBatch) -> None:
         """Appends row b's new tokens (chosen at logits[b, j]) up to its stop, with their logprobs; a row whose
         stop handling or logprobs raise fails alone."""
@@ -168,7 +168,7 @@ class FaultIsolatingSteps:
 
         return failing_alone(self.faults, rows, "logprobs", one)
 
-    def _propose(self, rows: list[Request], widths: list[int], sampling: SamplingBatch | None):
+    def propose(self, rows: list[Request], widths: list[int], sampling: SamplingBatch | None):
         """The proposer's DraftBatch, or None once it raises, after failing the rows that raise alone."""
         try:
             drafts = self.proposer.propose(rows, widths, sampling)

@@ -12,20 +12,22 @@ from draftsmith.models import load_target
 from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.speculation.adaptive import (
-    CATCH_UP_HORIZON,
     CLOSE_HOLD,
-    COST_IDLE_DECAY,
     HOLD_SHRINK,
     MAX_PLAIN_HOLD,
-    OUTLIER,
     PLAIN_HOLD,
-    PRIOR_WEIGHT,
     PROBE_AFTER,
     PROBE_STEPS,
-    STEP_SURPRISE,
     THIN_EVIDENCE,
-    CostModel,
     SpeculationPlanner,
+)
+from draftsmith.serve.speculation.cost_model import (
+    CATCH_UP_HORIZON,
+    COST_IDLE_DECAY,
+    OUTLIER,
+    PRIOR_WEIGHT,
+    STEP_SURPRISE,
+    CostModel,
 )
 from draftsmith.serve.speculation.estimators import AcceptanceStats, ScaleByBatch
 from helpers import DEMO_MODEL, REPO, random_mlp_speculator, synthetic_table

@@ -93,7 +93,7 @@ def test_a_failed_phase_fails_its_rows_not_the_waiting_ones_and_repeated_failure
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=128)
     engine = llm.engine
     calls = {"n": 0}
-    forward = engine._step_forward
+    forward = engine.step_forward
 
     def failing_forward(*args):
         calls["n"] += 1
@@ -101,12 +101,12 @@ def test_a_failed_phase_fails_its_rows_not_the_waiting_ones_and_repeated_failure
             raise RuntimeError("injected forward fault")
         return forward(*args)
 
-    monkeypatch.setattr(engine, "_step_forward", failing_forward)
+    monkeypatch.setattr(engine, "step_forward", failing_forward)
     outputs = _run(llm, {"a": (CODE_PROMPTS[0], GREEDY), "b": (CODE_PROMPTS[2], GREEDY)})
     assert outputs["a"].error.startswith("decode failed for this request")
     assert outputs["b"].error is None and len(outputs["b"].outputs[0].token_ids) == 32  # it waited, then ran
 
-    monkeypatch.setattr(engine, "_step_forward", lambda *args: (_ for _ in ()).throw(RuntimeError("broken")))
+    monkeypatch.setattr(engine, "step_forward", lambda *args: (_ for _ in ()).throw(RuntimeError("broken")))
     failed = 0
     with pytest.raises(EngineFault, match=f"decode failed {MAX_CONSECUTIVE_FAULTS} steps in a row"):
         for _ in range(4 * MAX_CONSECUTIVE_FAULTS):  # each new request prefills, then its decode fails
@@ -155,7 +155,7 @@ def test_after_an_engine_fault_the_engine_serves_again(monkeypatch):
     restarted) fails what was in flight, then serves the next request."""
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=128)
     engine = llm.engine
-    monkeypatch.setattr(engine, "_step_forward", lambda *args: (_ for _ in ()).throw(RuntimeError("broken")))
+    monkeypatch.setattr(engine, "step_forward", lambda *args: (_ for _ in ()).throw(RuntimeError("broken")))
     with pytest.raises(EngineFault):
         for _ in range(4 * MAX_CONSECUTIVE_FAULTS):
             if not engine.has_unfinished_requests():

@@ -1,0 +1,143 @@
+"""One speculative decode step, as a pipeline of returned values:
+
+    limits  = draft_limits(rows, k, max_model_len)      the most each row may draft
+    drafted = plan_and_propose(engine, rows, limits)    the policy's plan and the proposer's drafts
+    checked = verify_drafts(engine, rows, drafted)      one target forward of [last token, drafts]; chain or tree
+    finish_step(engine, rows, drafted, checked)         the proposer and the policy observe, the rows take tokens
+
+A step the policy holds, plans at width 0, or where no row has a draft, decodes plainly (`LLMEngine._plain_decode`).
+The engine (`serve.engine.core`) owns the forwards, sampling and the requests; this module only orders them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.methods.base import DraftBatch
+from draftsmith.serve.engine.request import Request
+from draftsmith.serve.engine.sampling import SamplingBatch
+from draftsmith.serve.speculation.adaptive import StepPlan
+from draftsmith.serve.speculation.tree_verify import size_trees, verify_tree
+from draftsmith.serve.speculation.verify import verify
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """What drafting gave one step: the plan, the drafts (None where drafting raised), what the rows could
+    have drafted (the policy records it), the seconds drafting took, and the catch-up it priced."""
+
+    plan: StepPlan | None
+    drafts: DraftBatch | None
+    planned_limits: list[int] | torch.Tensor
+    draft_s: float = 0.0
+    catch_up: tuple[int, int] = (0, 0)
+
+    @property
+    def failed(self) -> bool:
+        """Drafting raised (`LLMEngine.propose` failed the rows at fault): the step decodes plainly."""
+        return self.drafts is None and (self.plan is None or self.plan.width > 0)
+
+    def num_draft(self, rows: int) -> list[int]:
+        """Drafts per row the verify forward scores (0 for every row when the plan is plain)."""
+        return self.drafts.counts.tolist() if self.plan.width else [0] * rows
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One verify forward: its output (logits, hidden states), the tokens each row keeps (accepted drafts and
+    the target's next token), how many, and the seconds of the forward and of verification."""
+
+    out: object
+    kept: list[list[int]]
+    counts: list[int]
+    query_lens: list[int]
+    forward_s: float
+    verify_s: float
+
+
+def draft_limits(rows: list[Request], k: int, max_model_len: int) -> list[int]:
+    """The most each row may draft: k, less where its context or max_tokens would not hold the drafts and the
+    token after them."""
+    limits = []
+    for r in rows:
+        room = max_model_len - r.num_tokens - 1
+        left = (r.params.max_tokens - len(r.output_token_ids) - 1) if r.params.max_tokens else k
+        limits.append(max(0, min(k, room, left)))
+    return limits
+
+
+def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: SamplingBatch) -> Drafted:
+    """The policy plans the step and the proposer drafts for it. A proposer that drafts cheaply drafts first,
+    and the plan is then made knowing which rows have drafts; else the plan comes first (with the catch-up the
+    proposer owes) and sizes the drafting."""
+    proposer, planner, clock = engine.proposer, engine.planner, engine.clock
+    draft_sampling = sampling if engine.sample_drafts else None
+    slots = [r.slot for r in rows]
+    if proposer.propose_first and planner.may_draft(len(rows)):
+        draft_at = clock()
+        drafts = engine.propose(rows, limits, draft_sampling)
+        draft_s = clock() - draft_at
+        if drafts is None:
+            return Drafted(None, None, limits, draft_s)
+        planned = drafts.counts.cpu()
+        plan = planner.plan(slots, planned)
+        drafts.counts.clamp_(max=plan.width)
+        return Drafted(plan, drafts, planned, draft_s)
+    catch_up = proposer.catch_up(rows)
+    plan = planner.plan(slots, limits, catch_up)
+    if not plan.width:
+        return Drafted(plan, None, limits, 0.0, catch_up)
+    proposer.stop_below = plan.stop_below
+    draft_at = clock()
+    # a tree is drafted whole and sized after (size_trees), not capped by a chain's width
+    widths = limits if proposer.tree is not None else [min(n, plan.width) for n in limits]
+    drafts = engine.propose(rows, widths, draft_sampling)
+    draft_s = clock() - draft_at
+    if drafts is not None and drafts.confidence is not None and planner.cost is not None:
+        size_trees(drafts, len(rows), planner.cost, draft_s)
+    return Drafted(plan, drafts, limits, draft_s, catch_up)
+
+
+def verify_drafts(engine, rows: list[Request], drafts: DraftBatch, num_draft: list[int],
+                  sampling: SamplingBatch) -> Verified:
+    """Scores [last token, drafts] of every row in one target forward and keeps what verifies: a chain
+    through the engine's decode step (graphs where it has them), a tree with its own mask and positions."""
+    width = 1 + max(num_draft)
+    ids = torch.empty(len(rows), width, dtype=torch.long, device=engine.device)
+    ids[:, 0] = torch.tensor([r.last_token for r in rows], device=engine.device)
+    ids[:, 1:] = drafts.tokens[:, : width - 1].clamp(min=0)  # -1 padding becomes token 0 in padding slots
+    q_lens = [1 + n for n in num_draft]
+    if drafts.parents is None:
+        out, forward_at = engine.step_forward(ids, rows, q_lens)
+        verify_at = engine.clock()
+        with torch.inference_mode():
+            tokens, counts = verify(out.logits, drafts, num_draft, sampling, engine.rejection_sampler,
+                                    engine.spec_config.synthetic_acceptance_rate)
+    else:  # a tree: its mask and rotary positions, its accepted path's K/V moved into place; eager
+        engine.stats["num_forward_passes"] += 1
+        forward_at = engine.clock()
+        out, tokens, counts = verify_tree(engine.model, engine.cache, ids, [r.slot for r in rows],
+                                          [r.num_tokens - 1 for r in rows], q_lens, drafts.parents, sampling,
+                                          engine.feature_layers)
+        verify_at = engine.clock()
+    packed = torch.cat([tokens, counts[:, None]], dim=1).tolist()  # one device-to-host copy for both
+    verified_at = engine.clock()
+    counts = [row[-1] for row in packed]
+    kept = [row[:n] for row, n in zip(packed, counts)]
+    return Verified(out, kept, counts, q_lens, verify_at - forward_at, verified_at - verify_at)
+
+
+def finish_step(engine, rows: list[Request], num_draft: list[int], checked: Verified,
+                sampling: SamplingBatch) -> None:
+    """The proposer gets the features of the last token and the accepted drafts, the policy the acceptance,
+    the rows their tokens. K/V of the accepted positions are in the cache; rejected ones lie past each row's
+    length and are overwritten: nothing to copy."""
+    starts = [r.num_tokens - 1 for r in rows]
+    engine.observe_features(rows, starts, checked.counts, checked.out)
+    engine.planner.acceptance.observe([r.slot for r in rows], num_draft, [n - 1 for n in checked.counts])
+    engine.take_tokens(rows, checked.kept, checked.out.logits, sampling)
+    for request, n_draft, new_tokens in zip(rows, num_draft, checked.kept):
+        engine.spec_metrics.observe(n_draft, len(new_tokens) - 1)
+        request.num_computed = request.num_tokens - 1

@@ -1,0 +1,240 @@
+"""What a decode step costs, by its parts: the cost model the speculation policy (`adaptive`) plans with.
+
+    T(rows, 0) = F(rows, 1) + host_plain(rows),  T(rows, w) = F(rows, 1 + d_w) + draft(rows, w) + host_spec(rows)
+
+where F is the measured target forward table (`cost_profile`), scaled by what live forwards take, d_w the
+rows' mean min(w, k_row) (the verify forward is packed: rows that draft less cost less), and draft and host
+work are fitted online from the step timings the engine reports: draft(rows, w) = F(rows, 1) (a + b w) for
+proposers that run one draft forward per token (a: catch-up and setup, b: one forward), host work linear in
+rows. Rows that must first feed the draft model a longer run of positions (new requests, or rows resuming
+after plain steps) add a catch-up forward of their own, learned per query token and spread over the steps it
+serves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from draftsmith.serve.speculation.cost_profile import ForwardCostTable
+from draftsmith.serve.speculation.estimators import DecayedLine, ScaleByBatch
+
+DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts are timed
+OUTLIER = 3.0  # a draft timing above this many times the prediction counts as this many
+CATCH_UP_HORIZON = 8  # steps a resumed row's catch-up is spread over
+STEP_SURPRISE = 1.5  # one speculative step moves its batch size's corrections as if off by this factor at most
+# Per plain step, the weight left to what drafting was measured to cost (draft forwards, catch-ups): plain
+# steps re-measure neither, and timings skewed by a cold start (oneDNN compiles a kernel per new shape) kept
+# EAGLE-3 off for good at one request in flight. Faded evidence gives way to the first guesses, which make
+# probing worth it again (half-life about 23 steps).
+COST_IDLE_DECAY = 0.97
+# Per plain step, what speculative steps and verify forwards were found to cost beyond their parts (and their
+# host work) fades toward no correction, more slowly (half-life about 70 steps): one slow stretch of the VM
+# while speculating at one request in flight had priced speculation out there, and (borrowed by larger
+# batches, which had no evidence of their own) at 4-32 in flight too, for the rest of the run. Where
+# speculation really loses, a faded correction costs a few speculative steps every hundred or so, relearned
+# at the running-mean rate.
+CORRECTION_IDLE_DECAY = 0.99
+PRIOR_WEIGHT = 0.25  # the first guesses weigh as much as this many (decayed) observations
+
+
+def _weighed(learned: float, evidence: float, guess: float) -> float:
+    """A learned cost against the first guess, by how much (decayed) evidence is behind it (PRIOR_WEIGHT)."""
+    weight = evidence / (evidence + PRIOR_WEIGHT)
+    return weight * learned + (1 - weight) * guess
+
+
+@dataclass
+class CostModel:
+    """Seconds of a decode step's parts, from the profile table and live timings."""
+
+    table: ForwardCostTable
+    sequential_drafts: bool  # each draft token is one more draft forward
+    drafts_before_plan: bool  # drafting already happened when the plan is made: its cost is sunk
+    # A draft forward is priced against the target's forward of `draft_query_len` tokens a row (1: a head
+    # drafting a token a row per forward; a block drafter's block), at first `draft_guess` times it. Priced
+    # against a one-token decode, the 3-layer demo DFlash head (a block of 9 a row) took 6.6 ms a propose at
+    # 8 in flight where the first guess said 1.75 and the ratio learned at one row (0.77 of a decode) 4.1: a
+    # block grows with the rows as the target's 9-token forward does, twice as fast as a decode. Priced
+    # against that forward: 5.7 at first, 7.6 once learned.
+    draft_query_len: int = 1
+    draft_guess: float | None = None  # None: DRAFT_STEP_GUESS
+    # live / table seconds: the table gives the shape of the cost, live steps its level today (context length,
+    # other load); a geometric moving average, so one slow step moves it little. Decode and verify forwards
+    # keep a factor each: longer contexts than the table's make a wide verify dearer relative to a decode,
+    # and one shared factor would price plain steps by what verify steps cost.
+    # decode forwards by batch size: the profile's context (256 cached tokens) is shorter than live ones, and
+    # attention, whose cost grows with the context, is a larger share of a step the more rows there are
+    # (demo decodes in a bench ran at 0.9x the profile at one row, 2.1-2.3 ms against 2.40, and 1.5x at 16,
+    # 6.15 against 4.17). One factor for every size priced some of them wrong by up to that 1.6x.
+    forward_scales: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
+    # verify forwards (query_len > 1) by batch size; until one is timed: the decode scale
+    verify_scales: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
+    live_scaling: bool = True  # False: the table alone prices forwards (tests with synthetic tables)
+    # drafting seconds / F(rows, draft_query_len), by draft forwards run: a fixed part (catch-up, setup) plus a part per
+    # forward; relative to the target's forward of `draft_query_len` tokens a row (a decode for most heads)
+    # so that its growth with rows comes from the measured table, while steps within one call (1..k)
+    # identify the two parts. Before evidence: `draft_guess` per forward (a one-layer head: about a third).
+    draft_ratio: DecayedLine = field(init=False)
+    # seconds per query token of a catch-up's own draft forward (rows x their longest pending run), from the
+    # proposes that had one; before any, guessed from the target's table and the draft forward ratio
+    catch_up_per_token: float | None = None
+    catch_up_weight: float = 0.0  # decayed count of catch-ups behind catch_up_per_token
+    # a steady speculative step's measured seconds / the sum of its parts as predicted: each part is fitted
+    # on its own but over all batch sizes and widths at once, and at 16-32 rows on this CPU the whole came
+    # out 10-20% dearer than its parts said (geometric moving average; a cold first step, 3x too slow,
+    # moves it only STEP_SURPRISE x its weight, so that it cannot price speculation out on its own); by batch
+    # size, as what it corrects grows with the batch
+    spec_corrections: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
+    host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
+    host_spec: DecayedLine = field(default_factory=DecayedLine)
+
+    def __post_init__(self) -> None:
+        if self.draft_guess is None:
+            self.draft_guess = DRAFT_STEP_GUESS
+        self.draft_ratio = DecayedLine(prior_slope=self.draft_guess, prior_weight=0.5)
+
+    def forward(self, rows: int, query_len: float) -> float:
+        scale = self.forward_scales.get(rows)
+        if query_len != 1:
+            scale = self.verify_scales.get(rows, scale)
+        return self.table.estimate(rows, query_len) * scale
+
+    def draft(self, rows: int, width: int) -> float:
+        """Drafting seconds for `rows` steady rows drafting `width` tokens (a catch-up: `catch_up`), as a plan
+        prices them: nothing where drafting came before the plan."""
+        return 0.0 if self.drafts_before_plan else self.drafting(rows, width)
+
+    def drafting(self, rows: int, width: int) -> float:
+        """What drafting `width` tokens for `rows` steady rows costs, sunk or not."""
+        if width == 0:
+            return 0.0
+        forwards = width if self.sequential_drafts else 1
+        return self._draft_ratio(forwards) * self.forward(rows, self.draft_query_len)
+
+    def _draft_ratio(self, forwards: int) -> float:
+        """Drafting seconds / F(rows, draft_query_len) for this many draft forwards: the fit weighed against the
+        guess."""
+        guess = self.draft_guess * forwards
+        if not self.draft_ratio.seen:
+            return guess
+        return _weighed(self.draft_ratio.predict(forwards), self.draft_ratio.n, guess)
+
+    def idle(self, steps: int = 1) -> None:
+        """`steps` plain steps went by: what drafting was measured to cost fades toward the first guesses (see
+        COST_IDLE_DECAY), and the speculative corrections toward none (CORRECTION_IDLE_DECAY)."""
+        factor = COST_IDLE_DECAY**steps
+        self.draft_ratio.fade(factor)
+        self.catch_up_weight *= factor
+        fading = CORRECTION_IDLE_DECAY**steps
+        self.spec_corrections.fade(fading)
+        self.verify_scales.fade(fading, self.forward_scales)  # toward the decode scale of the same batch size
+        self.host_spec.fade(fading)  # once faded out (n < 0.5), speculative steps are priced at plain's host work
+
+    def catch_up(self, rows: int, positions: int) -> float:
+        """Seconds of a catch-up's own draft forward: `rows` rows of up to 1 + `positions` queries."""
+        if rows <= 0 or positions <= 0:
+            return 0.0
+        guess = self._catch_up_guess(rows, positions)
+        if self.catch_up_per_token is None:
+            return guess
+        # Within OUTLIER x the guess, and weighed against it: catch-ups are re-measured only when one runs,
+        # and one priced far too high (a stalled first one: oneDNN compiles a kernel for each new shape)
+        # kept a request from ever resuming drafting.
+        learned = min(self.catch_up_per_token * rows * (1 + positions), OUTLIER * guess)
+        return _weighed(learned, self.catch_up_weight, guess)
+
+    def _catch_up_guess(self, rows: int, positions: int) -> float:
+        # the target's forward of that shape, times what one draft forward costs next to a target decode
+        per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), self.draft_guess / 4)
+        return per_forward * self.forward(rows, 1 + positions)
+
+    def observe_catch_up(self, catch_up: tuple[int, int], rows: int, forwards: int, seconds: float,
+                         decay: float = 0.8) -> None:
+        """A propose that ran a catch-up forward for `catch_up` (rows, positions): what it took beyond a
+        steady propose of as many draft forwards."""
+        tokens = catch_up[0] * (1 + catch_up[1])
+        if tokens <= 0:
+            return
+        extra = max(seconds - self.drafting(rows, forwards if self.sequential_drafts else 1), 0.0)
+        per_token = min(extra, OUTLIER * max(self._catch_up_guess(*catch_up), 1e-9)) / tokens
+        previous = self.catch_up_per_token
+        self.catch_up_per_token = per_token if previous is None else decay * previous + (1 - decay) * per_token
+        self.catch_up_weight = decay * self.catch_up_weight + 1
+
+    def observe_draft(self, rows: int, forwards: int, seconds: float) -> None:
+        ratio = seconds / max(self.forward(rows, self.draft_query_len), 1e-9)
+        # One stalled step (the OS, a first-touch allocation) must not price drafting out for good: it is only
+        # re-measured while the planner drafts. A cost really that high still gets there, OUTLIER x at a time.
+        expected = max(self.draft_guess * forwards, self._draft_ratio(forwards))
+        self.draft_ratio.add(forwards, min(ratio, OUTLIER * expected))
+
+    def observe_host(self, rows: int, speculative: bool, seconds: float) -> None:
+        """A step's seconds outside the target forward and drafting. Clipped like a draft timing: one stall
+        (the OS, a first-touch allocation) in a speculative step must not price speculation out for good, as
+        plain steps never re-measure it."""
+        line = self.host_spec if speculative else self.host_plain
+        if line.seen:
+            seconds = min(seconds, OUTLIER * max(line.predict(rows), 1e-4))
+        line.add(rows, seconds)
+
+    def host(self, rows: int, speculative: bool) -> float:
+        line, other = (self.host_spec, self.host_plain) if speculative else (self.host_plain, self.host_spec)
+        if line.seen:
+            return line.predict(rows)
+        return other.predict(rows) if other.seen else 0.0
+
+    def step_seconds(self, rows: int, width: int, catch_up: tuple[int, int] = (0, 0),
+                     query_len: float | None = None) -> float:
+        """A step of `width` drafts per row; `catch_up`: how many rows must first feed the draft model more
+        positions than a verify step brings (new rows, rows resuming after plain steps), and the most extra
+        positions one has (`Proposer.catch_up`); `query_len`: the rows' mean verified tokens, when rows
+        draft fewer than `width` (a packed verify forward costs its real tokens), else width + 1."""
+        if width == 0:
+            return self.forward(rows, 1) + self.host(rows, False)
+        # a catch-up is paid once, and the context it restores serves the drafts of the steps after it too:
+        # spread over CATCH_UP_HORIZON of them (priced whole on one step, a new row would never start)
+        return self._spec_parts(rows, width, query_len) * self.spec_corrections.get(rows) + \
+            self.catch_up(*catch_up) / CATCH_UP_HORIZON
+
+    def step_seconds_by_width(self, rows: int, query_lens: list[float],
+                              catch_up: tuple[int, int] = (0, 0)) -> list[float]:
+        """`step_seconds(rows, w, catch_up, query_lens[w])` for every w in 0..len - 1 (query_lens[0] unused),
+        with what the widths share looked up once: a plan prices every width every step, and at one row in
+        flight its 60-odd small calls were a third of a speculative step's host work."""
+        decode = self.forward(rows, 1)
+        seconds = [decode + self.host(rows, False)]
+        if len(query_lens) == 1:
+            return seconds
+        scale = self.forward_scales.get(rows)
+        verify_scale, host = self.verify_scales.get(rows, scale), self.host(rows, True)
+        correction, catch = self.spec_corrections.get(rows), self.catch_up(*catch_up) / CATCH_UP_HORIZON
+        draft_forward = decode if self.draft_query_len == 1 else self.forward(rows, self.draft_query_len)
+        for width in range(1, len(query_lens)):
+            query_len = query_lens[width]
+            verify = self.table.estimate(rows, query_len) * (scale if query_len == 1 else verify_scale)
+            draft = 0.0 if self.drafts_before_plan else \
+                self._draft_ratio(width if self.sequential_drafts else 1) * draft_forward
+            seconds.append((verify + draft + host) * correction + catch)
+        return seconds
+
+    def _spec_parts(self, rows: int, width: int, query_len: float | None) -> float:
+        verify = self.forward(rows, query_len if query_len is not None else width + 1)
+        return verify + self.draft(rows, width) + self.host(rows, True)
+
+    def observe_step(self, rows: int, width: int, seconds: float, query_len: float | None = None) -> None:
+        """A steady speculative step of `width` drafts (`query_len`: mean verified tokens per row) took
+        `seconds` in all."""
+        if not self.live_scaling or width == 0:
+            return
+        ratio = seconds / max(self._spec_parts(rows, width, query_len), 1e-9)
+        self.spec_corrections.observe(rows, ratio)
+
+    def observe_forward(self, rows: int, query_len: float, seconds: float) -> None:
+        if not self.live_scaling:
+            return
+        log_ratio = math.log(max(seconds, 1e-9) / max(self.table.estimate(rows, query_len), 1e-9))
+        if query_len == 1:
+            self.forward_scales.observe(rows, math.exp(log_ratio))
+        else:
+            self.verify_scales.observe(rows, math.exp(log_ratio), self.forward_scales.get(rows))

@@ -10,7 +10,7 @@ SPECULATORS ?= 0.9.0
 ARCTIC ?= 0.3.0
 SHARED ?= ../shared
 
-.PHONY: install test demo bench lint clean fuzz-serve gpu-wheels gpu-check gpu-train-pack gpu-train
+.PHONY: install test test-fast demo bench lint clean fuzz-serve gpu-wheels gpu-check gpu-train-pack gpu-train
 
 # --speculative-config lists for `make bench`, kept in variables: a backslash-newline inside a recipe's quoted
 # argument reaches the shell as it is (and breaks the JSON), one in a variable's value becomes a space
@@ -41,9 +41,15 @@ $(ORACLE_STAMP): $(STAMP)
 		echo "arctic-inference $(ARCTIC) not installed: the suffix decoding oracle test will skip"
 	touch $(ORACLE_STAMP)
 
+# `make test` (CI) runs every test and names the 15 slowest; `make test-fast` leaves out the ones marked `slow`
+# (end to end, training, subprocesses, Triton's interpreter, compiles: tests/conftest.py) for the inner loop.
 test: $(STAMP) $(ORACLE_STAMP)
 	$(VENV)/bin/ruff check .
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=15 tests
+
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" tests
 
 demo: $(STAMP)
 	$(VENV)/bin/draftsmith demo

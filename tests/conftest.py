@@ -5,6 +5,7 @@ gpu-check`) refuses to start a session that could not run them on a GPU."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,18 @@ def pytest_configure(config):
     problem = gpu_check_problem()
     if problem is not None:
         raise pytest.UsageError(problem)
+
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers: every test under integration/ runs end to end (a server, a subprocess, training, the real
+    models) and is `slow`; in unit/, the tests that are slow carry the mark themselves. `make test-fast`
+    runs the rest (`-m "not slow"`)."""
+    for item in items:
+        if INTEGRATION in Path(item.fspath).resolve().parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -25,11 +25,12 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def triton_kernel_marks(module) -> list[pytest.MarkDecorator]:
     """The `pytestmark` of a test module whose tests run the kernels of `module` (importable without Triton):
-    skips where they cannot run: Triton is not installed, or there is no GPU and kernels would need
-    TRITON_INTERPRET=1 (`make test` sets it). Marks, not a module-level skip: the tests are still collected,
+    `slow`, and skips where they cannot run: Triton is not installed, or there is no GPU and kernels would
+    need TRITON_INTERPRET=1 (`make test` sets it). Marks, not a module-level skip: the tests are still collected,
     so `pytest -m cuda --collect-only` counts them on any machine (`make gpu-check`'s dry run)."""
     no_interpreter = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    return [pytest.mark.skipif(module.triton is None, reason="Triton is not installed"),
+    return [pytest.mark.slow,  # Triton's interpreter runs a kernel a program at a time, in Python
+            pytest.mark.skipif(module.triton is None, reason="Triton is not installed"),
             pytest.mark.skipif(no_interpreter, reason="no GPU: Triton kernels run on CPU only under "
                                                       "TRITON_INTERPRET=1 (`make test` sets it)")]
 

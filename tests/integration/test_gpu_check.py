@@ -13,7 +13,6 @@ import pytest
 
 from helpers import REPO, shared_path
 
-pytestmark = pytest.mark.slow
 TRAVEL_LIMIT = 64 * 2**20
 
 

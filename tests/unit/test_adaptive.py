@@ -447,6 +447,7 @@ def test_one_stalled_step_does_not_price_speculation_out():
     assert cost.host(8, True) == pytest.approx(0.1, rel=0.05)
 
 
+@pytest.mark.slow
 def test_an_engines_first_steps_teach_the_cost_model_nothing():
     """The first steps of each kind run cold; the cost model learns from the steps after COLD_STEPS of them,
     and from plain steps only once SETTLING_STEPS of them in a row have followed a speculative one."""
@@ -537,6 +538,7 @@ def reference_ids():
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_engine_k_falls_to_zero_and_rises_again(reference_ids):
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
@@ -559,6 +561,7 @@ def test_engine_k_falls_to_zero_and_rises_again(reference_ids):
             assert sum(m["spec_k_histogram"][1:]) == 0
 
 
+@pytest.mark.slow
 def test_eagle_rows_resume_drafting_after_held_steps(reference_ids):
     """Held steps still hand the EAGLE-3 proposer the target's features: when speculation pays again
     mid-request, the head drafts with its context whole, and accepts as often as a run that never paused
@@ -638,6 +641,7 @@ def test_greedy_equality_with_adaptive_k(method, reference_ids, tmp_path_factory
     assert llm.engine.planner.adaptive and m["num_drafts"] > 0
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_the_same_with_and_without_adaptive_speculation():
     """Deterministic drafts are verified against the token plain sampling draws at that position, so a seeded
     request samples the same text whatever k the planner picks (and with no speculation at all)."""
@@ -656,6 +660,7 @@ TRIALS = 1500
 DIST_PROMPT = "import numpy as np\n\n\ndef "
 
 
+@pytest.mark.slow
 def test_sampled_drafts_with_adaptive_k_follow_the_target_distribution():
     """EAGLE-3 sampled drafting under the planner: the second sampled token, after the most common first
     one, is distributed as the target says, whichever of plain sampling or verification produced it."""

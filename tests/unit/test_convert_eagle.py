@@ -324,6 +324,7 @@ def test_unknown_layouts_ask_for_from(tmp_path, capsys):
     (lambda d: pub.yuhuili_eagle(d, qwen2=True), "eagle"), (pub.speculators_legacy_eagle, "eagle"),
     (pub.yuhuili_eagle3, "eagle3"), (pub.specforge_eagle3, "eagle3"), (pub.yuhuili_eagle3_narrow, "eagle3"),
 ])
+@pytest.mark.slow
 def test_converted_heads_keep_greedy_outputs(build, method, tmp_path, greedy_reference):
     assert convert(build(tmp_path / "src"), tmp_path / "head", "--target", DEMO_MODEL) == 0
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,

@@ -61,6 +61,7 @@ def test_profiles_are_kept_apart_by_dtype_and_model():
     assert cache_path(key) != cache_path({**key, "model": "/elsewhere"})
 
 
+@pytest.mark.slow
 def test_profile_command_prints_the_table_and_reuses_it(cache_dir, capsys):
     argv = ["profile", str(DEMO_MODEL), "--max-rows", "2", "--context", "16", "--device", "cpu"]
     assert main(argv) == 0

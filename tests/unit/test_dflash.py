@@ -119,6 +119,7 @@ def _serve(head_dir, k=4, adaptive=False, engine: dict | None = None, **extra):
                                                "adaptive": adaptive, "draft_dtype": "float32", **extra}, **engine)
 
 
+@pytest.mark.slow
 def test_a_random_head_decodes_with_greedy_equality_one_draft_forward_a_step(demo_target, tmp_path, greedy_reference):
     llm = _serve(_save(_random_head(demo_target), tmp_path / "head"))
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
@@ -148,6 +149,7 @@ def test_k_beyond_the_block_is_one_line(demo_target, tmp_path):
         _serve(head_dir)
 
 
+@pytest.mark.slow
 def test_training_learns_the_targets_next_tokens(tmp_path):
     """On the demo target (a random tiny one predicts near-uniformly: nothing to agree on), a regular corpus."""
     data = write_code_corpus(tmp_path / "code.jsonl")
@@ -404,6 +406,7 @@ def test_a_head_config_missing_a_key_is_one_line():
         DFlashConfig.from_json(config)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_blocks_run_through_the_triton_kernel(monkeypatch, demo_target, tmp_path, kernel_target,
                                               kernel_greedy_reference):

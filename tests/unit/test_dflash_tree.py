@@ -93,6 +93,7 @@ def test_bad_tree_keys_are_one_line(target):
         parse_speculative_config(_spec(num_speculative_tokens=12, tree_depth=3, tree_top_k=2))
 
 
+@pytest.mark.slow
 def test_block_trees_decode_what_plain_decoding_does_and_accept_more(target, greedy_reference):
     """Mixed batch (4 prompts through 3 slots): greedy ids equal plain decoding's
     for the block's chain, a whole dynamic tree, one sized each step by the cost model and a static tree; the

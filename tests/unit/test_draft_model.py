@@ -50,6 +50,7 @@ def test_adaptive_k_keeps_greedy_equality(greedy_reference):
     assert llm.get_metrics()["num_drafts"] > 0
 
 
+@pytest.mark.slow
 def test_seeded_sampled_drafts_repeat_alone_and_batched(tmp_path):
     """Drafts sampled from a draft that disagrees with the target, rows reaching their limits at different
     steps: a seeded request draws only for the drafts it keeps, so it samples the same text alone and in a

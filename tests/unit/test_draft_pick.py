@@ -45,6 +45,7 @@ def test_ties_and_strided_rows():
     torch.testing.assert_close(probs, greedy_pick_reference(logits)[1])
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_eagle3_engine_drafts_through_the_kernel(monkeypatch, kernel_target, kernel_greedy_reference):
     """DRAFTSMITH_DRAFT_PICK=triton: every greedy draft step of the demo EAGLE-3 head (eager steps, on

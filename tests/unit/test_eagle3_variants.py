@@ -190,6 +190,7 @@ ORACLE_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ORACLE_CASES)
 def test_speculators_checkpoints_import_and_draft_as_speculators_does(case, target, tmp_path, greedy_reference):
     """Heads saved by speculators' own trainer code (its default flags, or the case's) convert without --target,

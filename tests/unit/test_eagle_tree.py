@@ -60,6 +60,7 @@ def _chain_scores(head, cache, slot, base, key_start, state, logits, path):
 STATIC_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static", [False, True])
 def test_tree_nodes_score_as_the_chain_along_their_path(target, monkeypatch, static):
     """Each node of the trees drafted while serving (3 rows, one of them a long prompt whose head context
@@ -103,6 +104,7 @@ def test_tree_nodes_score_as_the_chain_along_their_path(target, monkeypatch, sta
     assert max(llm.engine.proposer.context_start) > 0
 
 
+@pytest.mark.slow
 def test_tree_drafts_decode_what_plain_decoding_does_and_accept_more(target, greedy_reference):
     """Mixed batch (4 prompts through 3 slots): greedy ids equal plain decoding's for the chain, a whole tree
     of the same depth, a tree sized each step by the cost model (rows cut to their likeliest nodes, or

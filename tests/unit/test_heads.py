@@ -78,6 +78,7 @@ def greedy_reference():
                                                            use_tqdm=False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_greedy_equality_with_random_head(kind, draft_dtype, target, tmp_path, greedy_reference):
@@ -96,6 +97,7 @@ def test_greedy_equality_with_random_head(kind, draft_dtype, target, tmp_path, g
     assert llm.engine.proposer.pending.dtype == expected  # target features are kept in the head's dtype
 
 
+@pytest.mark.slow
 def test_a_bfloat16_head_drafts_as_well_as_a_float32_one(greedy_reference):
     """The shipped EAGLE-3 head in bfloat16 (half the bytes read per draft step) keeps its acceptance."""
     lengths = {}

@@ -27,6 +27,7 @@ def _faults(mode: str, env: dict | None = None) -> tuple[bool, int]:
     return tuned == "True", int(faults)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
 def test_freed_buffers_are_reused_instead_of_refaulted():
     import os

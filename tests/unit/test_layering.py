@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import draftsmith
 from helpers import REPO
 
@@ -123,6 +125,7 @@ def test_train_and_convert_never_reach_the_serving_package():
             assert serving == [], f"{name} reaches {serving}"
 
 
+@pytest.mark.slow
 def test_training_and_conversion_run_without_loading_serving_code():
     """The same, as Python sees it: import the trainer and convert CLI, resolve every method's objective
     and every converter format, and check no `draftsmith.serve` module was loaded."""

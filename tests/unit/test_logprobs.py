@@ -52,6 +52,7 @@ def _assert_same_logprobs(got, want):
             assert mine[token_id].logprob == pytest.approx(theirs[token_id].logprob, abs=SAME)
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_targets_log_softmax_at_each_position(plain_outputs):
     """Checked against transformers' own Llama over prompt + output, not against our forward."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,6 +73,7 @@ def test_logprobs_are_the_targets_log_softmax_at_each_position(plain_outputs):
                 assert entry[token_id].logprob == pytest.approx(value, abs=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(SPECULATION))
 def test_logprobs_are_the_same_with_speculation(method, plain_outputs):
     llm = _llm(SPECULATION[method])
@@ -81,6 +83,7 @@ def test_logprobs_are_the_same_with_speculation(method, plain_outputs):
         _assert_same_logprobs(got, want)
 
 
+@pytest.mark.slow
 def test_logprobs_stop_with_the_tokens_at_a_stop_string_inside_a_verified_run():
     """A stop string met mid-way through a step's accepted drafts drops the tokens after it, and their
     logprobs with them."""
@@ -92,6 +95,7 @@ def test_logprobs_stop_with_the_tokens_at_a_stop_string_inside_a_verified_run():
     assert all(len(entry) == 1 for entry in spec.logprobs)  # logprobs=0: the token's own, no alternatives
 
 
+@pytest.mark.slow
 def test_processed_logprobs_are_of_the_filtered_distribution():
     """processed_logprobs: after temperature and top-k, so the top-k tokens' probabilities sum to 1 and the
     sampled token is among them; raw ones are the model's and sum to less."""
@@ -107,6 +111,7 @@ def test_processed_logprobs_are_of_the_filtered_distribution():
                 assert mass == pytest.approx(total, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_no_logprobs_unless_asked_and_bad_values_are_refused():
     output = _llm().generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert output.outputs[0].logprobs is None
@@ -116,6 +121,7 @@ def test_no_logprobs_unless_asked_and_bad_values_are_refused():
         _llm(logprobs_mode="logits")
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_score_each_prompt_token_given_the_ones_before_it_chunked_or_not():
     """prompt_logprobs, checked against transformers' Llama; a prompt read in chunks of 7 tokens (and beside
     another prompt) scores the same as one read whole."""

@@ -62,6 +62,7 @@ def test_saved_head_reloads_bit_exactly_and_round_trips_through_vllm(target, tmp
     assert all(torch.equal(tensors[k], v) for k, v in head.state_dict().items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("own_lm_heads", [True, False])
 def test_random_heads_decode_with_greedy_equality(own_lm_heads, target, tmp_path, greedy_reference):
     _random_head(target, own_lm_heads=own_lm_heads, directory=tmp_path / "head")
@@ -71,6 +72,7 @@ def test_random_heads_decode_with_greedy_equality(own_lm_heads, target, tmp_path
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [
     lambda d: pub.medusa(d, heads=3, layers=1), lambda d: pub.medusa(d, heads=4, layers=2, weights="medusa_lm_head.safetensors"),
     lambda d: pub.medusa(d, lm_heads=False)])
@@ -98,6 +100,7 @@ def test_a_head_that_copies_the_target_drafts_what_the_target_says_next(target, 
     assert torch.equal(head(last).argmax(-1)[..., 0], target(ids).logits.argmax(-1))
 
 
+@pytest.mark.slow
 def test_training_on_a_tiny_target_lowers_the_loss_and_serves(tmp_path):
     target_dir = make_tiny_target_with_tokenizer(tmp_path / "target")
     data = write_code_corpus(tmp_path / "code.jsonl")

@@ -152,6 +152,7 @@ def reference_ids():
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_toy_method_serves_through_llm_losslessly(toy_head, reference_ids):
     # fixed k: the adaptive planner would soon stop drafting with a head this weak (few drafts are accepted)
     spec = {"method": "toy_bigram", "model": str(toy_head), "num_speculative_tokens": 3, "adaptive": False}
@@ -162,6 +163,7 @@ def test_toy_method_serves_through_llm_losslessly(toy_head, reference_ids):
     assert metrics["num_drafts"] > 0 and metrics["num_accepted_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_toy_method_samples_its_drafts_reproducibly(toy_head):
     spec = {"method": "toy_bigram", "model": str(toy_head), "num_speculative_tokens": 3,
             "draft_sample_method": "probabilistic", "chain_temperature": 0.7,
@@ -174,6 +176,7 @@ def test_toy_method_samples_its_drafts_reproducibly(toy_head):
     assert llm.get_metrics()["num_accepted_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_toy_method_through_generate_cli(toy_head, reference_ids, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))

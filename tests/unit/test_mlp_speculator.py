@@ -77,6 +77,7 @@ def _serve(head_dir, k=3):
                                    "adaptive": False})
 
 
+@pytest.mark.slow
 def test_a_random_speculator_decodes_with_greedy_equality(target, tmp_path, greedy_reference):
     _random(target).save_pretrained(tmp_path)
     llm = _serve(tmp_path)  # 4 prompts, 3 slots: rows join and leave a mixed batch
@@ -85,6 +86,7 @@ def test_a_random_speculator_decodes_with_greedy_equality(target, tmp_path, gree
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [lambda d: pub.mlp_speculator(d), lambda d: pub.mlp_speculator(d, tied=True),
                                    lambda d: pub.mlp_speculator(d, tied=True, all_names=False, scale_input=True)])
 def test_converted_public_speculators_decode_with_greedy_equality(build, tmp_path, greedy_reference):
@@ -101,6 +103,7 @@ def test_more_drafts_than_stages_is_a_clear_error(target, tmp_path):
         _serve(tmp_path, k=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_training_on_a_tiny_target_lowers_the_loss(tied, tmp_path):
     import json

@@ -102,10 +102,12 @@ def _real_model_parity(model_dir):
     _compare_cached(ours, ids, ref_logits)
 
 
+@pytest.mark.slow
 def test_demo_model_matches_transformers():
     _real_model_parity(DEMO_MODEL)
 
 
+@pytest.mark.slow
 def test_house_model_matches_transformers():
     _real_model_parity(shared_path("models", "house-code-28m"))
 

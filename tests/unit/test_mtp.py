@@ -97,6 +97,7 @@ def test_saved_head_reloads_bit_exactly_and_round_trips_through_vllm_as_mimo(mod
     assert all(torch.equal(back[k], v) for k, v in head.state_dict().items())
 
 
+@pytest.mark.slow
 def test_random_head_decodes_with_greedy_equality(target, tmp_path, greedy_reference):
     _random_head(target, directory=tmp_path / "head")
     llm = _serve(tmp_path / "head")  # 4 prompts, 3 slots: rows join and leave a mixed batch
@@ -105,6 +106,7 @@ def test_random_head_decodes_with_greedy_equality(target, tmp_path, greedy_refer
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SHIPPED.is_dir(), reason="assets/demo-code-7m-mtp is not in this checkout")
 def test_shipped_demo_head_decodes_with_greedy_equality_and_accepts(greedy_reference):
     llm = _serve(SHIPPED, k=4)
@@ -115,6 +117,7 @@ def test_shipped_demo_head_decodes_with_greedy_equality_and_accepts(greedy_refer
     assert metrics["mean_acceptance_length"] > 1.8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mtp_layers", [1, 2])
 def test_converted_mimo_layers_decode_with_greedy_equality(mtp_layers, tmp_path, greedy_reference):
     """A MiMo checkpoint's MTP layers (Qwen2 blocks, with q/k/v biases) shaped like the demo model; with two,
@@ -133,6 +136,7 @@ def test_fastmtp_step_weights():
     assert [round(w, 2) for w in step_weights(3, 0.6)] == [0.51, 0.31, 0.18]  # training.md's figures
 
 
+@pytest.mark.slow
 def test_training_on_a_tiny_target_lowers_the_loss_and_serves(tmp_path):
     target_dir = make_tiny_target_with_tokenizer(tmp_path / "target")
     data = write_code_corpus(tmp_path / "code.jsonl")

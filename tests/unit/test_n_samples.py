@@ -17,6 +17,7 @@ def _llm(**extra):
                max_num_batched_tokens=16, **extra)
 
 
+@pytest.mark.slow
 def test_seeded_samples_share_one_prefill_and_equal_requests_of_their_own():
     llm = _llm()
     prompt_len = len(llm.encode(LONG_PROMPT)[1])
@@ -43,6 +44,7 @@ def test_seeded_samples_share_one_prefill_and_equal_requests_of_their_own():
     assert llm.engine.free_slots == [0, 1, 2, 3] and not llm.engine.groups and not llm.engine.requests
 
 
+@pytest.mark.slow
 def test_samples_hand_the_drafter_the_shared_prompt():
     """Greedy samples with EAGLE-3 at fixed k: each is the plain greedy output, and each drafts exactly as a
     request of its own does (the prompt's features reached every sample's slot), so two samples accept

@@ -145,6 +145,7 @@ def adapted(tmp_path_factory):
     return root, target, validate_recipe(raw), train(validate_recipe(raw), ["test"])
 
 
+@pytest.mark.slow
 def test_adaptation_learns_the_masks_and_saves_an_hf_checkpoint_that_serves(adapted):
     root, target, recipe, final = adapted
     log = [json.loads(line) for line in (root / "run" / "train_log.jsonl").read_text().splitlines()]

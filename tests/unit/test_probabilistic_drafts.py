@@ -73,6 +73,7 @@ def sampled_step(request, tmp_path_factory):
     return drafts, logits, sampling, torch.softmax(logits[0, 0], -1), method
 
 
+@pytest.mark.slow
 def test_proposer_samples_from_the_q_it_reports(sampled_step):
     drafts, _, _, p_first, method = sampled_step
     assert drafts.probs is not None and drafts.counts.tolist() == [2] * TRIALS
@@ -88,6 +89,7 @@ def test_proposer_samples_from_the_q_it_reports(sampled_step):
         assert _bucketed_tv(q_first, p_first, top) > 0.5  # the head really disagrees with the target here
 
 
+@pytest.mark.slow
 def test_emitted_tokens_follow_the_target_distribution(sampled_step):
     drafts, logits, sampling, p_first, _ = sampled_step
     num_draft = drafts.counts.tolist()
@@ -105,6 +107,7 @@ def test_emitted_tokens_follow_the_target_distribution(sampled_step):
     assert _bucketed_tv(kept, p_first, top) > 0.3
 
 
+@pytest.mark.slow
 def test_one_hot_treatment_of_sampled_drafts_is_not_what_runs(sampled_step):
     """The engine passes the proposer's q: verifying the same drafts as if q were one-hot accepts different
     drafts (p(x) instead of min(1, p(x)/q(x))), which is what `rejection_sample_method: probabilistic`

@@ -37,6 +37,7 @@ def test_filters_match_reference(temperature, top_k, top_p):
                                    atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_draws_follow_the_filtered_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     params = SamplingParams(temperature=0.9, top_k=4)

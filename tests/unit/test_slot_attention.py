@@ -62,6 +62,7 @@ def test_dtypes_split_k_and_key_ranges(dtype):
         _check(got, want, dtype, q_lens)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_tree_masks_and_sliding_windows():
     q_lens, starts = [7, 16], [90, 250]
@@ -105,6 +106,7 @@ def test_the_reference_is_the_engines_attention_over_a_forward_batch():
         _check(engine, want, torch.float32, q_lens)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_the_engine_decodes_and_verifies_through_the_kernel(monkeypatch, kernel_target, kernel_greedy_reference):
     """DRAFTSMITH_ATTENTION=triton: every decode and verify forward of the demo model (eager steps, on

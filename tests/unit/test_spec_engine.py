@@ -51,6 +51,7 @@ def test_greedy_equality_with_ngram(k, reference_ids):
     assert metrics["num_forward_passes"] < metrics["num_generated_tokens"]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_speculation_repeats_and_respects_limits():
     llm = _spec_llm(4)
     params = [SamplingParams(temperature=0.7, top_p=0.9, seed=s, max_tokens=20 + s) for s in range(len(PROMPTS))]

@@ -123,6 +123,7 @@ def _compiled_llm(target, backend, **kwargs):
     return llm, calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculation", [None, {"method": "eagle3", "model": str(EAGLE3_HEAD),
                                                 "num_speculative_tokens": 4, "adaptive": False}])
 def test_compiled_steps_decode_what_eager_decodes(target, greedy_reference, speculation):
@@ -165,6 +166,7 @@ def _record_confidence(proposer) -> list:
 LONG_PROMPT = "def walk(tree):\n" + "".join(f"    visit(tree.child_{i})\n" for i in range(24)) + "    ret"
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel", [False, True])
 def test_static_draft_steps_draft_what_eager_steps_draft(kernel_target, monkeypatch, kernel):
@@ -206,6 +208,7 @@ def test_static_draft_steps_draft_what_eager_steps_draft(kernel_target, monkeypa
         torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_inductor_compiles_a_step(target):
     """Inductor itself (C++ kernels on CPU) on one verify bucket of the demo model: the logits equal the
     eager static forward's."""

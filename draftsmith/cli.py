@@ -354,7 +354,11 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # lists the registered methods, which finds the plugins'
+    except DraftsmithError as exc:
+        print(f"draftsmith: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

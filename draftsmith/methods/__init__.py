@@ -2,11 +2,14 @@
 
 A method's folder holds everything draftsmith knows about it: `__init__.py` registers a `SpecMethod`
 subclass (its `--speculative-config` section, recipe section, head type, declared needs, default fused
-layers) and its other modules hold the parts each layer loads on demand: `proposer.py` for the engine,
+layers) and names, as `*_ref` strings, the parts each layer loads on demand: `proposer.py` for the engine,
 `objective.py` for the trainer; converter formats are named by module and loaded by `draftsmith convert`.
 Head modules and native configs stay in `draftsmith.models` (model code lives once, for training and
-serving); a method points at them. Adding a method is adding a folder, one import line below and its
-package name in pyproject.toml.
+serving); a method points at them.
+
+Methods are found, not listed: every package in this folder is imported here, and so is every entry point
+another distribution declares in the `draftsmith.methods` group (`methods.plugins`). Adding a method is
+adding a folder, or installing a package that declares one.
 """
 
 from draftsmith.methods.base import (
@@ -31,8 +34,10 @@ from draftsmith.methods.registry import (
 )
 
 # isort: split
-# Importing a built-in method registers it (explicit, in one place: no import-time scanning).
-from draftsmith.methods import dflash, draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix  # noqa: F401
+from draftsmith.methods.plugins import register_builtin_methods, register_plugin_methods
+
+register_builtin_methods(__name__, __path__)
+register_plugin_methods()
 
 __all__ = ["METHODS", "DraftBatch", "MethodNeeds", "Proposer", "RecipeModelSection", "RecipeTrainingSection",
            "SpecMethod", "SpeculativeConfig", "head_method", "load_head", "method_names", "read_head_config",

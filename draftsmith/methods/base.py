@@ -15,6 +15,8 @@ method contract, rather than in `serve`, so that a method's folder depends on th
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
@@ -380,23 +382,39 @@ class SpecMethod:
     head_module: ClassVar[type | None] = None
     # modules that register its `draftsmith convert` formats and exporters, imported by `load_formats` only
     converters: ClassVar[tuple[str, ...]] = ()
+    # The parts each layer loads only when asked, as "module:name"; a module starting with "." is in the
+    # package of the class that declares the reference (a method's folder). None: the method has no such part.
+    proposer_ref: ClassVar[str | None] = None  # the engine's Proposer subclass
+    objective_ref: ClassVar[str | None] = None  # the trainer's objective
+    acceptance_eval_ref: ClassVar[str | None] = None  # the trainer's simulated acceptance
 
     @classmethod
     def proposer_class(cls) -> type[Proposer] | None:
         """The proposer the engine builds, or None when the method cannot be served (yet)."""
-        return None
+        return cls._resolve("proposer_ref")
 
     @classmethod
     def objective(cls) -> Callable[..., Any] | None:
         """`objective(head, target, batch, features, training_cfg) -> (loss, logs)`, or None if untrainable."""
-        return None
+        return cls._resolve("objective_ref")
 
     @classmethod
     def acceptance_eval(cls) -> Callable[..., Any] | None:
         """`evaluate(head, target, batch, features, max_k) -> (accepted chains per depth [max_k], chain
         starts)`, optionally followed by (tokens, blocks) of the batch drafted block after block as a server
         drafts it: the trainer's per-epoch simulated acceptance, or None to skip it."""
-        return None
+        return cls._resolve("acceptance_eval_ref")
+
+    @classmethod
+    def _resolve(cls, attribute: str):
+        """The object a `*_ref` names, imported now; a relative module is resolved as a relative import in the
+        module of the class that set the reference would be (a subclass elsewhere inherits what it meant)."""
+        ref = getattr(cls, attribute)
+        if ref is None:
+            return None
+        owner = next(k for k in cls.__mro__ if attribute in vars(k))
+        module, _, name = ref.partition(":")
+        return getattr(importlib.import_module(module, sys.modules[owner.__module__].__package__), name)
 
     @classmethod
     def build_head(cls, section: RecipeModelSection, target, aux_layer_ids: tuple[int, ...], token_records):

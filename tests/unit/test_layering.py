@@ -1,7 +1,8 @@
 """The package's layers: no import cycles among its modules, and training and conversion never load serving.
 
 The graph counts every import statement, at module level or inside a function (a deferred import is still
-a dependency), and resolves `from package import name` to the submodule when `name` is one.
+a dependency), and a method's `*_ref` ("module:name", loaded when asked); it resolves `from package import
+name` to the submodule when `name` is one.
 """
 
 import ast
@@ -48,12 +49,25 @@ def _import_graph() -> dict[str, set[str]]:
                     anchor = anchor[: len(anchor) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
                 targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and any(
+                    isinstance(t, ast.Name) and t.id.endswith("_ref") for t in node.targets):
+                targets = [_referenced_module(node.value.value, name, is_package)]  # SpecMethod.*_ref
             for target in targets:
                 while target and target not in modules and "." in target:
                     target = target.rsplit(".", 1)[0]
                 if target in modules and target != name:
                     graph[name].add(target)
     return graph
+
+
+def _referenced_module(ref: str, module: str, is_package: bool) -> str:
+    """The module a method's `*_ref` ("module:name", "." relative to the declaring module) loads."""
+    target = ref.partition(":")[0]
+    if not target.startswith("."):
+        return target
+    anchor = module.split(".") if is_package else module.split(".")[:-1]
+    level = len(target) - len(target.lstrip("."))
+    return ".".join(anchor[: len(anchor) - level + 1] + [target.lstrip(".")])
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -104,8 +118,9 @@ def test_graph_sees_the_whole_package():
     graph = _import_graph()
     assert {"draftsmith.methods.eagle.proposer", "draftsmith.serve.engine.core", "draftsmith.train.trainer",
             "draftsmith.convert.cli", "draftsmith.models.llama"} <= set(graph)
-    # deferred (in-function) imports count: the method class loads its proposer only when asked
+    # deferred loads count: the method class names its proposer (`proposer_ref`), loaded only when asked
     assert "draftsmith.methods.eagle.proposer" in graph["draftsmith.methods.eagle"]
+    assert "draftsmith.methods.eagle.proposer" in graph["draftsmith.methods.mtp"]
     assert Path(draftsmith.__file__).parent == REPO / "draftsmith"
 
 

@@ -52,24 +52,9 @@ class DFlashMethod(SpecMethod):
     recipe_section = DFlashRecipe
     training_section = DFlashTraining
     converters = ("draftsmith.convert.dflash",)
-
-    @classmethod
-    def proposer_class(cls):
-        from draftsmith.methods.dflash.proposer import DFlashProposer
-
-        return DFlashProposer
-
-    @classmethod
-    def objective(cls):
-        from draftsmith.methods.dflash.objective import dflash_objective
-
-        return dflash_objective
-
-    @classmethod
-    def acceptance_eval(cls):
-        from draftsmith.methods.dflash.objective import simulated_acceptance
-
-        return simulated_acceptance
+    proposer_ref = ".proposer:DFlashProposer"
+    objective_ref = ".objective:dflash_objective"
+    acceptance_eval_ref = ".objective:simulated_acceptance"
 
     @classmethod
     def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:

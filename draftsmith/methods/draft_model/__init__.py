@@ -55,24 +55,9 @@ class DraftModelMethod(SpecMethod):
     needs = MethodNeeds(head=True, draft_probs=True, own_kv_cache=True)
     recipe_section = DraftModelRecipe
     training_section = ParallelDraftTraining
-
-    @classmethod
-    def proposer_class(cls):
-        from draftsmith.methods.draft_model.proposer import DraftModelProposer
-
-        return DraftModelProposer
-
-    @classmethod
-    def objective(cls):
-        from draftsmith.methods.draft_model.objective import pard_objective
-
-        return pard_objective
-
-    @classmethod
-    def acceptance_eval(cls):
-        from draftsmith.methods.draft_model.objective import simulated_acceptance
-
-        return simulated_acceptance
+    proposer_ref = ".proposer:DraftModelProposer"
+    objective_ref = ".objective:pard_objective"
+    acceptance_eval_ref = ".objective:simulated_acceptance"
 
     @classmethod
     def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:

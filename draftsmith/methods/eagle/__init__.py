@@ -83,18 +83,8 @@ class EagleFamilyMethod(SpecMethod):
 
     needs = replace(EAGLE_FAMILY_NEEDS, tree=True)  # static and EAGLE-2's dynamic trees
     head_config = DraftHeadConfig
-
-    @classmethod
-    def proposer_class(cls):
-        from draftsmith.methods.eagle.proposer import EagleFamilyProposer
-
-        return EagleFamilyProposer
-
-    @classmethod
-    def acceptance_eval(cls):
-        from draftsmith.methods.eagle.training import simulated_acceptance
-
-        return simulated_acceptance
+    proposer_ref = ".proposer:EagleFamilyProposer"
+    acceptance_eval_ref = ".training:simulated_acceptance"
 
     @classmethod
     def head_config_overrides(cls, section: RecipeModelSection) -> dict:
@@ -119,12 +109,7 @@ class EagleMethod(EagleFamilyMethod):
     head_type = "eagle"
     head_module = EagleHead
     converters = ("draftsmith.convert.eagle", "draftsmith.convert.speculators")
-
-    @classmethod
-    def objective(cls):
-        from draftsmith.methods.eagle.objective import eagle_objective
-
-        return eagle_objective
+    objective_ref = ".objective:eagle_objective"
 
     @classmethod
     def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:

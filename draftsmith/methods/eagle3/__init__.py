@@ -51,12 +51,7 @@ class Eagle3Method(EagleFamilyMethod):
     head_type = "eagle3"
     head_module = Eagle3Head
     converters = ("draftsmith.convert.eagle3", "draftsmith.convert.speculators")
-
-    @classmethod
-    def objective(cls):
-        from draftsmith.methods.eagle3.objective import eagle3_objective
-
-        return eagle3_objective
+    objective_ref = ".objective:eagle3_objective"
 
     @classmethod
     def reference_aux_layers(cls, num_layers: int) -> tuple[int, ...]:

@@ -48,18 +48,9 @@ class MedusaMethod(FinalHiddenMethod):
     recipe_section = MedusaRecipe
     training_section = MedusaTraining
     converters = ("draftsmith.convert.medusa",)
-
-    @classmethod
-    def objective(cls):
-        from draftsmith.methods.medusa.objective import medusa_objective
-
-        return medusa_objective
-
-    @classmethod
-    def acceptance_eval(cls):
-        from draftsmith.methods.medusa.objective import simulated_acceptance
-
-        return simulated_acceptance
+    proposer_ref = ".proposer:MedusaProposer"
+    objective_ref = ".objective:medusa_objective"
+    acceptance_eval_ref = ".objective:simulated_acceptance"
 
     @classmethod
     def build_head(cls, section: MedusaRecipe, target, aux_layer_ids, token_records):
@@ -71,8 +62,3 @@ class MedusaMethod(FinalHiddenMethod):
         head.init_from_target()
         return head
 
-    @classmethod
-    def proposer_class(cls):
-        from draftsmith.methods.medusa.proposer import MedusaProposer
-
-        return MedusaProposer

@@ -49,18 +49,9 @@ class MLPSpeculatorMethod(FinalHiddenMethod):
     recipe_section = MLPSpeculatorRecipe
     training_section = MLPSpeculatorTraining
     converters = ("draftsmith.convert.mlp_speculator",)
-
-    @classmethod
-    def objective(cls):
-        from draftsmith.methods.mlp_speculator.objective import mlp_speculator_objective
-
-        return mlp_speculator_objective
-
-    @classmethod
-    def acceptance_eval(cls):
-        from draftsmith.methods.mlp_speculator.objective import simulated_acceptance
-
-        return simulated_acceptance
+    proposer_ref = ".proposer:MLPSpeculatorProposer"
+    objective_ref = ".objective:mlp_speculator_objective"
+    acceptance_eval_ref = ".objective:simulated_acceptance"
 
     @classmethod
     def build_head(cls, section: MLPSpeculatorRecipe, target, aux_layer_ids, token_records):
@@ -73,8 +64,3 @@ class MLPSpeculatorMethod(FinalHiddenMethod):
         head.init_from_target()
         return head
 
-    @classmethod
-    def proposer_class(cls):
-        from draftsmith.methods.mlp_speculator.proposer import MLPSpeculatorProposer
-
-        return MLPSpeculatorProposer

@@ -51,24 +51,9 @@ class MTPMethod(SpecMethod):
     recipe_section = MTPRecipe
     training_section = MTPTraining
     converters = ("draftsmith.convert.mtp",)
-
-    @classmethod
-    def proposer_class(cls):
-        from draftsmith.methods.eagle.proposer import EagleFamilyProposer
-
-        return EagleFamilyProposer
-
-    @classmethod
-    def objective(cls):
-        from draftsmith.methods.mtp.objective import mtp_objective
-
-        return mtp_objective
-
-    @classmethod
-    def acceptance_eval(cls):
-        from draftsmith.methods.eagle.training import simulated_acceptance
-
-        return simulated_acceptance
+    proposer_ref = "draftsmith.methods.eagle.proposer:EagleFamilyProposer"
+    objective_ref = ".objective:mtp_objective"
+    acceptance_eval_ref = "draftsmith.methods.eagle.training:simulated_acceptance"
 
     @classmethod
     def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:

@@ -36,9 +36,5 @@ class NgramMethod(SpecMethod):
     name = "ngram"
     section = NgramConfig
     needs = MethodNeeds()
+    proposer_ref = ".proposer:NgramProposer"
 
-    @classmethod
-    def proposer_class(cls):
-        from draftsmith.methods.ngram.proposer import NgramProposer
-
-        return NgramProposer

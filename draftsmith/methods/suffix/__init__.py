@@ -41,9 +41,5 @@ class SuffixMethod(SpecMethod):
     name = "suffix"
     section = SuffixConfig
     needs = MethodNeeds()
+    proposer_ref = ".proposer:SuffixProposer"
 
-    @classmethod
-    def proposer_class(cls):
-        from draftsmith.methods.suffix.proposer import SuffixProposer
-
-        return SuffixProposer

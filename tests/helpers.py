@@ -228,3 +228,16 @@ def random_mlp_speculator(directory: Path) -> str:
     config = MLPSpeculatorConfig(emb_dim=256, inner_dim=128, vocab_size=8192, n_predict=4, target_model="demo")
     MLPSpeculatorHead(config).save_pretrained(directory)
     return str(directory)
+
+
+def recorded_draft_forwards(llm) -> list[int]:
+    """A list that fills with the `forwards` of every DraftBatch `llm`'s proposer returns from now on."""
+    seen, propose = [], llm.engine.proposer.propose
+
+    def recording(*args, **kwargs):
+        drafts = propose(*args, **kwargs)
+        seen.append(drafts.forwards)
+        return drafts
+
+    llm.engine.proposer.propose = recording
+    return seen

@@ -243,6 +243,10 @@ class DraftBatch:
     # [B, K] the drafter's chance that each node's path is accepted, for a tree whose nodes come likeliest
     # first: the engine verifies the first w of them, w sized by the cost model (tree_verify.size_trees)
     confidence: torch.Tensor | None = None
+    # what drafting cost, for the policy's cost model: the sequential draft forwards this propose ran, and
+    # whether it was steady (False: it also caught up over a prompt or a pause, a one-off priced apart)
+    forwards: int = 0
+    steady: bool = True
 
 
 class RowState(Protocol):
@@ -270,15 +274,11 @@ class DraftSampling(Protocol):
 class Proposer:
     """Drafts tokens for the rows being decoded; returned by its method's `proposer_class()`.
 
-    The engine's cost model reads three things about drafting: `sequential` (each further draft token
-    costs one more sequential draft forward, as in EAGLE; False when one pass yields them all, as in n-gram
-    lookup or parallel drafting), `propose_first` (drafting is so cheap that the engine drafts before it
-    sizes the step, so it knows which rows have drafts at all), and `steps_run`, the sequential draft
-    forwards the last `propose` ran, which it times unless `steady` is False (that propose did one-off work,
-    such as catching up over a prompt, that says nothing about the next one). `stop_below` is set by the engine each step: a
-    proposer that knows its confidence stops drafting once the batch's mean chance of reaching the next draft
-    (running products of the drafts' probabilities, 0 for rows not drafting) falls below it (0 = draft up to
-    the limits).
+    The engine's cost model reads about drafting: `sequential` (each further draft token costs one more
+    sequential draft forward, as in EAGLE; False when one pass yields them all, as in n-gram lookup or
+    parallel drafting), `propose_first` (drafting is so cheap that the engine drafts before it sizes the
+    step, so it knows which rows have drafts at all), and what each `propose` returns: its DraftBatch's
+    `forwards` and `steady`.
     """
 
     sequential: ClassVar[bool] = True
@@ -289,15 +289,12 @@ class Proposer:
         # HF hidden_states indices it needs from every target forward (a head-based proposer takes them from
         # its loaded head); read only when its method declares needs.hidden_states
         self.hidden_layer_ids: tuple[int, ...] = ()
-        self.steps_run = 0
-        self.steady = True
         # observe() keeps at most this many newest positions per row (None: all): the engine hands over no
         # more, instead of building a whole prompt's features
         self.observe_window: int | None = None
         # a draft LM's folder, whose tokenizer the engine checks against the target's (None: drafts in the
         # target's own ids)
         self.tokenizer_dir: str | None = None
-        self.stop_below = 0.0
         # what one draft forward costs, for the planner's first guess: about `draft_cost_guess` (None: the
         # planner's default for a one-layer head) times the target's forward of `draft_query_len` tokens a row
         self.draft_query_len = 1
@@ -317,10 +314,13 @@ class Proposer:
         """The networks it drafts with (none for lookup methods): the engine compiles their kernels at start."""
         return []
 
-    def propose(self, rows: Sequence[RowState], max_drafts: list[int],
-                sampling: DraftSampling | None = None) -> DraftBatch:
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling: DraftSampling | None = None,
+                stop_below: float = 0.0) -> DraftBatch:
         """Up to `max_drafts[b]` tokens for row b. `sampling` is given when drafts should be sampled (the
-        config's draft_sample_method is probabilistic); greedy rows still take the argmax."""
+        config's draft_sample_method is probabilistic); greedy rows still take the argmax. `stop_below`, the
+        policy's confidence floor: a proposer that knows its confidence stops drafting once the batch's mean
+        chance of reaching the next draft (running products of the drafts' probabilities, 0 for rows not
+        drafting) falls below it (0: draft up to the limits)."""
         raise NotImplementedError
 
     def cleared_outputs(self, n: int, sampling: DraftSampling | None, vocab_size: int):

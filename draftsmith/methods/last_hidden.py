@@ -52,13 +52,12 @@ class LastHiddenProposer(Proposer):
             self.last[torch.tensor(slots, device=self.device)] = newest
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[RowState], max_drafts: list[int],
-                sampling: DraftSampling | None = None) -> DraftBatch:
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling: DraftSampling | None = None,
+                stop_below: float = 0.0) -> DraftBatch:
         n = len(rows)
         tokens, counts = self.draft_tokens[:n], self.draft_counts[:n]
         tokens.fill_(-1)
         width = min(max(max_drafts, default=0), self.k)
-        self.steps_run = 0
         sampled = sampling is not None and not sampling.all_greedy
         if sampled and self.draft_probs is None:
             self.draft_probs = torch.zeros(self.draft_tokens.shape + (self.head.config.vocab_size,), device=self.device)
@@ -83,7 +82,8 @@ class LastHiddenProposer(Proposer):
             probs.zero_()
             probs[:, :width] = torch.stack(self._qs, dim=1)
         parents = None if self.tree is None else self.tree.parent_tensor(n, self.device)
-        return DraftBatch(tokens, counts, probs, parents)
+        # a head per draft in one pass (Medusa), or a stage per draft in turn (MLP speculator)
+        return DraftBatch(tokens, counts, probs, parents, forwards=width if self.sequential else 1)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """One draft per row [n] from logits [n, V]: the argmax, or for sampling rows a draw whose q is kept."""
@@ -96,6 +96,5 @@ class LastHiddenProposer(Proposer):
         return drawn
 
     def _draft(self, rows: Sequence[RowState], hidden: torch.Tensor, width: int) -> torch.Tensor:
-        """[n, width] drafts from the rows' last hidden states [n, H], each chosen by `_pick` in order; sets
-        `steps_run`."""
+        """[n, width] drafts from the rows' last hidden states [n, H], each chosen by `_pick` in order."""
         raise NotImplementedError

@@ -1,11 +1,11 @@
 """The engine loop: continuous batching over a per-slot KV cache.
 
 Each `step()` (1) gives free cache slots to waiting requests, (2) runs one chunked, padded prefill forward
-for requests still reading their prompt and samples the first token of those that finish it, and
-(3) runs one decode forward for every request already generating. Requests finish independently and free
-their slot at once, so queued ones join on the next step. The only device-to-host copy per forward is
-the sampled token ids, which stop checks need anyway; a speculative step adds one before its forward, the
-draft counts, because the host sizes the verify batch from them.
+for requests still reading their prompt and samples the first token of those that finish it, and (3) runs
+one decode forward for every request already generating (`speculative_step` when speculating). Requests
+finish independently and free their slot at once, so queued ones join on the next step. The only
+device-to-host copy per forward is the sampled token ids, which stop checks need anyway; a speculative step
+adds the draft counts before its forward, because the host sizes the verify batch from them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods import SpeculativeConfig, resolve_method
+from draftsmith.methods import DraftBatch, SpeculativeConfig, resolve_method
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import warm_up as warm_up_linears
 from draftsmith.models.llama import CausalLM
@@ -341,7 +341,9 @@ class LLMEngine(FaultIsolatingSteps):
             self._plain_decode(rows, started, self._sampling(rows))
         return rows
 
-    def _plain_decode(self, rows: list[Request], started: float, sampling: SamplingBatch, draft_s: float = 0.0):
+    def _plain_decode(self, rows: list[Request], started: float, sampling: SamplingBatch, draft_s: float = 0.0,
+                      drafts: DraftBatch | None = None):
+        """One forward per row of its last token; `draft_s`, `drafts`: drafting this step did for nothing."""
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
         out, forward_at = self.step_forward(ids, rows, [1] * len(rows))
         sample_at = self.clock()
@@ -353,7 +355,7 @@ class LLMEngine(FaultIsolatingSteps):
         tokens = self._sample(out.logits[:, -1], sampling)
         sampled_at = self.clock()
         self.take_tokens(rows, tokens, out.logits[:, -1:], sampling)
-        self._account(rows, 0, started, draft_s, sample_at - forward_at, sampled_at - sample_at)
+        self._account(rows, 0, started, draft_s, sample_at - forward_at, sampled_at - sample_at, drafts)
 
     def _speculative_decode(self, rows: list[Request], started: float) -> None:
         """Draft up to w tokens per row (w chosen by the policy), score [last token, drafts] in one forward,
@@ -371,17 +373,18 @@ class LLMEngine(FaultIsolatingSteps):
         num_draft = drafted.num_draft(len(rows))  # sizes the forward
         if max(num_draft) == 0:
             self.planner.idle([r.slot for r in rows])
-            return self._plain_decode(rows, started, sampling, drafted.draft_s)
+            return self._plain_decode(rows, started, sampling, drafted.draft_s, drafted.drafts)
         checked = verify_drafts(self, rows, drafted.drafts, num_draft, sampling)
         finish_step(self, rows, num_draft, checked, sampling)
         self._account(rows, max(num_draft), started, drafted.draft_s, checked.forward_s, checked.verify_s,
-                      drafted.catch_up, sum(checked.query_lens) / len(rows))
+                      drafted.drafts, drafted.catch_up, sum(checked.query_lens) / len(rows))
 
     def _account(self, rows: list[Request], width: int, started: float, draft_s: float, forward_s: float,
-                 verify_s: float, catch_up: tuple[int, int] = (0, 0), query_len: float = 1.0) -> None:
+                 verify_s: float, drafts: DraftBatch | None = None, catch_up: tuple[int, int] = (0, 0),
+                 query_len: float = 1.0) -> None:
         """Books one decode step (`StepLedger.book`); `query_len`: the forward's mean real tokens per row."""
         cost = self.planner.cost if self.proposer is not None else None
-        self.ledger.book(len(rows), width, self.clock() - started, draft_s, forward_s, verify_s, cost, self.proposer,
+        self.ledger.book(len(rows), width, self.clock() - started, draft_s, forward_s, verify_s, cost, drafts,
                          catch_up, query_len)
 
     def step_forward(self, ids: torch.Tensor, rows: list[Request], q_lens: list[int]):
@@ -431,8 +434,7 @@ class LLMEngine(FaultIsolatingSteps):
             return sample(logits, sampling)[:, None].tolist()
 
     def get_metrics(self) -> dict:
-        metrics = dict(self.stats)
-        metrics["step_profile"] = dict(self.ledger.profile)
+        metrics = {**self.stats, "step_profile": dict(self.ledger.profile)}
         if self.proposer is not None:
             metrics.update(self.spec_metrics.as_dict())
             metrics.update(self.planner.metrics())

@@ -168,10 +168,11 @@ class FaultIsolatingSteps:
 
         return failing_alone(self.faults, rows, "logprobs", one)
 
-    def propose(self, rows: list[Request], widths: list[int], sampling: SamplingBatch | None):
+    def propose(self, rows: list[Request], widths: list[int], sampling: SamplingBatch | None,
+                stop_below: float = 0.0):
         """The proposer's DraftBatch, or None once it raises, after failing the rows that raise alone."""
         try:
-            drafts = self.proposer.propose(rows, widths, sampling)
+            drafts = self.proposer.propose(rows, widths, sampling, stop_below)
         except Exception:
             logger.exception("drafting failed for a batch of %d; retrying its rows alone", len(rows))
         else:

@@ -89,11 +89,10 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
     plan = planner.plan(slots, limits, catch_up)
     if not plan.width:
         return Drafted(plan, None, limits, 0.0, catch_up)
-    proposer.stop_below = plan.stop_below
     draft_at = clock()
     # a tree is drafted whole and sized after (size_trees), not capped by a chain's width
     widths = limits if proposer.tree is not None else [min(n, plan.width) for n in limits]
-    drafts = engine.propose(rows, widths, draft_sampling)
+    drafts = engine.propose(rows, widths, draft_sampling, plan.stop_below)
     draft_s = clock() - draft_at
     if drafts is not None and drafts.confidence is not None and planner.cost is not None:
         size_trees(drafts, len(rows), planner.cost, draft_s)

@@ -37,10 +37,11 @@ class StepLedger:
         self.profile = _fresh_profile()
 
     def book(self, rows: int, width: int, total: float, draft_s: float, forward_s: float, verify_s: float,
-             cost, proposer, catch_up: tuple[int, int] = (0, 0), query_len: float = 1.0) -> None:
+             cost, drafts=None, catch_up: tuple[int, int] = (0, 0), query_len: float = 1.0) -> None:
         """One decode step of `rows` rows verifying up to `width` drafts (0: plain) that took `total` seconds;
-        `cost`: the planner's cost model (None: nothing learns); `query_len`: the forward's mean real tokens
-        per row (packed, that is what it costs)."""
+        `cost`: the planner's cost model (None: nothing learns); `drafts`: the step's DraftBatch, whose
+        `forwards` and `steady` say what drafting ran (None: it drafted nothing); `query_len`: the forward's
+        mean real tokens per row (packed, that is what it costs)."""
         host = max(total - draft_s - forward_s, 0.0)
         profile = self.profile
         profile["decode_steps"] += 1
@@ -51,7 +52,8 @@ class StepLedger:
         if cost is None:
             return
         # a speculative step is steady unless its drafting began with a one-off catch-up
-        kind = "plain" if not width else "speculative" if proposer.steady or not draft_s else "catch_up"
+        forwards, steady = (drafts.forwards, drafts.steady) if drafts is not None else (0, True)
+        kind = "plain" if not width else "speculative" if steady or not draft_s else "catch_up"
         self._plain_run = self._plain_run + 1 if kind == "plain" else 0
         if self._cold[kind]:
             self._cold[kind] -= 1
@@ -62,8 +64,8 @@ class StepLedger:
         if kind == "speculative":
             # drafting done before the plan is sunk when it is made, and so is not in its prediction
             cost.observe_step(rows, width, total - (draft_s if cost.drafts_before_plan else 0.0), query_len)
-        if draft_s and proposer.steps_run:
+        if draft_s and forwards:
             if kind == "speculative":
-                cost.observe_draft(rows, proposer.steps_run, draft_s)
+                cost.observe_draft(rows, forwards, draft_s)
             else:
-                cost.observe_catch_up(catch_up, rows, proposer.steps_run, draft_s)
+                cost.observe_catch_up(catch_up, rows, forwards, draft_s)

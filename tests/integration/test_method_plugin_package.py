@@ -130,7 +130,7 @@ PACKAGE = {
                 return [self.head]
 
             @torch.inference_mode()
-            def propose(self, rows, max_drafts, sampling=None):
+            def propose(self, rows, max_drafts, sampling=None, stop_below=0.0):
                 tokens, counts = self.tokens[: len(rows)], self.counts[: len(rows)]
                 tokens.fill_(-1)
                 counts.copy_(torch.tensor(max_drafts))
@@ -138,8 +138,7 @@ PACKAGE = {
                 for step in range(max(max_drafts, default=0)):
                     current = self.head(current).argmax(-1)
                     tokens[:, step] = torch.where(step < counts, current, -1)
-                self.steps_run = max(max_drafts, default=0)
-                return DraftBatch(tokens, counts)
+                return DraftBatch(tokens, counts, forwards=max(max_drafts, default=0))
     ''',
     "toy_plugin/bigram/convert.py": '''
         """The toy's foreign layout: config {"model_type": "toy_bigram_foreign", "vocab", "dim"}, tensors

@@ -219,7 +219,7 @@ def test_mixed_batch_matches_the_per_row_reference(head, sampled, monkeypatch, r
     for limits in ([0, 1, K, 2], [K, 0, 3, K], [2, K, 0, 1], [K, K, K, 0]):
         sampling = sampling_for(temperatures) if sampled else None
         drafts = proposer.propose(rows, limits, sampling)
-        assert proposer.steps_run == max(limits)
+        assert drafts.forwards == max(limits)
         check_against_reference(proposer, rows, limits, drafts, sampling, temperatures)
         verify_step(proposer, rows, drafts, gen)
 
@@ -278,7 +278,7 @@ def test_a_joining_row_catches_up_apart_from_steady_ones(models):
     real = proposer._catch_up_rows
     proposer._catch_up_rows = lambda rows_, slots_: forwards.append(slots_) or real(rows_, slots_)
     drafts = proposer.propose(batch, [K, K, K])
-    assert forwards == [[0, 1], [2]] and not proposer.steady
+    assert forwards == [[0, 1], [2]] and not drafts.steady
     check_against_reference(proposer, batch, [K, K, K], drafts)
 
 
@@ -335,10 +335,10 @@ def test_confidence_floor_stops_the_loop(models, sampled):
     # the mean chance of reaching draft s + 2, which decides whether step s + 2 runs
     reach = [float(torch.where(torch.tensor(limits) > s + 1, products[:, s], 0.0).mean()) for s in range(K - 1)]
     assert reach[0] >= reach[1] >= reach[2] > 0, reach
-    floored.stop_below = (reach[1] + reach[2]) / 2  # steps 1-3 run, step 4 does not
+    floor = (reach[1] + reach[2]) / 2  # steps 1-3 run, step 4 does not
     sampling = sampling_for(temperatures) if sampled else None
-    drafts = floored.propose(rows, limits, sampling)
-    assert floored.steps_run == 3, (reach, products)
+    drafts = floored.propose(rows, limits, sampling, stop_below=floor)
+    assert drafts.forwards == 3, (reach, products)
     kept = [min(n, 3) for n in limits]
     assert drafts.counts.tolist() == kept
     for b, n in enumerate(kept):
@@ -351,9 +351,8 @@ def test_confidence_floor_stops_the_loop(models, sampled):
                 torch.empty(64).exponential_(generator=reference_generator)
             assert torch.equal(sampling.generators[b].get_state(), reference_generator.get_state()), f"row {b}"
     # a floor above every chance: only the catch-up runs, and each row that may draft keeps its first draft
-    closed.stop_below = reach[0] * 1.001
-    drafts = closed.propose(rows, limits, sampling_for(temperatures) if sampled else None)
-    assert closed.steps_run == 1
+    drafts = closed.propose(rows, limits, sampling_for(temperatures) if sampled else None, stop_below=reach[0] * 1.001)
+    assert drafts.forwards == 1
     assert drafts.counts.tolist() == [min(1, n) for n in limits]
     assert drafts.tokens[:, 0].tolist() == full.tokens[:, 0].tolist() and (drafts.tokens[:, 1:] == -1).all()
 

@@ -84,7 +84,7 @@ class ToyProposer(Proposer):
         self.counts = torch.zeros(max_num_seqs, dtype=torch.long)
         self.probs = torch.zeros(max_num_seqs, config.num_speculative_tokens, config_vocab(self.head))
 
-    def propose(self, rows, max_drafts, sampling=None):
+    def propose(self, rows, max_drafts, sampling=None, stop_below=0.0):
         n = len(rows)
         tokens, counts, probs = self.tokens[:n], self.counts[:n], self.probs[:n]
         tokens.fill_(-1)

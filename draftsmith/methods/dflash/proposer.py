@@ -132,12 +132,11 @@ class DFlashProposer(Proposer):
             self.context_len[slot] = start + count
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[RowState], max_drafts: list[int],
-                sampling: DraftSampling | None = None) -> DraftBatch:
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling: DraftSampling | None = None,
+                stop_below: float = 0.0) -> DraftBatch:
         n = len(rows)
         tokens_out, counts_out, probs_out = self.cleared_outputs(n, sampling, self.head.config.vocab_size)
         sampled = probs_out is not None
-        self.steps_run, self.steady = 0, True
         self._replay()
         active = [b for b in range(n) if max_drafts[b] > 0]
         if not active:
@@ -174,8 +173,7 @@ class DFlashProposer(Proposer):
                             device=self.device)
         hidden = self.head.block_forward(self.head.embed_block(last[:, None]), batch.positions, attend,
                                          outputs=slice(1, width + 1))
-        logits = self.head.readout(hidden)  # [rows, width, V]
-        self.steps_run = 1
+        logits = self.head.readout(hidden)  # [rows, width, V]: one block forward drafts them all
         if self.tree is not None:
             return self._tree(logits, active, limits, n)
         temperature, generators = None, {}
@@ -186,7 +184,7 @@ class DFlashProposer(Proposer):
         rows_t = torch.tensor(active, device=self.device)
         choose_block(logits, limits, rows_t, temperature, generators, tokens_out, probs_out)
         counts_out[rows_t] = torch.tensor(limits, device=self.device)
-        return DraftBatch(tokens_out, counts_out, probs_out)
+        return DraftBatch(tokens_out, counts_out, probs_out, forwards=1)
 
     def _tree(self, logits: torch.Tensor, active: list[int], limits: list[int], n: int) -> DraftBatch:
         """The active rows' trees from their blocks' logits [A, depth, V], each cut to its row's limit (its
@@ -210,7 +208,7 @@ class DFlashProposer(Proposer):
             confidence = self.confidence[:n]
             confidence.zero_()
             confidence[rows_t] = scores.exp().masked_fill(~keep, 0.0)
-        return DraftBatch(self.draft_tokens[:n], self.draft_counts[:n], None, parents_out, confidence)
+        return DraftBatch(self.draft_tokens[:n], self.draft_counts[:n], None, parents_out, confidence, forwards=1)
 
     def release(self, request: RowState) -> None:
         if request.slot is not None and self.owner[request.slot] == request.request_id:

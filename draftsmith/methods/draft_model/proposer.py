@@ -85,13 +85,12 @@ class DraftModelProposer(Proposer):
         return len(long), max(long, default=0)
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[RowState], max_drafts: list[int],
-                sampling: DraftSampling | None = None) -> DraftBatch:
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling: DraftSampling | None = None,
+                stop_below: float = 0.0) -> DraftBatch:
         n = len(rows)
         tokens_out, counts_out, probs_out = self.cleared_outputs(n, sampling, self.draft.config.vocab_size)
         sampled = probs_out is not None
         active = [b for b in range(n) if max_drafts[b] > 0]
-        self.steps_run, self.steady = 0, True
         if not active:
             return DraftBatch(tokens_out, counts_out, probs_out)
         width = min(max(max_drafts[b] for b in active), self.k)
@@ -114,13 +113,12 @@ class DraftModelProposer(Proposer):
             self.fed[row.slot] += tokens[kept:]
             self.checked[row.slot] = len(tokens)
         q_lens = [len(t) for t in news]
-        self.steady = max(q_lens) <= self.k + 1  # a prompt's catch-up is a one-off the planner prices apart
+        steady = max(q_lens) <= self.k + 1  # a prompt's catch-up is a one-off the planner prices apart
         if self.pard_token is not None:
             self._propose_parallel(active, slots, starts, news, limits, width, generators, temperature,
                                    tokens_out, probs_out)
-            self.steps_run = 1
             counts_out[torch.tensor(active, device=self.device)] = torch.tensor(limits, device=self.device)
-            return DraftBatch(tokens_out, counts_out, probs_out)
+            return DraftBatch(tokens_out, counts_out, probs_out, forwards=1, steady=steady)
         ids = torch.zeros(len(active), max(q_lens), dtype=torch.long)
         for j, new in enumerate(news):
             ids[j, : len(new)] = torch.tensor(new)
@@ -147,9 +145,8 @@ class DraftModelProposer(Proposer):
             batch = ForwardBatch.build([slots[j] for j in live], [starts[j] + q_lens[j] + step for j in live],
                                        [1] * len(live), self.cache, self.window, self.device)
             logits = self.draft(fed[:, None], cache=self.cache, batch=batch).logits[:, 0]
-        self.steps_run = width
         counts_out[torch.tensor(active, device=self.device)] = torch.tensor(limits, device=self.device)
-        return DraftBatch(tokens_out, counts_out, probs_out)
+        return DraftBatch(tokens_out, counts_out, probs_out, forwards=width, steady=steady)
 
     def _propose_parallel(self, active, slots, starts, news, limits, width, generators, temperature,
                           tokens_out, probs_out) -> None:

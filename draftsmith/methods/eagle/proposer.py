@@ -246,7 +246,8 @@ class EagleFamilyProposer(Proposer):
         return batches
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling: DraftSampling | None = None) -> DraftBatch:
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling: DraftSampling | None = None,
+                stop_below: float = 0.0) -> DraftBatch:
         self._replay()
         n_rows = len(rows)
         tokens_out, counts_out = self.draft_tokens[:n_rows], self.draft_counts[:n_rows]
@@ -254,7 +255,6 @@ class EagleFamilyProposer(Proposer):
         tokens_out.fill_(-1)
         counts_out.zero_()
         self.last_confidence.zero_()
-        self.steps_run = 0
         sampled = sampling is not None and not sampling.all_greedy
         if sampled and self.draft_probs is None:  # columns outside draft_to_target stay 0 for good
             self.draft_probs = torch.zeros(self.draft_tokens.shape + (self.vocab_size,), device=self.device)
@@ -270,31 +270,32 @@ class EagleFamilyProposer(Proposer):
             draws = [(j, sampling.generators[i]) for j, i in enumerate(host_active) if temps[i] > 0]
         slots = [rows[i].slot for i in host_active]
         base = [self.pending_start[s] + self.pending_len[s] for s in slots]  # where draft step 2 sits
-        state, logits = self._catch_up([rows[i] for i in host_active], slots)
+        state, logits, steady = self._catch_up([rows[i] for i in host_active], slots)
         act_dev = active.to(self.device)
         if self.tree is not None:
-            return self._draft_tree(state, logits, slots, base, host_active, max_drafts, n_rows)
+            tree = self._draft_tree(state, logits, slots, base, host_active, max_drafts, n_rows, stop_below)
+            return replace(tree, steady=steady)
         q_out = torch.zeros(len(active), self.k, len(self.draft_to_target), device=self.device) if sampled else None
-        drafted, confidence = self._draft(state, logits, slots, base, [max_drafts[i] for i in host_active],
-                                          temperature, draws, q_out, n_rows)
+        drafted, confidence, forwards = self._draft(state, logits, slots, base, [max_drafts[i] for i in host_active],
+                                                    temperature, draws, q_out, n_rows, stop_below)
         tokens_out[act_dev] = drafted
         counts_out[act_dev] = (drafted >= 0).sum(-1)
         self.last_confidence[act_dev] = confidence
         if sampled:
             steps = torch.arange(self.k, device=self.device)
             probs_out[act_dev[:, None, None], steps[None, :, None], self.draft_to_target[None, None, :]] = q_out
-        return DraftBatch(tokens_out, counts_out, probs_out)
+        return DraftBatch(tokens_out, counts_out, probs_out, forwards=forwards, steady=steady)
 
     def _draft_tree(self, state, logits, slots, base, host_active: list[int], max_drafts: list[int],
-                    n_rows: int) -> DraftBatch:
+                    n_rows: int, stop_below: float) -> DraftBatch:
         """The active rows' trees (`tree_drafting`), each cut to its row's limit: the first nodes, a tree."""
         starts = self._key_starts(slots, base)
         if isinstance(self.tree, TreeShape):
-            self.steps_run = self.tree.depth
+            forwards = self.tree.depth
             tokens, parents, scores = draft_tree(self.head, self.cache, self.tree, state, logits, slots, base, starts,
-                                                 self.stop_below)
+                                                 stop_below)
         else:  # static: verified whole, in its own order
-            self.steps_run = self.tree.max_depth
+            forwards = self.tree.max_depth
             tokens, parents, scores = draft_static_tree(self.head, self.cache, self.tree, state, logits, slots,
                                                         base, starts)
         limits = torch.tensor([max_drafts[i] for i in host_active], device=self.device)
@@ -309,18 +310,19 @@ class EagleFamilyProposer(Proposer):
         self.last_confidence[act_dev] = scores.exp().masked_fill(~keep, 0.0)
         # a dynamic tree's nodes come likeliest first: the engine may verify the first w (size_trees)
         confidence = self.last_confidence if isinstance(self.tree, TreeShape) else None
-        return DraftBatch(self.draft_tokens[:n_rows], self.draft_counts[:n_rows], None, parents_out, confidence)
+        return DraftBatch(self.draft_tokens[:n_rows], self.draft_counts[:n_rows], None, parents_out, confidence,
+                          forwards=forwards)
 
-    def _catch_up(self, rows: list[RowState], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, rows: list[RowState], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The head over the rows' pending positions -> (head output [A, H], logits [A, draft_vocab]) at the
-        last one of each row, which yield draft 1. Rows with more pending than one verify step brings (a
+        last one of each row, which yield draft 1, and whether the catch-up was steady (the policy times steady
+        proposes only: a long catch-up is a one-off, priced apart). Rows with more pending than one verify step brings (a
         prompt, or a pause) run in a forward of their own: padded into one forward, a single new request's 64
         positions made 32 rows' catch-up cost 100 ms instead of 10."""
         long = [self.pending_len[s] > self.k + 1 for s in slots]
-        # the planner times steady proposes only (a long catch-up is a one-off, priced apart)
-        self.steady = not any(long)
-        if self.steady or all(long):
-            return self._catch_up_rows(rows, slots)
+        steady = not any(long)
+        if steady or all(long):
+            return *self._catch_up_rows(rows, slots), steady
         state = logits = None
         for group in ([i for i, x in enumerate(long) if not x], [i for i, x in enumerate(long) if x]):
             out = self._catch_up_rows([rows[i] for i in group], [slots[i] for i in group])
@@ -329,7 +331,7 @@ class EagleFamilyProposer(Proposer):
                 logits = out[1].new_empty((len(slots),) + out[1].shape[1:])
             index = torch.tensor(group, device=self.device)
             state[index], logits[index] = out
-        return state, logits
+        return state, logits, steady
 
     def _catch_up_rows(self, rows: list[RowState], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         first = [self.pending_start[s] for s in slots]
@@ -344,9 +346,11 @@ class EagleFamilyProposer(Proposer):
             self.pending_start[slot], self.pending_len[slot] = begin + n, 0
         return out[torch.arange(len(rows), device=self.device), last], logits[:, 0]
 
-    def _draft(self, state, logits, slots, base, host_limits: list[int], temperature, draws, q_out, batch_rows: int):
+    def _draft(self, state, logits, slots, base, host_limits: list[int], temperature, draws, q_out, batch_rows: int,
+               stop_below: float):
         """Drafts 1..max(limits) for A rows at a fixed width -> (target ids [A, k], -1 past each row's count;
-        running probability products [A, k], 0 past it). q_out [A, k, draft_vocab] receives sampled q."""
+        running probability products [A, k], 0 past it; the draft forwards run). q_out [A, k, draft_vocab]
+        receives sampled q."""
         rows, steps = len(host_limits), max(host_limits)
         batches = []
         if steps > 1 and self.draft_steps is not None:  # static steps (serve.engine.step_graphs): no batches to build
@@ -357,7 +361,7 @@ class EagleFamilyProposer(Proposer):
         drafted = torch.full((rows, self.k), -1, dtype=torch.long, device=self.device)
         probs = torch.zeros(rows, self.k, device=self.device)
         product = torch.ones(rows, device=self.device)
-        ids = None
+        ids, forwards = None, 0
         for s in range(steps):
             if s and self.draft_steps is not None:
                 state, logits = self.draft_steps.step(ids, state)
@@ -370,15 +374,15 @@ class EagleFamilyProposer(Proposer):
             drafted[:, s] = ids
             if q is not None:
                 q_out[:, s] = q
-            self.steps_run = s + 1
-            if self.stop_below > 0 and s + 1 < steps:
+            forwards = s + 1
+            if stop_below > 0 and s + 1 < steps:
                 # One more step costs every row a draft forward (the loop is fixed-width) and widens the
                 # verify; it gains each row's chance to get that far: go on while the batch's mean chance
                 # (0 for rows at their limit or not drafting) clears the floor. The one host sync per step.
                 product = product * probs[:, s]
-                if float(torch.where(limits > s + 1, product, 0.0).sum()) < self.stop_below * batch_rows:
+                if float(torch.where(limits > s + 1, product, 0.0).sum()) < stop_below * batch_rows:
                     break
         # No row is cut short on its own: its drafts up to the steps run cost nothing more to verify.
         confidence = probs.cumprod(1)
         keep = (torch.arange(self.k, device=self.device)[None, :] < limits[:, None]) & (drafted >= 0)
-        return drafted.masked_fill_(~keep, -1), confidence.masked_fill_(~keep, 0.0)
+        return drafted.masked_fill_(~keep, -1), confidence.masked_fill_(~keep, 0.0), forwards

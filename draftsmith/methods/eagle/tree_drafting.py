@@ -44,7 +44,7 @@ def draft_tree(head, cache: KVCache, shape: TreeShape, state: torch.Tensor, logi
     """A tree per row from the catch-up's head output state [A, H] and logits [A, draft_vocab], the row's
     next position `base` and first context key -> (target token ids [A, total], parents [A, total]: node
     index, -1 for the last verified token; the nodes' cumulative draft log-probabilities [A, total]; past
-    the nodes made, -1, -1 and -inf). As a chain's drafting does (`Proposer.stop_below`), it goes no deeper
+    the nodes made, -1, -1 and -inf). As a chain's drafting does (`Proposer.propose`'s), it goes no deeper
     once the rows' mean chance of the likeliest new node falls below `stop_below` (one host sync a depth)."""
     rows, k = state.shape[0], shape.top_k
     device = state.device

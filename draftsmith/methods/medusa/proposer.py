@@ -22,7 +22,6 @@ class MedusaProposer(LastHiddenProposer):
         self.tree = config.token_tree()
 
     def _draft(self, rows, hidden, width):
-        self.steps_run = 1
         if self.tree is not None:  # the first `width` nodes: parents come first, so they are a tree
             depth = self.tree.depths[width - 1]
             return static_marginal_tree(self.head(hidden, heads=depth), self.tree, width)

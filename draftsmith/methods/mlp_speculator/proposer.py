@@ -17,5 +17,4 @@ class MLPSpeculatorProposer(LastHiddenProposer):
             state, logits = self.head.stage(i, state, tokens)
             tokens = self._pick(logits)
             drafts.append(tokens)
-        self.steps_run = width
         return torch.stack(drafts, dim=1)

@@ -45,7 +45,8 @@ class NgramProposer(Proposer):
             self.tokens[slot, self.synced[slot] : request.num_tokens] = torch.tensor(history, dtype=torch.long)
         self.synced[slot] = request.num_tokens
 
-    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling=None) -> DraftBatch:
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling=None,
+                stop_below: float = 0.0) -> DraftBatch:
         for request in rows:
             self._sync(request)
         rows_n = len(rows)
@@ -63,8 +64,7 @@ class NgramProposer(Proposer):
         tokens, out_counts = self.draft_tokens[:rows_n], self.draft_counts[:rows_n]
         tokens.copy_(torch.where(offsets[None, :] < counts[:, None], drafted, torch.full_like(drafted, -1)))
         out_counts.copy_(counts)
-        self.steps_run = 1
-        return DraftBatch(tokens, out_counts)
+        return DraftBatch(tokens, out_counts, forwards=1)
 
     def release(self, request: RowState) -> None:
         if request.slot is not None and self.owner[request.slot] == request.request_id:

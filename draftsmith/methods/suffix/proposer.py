@@ -70,7 +70,8 @@ class SuffixProposer(Proposer):
             del self.cached[old]
             self.global_tree.remove(seq_id)
 
-    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling=None) -> DraftBatch:
+    def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling=None,
+                stop_below: float = 0.0) -> DraftBatch:
         tokens, counts = self.draft_tokens[: len(rows)], self.draft_counts[: len(rows)]
         tokens.fill_(-1)
         for b, (row, limit) in enumerate(zip(rows, max_drafts)):
@@ -79,8 +80,7 @@ class SuffixProposer(Proposer):
             counts[b] = len(draft.tokens)
             if draft.tokens:
                 tokens[b, : len(draft.tokens)] = torch.tensor(draft.tokens, dtype=torch.long)
-        self.steps_run = 1
-        return DraftBatch(tokens, counts)
+        return DraftBatch(tokens, counts, forwards=1)
 
     def _speculate(self, row: RowState, limit: int) -> Draft:
         out = row.output_token_ids

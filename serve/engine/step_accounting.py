@@ -11,15 +11,11 @@ from __future__ import annotations
 # verification, and the host work around them
 STEP_PARTS = ("draft_s", "forward_s", "verify_s", "bookkeeping_s")
 # An engine's first steps of each kind run cold (first-call dispatch, allocations, caches to fill) and take
-# several times as long as the rest: the cost model does not learn from them. A warm-up's few cold steps
-# had priced speculation out for good.
+# several times as long as the rest: the cost model does not learn from them.
 COLD_STEPS = {"plain": 3, "speculative": 3, "catch_up": 2}
 # A plain step right after a speculative one runs on caches the draft model and the wide verify left cold:
-# demo target, 8 in flight, its forward took 3.57-3.99 ms against 3.32-3.38 from the fifth plain step in a
-# row on (a never-speculating engine's: 3.35-3.46). Learned from, they priced a plain step at 4.13 ms where
-# a plain engine ran one in 3.62, so speculation looked better than it was (planned 1.14x the plain rate at
-# 8 in flight, the level measured 0.97x). Plain prices are learned from the plain steps after this many in
-# a row.
+# plain prices are learned from the plain steps after this many in a row. The measurements behind both:
+# docs/decisions/adaptive-speculation.md
 SETTLING_STEPS = 3
 
 

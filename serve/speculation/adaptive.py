@@ -34,37 +34,27 @@ from draftsmith.serve.speculation.estimators import AcceptanceStats
 logger = logging.getLogger("draftsmith")
 
 FLOOR_MARGIN = 0.5
+# The rules below; the measurements that set each value are in docs/decisions/adaptive-speculation.md.
 PLAIN_HOLD = 8  # after a plan without speculation, the batch is re-planned this many steps later
-# ... unless speculating came within CLOSE_CALL of plain decoding's tokens/s: then CLOSE_HOLD steps. One bad
-# step (the first drafts after a prompt that ends mid-word accept 0.5 of 5 on the demo EAGLE-3 head, the
-# next ones 1.5-2.5) makes a lone request's plan a close call, and holding it plain for 8 steps each time cost
-# 110-190 plain steps of 1024 tokens at one request in flight (1.26-1.28x; held 2 steps: 1.29-1.31x). Big
-# batches keep the long hold and its saved planning: one request's bad step moves their plan little, and a
-# close call there is noise (re-planned every 2 steps, 16 rows paid 2% of their steps in planning).
+# ... unless speculating came within CLOSE_CALL of plain decoding's tokens/s: then CLOSE_HOLD steps, for
+# batches of at most CLOSE_CALL_ROWS (a lone request's bad step is no reason to stop speculating for long)
 CLOSE_CALL, CLOSE_HOLD, CLOSE_CALL_ROWS = 0.9, 2, 4
-# ... and where speculating lost clearly (below CLOSE_CALL of plain decoding's tokens/s), each plan that says
-# so again doubles the hold, up to MAX_PLAIN_HOLD steps (but not past a due probe): a plan costs 0.3-0.4 ms
-# at 16-32 rows, which re-planned every PLAIN_HOLD steps was 0.5% of a plain step there, for the same answer
-# each time.
+# ... and where speculating lost clearly (below CLOSE_CALL), each plan that says so again doubles the hold, up
+# to MAX_PLAIN_HOLD steps (but not past a due probe): re-planning gives the same answer at a price
 MAX_PLAIN_HOLD = 64
-# A hold goes on while the batch keeps all but 1/HOLD_SHRINK of its rows: at 32 in flight a request
-# finishes every few steps, and the step that prefills the next one decodes 31 rows, which had re-planned
-# (speculation's price at 31 rows is no news when it lost at 32).
+# A hold goes on while the batch keeps all but 1/HOLD_SHRINK of its rows (a request finishing and the next
+# joining do not reopen it)
 HOLD_SHRINK = 8
-# Plain steps teach the planner nothing about drafting: an estimate made pessimistic by a few cold first
-# steps (allocations, a warm-up's odd prompt) would keep speculation off for good. So after PROBE_AFTER
-# plain steps in a row, a plan that still says no speculates anyway for PROBE_STEPS steps (the first
-# resumes, the second is timed as a steady one) if it is predicted at least PROBE_WORST of plain decoding's
-# tokens/s; each probe that changes nothing doubles the wait, up to MAX_PROBE_AFTER steps.
+# Plain steps teach the planner nothing about drafting. So after PROBE_AFTER plain steps in a row, a plan that
+# still says no speculates anyway for PROBE_STEPS steps (the first resumes, the second is timed as a steady
+# one) if it is predicted at least PROBE_WORST of plain decoding's tokens/s; each probe that changes nothing
+# doubles the wait, up to MAX_PROBE_AFTER steps.
 PROBE_AFTER, MAX_PROBE_AFTER, PROBE_STEPS, PROBE_WORST = 16, 256, 2, 0.7
 # Until this many rows have drafted since the engine started, a due probe is judged at acceptance no worse
-# than the first guesses, and neither holds nor probes wait longer. An engine's first two drafts (the demo
-# EAGLE-3 head's first request, its prompt cut mid-word) were both rejected; their 0 of 2 set every later
-# request's first-draft rate near 0.5, where speculating (with a catch-up priced whole) looked under 0.7x
-# plain decoding's speed, so no probe ran and no evidence came to undo it: the first 8 requests at one in
-# flight decoded 549 of about 700 steps plainly (1.17x; 1.39x in later rounds, once drafts had been seen).
+# than the first guesses, and neither holds nor probes wait longer: a few early rejections must not keep
+# speculation off for good
 THIN_EVIDENCE = 16
-# Per plan, the weight kept by the running share of rows that found drafts (n-gram on code: 43-53% of row steps)
+# Per plan, the weight kept by the running share of rows that found drafts (proposers drafting before the plan)
 DRAFT_SHARE_DECAY = 0.9
 
 
@@ -170,8 +160,7 @@ class SpeculationPlanner:
             ratio = speculative.tokens_per_s / plain.tokens_per_s if speculative is not None else 0.0
             if self.cost.drafts_before_plan:
                 # a step whose rows found few drafts says little about the next one's: hold by what a typical
-                # step would do. Held for 8 steps after each such step, house n-gram at 8 in flight ran 81
-                # of its 225 steps plain.
+                # step would do
                 ratio = self._typical_ratio(gain, plain)
                 if ratio >= 1.0:
                     self._hold = self._clear_losses = 0

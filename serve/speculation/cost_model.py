@@ -24,16 +24,11 @@ OUTLIER = 3.0  # a draft timing above this many times the prediction counts as t
 CATCH_UP_HORIZON = 8  # steps a resumed row's catch-up is spread over
 STEP_SURPRISE = 1.5  # one speculative step moves its batch size's corrections as if off by this factor at most
 # Per plain step, the weight left to what drafting was measured to cost (draft forwards, catch-ups): plain
-# steps re-measure neither, and timings skewed by a cold start (oneDNN compiles a kernel per new shape) kept
-# EAGLE-3 off for good at one request in flight. Faded evidence gives way to the first guesses, which make
-# probing worth it again (half-life about 23 steps).
+# steps re-measure neither, so old evidence fades toward the first guesses (half-life about 23 steps)
 COST_IDLE_DECAY = 0.97
 # Per plain step, what speculative steps and verify forwards were found to cost beyond their parts (and their
-# host work) fades toward no correction, more slowly (half-life about 70 steps): one slow stretch of the VM
-# while speculating at one request in flight had priced speculation out there, and (borrowed by larger
-# batches, which had no evidence of their own) at 4-32 in flight too, for the rest of the run. Where
-# speculation really loses, a faded correction costs a few speculative steps every hundred or so, relearned
-# at the running-mean rate.
+# host work) fades toward no correction, more slowly (half-life about 70 steps). Measurements behind both:
+# docs/decisions/adaptive-speculation.md
 CORRECTION_IDLE_DECAY = 0.99
 PRIOR_WEIGHT = 0.25  # the first guesses weigh as much as this many (decayed) observations
 

@@ -28,11 +28,13 @@ except ImportError:  # CPU-only installs: the engine keeps its PyTorch attention
 
 # Triton's interpreter (3.9) multiplies bf16 tiles wrongly in tl.dot (its results are off by 1e8 where a cast
 # to fp32 first is exact): under it, bf16 runs its dots in fp32; a GPU runs them in bf16.
-NEG = -1.0e30  # the running max starts here, not at -inf: a tile with no visible key then adds exp(-inf) = 0
 BLOCK_N = 32  # keys a tile
 
 
 if triton is not None:
+    # the running max starts here, not at -inf: a tile with no visible key then adds exp(-inf) = 0. A kernel
+    # may read a module global only as a tl.constexpr (Triton's interpreter reads any; the compiler refuses)
+    NEG = tl.constexpr(-1.0e30)
 
     @triton.jit
     def _slot_attention_kernel(

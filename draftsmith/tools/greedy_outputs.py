@@ -28,7 +28,7 @@ ASSETS = REPO / "assets"
 NUM_PROMPTS, MAX_TOKENS, PROMPT_CHARS = 6, 48, 700
 # heads trained for the house model, by method: a few steps are enough to draft (the outputs must match
 # plain decoding however little a head accepts)
-HOUSE_HEADS = {"eagle3": {"aux_layer_ids": None, "draft_vocab_size": 2048}, "eagle": {},
+HOUSE_HEADS = {"eagle3": {"draft_vocab_size": 2048}, "eagle": {},
                "dflash": {"block_size": 5}, "medusa": {"num_heads": 3}, "mtp": {}}
 
 
@@ -59,8 +59,7 @@ def house_heads(target: Path, shared: Path, heads_dir: Path) -> dict[str, Path]:
     for head_type, keys in HOUSE_HEADS.items():
         final = heads_dir / f"house-{head_type}" / "final"
         if not (final / "config.json").is_file():
-            raw = {"model": {"target": str(target), "head_type": head_type,
-                             **{k: v for k, v in keys.items() if v is not None}},
+            raw = {"model": {"target": str(target), "head_type": head_type, **keys},
                    "data": {"train_files": [str(shared / "data" / "code-train.jsonl.xz")], "format": "text",
                             "max_length": 256, "max_train_samples": 64, "eval_fraction": 0.0},
                    "training": {"output_dir": str(final.parent), "max_steps": 8, "batch_size": 4,
@@ -74,10 +73,9 @@ def configs(name: str, target: Path, shared: Path, heads_dir: Path) -> dict[str,
     """Row name -> speculative config (None: plain decoding) for one model."""
     if name == "demo":
         heads = {m: ASSETS / f"demo-code-7m-{m}" for m in ("eagle3", "dflash", "medusa", "mtp")}
-        draft, pard = ASSETS / "demo-code-7m", ASSETS / "demo-code-7m-pard"
     else:
         heads = house_heads(target, shared, heads_dir)
-        draft, pard = ASSETS / "demo-code-7m", ASSETS / "demo-code-7m-pard"
+    draft, pard = ASSETS / "demo-code-7m", ASSETS / "demo-code-7m-pard"  # both targets share its vocabulary
     fixed = {"adaptive": False}
     rows: dict[str, dict | None] = {
         "none": None,

@@ -6,7 +6,7 @@ and skips on reading). The tensor names are draftsmith's own,
 so only configs are mapped.
 
 z-lab's `target_layer_ids` index decoder layers (feature i is the output of layer i, HF `hidden_states[i +
-1]`); speculators, vLLM's `aux_hidden_state_layer_ids` and draftsmith's `aux_layer_ids` are hidden_states
+1]`); speculators, vLLM's `aux_hidden_state_layer_ids` and draftsmith's `feature_layers` are hidden_states
 indices: one more.
 """
 
@@ -50,7 +50,7 @@ def _layer_count(names: list[str], where: str) -> int:
     return len(indices)
 
 
-def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], aux_layer_ids: list[int], block_size,
+def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], feature_layers: list[int], block_size,
                mask_token_id, num_target_layers, target_name: str, where: str, ignorable=()) -> NormalizedHead:
     if mask_token_id is None:
         raise DraftsmithError(f"{where}: no mask_token_id: a DFlash head fills its block with that token")
@@ -63,8 +63,8 @@ def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], aux_l
     tensors = take(checkpoint, names + list(HEAD_KEYS))
     fields = layer_fields(layer_config, where)
     fc_in = tensors["fc.weight"].shape[1]
-    if fc_in % len(aux_layer_ids):
-        raise DraftsmithError(f"{where}: fc reads {fc_in} features, not a multiple of {len(aux_layer_ids)} target layers")
+    if fc_in % len(feature_layers):
+        raise DraftsmithError(f"{where}: fc reads {fc_in} features, not a multiple of {len(feature_layers)} target layers")
     try:
         vocab, target_layers, mask = int(layer_config["vocab_size"]), int(num_target_layers), int(mask_token_id)
     except KeyError:
@@ -73,8 +73,8 @@ def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], aux_l
         raise DraftsmithError(f"{where}: vocab_size, the target's layer count and mask_token_id must be integers "
                               f"({exc})") from None
     config = DFlashConfig(**fields, num_hidden_layers=layers, vocab_size=vocab,
-                          target_hidden_size=fc_in // len(aux_layer_ids), target_num_layers=target_layers,
-                          aux_layer_ids=tuple(aux_layer_ids), block_size=block_size, mask_token_id=mask,
+                          target_hidden_size=fc_in // len(feature_layers), target_num_layers=target_layers,
+                          aux_layer_ids=tuple(feature_layers), block_size=block_size, mask_token_id=mask,
                           attention_bias=biased, target_model=target_name)
     return NormalizedHead(config.to_json(), tensors, [f"dropped {n} (the target's own)" for n in dropped])
 

@@ -61,7 +61,7 @@ def optional_names(layer_prefix: str) -> tuple[str, ...]:
     return tuple(OPTIONAL) + tuple(layer_prefix + k for k in MID_BIAS + QK_NORMS)
 
 
-def aux_layer_ids(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...], str]:
+def source_feature_layers(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...], str]:
     """(hs indices, where they came from)."""
     if config.get("eagle_aux_hidden_state_layer_ids"):
         return tuple(int(i) for i in config["eagle_aux_hidden_state_layer_ids"]), "top-level ids, vLLM convention (hs index)"
@@ -70,10 +70,10 @@ def aux_layer_ids(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...
         return tuple(int(i) + 1 for i in nested), "eagle_config ids, SpecForge/SGLang convention (output of layer k = hs[k+1])"
     if n_aux != 3:
         raise DraftsmithError(f"fc reads {n_aux} target layers but the config names none (the default is 3)")
-    ids = Eagle3Method.reference_aux_layers(layers)
+    ids = Eagle3Method.reference_feature_layers(layers)
     if len(set(ids)) < len(ids):  # what the reference code trained on there; served as is, but say so
         return ids, (f"reference default for a {layers}-layer target, which repeats a layer (draftsmith trains "
-                     f"{list(Eagle3Method.default_aux_layers(layers))} there; speculators refuses repeats)")
+                     f"{list(Eagle3Method.default_feature_layers(layers))} there; speculators refuses repeats)")
     return ids, f"reference default for a {layers}-layer target"
 
 
@@ -222,7 +222,7 @@ def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: R
                          + ", shared with it at load time)")
     layers, target_name = target_layers_from(checkpoint, ctx, "EAGLE-3 checkpoints do not record the target's "
                                              "layer count, which native heads keep to check fused layer ids")
-    aux, source = aux_layer_ids(config, layers, n_aux)
+    aux, source = source_feature_layers(config, layers, n_aux)
     if len(aux) != n_aux:
         raise DraftsmithError(f"fc reads {n_aux} target layers but {len(aux)} fused layer ids are given ({list(aux)})")
     notes.append(f"fused target layers hs{list(aux)} ({source})")

@@ -107,11 +107,11 @@ class DFlashHead(AttachedHead):
         self.rope_sin: torch.Tensor | None = None
 
     @property
-    def hidden_layer_ids(self) -> tuple[int, ...]:
+    def feature_layers(self) -> tuple[int, ...]:
         return self.config.aux_layer_ids
 
     def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([hidden_states[i] for i in self.hidden_layer_ids], dim=-1)
+        return torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1)
 
     def init_rope(self, max_len: int, device: torch.device) -> None:
         """Sizes the cos/sin tables for positions below `max_len` (no bigger table is kept)."""

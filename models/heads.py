@@ -2,7 +2,7 @@
 
 Native format (a directory): `config.json` with `draftsmith_head_type`, the target it was trained for
 (`target_model`, `target_num_layers`, `target_hidden_size`, `vocab_size`), the fused target layers in HF
-`hidden_states` indexing (`aux_layer_ids`), `draft_vocab_size`; and `model.safetensors` with the head's own
+`hidden_states` indexing (`feature_layers`), `draft_vocab_size`; and `model.safetensors` with the head's own
 weights. Tensors shared with the target (embedding; EAGLE-1's LM head) are not stored: the head is
 attached to its target at load time, as vLLM and SGLang do.
 """
@@ -69,7 +69,7 @@ class DraftHeadConfig(HeadConfig):
         return [name for name in self.VARIANTS if getattr(self, name) not in (False, None)]
 
     @classmethod
-    def for_target(cls, head_type: str, target: TargetConfig, aux_layer_ids: tuple[int, ...],
+    def for_target(cls, head_type: str, target: TargetConfig, feature_layers: tuple[int, ...],
                    draft_vocab_size: int | None = None, target_model: str = "", **overrides) -> DraftHeadConfig:
         """A head shaped like one layer of `target` (the usual choice), with `overrides` applied."""
         values = dict(
@@ -77,7 +77,7 @@ class DraftHeadConfig(HeadConfig):
             num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
             head_dim=target.head_dim, vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size or target.vocab_size, target_hidden_size=target.hidden_size,
-            target_num_layers=target.num_hidden_layers, aux_layer_ids=tuple(aux_layer_ids),
+            target_num_layers=target.num_hidden_layers, aux_layer_ids=tuple(feature_layers),
             rms_norm_eps=target.rms_norm_eps, rope=target.rope,
             max_position_embeddings=target.max_position_embeddings, target_model=target_model)
         values.update(overrides)
@@ -137,11 +137,11 @@ class FinalHiddenHead(AttachedHead):
     """Base of heads that read only the target's final normed hidden state (Medusa, MLP speculator)."""
 
     @property
-    def hidden_layer_ids(self) -> tuple[int, ...]:
+    def feature_layers(self) -> tuple[int, ...]:
         return (self.target.config.num_hidden_layers,)
 
     def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
-        return hidden_states[self.hidden_layer_ids[0]]
+        return hidden_states[self.feature_layers[0]]
 
 
 class RecurrentHead(AttachedHead):
@@ -158,7 +158,7 @@ class RecurrentHead(AttachedHead):
 
     # -- wiring ----------------------------------------------------------------------------------------
     @property
-    def hidden_layer_ids(self) -> tuple[int, ...]:
+    def feature_layers(self) -> tuple[int, ...]:
         raise NotImplementedError
 
     @property
@@ -172,7 +172,7 @@ class RecurrentHead(AttachedHead):
 
     def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target features this head reads, [B, T, F], from a target forward's hidden states."""
-        return torch.cat([hidden_states[i] for i in self.hidden_layer_ids], dim=-1)
+        return torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1)
 
     def init_rope(self, max_len: int) -> None:
         device = next(self.parameters()).device
@@ -239,7 +239,7 @@ class DraftHead(RecurrentHead):
             config.fc_bias = self.default_fc_bias
 
     @property
-    def hidden_layer_ids(self) -> tuple[int, ...]:
+    def feature_layers(self) -> tuple[int, ...]:
         return self.config.aux_layer_ids
 
     @property

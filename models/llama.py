@@ -185,7 +185,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, batch: ForwardBatch | None = None,
-                hidden_layer_ids: Sequence[int] = (), logits_index: torch.Tensor | None = None,
+                feature_layers: Sequence[int] = (), logits_index: torch.Tensor | None = None,
                 compute_logits: bool = True, hidden_index: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> ForwardOutput:
         """Runs input_ids [B, Q].
@@ -193,7 +193,7 @@ class CausalLM(nn.Module):
         Args:
             positions: [B, Q]; defaults to `batch.positions`, or 0..Q-1 without a cache.
             cache, batch: the KV cache and where these tokens go in it; both None = plain causal forward.
-            hidden_layer_ids: HF `hidden_states` indices to return.
+            feature_layers: HF `hidden_states` indices to return.
             logits_index: [B, n] query indices whose logits to compute; None = all Q.
             hidden_index: [B, m] query indices whose hidden states to return (real tokens only: in a packed
                 batch a padding index would read another row's token); None = all Q.
@@ -222,7 +222,7 @@ class CausalLM(nn.Module):
             distance = positions[:, :, None] - positions[:, None, :]
             window = ((distance >= 0) & (distance < self.config.sliding_window))[:, None]
             window_mask = window if attention_mask is None else window & attention_mask
-        wanted = set(hidden_layer_ids)
+        wanted = set(feature_layers)
         last = self.config.num_hidden_layers
         hidden: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.model.layers):

@@ -71,7 +71,7 @@ class MTPHead(RecurrentHead):
             layer.final_norm.weight.copy_(self.target.model.norm.weight.float())
 
     @property
-    def hidden_layer_ids(self) -> tuple[int, ...]:
+    def feature_layers(self) -> tuple[int, ...]:
         return (self.target.config.num_hidden_layers,)  # the final normed hidden state
 
     @property

@@ -64,10 +64,10 @@ class ParallelDraftConfig:
 
 class ParallelDraftLM(nn.Module):
     """The trainer's view of a PARD draft: a whole small LM, trained, saved as an HF checkpoint. It reads no
-    target layers (`hidden_layer_ids` empty: the trainer runs no target forward for it)."""
+    target layers (`feature_layers` empty: the trainer runs no target forward for it)."""
 
     head_type = "draft_model"
-    hidden_layer_ids: tuple[int, ...] = ()
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, config: ParallelDraftConfig):
         super().__init__()

@@ -1,7 +1,7 @@
 """Offline hidden states: `draftsmith capture` writes target features as safetensors shards + a manifest.
 
 Each shard holds a run of samples concatenated along tokens: `input_ids`, `loss_mask`, `offsets` (sample
-boundaries), `features` (the head's aux layers) and `last` (final normed hidden; omitted when it equals
+boundaries), `features` (the head's feature layers) and `last` (final normed hidden; omitted when it equals
 `features`, as for EAGLE). A shard is written to a temporary name and renamed when complete, and the
 manifest lists finished shards, so a killed capture resumes at the first missing shard.
 """
@@ -29,14 +29,14 @@ def bytes_needed(num_tokens: int, feature_dim: int, hidden: int, store_last: boo
     return num_tokens * per_token
 
 
-def capture(target, aux_layer_ids: tuple[int, ...], tokenized, out_dir: str | Path, dtype: str = "bfloat16",
+def capture(target, feature_layers: tuple[int, ...], tokenized, out_dir: str | Path, dtype: str = "bfloat16",
             samples_per_shard: int = 64, meta: dict | None = None) -> Path:
     """Runs the target over `tokenized` (input_ids, loss_mask records) and writes shards to out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / "manifest.json"
-    store_last = tuple(aux_layer_ids) != (target.config.num_hidden_layers,)
-    config = {"aux_layer_ids": list(aux_layer_ids), "dtype": dtype, "num_samples": len(tokenized),
+    store_last = tuple(feature_layers) != (target.config.num_hidden_layers,)
+    config = {"aux_layer_ids": list(feature_layers), "dtype": dtype, "num_samples": len(tokenized),
               "samples_per_shard": samples_per_shard, "store_last": store_last, **(meta or {})}
     manifest = {"config": config, "shards": []}
     if manifest_path.is_file():
@@ -46,7 +46,7 @@ def capture(target, aux_layer_ids: tuple[int, ...], tokenized, out_dir: str | Pa
         manifest = previous
     done = {s["file"] for s in manifest["shards"]}
     total_tokens = sum(len(r) for r in tokenized["input_ids"])
-    feature_dim = len(aux_layer_ids) * target.config.hidden_size
+    feature_dim = len(feature_layers) * target.config.hidden_size
     need = bytes_needed(total_tokens, feature_dim, target.config.hidden_size, store_last, dtype)
     print(f"capture: {len(tokenized)} samples, {total_tokens} tokens -> about {need / 2**20:.1f} MiB in {out_dir}"
           + (f" ({len(done)} shards already done)" if done else ""), flush=True)
@@ -61,7 +61,7 @@ def capture(target, aux_layer_ids: tuple[int, ...], tokenized, out_dir: str | Pa
         for record in records:
             # one sample per forward: captured values must not depend on what was batched beside them
             ids = torch.tensor(record["input_ids"], device=device)[None]
-            feats = target_features(target, tuple(aux_layer_ids), ids, DTYPES[dtype])
+            feats = target_features(target, tuple(feature_layers), ids, DTYPES[dtype])
             pieces["input_ids"].append(ids[0].to(torch.int32).cpu())
             pieces["loss_mask"].append(torch.tensor(record["loss_mask"], dtype=torch.uint8))
             pieces["features"].append(feats["features"][0].cpu())
@@ -82,16 +82,16 @@ def capture(target, aux_layer_ids: tuple[int, ...], tokenized, out_dir: str | Pa
 class CapturedDataset(torch.utils.data.Dataset):
     """Reads `capture` output back as {input_ids, loss_mask, features, last} per sample."""
 
-    def __init__(self, directory: str | Path, aux_layer_ids: tuple[int, ...]):
+    def __init__(self, directory: str | Path, feature_layers: tuple[int, ...]):
         directory = Path(directory)
         manifest_path = directory / "manifest.json"
         if not manifest_path.is_file():
             raise DraftsmithError(f"{directory} has no manifest.json: run `draftsmith capture` first")
         manifest = json.loads(manifest_path.read_text())
         config = manifest["config"]
-        if tuple(config["aux_layer_ids"]) != tuple(aux_layer_ids):
+        if tuple(config["aux_layer_ids"]) != tuple(feature_layers):
             raise DraftsmithError(f"{directory} captured layers {config['aux_layer_ids']}, the head reads "
-                                  f"{list(aux_layer_ids)}")
+                                  f"{list(feature_layers)}")
         covered = sum(s["num_samples"] for s in manifest["shards"])
         if covered != config["num_samples"]:
             raise DraftsmithError(f"{directory} is incomplete ({covered}/{config['num_samples']} samples): "

@@ -50,7 +50,7 @@ def run_capture(args: argparse.Namespace) -> int:
     from draftsmith.train.capture import capture
     from draftsmith.train.data import tokenize_dataset
     from draftsmith.train.recipe import load_recipe
-    from draftsmith.train.trainer import aux_layers
+    from draftsmith.train.trainer import feature_layers_of
 
     recipe = load_recipe(args.recipe, args.overrides)
     out = args.output or recipe.data.hidden_states_dir
@@ -61,7 +61,7 @@ def run_capture(args: argparse.Namespace) -> int:
     d = recipe.data
     tokenized = tokenize_dataset(load_records(d.train_files, d.max_train_samples), tokenizer, d.max_length, d.format,
                                  d.mask_prompt)
-    aux = aux_layers(recipe, target.config.num_hidden_layers)
+    aux = feature_layers_of(recipe, target.config.num_hidden_layers)
     capture(target, aux, tokenized, out, d.hidden_states_dtype, args.samples_per_shard,
             meta={"target": recipe.model.target, "train_files": d.train_files, "max_length": d.max_length})
     print(f"captured hidden states in {out}")

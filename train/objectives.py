@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 
 
-def target_features(target, aux_layer_ids: tuple[int, ...], input_ids: torch.Tensor,
+def target_features(target, feature_layers: tuple[int, ...], input_ids: torch.Tensor,
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The frozen target's features (aux layers, concatenated) and final normed hidden, stored as `dtype`."""
+    """The frozen target's features (its feature layers, concatenated) and final normed hidden, stored as `dtype`."""
     last_id = target.config.num_hidden_layers
     with torch.no_grad():
-        out = target(input_ids, hidden_layer_ids=set(aux_layer_ids) | {last_id}, compute_logits=False)
+        out = target(input_ids, feature_layers=set(feature_layers) | {last_id}, compute_logits=False)
     # Rounding to the storage dtype here makes online batches equal to offline (captured) ones.
-    features = torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1).to(dtype)
+    features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1).to(dtype)
     return {"features": features, "last": out.hidden_states[last_id].to(dtype)}
 
 

@@ -48,10 +48,10 @@ from draftsmith.train.objectives import acceptance_report, target_features
 from draftsmith.train.recipe import Recipe, dump_recipe
 
 
-def aux_layers(recipe: Recipe, num_layers: int) -> tuple[int, ...]:
+def feature_layers_of(recipe: Recipe, num_layers: int) -> tuple[int, ...]:
     """The target layers the head reads: the recipe's, else its method's default."""
     m = recipe.model
-    return tuple(m.aux_layer_ids) if m.aux_layer_ids else resolve_method(m.head_type).default_aux_layers(num_layers)
+    return tuple(m.aux_layer_ids) if m.aux_layer_ids else resolve_method(m.head_type).default_feature_layers(num_layers)
 
 
 class HeadWithObjective(nn.Module):
@@ -70,15 +70,16 @@ class HeadWithObjective(nn.Module):
         self.cfg = cfg
         self.feature_dtype = feature_dtype
 
-    def features(self, batch):
+    def target_outputs(self, batch) -> dict:
+        """What the objective reads of the target for `batch`: captured on disk (offline) or run now."""
         if "features" in batch:  # offline
             return {"features": batch["features"], "last": batch["last"]}
-        if not self.head.hidden_layer_ids:  # a draft LM trained on text alone (PARD)
+        if not self.head.feature_layers:  # a draft LM trained on text alone (PARD)
             return {}
-        return target_features(self._target[0], self.head.hidden_layer_ids, batch["input_ids"], self.feature_dtype)
+        return target_features(self._target[0], self.head.feature_layers, batch["input_ids"], self.feature_dtype)
 
     def forward(self, batch, acceptance_depth: int = 0):
-        feats = self.features(batch)
+        feats = self.target_outputs(batch)
         if acceptance_depth:
             return self.acceptance_eval(self.head, self._target[0], batch, feats, acceptance_depth)
         return self.objective(self.head, self._target[0], batch, feats, self.cfg)
@@ -104,14 +105,14 @@ def build_head(recipe: Recipe, target, train_ds):
             raise DraftsmithError(f"the recipe sets {'; '.join(differing)}, but model.init_from continues a saved "
                                   "head as it is: drop those keys or start a new head")
         return head.attach_target(target)
-    aux = aux_layers(recipe, target.config.num_hidden_layers)
+    aux = feature_layers_of(recipe, target.config.num_hidden_layers)
     return resolve_method(m.head_type).build_head(m, target, aux, train_ds)
 
 
-def prepare_datasets(recipe: Recipe, tokenizer, aux_layer_ids):
+def prepare_datasets(recipe: Recipe, tokenizer, feature_layers):
     d = recipe.data
     if d.hidden_states_dir:
-        full = CapturedDataset(d.hidden_states_dir, aux_layer_ids)
+        full = CapturedDataset(d.hidden_states_dir, feature_layers)
         n_eval = max(1, int(len(full) * d.eval_fraction)) if d.eval_fraction else 0
         n_eval = min(n_eval, d.max_eval_samples or n_eval)
         train = torch.utils.data.Subset(full, range(n_eval, len(full)))
@@ -275,7 +276,7 @@ def _build_trainee(accelerator, recipe: Recipe):
     tokenizer = load_tokenizer(Path(recipe.model.target))
     check_tokenizer(tokenizer, target.config.vocab_size)
     with accelerator.main_process_first():  # datasets caches the tokenization once
-        train_ds, eval_ds = prepare_datasets(recipe, tokenizer, aux_layers(recipe, target.config.num_hidden_layers))
+        train_ds, eval_ds = prepare_datasets(recipe, tokenizer, feature_layers_of(recipe, target.config.num_hidden_layers))
     if len(train_ds) == 0:
         raise DraftsmithError("no training samples left after tokenization and filtering")
     head = build_head(recipe, target, train_ds if not recipe.data.hidden_states_dir else _token_view(train_ds))

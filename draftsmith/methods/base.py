@@ -162,7 +162,7 @@ class RecipeModelSection(BaseModel):
 
     target: str = Field(description="HF directory of the frozen target model")
     head_type: str
-    # HF hidden_states indices the head reads; default: the method's `default_aux_layers`
+    # HF hidden_states indices the head reads; default: the method's `default_feature_layers`
     aux_layer_ids: list[int] | None = None
     intermediate_size: int | None = Field(default=None, gt=0, description="default: the target's")
     init_from: str | None = Field(default=None, description="start from this saved head instead of random")
@@ -173,7 +173,7 @@ class RecipeModelSection(BaseModel):
         repeated = sorted({i for i in ids or () if ids.count(i) > 1})
         if repeated:
             raise ValueError(f"{ids} repeats layer {', '.join(map(str, repeated))}: each fused target layer must be "
-                             "distinct (e.g. [1, 3, 5] for a 6-layer target), or leave aux_layer_ids out for the "
+                             "distinct (e.g. [1, 3, 5] for a 6-layer target), or leave feature_layers out for the "
                              "method's default")
         return ids
 
@@ -288,7 +288,7 @@ class Proposer:
         self.config = config
         # HF hidden_states indices it needs from every target forward (a head-based proposer takes them from
         # its loaded head); read only when its method declares needs.hidden_states
-        self.hidden_layer_ids: tuple[int, ...] = ()
+        self.feature_layers: tuple[int, ...] = ()
         # observe() keeps at most this many newest positions per row (None: all): the engine hands over no
         # more, instead of building a whole prompt's features
         self.observe_window: int | None = None
@@ -345,7 +345,7 @@ class Proposer:
         return 0, 0
 
     def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
-        """[B, Q, F] features from a target forward's hidden states (only if `hidden_layer_ids`)."""
+        """[B, Q, F] features from a target forward's hidden states (only if `feature_layers`)."""
         raise NotImplementedError
 
     def observe(self, rows: Sequence[RowState], starts: list[int], counts: list[int], features: torch.Tensor) -> None:
@@ -417,7 +417,7 @@ class SpecMethod:
         return getattr(importlib.import_module(module, sys.modules[owner.__module__].__package__), name)
 
     @classmethod
-    def build_head(cls, section: RecipeModelSection, target, aux_layer_ids: tuple[int, ...], token_records):
+    def build_head(cls, section: RecipeModelSection, target, feature_layers: tuple[int, ...], token_records):
         """A freshly initialized head for `target` (the trainer's starting point). `token_records` iterates the
         training records ({"input_ids", "loss_mask"}) for methods that choose something from the data."""
         raise DraftsmithError(f"method {cls.name!r} does not train a head")
@@ -428,7 +428,7 @@ class SpecMethod:
         how many tokens one forward learned to draft). Most heads carry all of it in their architecture."""
 
     @classmethod
-    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+    def default_feature_layers(cls, num_layers: int) -> tuple[int, ...]:
         """HF hidden_states indices its head reads from a `num_layers` target, when a recipe names none."""
         raise DraftsmithError(f"method {cls.name!r} reads no target layers")
 
@@ -440,6 +440,6 @@ class FinalHiddenMethod(SpecMethod):
     needs: ClassVar[MethodNeeds] = MethodNeeds(hidden_states=True, head=True, draft_probs=True)
 
     @classmethod
-    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+    def default_feature_layers(cls, num_layers: int) -> tuple[int, ...]:
         return (num_layers,)  # HF hidden_states[L]: after the final norm, what the target's LM head reads
 

@@ -21,7 +21,7 @@ class LastHiddenProposer(Proposer):
         # the target's dtype: heads without LM heads of their own read out through the target's
         self.head = load_attached_head(config, target, weight.dtype)
         self.k = config.num_speculative_tokens
-        self.hidden_layer_ids = self.head.hidden_layer_ids
+        self.feature_layers = self.head.feature_layers
         self.observe_window = 1  # only the newest position's hidden state is ever read
         self.device = weight.device
         self.last = torch.zeros(max_num_seqs, target.config.hidden_size, dtype=weight.dtype, device=self.device)

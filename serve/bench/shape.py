@@ -89,7 +89,7 @@ def _random_eagle3_head(target: CausalLM, model_dir: Path, directory: Path) -> P
     from draftsmith.models.heads import DraftHeadConfig
 
     method = resolve_method("eagle3")
-    layers = method.default_aux_layers(target.config.num_hidden_layers)
+    layers = method.default_feature_layers(target.config.num_hidden_layers)
     config = DraftHeadConfig.for_target("eagle3", target.config, layers, min(DRAFT_VOCAB, target.config.vocab_size),
                                         str(model_dir))
     method.head_module(config).attach_target(target).save_pretrained(directory)

@@ -114,8 +114,8 @@ class LLMEngine(FaultIsolatingSteps):
         # some, its proposer (from the loaded head) says which
         self.feature_layers: tuple[int, ...] = ()
         if self.proposer is not None and method.needs.hidden_states:
-            self.feature_layers = tuple(self.proposer.hidden_layer_ids)
-        elif self.proposer is not None and self.proposer.hidden_layer_ids:
+            self.feature_layers = tuple(self.proposer.feature_layers)
+        elif self.proposer is not None and self.proposer.feature_layers:
             raise ValueError(f"{method.__name__} reads target layers but does not declare needs.hidden_states")
         logger.info("KV cache: %d slots x %d tokens, %.1f MiB (%s)", config.max_num_seqs, config.max_model_len,
                     self.cache.nbytes / 2**20, self.cache.k[0].dtype)
@@ -410,7 +410,7 @@ class LLMEngine(FaultIsolatingSteps):
             hidden_index = hidden_index.to(self.device)
         with torch.inference_mode():
             return self.model(ids.to(self.device), cache=self.cache, batch=batch, logits_index=logits_index,
-                              hidden_layer_ids=self.feature_layers, hidden_index=hidden_index)
+                              feature_layers=self.feature_layers, hidden_index=hidden_index)
 
     def observe_features(self, rows: list[Request], starts: list[int], counts: list[int], out,
                           index: list[int] | None = None) -> None:

@@ -51,15 +51,15 @@ def row_buckets(max_rows: int) -> list[int]:
 
 
 def static_forward(model: CausalLM, cache: KVCache, inputs: torch.Tensor, width: int, num_keys: int,
-                   hidden_layer_ids: tuple[int, ...], slot_kernel: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                   feature_layers: tuple[int, ...], slot_kernel: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """One decode or verify forward from a static input buffer [rows, 3 * width + 2] (StepInputs' layout)
-    -> logits [rows, width, vocab] (fp32) and the hidden states `hidden_layer_ids` [rows, width, hidden]."""
+    -> logits [rows, width, vocab] (fp32) and the hidden states `feature_layers` [rows, width, hidden]."""
     ids, positions, write_slots = inputs[:, :width], inputs[:, width : 2 * width], inputs[:, 2 * width : 3 * width]
     read_slots, kv_lens = inputs[:, 3 * width].contiguous(), inputs[:, 3 * width + 1].contiguous()
     batch = ForwardBatch.static(positions, read_slots, write_slots, kv_lens, num_keys, model.config.sliding_window,
                                 slot_kernel)
-    out = model(ids, cache=cache, batch=batch, hidden_layer_ids=hidden_layer_ids)
-    return out.logits, tuple(out.hidden_states[i] for i in hidden_layer_ids)
+    out = model(ids, cache=cache, batch=batch, feature_layers=feature_layers)
+    return out.logits, tuple(out.hidden_states[i] for i in feature_layers)
 
 
 def static_draft_step(head, cache: KVCache, inputs: torch.Tensor, ids: torch.Tensor, state: torch.Tensor,
@@ -138,10 +138,10 @@ class StepRunner(_StaticSteps):
     """Runs the engine's decode and verify forwards at static shapes (the module docstring); built once per
     engine for a mode other than eager (`make_step_runner`)."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, max_rows: int, hidden_layer_ids: tuple[int, ...], mode: str):
+    def __init__(self, model: CausalLM, cache: KVCache, max_rows: int, feature_layers: tuple[int, ...], mode: str):
         super().__init__(static_forward, model.model.embed_tokens.weight.device, max_rows, mode)
         self.model, self.cache = model, cache
-        self.hidden_layer_ids = tuple(hidden_layer_ids)
+        self.feature_layers = tuple(feature_layers)
 
     def forward(self, ids: torch.Tensor, slots: list[int], starts: list[int], q_lens: list[int]) -> ForwardOutput:
         """ids [B, W] (row b's first q_lens[b] real), rows in slots at starts -> logits [B, W, vocab] and the
@@ -152,7 +152,7 @@ class StepRunner(_StaticSteps):
         step.inputs.copy_(self._host_inputs(rows, bucket_rows, width, slots, starts, q_lens), non_blocking=True)
         step.inputs[:rows, :width].copy_(ids)  # drafts are on the device already
         logits, hidden = self._run(step, width, max(s + q for s, q in zip(starts, q_lens)), rows)
-        return ForwardOutput(logits=logits, hidden_states=dict(zip(self.hidden_layer_ids, hidden)))
+        return ForwardOutput(logits=logits, hidden_states=dict(zip(self.feature_layers, hidden)))
 
     def warm_up(self, widths: list[int]) -> int:
         """Captures (or compiles) every row bucket at each width now, on padding rows alone (they touch only
@@ -180,7 +180,7 @@ class StepRunner(_StaticSteps):
         # A graph replays the key count it was captured with: the whole cache (the kernel bounds each row by
         # its kv_lens; the mask form reads every key, masked). A compiled step takes the longest row's bucket.
         num_keys = _keys_read(self.cache, longest, kernel, self.mode)
-        return self._execute(step, (self.model, self.cache, step.inputs, width, num_keys, self.hidden_layer_ids,
+        return self._execute(step, (self.model, self.cache, step.inputs, width, num_keys, self.feature_layers,
                                     kernel), rows)
 
     def _host_inputs(self, rows: int, bucket_rows: int, width: int, slots: list[int], starts: list[int],
@@ -288,7 +288,7 @@ def resolve_step_mode(mode: str, enforce_eager: bool, device: torch.device) -> s
     return mode
 
 
-def make_step_runner(model: CausalLM, cache: KVCache, max_rows: int, hidden_layer_ids: tuple[int, ...],
+def make_step_runner(model: CausalLM, cache: KVCache, max_rows: int, feature_layers: tuple[int, ...],
                      mode: str) -> StepRunner | None:
     """The runner for a resolved mode; None for eager (the engine's own forwards)."""
-    return None if mode == "eager" else StepRunner(model, cache, max_rows, hidden_layer_ids, mode)
+    return None if mode == "eager" else StepRunner(model, cache, max_rows, feature_layers, mode)

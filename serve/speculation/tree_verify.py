@@ -138,7 +138,7 @@ def size_trees(drafts, rows: int, cost, sunk_seconds: float) -> int:
 
 
 def verify_tree(model, cache: KVCache, ids: torch.Tensor, slots: list[int], starts: list[int], q_lens: list[int],
-                parents: torch.Tensor, sampling: SamplingBatch, hidden_layer_ids: tuple[int, ...]):
+                parents: torch.Tensor, sampling: SamplingBatch, feature_layers: tuple[int, ...]):
     """Scores the trees in one forward and keeps each row's accepted path -> (the forward's output at the path's
     columns (logits [B, D + 1, V], hidden states), tokens [B, D + 1]: the accepted drafts and the new token, -1
     after them, counts [B]: how many)."""
@@ -148,7 +148,7 @@ def verify_tree(model, cache: KVCache, ids: torch.Tensor, slots: list[int], star
     seen = ancestors(parent_cols)
     batch, positions = tree_batch(slots, starts, q_lens, seen, cache, model.config.sliding_window, device)
     with torch.inference_mode():
-        out = model(ids, positions=positions, cache=cache, batch=batch, hidden_layer_ids=hidden_layer_ids)
+        out = model(ids, positions=positions, cache=cache, batch=batch, feature_layers=feature_layers)
         choice = tree_choices(out.logits, seen.sum(-1) - 1, sampling)
         path, accepted = accept_path(choice, ids, parent_cols, seen, counts)
         # the path's columns as a chain: its logits and hidden states, so that what follows (features for the

@@ -63,7 +63,7 @@ PACKAGE = {
                 return BigramHead(config).attach_target(target)
 
             @classmethod
-            def default_aux_layers(cls, num_layers):
+            def default_feature_layers(cls, num_layers):
                 return ()  # reads no target layers: trains on text alone
     ''',
     "toy_plugin/bigram/head.py": '''
@@ -91,7 +91,7 @@ PACKAGE = {
 
         class BigramHead(AttachedHead):
             head_type = "toy_bigram"
-            hidden_layer_ids = ()
+            feature_layers = ()
 
             def __init__(self, config):
                 super().__init__(config)

@@ -49,7 +49,7 @@ def test_training_blocks_equal_blocks_drafted_from_the_cache(demo_target):
     head = _random_head(demo_target)
     ids = torch.randint(4, 8000, (1, 24))
     with torch.no_grad():
-        out = demo_target(ids, hidden_layer_ids=head.hidden_layer_ids)
+        out = demo_target(ids, feature_layers=head.feature_layers)
         features = head.features(out.hidden_states)
         anchors = torch.tensor([[5, 13, 17]])
         taught = head.training_forward(features, ids, anchors).view(1, 3, 5, -1)
@@ -178,7 +178,7 @@ def test_loss_positions_learn_the_first_block_positions_alone(demo_target):
 
     head = _random_head(demo_target, block_size=5)
     ids = torch.randint(4, 8000, (2, 24))
-    features = target_features(demo_target, head.hidden_layer_ids, ids, torch.float32)
+    features = target_features(demo_target, head.feature_layers, ids, torch.float32)
     with torch.no_grad():
         anchors = torch.tensor([[5, 13, 17], [2, 9, 19]])
         whole = head.training_forward(features["features"], ids, anchors).view(2, 3, 5, -1)
@@ -229,7 +229,7 @@ def test_the_served_walk_is_what_the_engine_drafts(demo_target):
     anchors = torch.arange(len(prompt), ids.shape[1] - 8)[None]
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([ids.shape[1]])}
     with torch.no_grad():
-        features = target_features(demo_target, head.hidden_layer_ids, ids, torch.float32)
+        features = target_features(demo_target, head.feature_layers, ids, torch.float32)
         chains = block_chains(head, demo_target, batch, features, anchors, 8).sum(-1)[0]
     walk = served_walk(dict(zip(anchors[0].tolist(), chains.tolist())), len(prompt))
     full = [accepted for drafted, accepted in steps if drafted == 8][: len(walk)]
@@ -353,7 +353,7 @@ def test_served_blocks_are_the_teacher_forced_blocks_step_after_step(demo_target
 
     def features(ids):
         with torch.no_grad():
-            out = demo_target(torch.tensor([ids]), hidden_layer_ids=head.hidden_layer_ids)
+            out = demo_target(torch.tensor([ids]), feature_layers=head.feature_layers)
         return out, head.features(out.hidden_states)
 
     out, feats = features(prompt)

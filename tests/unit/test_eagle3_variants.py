@@ -132,7 +132,7 @@ def test_cached_drafting_matches_training_time_test_for_variants(variants, targe
     is the one the proposer's `_step_batches` applies (test_eagle_proposer's windowed test checks it there)."""
     head = _variant_head(target, **variants)
     ids = torch.randint(0, 8192, (1, 20))
-    feats = head.features(target(ids, hidden_layer_ids=head.hidden_layer_ids).hidden_states)
+    feats = head.features(target(ids, feature_layers=head.feature_layers).hidden_states)
     ttt = [logits for _, logits in unroll(head, ids, feats, 4)]
     p, window = 12, variants["sliding_window"]
     cache = head.make_cache(2, 64)
@@ -151,7 +151,7 @@ def test_variant_flags_change_the_computation(target):
     """Each flag is computed, not just carried: flipping it alone changes the logits."""
     ids = torch.randint(0, 8192, (1, 12))
     base = _variant_head(target)
-    feats = base.features(target(ids, hidden_layer_ids=base.hidden_layer_ids).hidden_states)
+    feats = base.features(target(ids, feature_layers=base.feature_layers).hidden_states)
     reference = [logits for _, logits in unroll(base, ids, feats, 2)][-1]
     for variants in [{"norm_before_residual": True}, {"norm_before_fc": True}, {"fc_norm": True},
                      {"norm_output": True}, {"qk_norm": True}, {"sliding_window": 2}]:
@@ -201,7 +201,7 @@ def test_speculators_checkpoints_import_and_draft_as_speculators_does(case, targ
     ours = load_head(tmp_path / "ours").attach_target(target)
     torch.manual_seed(0)
     ids = torch.randint(0, 8192, (1, 17))
-    feats = ours.features(target(ids, hidden_layer_ids=ours.hidden_layer_ids).hidden_states)
+    feats = ours.features(target(ids, feature_layers=ours.feature_layers).hidden_states)
     expected = oracle.logits_by_step(theirs, ids[:, 1:], feats[:, :16], 4)
     for step, logits in unroll(ours, ids, feats, 4):
         torch.testing.assert_close(logits, expected[step], atol=2e-5, rtol=0)
@@ -220,7 +220,7 @@ def test_our_exports_load_in_speculators_and_compute_the_same(case, target, tmp_
     assert all(torch.isfinite(p).all() for p in theirs.parameters())  # speculators marks unloaded weights NaN
     ours = load_head(tmp_path / "native").attach_target(target)
     ids = torch.randint(0, 8192, (1, 17))
-    feats = ours.features(target(ids, hidden_layer_ids=ours.hidden_layer_ids).hidden_states)
+    feats = ours.features(target(ids, feature_layers=ours.feature_layers).hidden_states)
     expected = oracle.logits_by_step(theirs, ids[:, 1:], feats[:, :16], 3)
     for step, logits in unroll(ours, ids, feats, 3):
         torch.testing.assert_close(logits, expected[step], atol=2e-5, rtol=0)

@@ -103,7 +103,7 @@ def make_proposer(models, max_num_seqs: int = 4, sampled: bool = False):
 def features_of(proposer, ids: list[int]) -> torch.Tensor:
     """[len(ids), F] target features of every position (causal, so earlier ones do not depend on later ids)."""
     with torch.inference_mode():
-        out = proposer.head.target(torch.tensor([ids]), hidden_layer_ids=proposer.hidden_layer_ids)
+        out = proposer.head.target(torch.tensor([ids]), feature_layers=proposer.feature_layers)
         return proposer.features(out.hidden_states)[0]
 
 
@@ -396,7 +396,7 @@ def test_plain_steps_kept_for_later_replay_as_if_observed(models, monkeypatch):
     def plain_step():
         starts = [r.num_tokens - 1 for r in rows]
         with torch.inference_mode():
-            hidden = [lazy.head.target(torch.tensor([r.all_token_ids()]), hidden_layer_ids=lazy.hidden_layer_ids)
+            hidden = [lazy.head.target(torch.tensor([r.all_token_ids()]), feature_layers=lazy.feature_layers)
                       .hidden_states for r in rows]
         stacked = {i: torch.cat([h[i][:, s : s + 1] for h, s in zip(hidden, starts)]) for i in hidden[0]}
         eager.observe(rows, starts, [1] * len(rows), eager.features(stacked))

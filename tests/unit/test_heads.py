@@ -52,7 +52,7 @@ def test_cached_drafting_matches_training_time_test(kind, target):
     """Catching up on a prefix through the cache, then drafting 3 steps, equals TTT steps 0..3 at that spot."""
     head = _random_head(kind, target)
     ids = torch.randint(0, 8192, (1, 20))
-    feats = head.features(target(ids, hidden_layer_ids=head.hidden_layer_ids).hidden_states)
+    feats = head.features(target(ids, feature_layers=head.feature_layers).hidden_states)
     ttt = [logits for _, logits in unroll(head, ids, feats, 4)]
     p = 12  # last verified position: the head has seen features 0..p with tokens 1..p+1
     cache = head.make_cache(2, 64)

@@ -96,7 +96,7 @@ def test_a_head_that_copies_the_target_drafts_what_the_target_says_next(target, 
     head = MedusaHead(MedusaConfig(hidden_size=256, vocab_size=8192, num_heads=2, num_layers=1)).attach_target(target)
     head.init_from_target()
     ids = torch.randint(0, 8192, (1, 12))
-    last = head.features(target(ids, hidden_layer_ids=head.hidden_layer_ids).hidden_states)
+    last = head.features(target(ids, feature_layers=head.feature_layers).hidden_states)
     assert torch.equal(head(last).argmax(-1)[..., 0], target(ids).logits.argmax(-1))
 
 
@@ -118,4 +118,4 @@ def test_training_on_a_tiny_target_lowers_the_loss_and_serves(tmp_path):
     head = load_head(final)
     assert head.head_type == "medusa" and head.config.num_heads == 2
     tiny = load_target(target_dir, dtype="float32")
-    assert resolve_method("medusa").default_aux_layers(tiny.config.num_hidden_layers) == head.attach_target(tiny).hidden_layer_ids
+    assert resolve_method("medusa").default_feature_layers(tiny.config.num_hidden_layers) == head.attach_target(tiny).feature_layers

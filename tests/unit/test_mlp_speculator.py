@@ -142,7 +142,7 @@ def test_stage_one_learns_the_texts_own_tokens(target):
     ids = torch.tensor(liked + [7])[torch.randint(0, 3, (2, 9))]
     loss_mask = torch.ones(2, 9, dtype=torch.long)
     loss_mask[1, 7:] = 0  # the second row is padded after 7 tokens
-    last = target(ids, hidden_layer_ids=(6,)).hidden_states[6]
+    last = target(ids, feature_layers=(6,)).hidden_states[6]
     cfg = SimpleNamespace(labels="text", stage_decay=0.5)
     total, logs = mlp_speculator_objective(head, target, {"input_ids": ids, "loss_mask": loss_mask}, {"last": last}, cfg)
     width = 9 - 2

@@ -24,7 +24,7 @@ def _compare_full_forward(hf, ours, vocab, num_layers, seq_len=24):
     ids = torch.randint(0, vocab, (2, seq_len))
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
-        out = ours(ids, hidden_layer_ids=range(num_layers + 1))
+        out = ours(ids, feature_layers=range(num_layers + 1))
     torch.testing.assert_close(out.logits, ref.logits, atol=ATOL_FULL, rtol=0)
     for i in range(num_layers + 1):
         torch.testing.assert_close(out.hidden_states[i], ref.hidden_states[i], atol=ATOL_FULL,
@@ -121,7 +121,7 @@ def _run_cached(model, cache, steps, pack):
         assert (batch.row_spans is not None) == (pack and max(q_lens) >= ROW_ATTENTION_FROM)
         with torch.no_grad():
             outs.append(model(ids, cache=cache, batch=batch, logits_index=logits_index,
-                              hidden_layer_ids=range(model.config.num_hidden_layers + 1)))
+                              feature_layers=range(model.config.num_hidden_layers + 1)))
     return outs
 
 
@@ -173,7 +173,7 @@ def test_hidden_index_selects_the_asked_positions(pack, tmp_path):
         assert (batch.tokens is not None) == pack
         with torch.no_grad():
             outs.append(model(ids, cache=cache, batch=batch, logits_index=torch.tensor(q_lens)[:, None] - 1,
-                              hidden_layer_ids=(1, model.config.num_hidden_layers), hidden_index=hidden_index))
+                              feature_layers=(1, model.config.num_hidden_layers), hidden_index=hidden_index))
     full, chosen = outs
     for i, hidden in chosen.hidden_states.items():
         assert hidden.shape == (2, 3, model.config.hidden_size)

@@ -151,7 +151,7 @@ def test_training_on_a_tiny_target_lowers_the_loss_and_serves(tmp_path):
     head = load_head(final)
     assert head.head_type == "mtp" and head.config.source_config["model_type"] == "llama"
     tiny = load_target(target_dir, dtype="float32")
-    assert resolve_method("mtp").default_aux_layers(tiny.config.num_hidden_layers) == head.attach_target(tiny).hidden_layer_ids
+    assert resolve_method("mtp").default_feature_layers(tiny.config.num_hidden_layers) == head.attach_target(tiny).feature_layers
 
 
 def test_a_head_for_another_target_shape_is_refused(tmp_path):

@@ -57,11 +57,11 @@ def sampled_step(request, tmp_path_factory):
                                        **({"parallel_drafting": True} if parallel else {})})
     proposer = resolve_method(method).proposer_class()(config, target, TRIALS, 64)
     with torch.inference_mode():
-        out = target(torch.tensor([tokenizer_ids]), hidden_layer_ids=proposer.hidden_layer_ids)
+        out = target(torch.tensor([tokenizer_ids]), feature_layers=proposer.feature_layers)
     first = int(out.logits[0, -1].argmax())  # the token the prefill emitted
     rows = [Row(str(i), i, list(tokenizer_ids), [first]) for i in range(TRIALS)]
     length = len(tokenizer_ids)
-    if proposer.hidden_layer_ids:  # a draft model reads the tokens only
+    if proposer.feature_layers:  # a draft model reads the tokens only
         proposer.observe(rows, [0] * TRIALS, [length] * TRIALS,
                          proposer.features(out.hidden_states).expand(TRIALS, -1, -1))
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(TRIALS)]

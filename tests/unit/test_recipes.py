@@ -86,9 +86,9 @@ def test_repeated_fused_layers_are_refused_and_the_default_never_repeats():
     with pytest.raises(DraftsmithError, match=r"model.aux_layer_ids: .*\[2, 3, 3\] repeats layer 3: each fused"):
         load_recipe(eagle3, ["model.aux_layer_ids=[2,3,3]"])
     assert load_recipe(eagle3, ["model.aux_layer_ids=[1,3,5]"]).model.aux_layer_ids == [1, 3, 5]
-    assert Eagle3Method.reference_aux_layers(6) == (2, 3, 3) and Eagle3Method.default_aux_layers(6) == (1, 3, 5)
+    assert Eagle3Method.reference_feature_layers(6) == (2, 3, 3) and Eagle3Method.default_feature_layers(6) == (1, 3, 5)
     for layers in range(2, 81):
-        ids = Eagle3Method.default_aux_layers(layers)
+        ids = Eagle3Method.default_feature_layers(layers)
         assert len(ids) == 3 and ids[0] < ids[1] < ids[2] and 0 <= ids[0] and ids[2] <= layers, (layers, ids)
         if layers >= 7:
-            assert ids == Eagle3Method.reference_aux_layers(layers)
+            assert ids == Eagle3Method.reference_feature_layers(layers)

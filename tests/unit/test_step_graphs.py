@@ -76,8 +76,8 @@ def test_static_forward_computes_what_the_eager_forward_does(tmp_path, family, m
     batch = ForwardBatch.build(slots, starts, q_lens, eager_cache, model.config.sliding_window, KERNEL_DEVICE,
                                pack=True)
     with torch.inference_mode():
-        want = model(ids, cache=eager_cache, batch=batch, hidden_layer_ids=(1, 3))
-    runner = _static(StepRunner(model, static_cache, max_rows=6, hidden_layer_ids=(1, 3), mode=STATIC_MODE))
+        want = model(ids, cache=eager_cache, batch=batch, feature_layers=(1, 3))
+    runner = _static(StepRunner(model, static_cache, max_rows=6, feature_layers=(1, 3), mode=STATIC_MODE))
     got = runner.forward(ids, slots, starts, q_lens)
     assert got.logits.shape == (3, width, model.config.vocab_size)
     for row, n in enumerate(q_lens):
@@ -216,7 +216,7 @@ def test_inductor_compiles_a_step(target):
     slots, starts, q_lens = [1, 0, 3], [12, 40, 5], [3, 1, 2]
     cache = _prefilled(target, starts, slots, num_slots=4, max_len=128)
     ids = _step_inputs(target, slots, starts, q_lens, 3)
-    runner = StepRunner(target, cache, max_rows=4, hidden_layer_ids=(2,), mode="compile")
+    runner = StepRunner(target, cache, max_rows=4, feature_layers=(2,), mode="compile")
     got = runner.forward(ids, slots, starts, q_lens)
     runner._compiled = static_forward
     want = runner.forward(ids, slots, starts, q_lens)  # the same writes again: same keys, same places
@@ -240,7 +240,7 @@ def test_slot_kernel_static_forward_under_the_interpreter(monkeypatch, tmp_path)
     with torch.inference_mode():
         want = model(ids, cache=eager_cache, batch=batch)
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
-    runner = _static(StepRunner(model, static_cache, max_rows=4, hidden_layer_ids=(), mode=STATIC_MODE))
+    runner = _static(StepRunner(model, static_cache, max_rows=4, feature_layers=(), mode=STATIC_MODE))
     assert runner.slot_kernel
     got = runner.forward(ids, slots, starts, q_lens)
     for row, n in enumerate(q_lens):

@@ -57,14 +57,14 @@ class DFlashMethod(SpecMethod):
     acceptance_eval_ref = ".objective:simulated_acceptance"
 
     @classmethod
-    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+    def default_feature_layers(cls, num_layers: int) -> tuple[int, ...]:
         """Three target layers spread from the first to the last decoder layer (HF hidden_states indices)."""
         if num_layers < 3:
             return tuple(range(1, num_layers + 1))
         return tuple(sorted({round(1 + i * (num_layers - 2) / 2) for i in range(3)}))
 
     @classmethod
-    def build_head(cls, section: DFlashRecipe, target, aux_layer_ids, token_records):
+    def build_head(cls, section: DFlashRecipe, target, feature_layers, token_records):
         from draftsmith.methods.heads import default_mask_token
 
         t = target.config
@@ -74,7 +74,7 @@ class DFlashMethod(SpecMethod):
                               num_hidden_layers=section.num_draft_layers, num_attention_heads=t.num_attention_heads,
                               num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
                               target_hidden_size=t.hidden_size, target_num_layers=t.num_hidden_layers,
-                              aux_layer_ids=tuple(aux_layer_ids), block_size=section.block_size, mask_token_id=mask,
+                              aux_layer_ids=tuple(feature_layers), block_size=section.block_size, mask_token_id=mask,
                               rms_norm_eps=t.rms_norm_eps, rope=t.rope, max_position_embeddings=t.max_position_embeddings,
                               attention_bias=t.qkv_bias, target_model=section.target)
         config.check_target(t)

@@ -34,7 +34,7 @@ class DFlashProposer(Proposer):
         self.device = weight.device
         self.dtype = draft_dtype(config.draft_dtype, weight.dtype, self.device)
         self.head = load_attached_head(config, target, self.dtype)
-        self.hidden_layer_ids = self.head.hidden_layer_ids
+        self.feature_layers = self.head.feature_layers
         self.block_size = self.head.config.block_size
         # a block of block_size tokens a row through the draft layers, the LM head on its drafts
         self.draft_query_len = self.block_size

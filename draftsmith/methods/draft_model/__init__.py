@@ -60,7 +60,7 @@ class DraftModelMethod(SpecMethod):
     acceptance_eval_ref = ".objective:simulated_acceptance"
 
     @classmethod
-    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+    def default_feature_layers(cls, num_layers: int) -> tuple[int, ...]:
         return ()  # trains on text alone: no target layers, no target forward per batch
 
     @classmethod
@@ -68,7 +68,7 @@ class DraftModelMethod(SpecMethod):
         head.config.parallel_draft_tokens = training.parallel_draft_tokens
 
     @classmethod
-    def build_head(cls, section: DraftModelRecipe, target, aux_layer_ids, token_records):
+    def build_head(cls, section: DraftModelRecipe, target, feature_layers, token_records):
         from draftsmith.methods.heads import default_mask_token
         from draftsmith.models.loader import load_target
         from draftsmith.models.pard import ParallelDraftLM

@@ -92,9 +92,9 @@ class EagleFamilyMethod(SpecMethod):
         return {}
 
     @classmethod
-    def build_head(cls, section: RecipeModelSection, target, aux_layer_ids: tuple[int, ...], token_records):
+    def build_head(cls, section: RecipeModelSection, target, feature_layers: tuple[int, ...], token_records):
         overrides = {"intermediate_size": section.intermediate_size} if section.intermediate_size else {}
-        config = DraftHeadConfig.for_target(cls.head_type, target.config, aux_layer_ids, target_model=section.target,
+        config = DraftHeadConfig.for_target(cls.head_type, target.config, feature_layers, target_model=section.target,
                                             **cls.head_config_overrides(section), **overrides)
         config.check_target(target.config)
         return cls.head_module(config).attach_target(target)
@@ -112,5 +112,5 @@ class EagleMethod(EagleFamilyMethod):
     objective_ref = ".objective:eagle_objective"
 
     @classmethod
-    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+    def default_feature_layers(cls, num_layers: int) -> tuple[int, ...]:
         return (num_layers,)  # the final normed hidden state, which the target's LM head reads

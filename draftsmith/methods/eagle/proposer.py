@@ -83,7 +83,7 @@ class EagleFamilyProposer(Proposer):
         # a dynamic tree's nodes take more
         room = max(self.k, self.tree.cache_room) if isinstance(self.tree, TreeShape) else self.k
         self.head.init_rope(max_model_len + room)
-        self.hidden_layer_ids = self.head.hidden_layer_ids
+        self.feature_layers = self.head.feature_layers
         self.window = self.head.sliding_window  # the head's own attention window, if it has one
         self.cache = self.head.make_cache(max_num_seqs, max_model_len + room)
         self.device = weight.device

@@ -54,17 +54,17 @@ class Eagle3Method(EagleFamilyMethod):
     objective_ref = ".objective:eagle3_objective"
 
     @classmethod
-    def reference_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+    def reference_feature_layers(cls, num_layers: int) -> tuple[int, ...]:
         """What the EAGLE-3 reference code fuses (HF hidden_states indexing), so what a checkpoint whose config
         names no layers was trained on: it repeats or runs backwards on targets of 6 layers or fewer."""
         return (2, num_layers // 2, num_layers - 3)
 
     @classmethod
-    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+    def default_feature_layers(cls, num_layers: int) -> tuple[int, ...]:
         """The reference choice where its three layers are distinct and in order; on targets of 6 layers or fewer
         ([2, 3, 3] for 6, which speculators refuses), three distinct layers spread evenly over the decoder's
         inner outputs instead ([1, 3, 5] for 6)."""
-        reference = cls.reference_aux_layers(num_layers)
+        reference = cls.reference_feature_layers(num_layers)
         if reference[0] < reference[1] < reference[2]:
             return reference
         if num_layers < 2:
@@ -82,10 +82,10 @@ class Eagle3Method(EagleFamilyMethod):
         return overrides
 
     @classmethod
-    def build_head(cls, section, target, aux_layer_ids, token_records):
+    def build_head(cls, section, target, feature_layers, token_records):
         from draftsmith.methods.eagle3.vocab import draft_vocab_from_frequencies
 
-        head = super().build_head(section, target, aux_layer_ids, token_records)
+        head = super().build_head(section, target, feature_layers, token_records)
         c = head.config
         head.init_draft_vocab(draft_vocab_from_frequencies(token_records, c.vocab_size, c.draft_vocab_size))
         return head

@@ -53,7 +53,7 @@ class MedusaMethod(FinalHiddenMethod):
     acceptance_eval_ref = ".objective:simulated_acceptance"
 
     @classmethod
-    def build_head(cls, section: MedusaRecipe, target, aux_layer_ids, token_records):
+    def build_head(cls, section: MedusaRecipe, target, feature_layers, token_records):
         c = target.config
         config = MedusaConfig(hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_heads=section.num_heads,
                               num_layers=section.num_layers, own_lm_heads=section.own_lm_heads,

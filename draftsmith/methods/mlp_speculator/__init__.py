@@ -54,7 +54,7 @@ class MLPSpeculatorMethod(FinalHiddenMethod):
     acceptance_eval_ref = ".objective:simulated_acceptance"
 
     @classmethod
-    def build_head(cls, section: MLPSpeculatorRecipe, target, aux_layer_ids, token_records):
+    def build_head(cls, section: MLPSpeculatorRecipe, target, feature_layers, token_records):
         c = target.config
         config = MLPSpeculatorConfig(emb_dim=c.hidden_size, inner_dim=section.inner_dim or c.hidden_size,
                                      vocab_size=c.vocab_size, n_predict=section.n_predict,

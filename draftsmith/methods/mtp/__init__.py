@@ -56,11 +56,11 @@ class MTPMethod(SpecMethod):
     acceptance_eval_ref = "draftsmith.methods.eagle.training:simulated_acceptance"
 
     @classmethod
-    def default_aux_layers(cls, num_layers: int) -> tuple[int, ...]:
+    def default_feature_layers(cls, num_layers: int) -> tuple[int, ...]:
         return (num_layers,)  # HF hidden_states[L]: after the final norm, what vLLM's MTP models receive
 
     @classmethod
-    def build_head(cls, section: MTPRecipe, target, aux_layer_ids, token_records):
+    def build_head(cls, section: MTPRecipe, target, feature_layers, token_records):
         source_config = json.loads((Path(section.target) / "config.json").read_text())
         head = MTPHead.for_target(target.config, source_config, target_model=section.target).attach_target(target)
         head.init_from_target()

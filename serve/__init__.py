@@ -11,7 +11,7 @@
 Proposers come from `draftsmith.methods`."""
 
 from draftsmith.serve.apps.llm import LLM
-from draftsmith.serve.engine.request import CompletionOutput, RequestOutput
+from draftsmith.serve.engine.outputs import CompletionOutput, RequestOutput
 from draftsmith.serve.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -17,7 +17,7 @@ from draftsmith.models.tokenizer import eos_token_ids, load_tokenizer
 from draftsmith.serve.client.frontend import Frontend, PromptInput
 from draftsmith.serve.engine.core import EngineConfig, LLMEngine
 from draftsmith.serve.engine.host_memory import keep_freed_memory
-from draftsmith.serve.engine.request import RequestOutput
+from draftsmith.serve.engine.outputs import OutputCollector, RequestOutput
 from draftsmith.serve.engine.sampling_params import SamplingParams
 from draftsmith.serve.speculation.config import from_legacy_kwargs, parse_speculative_config
 
@@ -122,20 +122,19 @@ class LLM(Frontend):
         if len(params) != len(prompts):
             raise DraftsmithError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # Encode and check every prompt before queueing any, so one bad prompt leaves the engine untouched.
-        encoded = [self.encode(prompt) for prompt in prompts]
-        for i, (_, ids) in enumerate(encoded):
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                self.engine.check_prompt(ids)
+                text, ids = self.encode(prompt)
+                checked.append(self.check(ids, p, text))
             except DraftsmithError as exc:
                 raise DraftsmithError(f"prompt {i}: {exc}") from None
-        order: dict[str, int] = {}
-        for i, ((text, ids), p) in enumerate(zip(encoded, params)):
-            order[self.engine.add_request(ids, p, prompt=text).request_id] = i
+        order = {self.engine.add(request).request_id: i for i, request in enumerate(checked)}
         results: list[RequestOutput | None] = [None] * len(prompts)
-        start, generated = time.perf_counter(), 0
+        collector, start, generated = OutputCollector(), time.perf_counter(), 0
         with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
+                for output in collector.add_all(self.engine.step()):
                     if output.finished:
                         results[order[output.request_id]] = output
                         generated += sum(len(c.token_ids) for c in output.outputs)

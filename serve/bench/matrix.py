@@ -30,6 +30,7 @@ from draftsmith.methods import method_names, read_head_config, resolve_method, s
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.serve.apps.llm import LLM
 from draftsmith.serve.bench.plot import plot_speedups, require_matplotlib
+from draftsmith.serve.engine.outputs import OutputCollector
 from draftsmith.serve.engine.sampling_params import SamplingParams
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -112,6 +113,7 @@ class _Run:
         self.engine, self.params = llm.engine, params
         self.outputs: list[list[int] | None] = [None] * len(prompts)
         self.live: dict[str, int] = {}
+        self.collector = OutputCollector()
         self.queue = iter(enumerate(prompts))
         self.concurrency = concurrency
         self.seconds = 0.0  # this run's own steps, admissions included
@@ -138,7 +140,7 @@ class _Run:
         steady = len(self.live) == self.concurrency
         generated = self.engine.stats["num_generated_tokens"]
         start = time.perf_counter()
-        for output in self.engine.step():
+        for output in self.collector.add_all(self.engine.step()):
             if output.finished:
                 self.outputs[self.live.pop(output.request_id)] = output.outputs[0].token_ids
                 self._add_next()

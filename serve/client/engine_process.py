@@ -1,8 +1,9 @@
 """The engine in its own process, as vLLM's AsyncLLM runs its EngineCore: the API process parses, tokenises,
 detokenises and streams; the engine process only steps. HTTP handling and the engine loop then never wait
-on each other's GIL. They talk in JSON frames (`engine_frames`): the engine sends, per step, what each moved
-request gained since its last report, and the API side merges that into vLLM's cumulative `RequestOutput`s
-as each request's reader takes them (`output_streams`).
+on each other's GIL. The engine process runs the same `EngineLoop` as a thread engine; the two sides talk
+in typed JSON frames (`frames`): the engine sends, per step, what each moved request gained since its last
+report, and the API side merges that into vLLM's cumulative `RequestOutput`s as each request's reader takes
+them (`output_streams`).
 
 The API process supervises the engine process. Its dying (killed, out of memory, a crash in a kernel, or an
 engine fault: `row_faults.EngineFault`, after which it exits with ENGINE_FAULT_EXIT) is seen as the pipe
@@ -14,7 +15,6 @@ supervisor such as systemd or Kubernetes to restart it) and the server answers 5
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import queue
@@ -24,11 +24,23 @@ import time
 from collections.abc import Callable
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.client.async_engine import AsyncEngine, QueueFullError, RequestRejected, refusal
-from draftsmith.serve.client.frames import delta_frame, delta_from_frame, recv, send
+from draftsmith.serve.client.engine_client import EngineClient
+from draftsmith.serve.client.engine_loop import EngineLoop
+from draftsmith.serve.client.frames import (
+    COMMANDS,
+    REPORTS,
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    StepFailed,
+    StepReport,
+    StopEngine,
+    recv,
+    send,
+)
 from draftsmith.serve.client.frontend import Frontend
-from draftsmith.serve.client.output_streams import DEFAULT_MAX_BACKLOG, DeltaTracker
-from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.client.output_streams import DEFAULT_MAX_BACKLOG
 
 logger = logging.getLogger("draftsmith")
 
@@ -40,96 +52,44 @@ RESTART_WINDOW_S = 600.0  # restarts counted against max_restarts
 
 # ------------------------------------------------------------------------------------------ engine side
 def engine_main(conn, llm_kwargs: dict) -> None:
-    """The engine process: builds the LLM, then steps it and answers commands until told to stop or the API
-    process goes away (the pipe closes)."""
+    """The engine process: builds the LLM, then runs the engine loop over the pipe until told to stop or the
+    API process goes away (the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
     from draftsmith.serve.apps.llm import LLM
 
     try:
         llm = LLM(**llm_kwargs)
     except Exception as exc:  # a bad model folder or speculative config: the API process reports it
-        send(conn, {"failed": str(exc) if isinstance(exc, DraftsmithError) else f"{type(exc).__name__}: {exc}"})
+        send(conn, REPORTS, EngineFailed(str(exc) if isinstance(exc, DraftsmithError) else f"{type(exc).__name__}: {exc}"))
         return
     spec = llm.engine.spec_config
-    send(conn, {"ready": {"num_speculative_tokens": spec.num_speculative_tokens if spec else 0,
-                          "max_model_len": llm.max_model_len, "vocab_size": llm.vocab_size,
-                          "max_num_seqs": llm.max_num_seqs}})
+    send(conn, REPORTS, EngineReady(spec.num_speculative_tokens if spec else 0, llm.max_model_len, llm.vocab_size,
+                                    llm.max_num_seqs))
+
+    def receive(timeout: float) -> list:
+        commands = []
+        while conn.poll(0 if commands else timeout):
+            commands.append(recv(conn, COMMANDS))
+        return commands
+
+    def fault(exc: Exception) -> None:
+        logger.exception("engine fault; the engine process exits for a fresh one")
+        send(conn, REPORTS, StepFailed(f"engine error: {exc}"))
+        raise SystemExit(ENGINE_FAULT_EXIT) from None
+
     try:
-        _EngineLoop(llm.engine, conn).run()
+        EngineLoop(llm.engine, receive, lambda report: send(conn, REPORTS, report), fault, STATS_EVERY_S).run()
     except (EOFError, OSError):  # the API process is gone: nothing left to serve
         pass
 
 
-class _EngineLoop:
-    def __init__(self, engine, conn):
-        self.engine = engine
-        self.conn = conn
-        self.tracker = DeltaTracker()
-        self.last_stats = 0.0
-        self.stopping_at: float | None = None
-        self.idle_reported = True
-
-    def run(self) -> None:
-        engine = self.engine
-        while True:
-            busy = engine.has_unfinished_requests()
-            if self.conn.poll(0 if busy else 0.5):
-                self._commands()
-            if self.stopping_at is not None and (not engine.has_unfinished_requests()
-                                                 or time.monotonic() > self.stopping_at):
-                return
-            if not engine.has_unfinished_requests():
-                if not self.idle_reported:  # once per idle spell: the gauges fall to 0, then quiet
-                    send(self.conn, {"out": [], "stats": self._stats(force=True)})
-                    self.idle_reported = True
-                continue
-            self.idle_reported = False
-            try:
-                outputs = engine.step()
-            except Exception as exc:  # requests fail alone inside the step: what reaches here is the engine's
-                logger.exception("engine fault; the engine process exits for a fresh one")
-                send(self.conn, {"step_failed": f"engine error: {exc}"})
-                raise SystemExit(ENGINE_FAULT_EXIT) from None
-            frames = [delta_frame(self.tracker.delta(o)) for o in outputs]
-            send(self.conn, {"out": frames, "stats": self._stats(force=False)})
-
-    def _commands(self) -> None:
-        while self.conn.poll(0):
-            command = recv(self.conn)
-            op = command[0]
-            if op == "add":
-                _, request_id, ids, params, prompt = command
-                try:
-                    self.engine.add_request(ids, SamplingParams(**params), request_id=request_id, prompt=prompt)
-                except Exception as exc:  # fails alone: a refusal (400) or an engine error (500)
-                    failure = refusal(exc)
-                    send(self.conn, {"rejected": request_id, "message": str(failure),
-                                     "refused": isinstance(failure, RequestRejected)})
-            elif op == "abort":
-                self.engine.abort_request(command[1])
-                self.tracker.forget(command[1])
-            elif op == "stop":
-                self.stopping_at = time.monotonic() + command[1]
-
-    def _stats(self, force: bool) -> dict | None:
-        """The engine's counts and counters for the API side's Prometheus gauges: every STATS_EVERY_S while
-        busy (None between), or now."""
-        now = time.monotonic()
-        if not force and now - self.last_stats < STATS_EVERY_S:
-            return None
-        self.last_stats = now
-        return {"running": len(self.engine.running), "waiting": len(self.engine.waiting),
-                "metrics": self.engine.get_metrics()}
-
-
 # --------------------------------------------------------------------------------------------- API side
-class ProcessEngine(AsyncEngine):
-    """`AsyncEngine`'s interface (submit, streams, abort on leaving, shutdown) over a supervised engine
-    process."""
+class ProcessEngine(EngineClient):
+    """An `EngineClient` over a supervised engine process."""
 
     def __init__(self, llm_kwargs: dict, max_queue: int = 256, observer=None, max_backlog: int = DEFAULT_MAX_BACKLOG,
                  max_restarts: int = 3):
-        self._init_streams(max_queue, max_backlog)
+        super().__init__(max_queue, max_backlog)
         self.frontend: Frontend | None = None  # once the engine has loaded the model (`wait_ready`)
         self.llm_kwargs = llm_kwargs
         self.observer = observer  # called with (running, waiting, metrics) as the engine reports them
@@ -162,18 +122,19 @@ class ProcessEngine(AsyncEngine):
             self.process.kill()
             raise DraftsmithError(f"the engine process did not start within {timeout:.0f} s")
         try:
-            message = recv(self._conn)
+            message = recv(self._conn, REPORTS)
         except EOFError:
             self.process.join(5)
             raise DraftsmithError(f"the engine process exited while starting (exit code {self.process.exitcode})") from None
-        if "failed" in message:
+        if isinstance(message, EngineFailed):
             self.process.join(5)
-            raise DraftsmithError(message["failed"])
-        ready = message["ready"]
-        self.num_speculative_tokens = ready["num_speculative_tokens"]
+            raise DraftsmithError(message.message)
+        if not isinstance(message, EngineReady):
+            raise DraftsmithError(f"the engine process said {message.kind!r} before it was ready")
+        self.num_speculative_tokens = message.num_speculative_tokens
         if self.frontend is None:
-            self.frontend = Frontend.from_model_dir(self.llm_kwargs["model"], ready["max_model_len"],
-                                                    ready["vocab_size"], ready["max_num_seqs"])
+            self.frontend = Frontend.from_model_dir(self.llm_kwargs["model"], message.max_model_len,
+                                                    message.vocab_size, message.max_num_seqs)
 
     # ------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -184,11 +145,11 @@ class ProcessEngine(AsyncEngine):
     def shutdown(self, timeout: float = 10.0) -> None:
         self._wait_unfinished(timeout)
         self._stopping = True
-        self._send(("stop", 0.0))
+        self._send(StopEngine(0.0))
         self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()
-        self._fail_all(DraftsmithError("server is shutting down"))
+        self.fail_all(DraftsmithError("server is shutting down"))
 
     @property
     def healthy(self) -> bool:
@@ -201,7 +162,7 @@ class ProcessEngine(AsyncEngine):
             return "the engine process died and is restarting; retry shortly"
         return "server is shutting down"
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: AddRequest | AbortRequest | StopEngine) -> None:
         self._outbox.put(command)
 
     def _write(self) -> None:
@@ -209,18 +170,13 @@ class ProcessEngine(AsyncEngine):
         gone (failed, or left) is not sent; one the pipe refuses fails its stream (the engine died)."""
         while True:
             command = self._outbox.get()
-            if command[0] == "abort":
-                self._forget(command[1])
-            elif command[0] == "add":
-                _, request_id, ids, params, prompt = command
-                if request_id not in self._streams:
-                    continue
-                command = ("add", request_id, list(ids), dataclasses.asdict(params), prompt)
+            if isinstance(command, AddRequest) and command.request_id not in self._streams:
+                continue
             try:
-                send(self._conn, command)
+                send(self._conn, COMMANDS, command)
             except OSError:
-                if command[0] == "add":
-                    self._fail(command[1], RuntimeError("the engine process died before taking the request"))
+                if isinstance(command, AddRequest):
+                    self.fail(command.request_id, RuntimeError("the engine process died before taking the request"))
 
     # -------------------------------------------------------------------------------- supervisor thread
     def _supervise(self) -> None:
@@ -237,7 +193,7 @@ class ProcessEngine(AsyncEngine):
                 self._restarting = reason
             else:
                 self._dead = f"{reason}; the server cannot serve"
-            self._fail_all(RuntimeError(reason))
+            self.fail_all(RuntimeError(reason))
             if self._dead is None and self._restart(reason):
                 continue
             if self._stopping:  # shut down while restarting: not a death to report
@@ -278,29 +234,18 @@ class ProcessEngine(AsyncEngine):
         """The engine's reports, until the pipe closes."""
         while True:
             try:
-                message = recv(self._conn)
+                report = recv(self._conn, REPORTS)
             except (EOFError, OSError):
                 return
-            if "out" in message:
-                for frame in message["out"]:
-                    self._push(delta_from_frame(frame))
-                stats = message.get("stats")
-                if stats is not None and self.observer is not None:
-                    try:
-                        self.observer(stats["running"], stats["waiting"], stats["metrics"])
-                    except Exception:  # metrics are not worth the reader thread
-                        logger.exception("the metrics observer failed")
-            elif "rejected" in message:
-                failure = RequestRejected if message.get("refused", True) else RuntimeError
-                self._fail(message["rejected"], failure(message["message"]))
-            elif "step_failed" in message:
-                self._fail_all(RuntimeError(message["step_failed"]))
-
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._lock:
-            leftovers = list(self._streams)
-        for request_id in leftovers:
-            self._fail(request_id, exc)
+            if isinstance(report, StepFailed):
+                self.fail_all(RuntimeError(report.message))
+                continue
+            self.take_report(report)
+            if isinstance(report, StepReport) and report.stats is not None and self.observer is not None:
+                try:
+                    self.observer(report.stats.running, report.stats.waiting, report.stats.metrics)
+                except Exception:  # metrics are not worth the reader thread
+                    logger.exception("the metrics observer failed")
 
 
 def start_engine_process(llm_kwargs: dict, max_queue: int = 256, observer=None,
@@ -316,4 +261,4 @@ def start_engine_process(llm_kwargs: dict, max_queue: int = 256, observer=None,
     return engine
 
 
-__all__ = ["ProcessEngine", "QueueFullError", "engine_main", "start_engine_process"]
+__all__ = ["ProcessEngine", "engine_main", "start_engine_process"]

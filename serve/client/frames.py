@@ -1,48 +1,115 @@
-"""What goes over the pipe between the API process and the engine process: length-prefixed frames
-(`send_bytes`) of JSON, never pickle, so a frame can only ever be data.
+"""What an engine client and its engine loop say to each other: typed messages, one dataclass each.
 
-Per step the engine sends each moved request's `OutputDelta` (what it gained since its last report), and
-every STATS_EVERY_S its counters for the Prometheus gauges.
+On a thread they pass as objects; between processes they go as length-prefixed frames (`send_bytes`) of
+JSON, validated on arrival by pydantic against the same dataclasses (never pickle, so a frame can only ever
+be data). Commands go to the loop; reports come back: per step, each moved request's `OutputDelta`, and the
+engine's counters for the Prometheus gauges when they are due.
 """
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
 
-from draftsmith.serve.client.output_streams import OutputDelta, SampleDelta
-from draftsmith.serve.engine.logprobs import Logprob
+from pydantic import ConfigDict, Field, TypeAdapter
 
-
-def send(conn, message) -> None:
-    conn.send_bytes(json.dumps(message).encode())
-
-
-def recv(conn):
-    return json.loads(conn.recv_bytes())
+from draftsmith.serve.engine.outputs import OutputDelta
+from draftsmith.serve.engine.sampling_params import SamplingParams
 
 
-def _entries(entries: list[dict] | None) -> list | None:
-    """Logprob entries ({token: Logprob}, in order) as JSON: [[token, logprob, rank], ...] each."""
-    if entries is None:
-        return None
-    return [None if e is None else [[t, lp.logprob, lp.rank] for t, lp in e.items()] for e in entries]
+# ------------------------------------------------------------------------------------- client -> loop
+@dataclass
+class AddRequest:
+    """A request checked at the edge (`engine.checks`), for the engine to queue under the client's id."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    kind: Literal["add"] = "add"
 
 
-def _from_entries(entries: list | None) -> list[dict | None] | None:
-    if entries is None:
-        return None
-    return [None if e is None else {t: Logprob(lp, rank) for t, lp, rank in e} for e in entries]
+@dataclass
+class AbortRequest:
+    request_id: str
+    kind: Literal["abort"] = "abort"
 
 
-def delta_frame(delta: OutputDelta) -> list:
-    """[id, finished, prompt logprobs, [[index, new ids, their logprobs, final text, finish, stop], ...], error]"""
-    samples = [[s.index, s.token_ids, _entries(s.logprobs), s.text, s.finish_reason, s.stop_reason]
-               for s in delta.samples]
-    return [delta.request_id, delta.finished, _entries(delta.prompt_logprobs), samples, delta.error]
+@dataclass
+class StopEngine:
+    """Stop once nothing is in flight, or `grace_s` from now at the latest."""
+
+    grace_s: float
+    kind: Literal["stop"] = "stop"
 
 
-def delta_from_frame(frame: list) -> OutputDelta:
-    request_id, finished, prompt_logprobs, samples, error = frame
-    return OutputDelta(request_id, finished, _from_entries(prompt_logprobs),
-                       [SampleDelta(index, ids, _from_entries(logprobs), text, finish, stop)
-                        for index, ids, logprobs, text, finish, stop in samples], error)
+Command = Annotated[Union[AddRequest, AbortRequest, StopEngine], Field(discriminator="kind")]  # noqa: UP007
+
+
+# ------------------------------------------------------------------------------------- loop -> client
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    metrics: dict[str, Any]  # the engine's cumulative `get_metrics()`
+
+
+@dataclass
+class StepReport:
+    deltas: list[OutputDelta]  # one per request that moved (none when the engine just went idle)
+    stats: EngineStats | None = None  # when due (every STATS_EVERY_S, and on going idle)
+    kind: Literal["step"] = "step"
+
+
+@dataclass
+class AddFailed:
+    """The engine would not take a request (`refused`: its own mistake, a 400) or failed adding it (500)."""
+
+    request_id: str
+    message: str
+    refused: bool
+    kind: Literal["add_failed"] = "add_failed"
+
+
+@dataclass
+class StepFailed:
+    """A step raised (an engine fault): every request in flight failed with it."""
+
+    message: str
+    kind: Literal["step_failed"] = "step_failed"
+
+
+@dataclass
+class EngineReady:
+    """An engine process loaded its model: what the client's frontend needs of it."""
+
+    num_speculative_tokens: int
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    kind: Literal["ready"] = "ready"
+
+
+@dataclass
+class EngineFailed:
+    """An engine process could not load its model (a bad folder or speculative config)."""
+
+    message: str
+    kind: Literal["failed"] = "failed"
+
+
+Report = Annotated[Union[StepReport, AddFailed, StepFailed, EngineReady, EngineFailed],  # noqa: UP007
+                   Field(discriminator="kind")]
+
+# -inf logprobs (tokens a filter removed) go as JSON's -Infinity, as Python's json module writes them
+_JSON = ConfigDict(ser_json_inf_nan="constants")
+COMMANDS: TypeAdapter[Command] = TypeAdapter(Command, config=_JSON)
+REPORTS: TypeAdapter[Report] = TypeAdapter(Report, config=_JSON)
+
+
+def send(conn, adapter: TypeAdapter, message) -> None:
+    conn.send_bytes(adapter.dump_json(message))
+
+
+def recv(conn, adapter: TypeAdapter):
+    return adapter.validate_json(conn.recv_bytes())

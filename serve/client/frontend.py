@@ -1,5 +1,5 @@
-"""What serving needs of a model besides its weights: the tokenizer, the chat template and the checks a prompt
-must pass. `LLM` is one (with its engine beside); with the engine in its own process (`engine_process`),
+"""What serving needs of a model besides its weights: the tokenizer, the chat template and the checks a request
+must pass (once, here: `engine.checks`). `LLM` is one (with its engine beside); with the engine in its own process (`engine_process`),
 the API process holds a bare `Frontend` and never loads the weights."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.tokenizer import load_tokenizer
+from draftsmith.serve.engine.checks import CheckedRequest, RequestLimits
 from draftsmith.serve.engine.sampling_params import SamplingParams
 
 PromptInput = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": str}
@@ -45,8 +46,13 @@ class Frontend:
         except Exception as exc:  # jinja errors on malformed messages
             raise DraftsmithError(f"chat template failed on messages {messages!r}: {exc}") from None
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.max_model_len, self.vocab_size, self.max_num_seqs)
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> CheckedRequest:
+        """The request, checked once here for whichever engine runs it (`engine.checks`)."""
+        return self.limits.check(prompt_token_ids, params, prompt)
 
     @functools.cached_property
     def max_text_bytes(self) -> int:
@@ -65,24 +71,3 @@ class Frontend:
             if size > self.max_text_bytes:
                 raise DraftsmithError(f"{what} is {size} bytes of text, more than max_model_len {self.max_model_len} "
                                       f"tokens of this tokenizer can hold ({self.max_text_bytes} bytes)")
-
-    def check_samples(self, params: SamplingParams) -> None:
-        check_samples(params, self.max_num_seqs, self.vocab_size)
-
-
-def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    if not prompt_token_ids:
-        raise DraftsmithError("prompt is empty: at least one token is needed")
-    if len(prompt_token_ids) >= max_model_len:
-        raise DraftsmithError(f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_model_len} "
-                              "(prompt plus at least one generated token must fit)")
-    if max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0:
-        raise DraftsmithError(f"prompt token ids must be in [0, {vocab_size})")
-
-
-def check_samples(params: SamplingParams, max_num_seqs: int, vocab_size: int) -> None:
-    if params.n > max_num_seqs:
-        raise DraftsmithError(f"n={params.n} samples run at once, one cache slot each, but max_num_seqs is "
-                              f"{max_num_seqs}")
-    if any(not 0 <= token < vocab_size for token in params.stop_token_ids):
-        raise DraftsmithError(f"stop_token_ids must be in [0, {vocab_size})")

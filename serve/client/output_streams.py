@@ -1,8 +1,8 @@
 """A request's outputs on their way from the engine to the HTTP handler that reads them.
 
-The engine side reports, per step, what each moved request gained (an `OutputDelta`, made by
-`DeltaTracker`); the request's `OutputStream` keeps the deltas its reader has not taken yet, and the reader
-merges them into the request's one cumulative `RequestOutput` (vLLM's shape) when it reads. A request then
+The engine reports, per step, what each moved request gained (an `OutputDelta`); the request's
+`OutputStream` keeps the deltas its reader has not taken yet, and the reader merges them into the request's
+one cumulative `RequestOutput` (vLLM's shape, `OutputBuilder`) when it reads. A request then
 holds its output once plus what is unread, never a copy of its whole output per step.
 
 What is unread is bounded (`max_backlog`, counted in token ids plus logprob entries): a reader that stops
@@ -13,12 +13,11 @@ taking outputs (a client that never reads its stream) has its unread deltas drop
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.engine.request import CompletionOutput, RequestOutput
+from draftsmith.serve.engine.outputs import OutputBuilder, OutputDelta, RequestOutput
 
 DEFAULT_MAX_BACKLOG = 16384  # unread token ids + logprob entries per request (a few MB at most)
 
@@ -29,61 +28,6 @@ class RequestFailed(RuntimeError):
 
 class BacklogFull(DraftsmithError):
     """The reader left more outputs unread than the backlog holds: the request was aborted."""
-
-
-@dataclasses.dataclass
-class SampleDelta:
-    index: int
-    token_ids: list[int]  # new since the last report
-    logprobs: list[dict] | None  # their entries, when the request asked for logprobs
-    text: str | None  # the final text, once the sample finished
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-    @property
-    def size(self) -> int:
-        return len(self.token_ids) + sum(len(entry) for entry in self.logprobs or ())
-
-
-@dataclasses.dataclass
-class OutputDelta:
-    request_id: str
-    finished: bool
-    prompt_logprobs: list | None  # in the request's first report only
-    samples: list[SampleDelta]
-    error: str | None = None
-
-    @property
-    def size(self) -> int:
-        return sum(s.size for s in self.samples) + len(self.prompt_logprobs or ())
-
-
-class DeltaTracker:
-    """Turns the engine's cumulative outputs into what each adds to its request's earlier reports."""
-
-    def __init__(self):
-        self.sent: dict[str, dict[int, int]] = {}  # request id -> sample index -> tokens reported
-
-    def delta(self, output: RequestOutput) -> OutputDelta:
-        first = output.request_id not in self.sent
-        sent = self.sent.setdefault(output.request_id, {})
-        samples = []
-        for c in output.outputs:
-            start = sent.get(c.index, 0)
-            sent[c.index] = len(c.token_ids)
-            done = c.finish_reason is not None
-            samples.append(SampleDelta(c.index, c.token_ids[start:], None if c.logprobs is None else c.logprobs[start:],
-                                       c.text if done else None, c.finish_reason, c.stop_reason))
-        if output.finished:
-            del self.sent[output.request_id]
-        return OutputDelta(output.request_id, output.finished, output.prompt_logprobs if first else None, samples,
-                           output.error)
-
-    def forget(self, request_id: str) -> None:
-        self.sent.pop(request_id, None)
-
-    def clear(self) -> None:
-        self.sent.clear()
 
 
 class OutputStream:
@@ -105,8 +49,7 @@ class OutputStream:
         self._backlog = 0
         self._error: BaseException | None = None
         self.closed = False  # finished, failed or cut off: nothing more is taken in
-        self._output = RequestOutput(request_id, prompt, list(prompt_token_ids),
-                                     [CompletionOutput(i, "", [], None) for i in range(n)], False)
+        self._output = OutputBuilder(request_id, prompt, prompt_token_ids, n)
 
     def push(self, delta: OutputDelta) -> None:
         overflow = False
@@ -152,26 +95,10 @@ class OutputStream:
                 pending, self._pending, self._backlog = self._pending, [], 0
                 error = self._error
             for delta in pending:
-                self._merge(delta)
+                output = self._output.add(delta)
             if pending:
-                yield self._output
-                if self._output.finished:
+                yield output
+                if output.finished:
                     return
             if error is not None:
                 raise error
-
-    def _merge(self, delta: OutputDelta) -> None:
-        """Adds a delta to the cumulative output in place: the reader takes each output before the next."""
-        out = self._output
-        if delta.prompt_logprobs is not None:
-            out.prompt_logprobs = delta.prompt_logprobs
-        for d in delta.samples:
-            sample = out.outputs[d.index]
-            sample.token_ids.extend(d.token_ids)
-            if d.logprobs is not None:
-                sample.logprobs = (sample.logprobs or [])
-                sample.logprobs.extend(d.logprobs)
-            if d.text is not None:
-                sample.text = d.text
-            sample.finish_reason, sample.stop_reason = d.finish_reason, d.stop_reason
-        out.finished = delta.finished

@@ -24,9 +24,10 @@ from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import warm_up as warm_up_linears
 from draftsmith.models.llama import CausalLM
 from draftsmith.models.tokenizer import check_same_vocabulary
-from draftsmith.serve.client.frontend import check_prompt, check_samples
+from draftsmith.serve.engine.checks import CheckedRequest, RequestLimits
 from draftsmith.serve.engine.logprobs import LOGPROBS_MODES, prompt_logprobs
-from draftsmith.serve.engine.request import Request, RequestGroup, RequestOutput, Status
+from draftsmith.serve.engine.outputs import OutputDelta
+from draftsmith.serve.engine.request import Request, RequestGroup, Status
 from draftsmith.serve.engine.row_faults import (
     MAX_CONSECUTIVE_FAULTS,
     EngineFault,
@@ -140,10 +141,13 @@ class LLMEngine(FaultIsolatingSteps):
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None) -> Request | RequestGroup:
-        """Queues a request; with params.n > 1, a group of n samples (ids `{request_id}:{i}`, seeds params.seed
-        + i, as vLLM seeds them) admitted together, whose prompt is prefilled once."""
-        self.check_prompt(prompt_token_ids)
-        self.check_samples(params)
+        """Checks a request (`limits`) and queues it (`add`)."""
+        return self.add(self.limits.check(prompt_token_ids, params, prompt), request_id)
+
+    def add(self, checked: CheckedRequest, request_id: str | None = None) -> Request | RequestGroup:
+        """Queues a checked request; with params.n > 1, a group of n samples (ids `{request_id}:{i}`, seeds
+        params.seed + i, as vLLM seeds them) admitted together, whose prompt is prefilled once."""
+        prompt_token_ids, params, prompt = checked.prompt_token_ids, checked.params, checked.prompt
         if params.stop and self.tokenizer is None:
             raise DraftsmithError("stop strings need a tokenizer, and this engine has none (skip_tokenizer_init)")
         if params.top_k >= self.model.config.vocab_size:  # keeps every token: the filter is off
@@ -158,8 +162,9 @@ class LLMEngine(FaultIsolatingSteps):
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
         seeds = [wrap_int64(seed + i) for i in range(n)]
         generators = try_request_row(params, self.device, seeds)
-        members = [self._new_request(member_id, prompt_token_ids, params, prompt, member_seed, generator)
+        members = [Request.new(member_id, prompt_token_ids, params, prompt, member_seed, generator)
                    for member_id, member_seed, generator in zip(ids, seeds, generators)]
+        self.requests.update((m.request_id, m) for m in members)
         leader = members[0]
         self.waiting.append(leader)  # its followers come in with it (`_admit`)
         if n == 1:
@@ -171,19 +176,9 @@ class LLMEngine(FaultIsolatingSteps):
             member.leader = leader if i else None
         return group
 
-    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     prompt: str | None, seed: int, generator: torch.Generator) -> Request:
-        request = Request(request_id, list(prompt_token_ids), params, generator, prompt=prompt, seed=seed,
-                          logprobs=None if params.logprobs is None else [],
-                          prompt_logprobs=None if params.prompt_logprobs is None else [None])
-        self.requests[request_id] = request
-        return request
-
-    def check_samples(self, params: SamplingParams) -> None:
-        check_samples(params, self.config.max_num_seqs, self.model.config.vocab_size)
-
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        check_prompt(prompt_token_ids, self.config.max_model_len, self.model.config.vocab_size)
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.config.max_model_len, self.model.config.vocab_size, self.config.max_num_seqs)
 
     def abort_request(self, request_id: str) -> None:
         """Aborts a request; the id of a group, or of any of its samples, aborts every sample in it."""
@@ -203,8 +198,8 @@ class LLMEngine(FaultIsolatingSteps):
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
-        """Advances every running request by one forward; returns outputs of requests that moved."""
+    def step(self) -> list[OutputDelta]:
+        """Advances every running request by one forward; returns what each request that moved gained."""
         self._admit()
         moved: list[Request] = []
         # in slot order: rows holding consecutive slots read the KV cache as one slice; out of order, every
@@ -225,7 +220,7 @@ class LLMEngine(FaultIsolatingSteps):
         outputs = {}  # one per request or group, however many of its samples moved
         for request in moved:
             if request.output_id not in outputs:
-                outputs[request.output_id] = request.to_output()
+                outputs[request.output_id] = request.report()
         broken = self.faults.engine_broken
         if broken is not None:
             self.faults.consecutive.clear()  # the engine's owner decides; the count starts again after

@@ -1,4 +1,4 @@
-"""One request's state inside the engine, and the outputs handed back to callers (vLLM's shapes)."""
+"""One request's state inside the engine, and what it reports of itself each step (`outputs`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.serve.engine.outputs import OutputDelta, RequestHeader, SampleDelta
 from draftsmith.serve.engine.sampling_params import SamplingParams
 
 
@@ -14,30 +15,6 @@ class Status(enum.Enum):
     WAITING = "waiting"  # queued, no cache slot yet
     RUNNING = "running"  # owns a slot; prefilling while num_computed < len(prompt)
     FINISHED = "finished"
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort", "error"
-    stop_reason: int | str | None = None
-    # per token: {token id: Logprob}, the token first (SamplingParams.logprobs set), else None
-    logprobs: list[dict] | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    # per prompt token: None for the first, then {token id: Logprob} (SamplingParams.prompt_logprobs set)
-    prompt_logprobs: list[dict | None] | None = None
-    # why the engine failed this request alone (finish reason "error"), naming the step phase; None otherwise
-    error: str | None = None
 
 
 @dataclass
@@ -64,6 +41,16 @@ class Request:
     leader: Request | None = None
     followers: list[Request] = field(default_factory=list)  # the siblings sharing this one's prefill
     error: str | None = None  # set with finish reason "error": what failed for this request (`row_faults`)
+    num_reported: int = 0  # output tokens already reported (`report`)
+    reported: bool = False  # its first report went out
+
+    @classmethod
+    def new(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
+            seed: int, generator: torch.Generator) -> Request:
+        """A waiting request, with empty logprob lists where its params ask for logprobs."""
+        return cls(request_id, list(prompt_token_ids), params, generator, prompt=prompt, seed=seed,
+                   logprobs=None if params.logprobs is None else [],
+                   prompt_logprobs=None if params.prompt_logprobs is None else [None])
 
     @property
     def prompt_len(self) -> int:
@@ -93,33 +80,45 @@ class Request:
         """The id its outputs go out under: the group's for one of n samples."""
         return self.group.request_id if self.group is not None else self.request_id
 
-    def completion(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(self.output_token_ids), self.finish_reason,
-                                self.stop_reason, None if self.logprobs is None else list(self.logprobs))
+    def sample_delta(self) -> SampleDelta:
+        """What this sample gained since its last report (and counts it reported)."""
+        start, self.num_reported = self.num_reported, len(self.output_token_ids)
+        done = self.finish_reason is not None
+        return SampleDelta(self.index, self.output_token_ids[start:],
+                           None if self.logprobs is None else self.logprobs[start:], self.text if done else None,
+                           self.finish_reason, self.stop_reason)
 
-    def to_output(self) -> RequestOutput:
+    def header(self, num_samples: int) -> RequestHeader:
+        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        return RequestHeader(self.prompt, self.prompt_token_ids, num_samples, prompt_logprobs)
+
+    def report(self) -> OutputDelta:
+        """What the request (its group's samples, for one of n) gained since its last report."""
         if self.group is not None:
-            return self.group.to_output()
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [self.completion()],
-                             self.status is Status.FINISHED,
-                             None if self.prompt_logprobs is None else list(self.prompt_logprobs), self.error)
+            return self.group.report()
+        header = None if self.reported else self.header(1)
+        self.reported = True
+        return OutputDelta(self.request_id, self.status is Status.FINISHED, [self.sample_delta()], header,
+                           self.error)
 
 
 @dataclass
 class RequestGroup:
-    """The n samples of one request (SamplingParams.n > 1): one request each, prefilled once. Its output holds
-    every sample so far, by index (vLLM's cumulative output), and is finished when all are."""
+    """The n samples of one request (SamplingParams.n > 1): one request each, prefilled once. It reports for
+    all of them, by index, and is finished when all are."""
 
     request_id: str
     members: list[Request]
+    reported: bool = False  # its first report went out
 
     @property
     def finished(self) -> bool:
         return all(m.status is Status.FINISHED for m in self.members)
 
-    def to_output(self) -> RequestOutput:
+    def report(self) -> OutputDelta:
+        """What the group's samples gained since its last report (every sample, moved or not)."""
         first = self.members[0]
-        return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids,
-                             [m.completion() for m in self.members], self.finished,
-                             None if first.prompt_logprobs is None else list(first.prompt_logprobs),
-                             next((m.error for m in self.members if m.error is not None), None))
+        header = None if self.reported else first.header(len(self.members))
+        self.reported = True
+        return OutputDelta(self.request_id, self.finished, [m.sample_delta() for m in self.members], header,
+                           next((m.error for m in self.members if m.error is not None), None))

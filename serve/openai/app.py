@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from draftsmith import __version__
-from draftsmith.serve.client.async_engine import AsyncEngine
+from draftsmith.serve.client.engine_client import EngineClient
 from draftsmith.serve.openai.chat import chat_router
 from draftsmith.serve.openai.completions import completions_router
 from draftsmith.serve.openai.http_errors import APIError, error_handlers, error_status
@@ -36,7 +36,7 @@ from draftsmith.serve.openai.tokenization import tokenize_router
 __all__ = ["APIError", "ServerOptions", "ServerState", "build_app", "error_status"]
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, options: ServerOptions | None = None,
+def build_app(engine: EngineClient, served_model_name: str, options: ServerOptions | None = None,
               metrics: ServerMetrics | None = None) -> FastAPI:
     """The server's app over `engine`, which starts with the app and stops after it, serving it as
     `served_model_name`; `app.state` holds the engine, the options and `begin_shutdown` (`cli`)."""

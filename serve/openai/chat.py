@@ -9,12 +9,12 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from draftsmith.serve.client.async_engine import RequestOutputs
+from draftsmith.serve.client.engine_client import RequestOutputs
 from draftsmith.serve.engine.detokenizer import token_bytes
 from draftsmith.serve.engine.sampling_params import SamplingParams
 from draftsmith.serve.openai.http_errors import GENERATION_RESPONSES
 from draftsmith.serve.openai.outputs import collect, record_finished, token_text
-from draftsmith.serve.openai.prompts import check_model, off_loop, render_chat, submit
+from draftsmith.serve.openai.prompts import check_model, check_prompts, off_loop, render_chat, submit
 from draftsmith.serve.openai.protocol import (
     ChatCompletionRequest,
     chat_body,
@@ -36,7 +36,8 @@ def chat_router(state: ServerState) -> APIRouter:
         start = time.perf_counter()
         check_model(state, body.model)
         prompt, ids = await off_loop(render_chat, state.frontend, body.messages, param="messages")
-        params, outputs = submit(state, ids, body, prompt)
+        [request] = check_prompts(state, body, [(prompt, ids)])
+        params, outputs = request.params, submit(state, request)
         rid = new_id("chatcmpl")
         if body.stream:
             return _streamed(state, body, rid, len(ids), params, outputs, start)

@@ -20,8 +20,8 @@ import uvicorn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve.apps.llm import LLM, engine_kwargs
-from draftsmith.serve.client.async_engine import AsyncEngine
 from draftsmith.serve.client.engine_process import start_engine_process
+from draftsmith.serve.client.thread_engine import ThreadEngine
 from draftsmith.serve.openai.app import ServerOptions, build_app
 from draftsmith.serve.openai.metrics import ServerMetrics
 
@@ -33,7 +33,7 @@ def build_server_app(llm: LLM, served_model_name: str, options: ServerOptions | 
     options = dataclasses.replace(options or ServerOptions(), **overrides)
     spec = llm.engine.spec_config
     metrics = ServerMetrics(served_model_name, spec.num_speculative_tokens if spec else 0)
-    engine = AsyncEngine(llm, options.max_queue, metrics.observe_engine, options.max_stream_backlog)
+    engine = ThreadEngine(llm, options.max_queue, metrics.observe, options.max_stream_backlog)
     return build_app(engine, served_model_name, options, metrics)
 
 

@@ -14,13 +14,13 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.serve.client.async_engine import RequestOutputs
-from draftsmith.serve.engine.request import CompletionOutput, RequestOutput
+from draftsmith.serve.client.engine_client import RequestOutputs
+from draftsmith.serve.engine.checks import CheckedRequest
+from draftsmith.serve.engine.outputs import CompletionOutput, RequestOutput
 from draftsmith.serve.engine.sampling_params import SamplingParams
 from draftsmith.serve.openai.http_errors import GENERATION_RESPONSES, APIError
 from draftsmith.serve.openai.outputs import collect, record_finished, token_text
-from draftsmith.serve.openai.prompts import check_model, encode_prompts, off_loop, submit
+from draftsmith.serve.openai.prompts import check_model, check_prompts, encode_prompts, off_loop, submit
 from draftsmith.serve.openai.protocol import (
     CompletionRequest,
     completion_body,
@@ -46,8 +46,7 @@ def completions_router(state: ServerState) -> APIRouter:
         start = time.perf_counter()
         check_model(state, body.model)
         encoded = await off_loop(encode_prompts, state.frontend, body.prompts())
-        _check_prompts(state, encoded)
-        submitted = _submit_all(state, body, encoded)
+        submitted = _submit_all(state, check_prompts(state, body, encoded))
         rid = new_id("cmpl")
         if body.stream:  # one prompt (the body's validation)
             return _streamed(state, body, rid, encoded[0], submitted[0], start)
@@ -56,22 +55,12 @@ def completions_router(state: ServerState) -> APIRouter:
     return router
 
 
-def _check_prompts(state: ServerState, encoded: list[Encoded]) -> None:
-    """Refuses the request (400) if any of its prompts cannot run, naming which one of a list."""
-    for index, (_, ids) in enumerate(encoded):
-        try:
-            state.frontend.check_prompt(ids)
-        except DraftsmithError as exc:
-            where = f"prompt {index}: " if len(encoded) > 1 else ""
-            raise APIError(400, where + str(exc), "prompt") from None
-
-
-def _submit_all(state: ServerState, body: CompletionRequest, encoded: list[Encoded]) -> list[Submitted]:
+def _submit_all(state: ServerState, checked: list[CheckedRequest]) -> list[Submitted]:
     """Queues every prompt, or none: when the queue fills up part way, the prompts already queued are aborted."""
     submitted = []
     try:
-        for prompt, ids in encoded:
-            submitted.append(submit(state, ids, body, prompt))
+        for request in checked:
+            submitted.append((request.params, submit(state, request)))
     except APIError:
         for _, outputs in submitted:
             outputs.abort()

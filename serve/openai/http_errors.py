@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftsmith.errors import DraftsmithError, format_validation_error
-from draftsmith.serve.client.async_engine import RequestRejected
+from draftsmith.serve.client.engine_client import RequestRejected
 from draftsmith.serve.client.output_streams import BacklogFull
 from draftsmith.serve.openai.protocol import ErrorResponse, error_body
 from draftsmith.serve.openai.state import ServerState

@@ -66,10 +66,6 @@ class ServerMetrics:
             self.spec_per_pos.labels(model_name, str(position))
         self._last: dict = {}
 
-    def observe_engine(self, engine) -> None:
-        """Called on the engine thread after each step."""
-        self.observe(len(engine.running), len(engine.waiting), engine.get_metrics())
-
     def observe(self, running: int, waiting: int, now: dict) -> None:
         """The engine's request counts and cumulative `get_metrics()`, however they arrive (a thread's engine,
         or an engine process's reports)."""

@@ -10,9 +10,9 @@ import time
 from fastapi import Request
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.client.async_engine import RequestOutputs
+from draftsmith.serve.client.engine_client import RequestOutputs
 from draftsmith.serve.client.frontend import Frontend
-from draftsmith.serve.engine.request import RequestOutput
+from draftsmith.serve.engine.outputs import RequestOutput
 from draftsmith.serve.openai.http_errors import APIError, error_status
 from draftsmith.serve.openai.state import ServerState
 

@@ -1,5 +1,6 @@
 """From a request body to a request on the engine: the model name checked, prompts tokenized and chat messages
-rendered off the event loop, and the token ids submitted with the body's `SamplingParams`.
+rendered off the event loop, each prompt checked with the body's `SamplingParams` (once, here), and
+submitted.
 
 Text is measured before it is tokenized (`Frontend.check_text`), so that no prompt too long for the context
 costs a tokenizer run; tokenizing and chat templates run on worker threads, off the event loop that streams
@@ -13,9 +14,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.client.async_engine import QueueFullError, RequestOutputs
+from draftsmith.serve.client.engine_client import QueueFullError, RequestOutputs
 from draftsmith.serve.client.frontend import Frontend
-from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.engine.checks import CheckedRequest, PromptRefused
 from draftsmith.serve.openai.http_errors import APIError
 from draftsmith.serve.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from draftsmith.serve.openai.state import ServerState
@@ -55,14 +56,29 @@ def render_chat(frontend: Frontend, messages: list[ChatMessage]) -> tuple[str, l
     return prompt, frontend.tokenizer(prompt, add_special_tokens=False).input_ids  # the template wrote them
 
 
-def submit(state: ServerState, ids: list[int], body: CompletionRequest | ChatCompletionRequest,
-           prompt: str | None) -> tuple[SamplingParams, RequestOutputs]:
-    """Queues `ids` with the body's sampling parameters: a full queue is a 503, a request the engine refuses
-    a 400."""
+def check_prompts(state: ServerState, body: CompletionRequest | ChatCompletionRequest,
+                  encoded: list[tuple[str | None, list[int]]]) -> list[CheckedRequest]:
+    """Each prompt with the body's sampling parameters, checked once, here (`engine.checks`): a 400 naming
+    the prompt (which one, of a list) or the parameter that cannot run."""
     try:
         params = body.sampling_params(default_max_tokens=state.max_model_len)
-        return params, state.engine.submit(ids, params, prompt)
+    except DraftsmithError as exc:
+        raise APIError(400, str(exc)) from None
+    checked = []
+    for index, (prompt, ids) in enumerate(encoded):
+        try:
+            checked.append(state.frontend.check(ids, params, prompt))
+        except PromptRefused as exc:
+            where = f"prompt {index}: " if len(encoded) > 1 else ""
+            raise APIError(400, where + str(exc), "prompt") from None
+        except DraftsmithError as exc:
+            raise APIError(400, str(exc)) from None
+    return checked
+
+
+def submit(state: ServerState, request: CheckedRequest) -> RequestOutputs:
+    """Queues a checked request: a full queue is a 503."""
+    try:
+        return state.engine.submit(request)
     except QueueFullError as exc:
         raise APIError(503, str(exc)) from None
-    except DraftsmithError as exc:
-        raise APIError(400, str(exc), "prompt" if "prompt" in str(exc) else None) from None

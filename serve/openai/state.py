@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from draftsmith.serve.client.async_engine import AsyncEngine
+from draftsmith.serve.client.engine_client import EngineClient
 from draftsmith.serve.client.frontend import Frontend
 from draftsmith.serve.client.output_streams import DEFAULT_MAX_BACKLOG
 from draftsmith.serve.openai.http_limits import DEFAULT_MAX_BODY_BYTES
@@ -37,7 +37,7 @@ class ServerState:
         model_name: the one model name the server answers to (`--served-model-name`).
     """
 
-    engine: AsyncEngine
+    engine: EngineClient
     frontend: Frontend
     metrics: ServerMetrics
     options: ServerOptions

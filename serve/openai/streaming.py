@@ -13,9 +13,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.client.async_engine import RequestOutputs
+from draftsmith.serve.client.engine_client import RequestOutputs
 from draftsmith.serve.engine.detokenizer import IncrementalText
-from draftsmith.serve.engine.request import RequestOutput
+from draftsmith.serve.engine.outputs import RequestOutput
 from draftsmith.serve.engine.sampling_params import SamplingParams
 from draftsmith.serve.openai.http_errors import error_status
 from draftsmith.serve.openai.outputs import record_finished

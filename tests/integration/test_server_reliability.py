@@ -21,8 +21,9 @@ import pytest
 
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.apps.demo import wait_healthy
-from draftsmith.serve.client.async_engine import AsyncEngine, QueueFullError
+from draftsmith.serve.client.engine_client import QueueFullError
 from draftsmith.serve.client.output_streams import BacklogFull
+from draftsmith.serve.client.thread_engine import ThreadEngine
 from draftsmith.serve.openai.cli import (
     build_process_server_app,
     build_server_app,
@@ -183,28 +184,32 @@ def test_public_metrics_leaves_only_metrics_and_health_open():
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)  # none finishes during the burst
 
 
+def _submit(engine, params: SamplingParams):
+    """Submits the prompt [1, 2, 3], checked as the server's edge checks it."""
+    return engine.submit(engine.frontend.check([1, 2, 3], params))
+
+
 @pytest.mark.parametrize("kind", ["thread", "process"])
 def test_max_queue_counts_requests_that_wait_not_those_that_run(kind):
     """max_num_seqs 4, max_queue 8: a burst of 12 on an idle server all queue (4 run, 8 wait); a 13th is
     refused; requests of n samples wait until n slots are free, first come first served."""
     kwargs = {**KWARGS, "speculative_config": None}
     if kind == "thread":
-        engine = AsyncEngine(LLM(**kwargs), max_queue=8)
+        engine = ThreadEngine(LLM(**kwargs), max_queue=8)
     else:
         from draftsmith.serve.client.engine_process import start_engine_process
         engine = start_engine_process(kwargs, max_queue=8)
     engine.start()
 
     async def burst():
-        for _ in range(12):
-            engine.submit([1, 2, 3], LONG)
+        held = [_submit(engine, LONG) for _ in range(12)]  # held: outputs dropped unread abort their request
         with pytest.raises(QueueFullError, match="8 waiting"):
-            engine.submit([1, 2, 3], LONG)
+            _submit(engine, LONG)
         engine.cancel_all(QueueFullError("the test is over"))
         for n in [1, 1, 1] + [2] * 8:  # three run; the first pair does not fit the free slot, so all pairs wait
-            engine.submit([1, 2, 3], dataclasses.replace(LONG, n=n))
+            held.append(_submit(engine, dataclasses.replace(LONG, n=n)))
         with pytest.raises(QueueFullError):  # it would fit the free slot, but the engine admits in order
-            engine.submit([1, 2, 3], LONG)
+            _submit(engine, LONG)
         engine.cancel_all(QueueFullError("the test is over"))
 
     try:
@@ -216,11 +221,11 @@ def test_max_queue_counts_requests_that_wait_not_those_that_run(kind):
 
 def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed():
     llm = LLM(**{**KWARGS, "speculative_config": None})
-    engine = AsyncEngine(llm, max_backlog=40)
+    engine = ThreadEngine(llm, max_backlog=40)
     engine.start()
 
     async def unread():
-        outputs = engine.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        outputs = _submit(engine, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         deadline = time.monotonic() + 60
         while engine.num_unfinished() and time.monotonic() < deadline:  # nobody reads
             await asyncio.sleep(0.05)
@@ -232,7 +237,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed():
         assert not llm.engine.has_unfinished_requests() and sorted(llm.engine.free_slots) == [0, 1, 2, 3]
         with pytest.raises(BacklogFull, match="more than 40"):
             await outputs.__anext__()
-        reader = engine.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        reader = _submit(engine, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
         last = None
         async for last in reader:  # noqa: B007  a reader that reads is never cut off
             pass
@@ -247,11 +252,11 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed():
 def test_outputs_dropped_unread_abort_their_request():
     """A handler cancelled before it read anything (its outputs never iterated) still frees the slot."""
     llm = LLM(**{**KWARGS, "speculative_config": None})
-    engine = AsyncEngine(llm)
+    engine = ThreadEngine(llm)
     engine.start()
 
     async def drop():
-        engine.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))  # dropped at once
+        _submit(engine, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))  # dropped at once
         for _ in range(200):
             if engine.num_unfinished() == 0 and not llm.engine.has_unfinished_requests():
                 return True

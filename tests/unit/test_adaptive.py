@@ -11,6 +11,7 @@ from draftsmith.methods import method_names, resolve_method, servable
 from draftsmith.models import load_target
 from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.engine.outputs import OutputCollector
 from draftsmith.serve.speculation.adaptive import (
     CLOSE_HOLD,
     HOLD_SHRINK,
@@ -575,12 +576,12 @@ def test_eagle_rows_resume_drafting_after_held_steps(reference_ids):
     held, is_held = [], engine.planner.held
     engine.planner.held = lambda slots: held.append(is_held(slots)) or held[-1]
     order = {engine.add_request(llm.encode(p)[1], GREEDY).request_id: i for i, p in enumerate(PROMPTS)}
-    outputs, step, phases = [None] * len(PROMPTS), 0, []
+    outputs, step, phases, collector = [None] * len(PROMPTS), 0, [], OutputCollector()
     while engine.has_unfinished_requests():
         if step % 12 == 0:  # alternate: plain (held) stretches, then speculation over the same requests
             engine.planner.cost.table = EXPENSIVE if step % 24 == 0 else CHEAP
             phases.append(dict(engine.spec_metrics.as_dict()))
-        for out in engine.step():
+        for out in collector.add_all(engine.step()):
             if out.finished:
                 outputs[order[out.request_id]] = out.outputs[0].token_ids
         step += 1

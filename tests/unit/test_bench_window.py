@@ -2,21 +2,15 @@
 once the queue is empty, is timed apart (it runs below c, and its length depends on how unevenly requests
 finish)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from draftsmith.serve.bench import matrix as bench
+from draftsmith.serve.engine.outputs import OutputDelta, RequestHeader, SampleDelta
 
 
 @dataclass
-class _Completion:
-    token_ids: list[int]
-
-
-@dataclass
-class _Output:
+class _Request:
     request_id: str
-    finished: bool
-    outputs: list[_Completion] = field(default_factory=list)
 
 
 class _Clock:
@@ -36,7 +30,7 @@ class _FakeEngine:
     def add_request(self, ids, params):
         request_id, self.added = str(self.added), self.added + 1
         self.live[request_id] = [ids[0], []]
-        return _Output(request_id, False)
+        return _Request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.live)
@@ -49,7 +43,8 @@ class _FakeEngine:
             self.stats["num_generated_tokens"] += 1
             if len(tokens) == wanted:
                 del self.live[request_id]
-                outputs.append(_Output(request_id, True, [_Completion(tokens)]))
+                header = RequestHeader(None, [wanted], 1, None)  # its one report: the first and the last
+                outputs.append(OutputDelta(request_id, True, [SampleDelta(0, tokens, None, "", "length", None)], header))
         return outputs
 
 

@@ -4,6 +4,7 @@ import pytest
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.engine.outputs import OutputCollector
 from helpers import DEMO_MODEL
 
 PROMPTS = [
@@ -35,9 +36,9 @@ def test_requests_join_as_others_finish():
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     for prompt, p in zip(PROMPTS, params):
         llm.engine.add_request(llm.encode(prompt)[1], p)
-    finished_order, running_sets = [], []
+    finished_order, running_sets, collector = [], [], OutputCollector()
     while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():
+        for out in collector.add_all(llm.engine.step()):
             if out.finished:
                 finished_order.append(int(out.request_id))
                 assert len(out.outputs[0].token_ids) == lengths[int(out.request_id)]

@@ -5,6 +5,7 @@ import pytest
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.engine.outputs import OutputCollector
 from helpers import DEMO_MODEL, REPO
 
 LONG_PROMPT = ("import numpy as np\n\n\ndef normalize(x):\n    mean = x.mean(axis=0)\n    std = x.std(axis=0)\n"
@@ -67,17 +68,17 @@ def test_samples_are_admitted_and_aborted_together():
     ids = llm.encode(LONG_PROMPT)[1]
     first = engine.add_request(ids, SamplingParams(n=3, max_tokens=50, ignore_eos=True))
     second = engine.add_request(ids, SamplingParams(n=2, max_tokens=5, ignore_eos=True))
-    engine.step()
+    collector = OutputCollector()
+    outputs = collector.add_all(engine.step())
     assert len(engine.running) == 3 and len(engine.free_slots) == 1  # the pair waits for two slots
     assert [r.index for r in engine.running] == [0, 1, 2]
     engine.abort_request(f"{first.request_id}:1")  # one sample's id aborts its whole group
     assert all(m.finish_reason == "abort" for m in first.members)
-    outputs = []
     while engine.has_unfinished_requests():
-        outputs += engine.step()
-    final = [o for o in outputs if o.finished]
-    assert [o.request_id for o in final] == [second.request_id]
-    assert [len(c.token_ids) for c in final[0].outputs] == [5, 5]
+        outputs += collector.add_all(engine.step())
+    final = {o.request_id: o for o in outputs if o.finished}  # a request's output is one object, updated
+    assert list(final) == [second.request_id]
+    assert [len(c.token_ids) for c in final[second.request_id].outputs] == [5, 5]
     assert engine.free_slots == [0, 1, 2, 3] and not engine.groups
 
 

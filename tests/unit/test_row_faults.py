@@ -9,6 +9,7 @@ import pytest
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.engine import row_faults
+from draftsmith.serve.engine.outputs import OutputCollector
 from draftsmith.serve.engine.row_faults import MAX_CONSECUTIVE_FAULTS, EngineFault
 from draftsmith.serve.engine.sampling_params import INT64_MAX, INT64_MIN
 from helpers import CODE_PROMPTS, DEMO_MODEL, REPO
@@ -27,9 +28,9 @@ def eagle3_llm():
 def _run(llm, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
     for request_id, (prompt, params) in requests.items():
         llm.engine.add_request(llm.encode(prompt)[1], params, request_id=request_id)
-    outputs = {}
+    outputs, collector = {}, OutputCollector()
     while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():
+        for out in collector.add_all(llm.engine.step()):
             if out.finished:
                 outputs[out.request_id] = out
     return outputs
@@ -80,9 +81,9 @@ def test_one_failing_sample_fails_its_whole_request(eagle3_llm, monkeypatch):
     _inject(eagle3_llm, "stop handling", monkeypatch)
     eagle3_llm.engine.add_request(eagle3_llm.encode(CODE_PROMPTS[0])[1], SamplingParams(temperature=0, max_tokens=16, n=2),
                                   request_id=BAD)
-    outputs = []
+    outputs, collector = [], OutputCollector()
     while eagle3_llm.engine.has_unfinished_requests():
-        outputs += eagle3_llm.engine.step()
+        outputs += collector.add_all(eagle3_llm.engine.step())
     last = outputs[-1]
     assert last.finished and last.error is not None
     assert [c.finish_reason for c in last.outputs] == ["error", "error"]
@@ -179,9 +180,9 @@ def test_a_sample_whose_text_fails_fails_its_request_whole_and_aborts_survive_a_
     monkeypatch.setattr(eagle3_llm.engine.stop_checker, "finalize_text", failing_for_bad)
     params = SamplingParams(temperature=0, max_tokens=8, n=2)
     eagle3_llm.engine.add_request(eagle3_llm.encode(CODE_PROMPTS[0])[1], params, request_id=BAD)
-    outputs = []
+    outputs, collector = [], OutputCollector()
     while eagle3_llm.engine.has_unfinished_requests():
-        outputs += eagle3_llm.engine.step()
+        outputs += collector.add_all(eagle3_llm.engine.step())
     assert outputs[-1].finished and "detokenizing failed" in outputs[-1].error
     assert not eagle3_llm.engine.running and not eagle3_llm.engine.groups and not eagle3_llm.engine.requests
 

@@ -206,17 +206,14 @@ def test_the_global_tree_stays_under_its_memory_bound():
 
 def test_the_server_exports_the_trees_memory():
     """`draftsmith serve` mirrors what the proposer reports of its caches as Prometheus gauges."""
-    from types import SimpleNamespace
-
     from draftsmith.serve.openai.metrics import ServerMetrics
 
     proposer = config_proposer(parse_speculative_config({"method": "suffix", "num_speculative_tokens": 4}))
     row = Row("a", 0, [1, 2], [3, 4, 5, 6])
     proposer.propose([row], [2])
     proposer.release(row)
-    engine = SimpleNamespace(running=[], waiting=[], get_metrics=proposer.metrics)
     metrics = ServerMetrics("demo")
-    metrics.observe_engine(engine)
+    metrics.observe(0, 0, proposer.metrics())
     text = metrics.render().decode()
     assert f'draftsmith:suffix_cache_bytes{{model_name="demo"}} {float(proposer.metrics()["suffix_cache_bytes"])}' in text
     assert 'draftsmith:suffix_cached_requests{model_name="demo"} 1.0' in text

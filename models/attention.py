@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 GROUPED_UP_TO = 16  # queries per row: longer rows (prompt chunks) use SDPA's flash kernel
-# queries in the batch: below this SDPA is faster still (one row, one query: 17 us against 48 in fp32; one row
-# of 6 bf16 draft queries: 36 against 107), above it the grouped form (8 rows of one bf16 query: 318 against
-# SDPA's 1340)
+# queries in the batch from which the grouped form beats SDPA; below, SDPA is faster (measurements:
+# docs/decisions/cpu-kernels.md)
 GROUPED_FROM = 8
 
 
@@ -43,9 +42,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     dtype = v.dtype
     if dtype == torch.float32 and q.dtype == k.dtype == dtype:
         # The mask as an additive bias, expanded to the score matrices' layout once per forward (`memo`) and
-        # added by the first matmul itself (baddbmm, with the scale): masking and scaling had been two more
-        # passes over the scores in every layer. House model, 8 rows over 300-1000 cached tokens: a verify
-        # forward's attention (5 tokens a row, 8 layers) 10.2 -> 9.4 ms, a decode's 4.9 -> 4.8.
+        # added by the first matmul itself (baddbmm, with the scale): one pass over the scores, not three.
         key = ("bias", rows, kv_heads, group, queries, keys)
         bias = memo.get(key) if memo is not None else None
         if bias is None:
@@ -61,8 +58,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         return torch.bmm(weights, v.reshape(rows * kv_heads, keys, dim)).view(rows, heads, queries, dim)
     if q.device.type == "cpu" and dtype != torch.float32:
         # CPU bf16 matmuls go to oneDNN, which compiles a kernel for each new shape, and the key count moves
-        # every step: a bf16 draft head's attention page-faulted on fresh kernel code at almost every call
-        # (0.5-1 ms a draft step at 8 rows). In fp32 the same small products run on MKL, compiled once.
+        # every step; in fp32 the same small products run on MKL, compiled once.
         q, k, v = q.float(), k.float(), v.float()
     # rounded to the inputs' dtype where a matmul in it would round: the same drafts as in that dtype
     scores = torch.matmul(q.reshape(rows, kv_heads, group * queries, dim), k.transpose(-1, -2)).to(dtype) * dim**-0.5

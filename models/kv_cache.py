@@ -21,13 +21,11 @@ from draftsmith.models.kernel_backend import slot_kernel_wanted
 # padding is a fifth of the batch (prompts of unequal length, rows verifying unequal numbers of drafts).
 PACK_BELOW = 0.8
 # Prompts of unequal length padded to the longest make attention, quadratic in length, pay for the padding
-# squared: one house-model layer attended 6 prompts padded to 382 tokens in 14 ms, one 212-token prompt
-# alone in 0.8. Rows this long (prefill chunks) attend one by one in a packed forward.
+# squared: rows this long (prefill chunks) attend one by one in a packed forward.
 ROW_ATTENTION_FROM = 16
 # A draft head reads only its rows' own context windows (`key_starts`), gathered per row, once the keys
-# between the batch's first context start and last position are this many times the widest window: rows
-# hundreds of positions apart had made the demo EAGLE-3 head's step at 8 rows 0.92 ms instead of 0.63, most
-# of it copying and masking keys that no query of theirs sees.
+# between the batch's first context start and last position are this many times the widest window, rather
+# than copying and masking keys that no query of theirs sees.
 GATHER_KEYS_FROM = 1.5
 # Queries per row up to which the Triton slot attention kernel runs (decode, verify, draft steps): its tile
 # stacks a KV group's query heads times the row's queries

@@ -34,11 +34,10 @@ from torch import nn
 
 logger = logging.getLogger("draftsmith")
 
-REORDER_ROWS = 16  # the row count oneDNN lays the weight out for: 8-64 ran alike for 1-128 rows, 1 was slower
+REORDER_ROWS = 16  # the row count oneDNN lays the weight out for (any of 8-64 serves 1-128 rows alike)
 # Row counts up to this run as they are (decode, a few drafts, a verify of up to 15 drafts, a DFlash block: the
 # common shapes, compiled once each); above, they are padded up to a multiple of max(MIN_STEP, an eighth of
-# the next power of two). Past 8 rows a GEMM costs in proportion to its rows on the dev VM: padding 9 rows
-# (a k=8 verify) to 16 had doubled the demo LM head's time, 0.35 -> 0.70 ms.
+# the next power of two). Past 8 rows a GEMM costs in proportion to its rows, so padding must add few.
 EXACT_ROWS = 16
 MIN_STEP = 8
 _usable: dict[torch.dtype, bool] = {}  # dtype -> whether the oneDNN path works in this torch build

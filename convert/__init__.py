@@ -1,1 +1,2 @@
-"""Checkpoint conversion: public draft formats <-> draftsmith's native heads (`draftsmith convert`)."""
+"""`draftsmith convert`: public draft formats <-> draftsmith's native heads. The formats themselves come
+from the methods (each method's `convert.py`, registered with `draftsmith.methods.formats`)."""

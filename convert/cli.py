@@ -6,9 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
-from draftsmith.convert import native as native_format
-from draftsmith.convert.checkpoint import SourceCheckpoint, local_directory
-from draftsmith.convert.registry import (
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods import head_method, read_head_config, servable
+from draftsmith.methods.formats import native as native_format
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint, local_directory
+from draftsmith.methods.formats.registry import (
     Exported,
     NormalizedHead,
     ReadContext,
@@ -16,8 +18,6 @@ from draftsmith.convert.registry import (
     exporter,
     load_formats,
 )
-from draftsmith.errors import DraftsmithError
-from draftsmith.methods import head_method, read_head_config, servable
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.dtypes import DTYPES
 

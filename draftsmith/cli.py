@@ -196,7 +196,7 @@ def _add_datagen(commands: argparse._SubParsersAction) -> None:
 
 def _add_convert(commands: argparse._SubParsersAction) -> None:
     """`draftsmith convert`: draft checkpoints between formats."""
-    from draftsmith.convert.registry import OUTPUTS, load_formats
+    from draftsmith.methods.formats.registry import OUTPUTS, load_formats
 
     conv = commands.add_parser(
         "convert", help="convert draft checkpoints between public formats and draftsmith's",

@@ -221,8 +221,8 @@ def assert_samples_as_plain(target, llm) -> None:
 def random_mlp_speculator(directory: Path) -> str:
     """A random 4-stage MLP speculator for the demo target saved in `directory` (none ships: a trained one
     accepts too little on a 7M target to earn its place in the tree)."""
+    from draftsmith.methods.mlp_speculator.head import MLPSpeculatorHead
     from draftsmith.models.head_configs import MLPSpeculatorConfig
-    from draftsmith.models.mlp_speculator import MLPSpeculatorHead
 
     torch.manual_seed(2)
     config = MLPSpeculatorConfig(emb_dim=256, inner_dim=128, vocab_size=8192, n_predict=4, target_model="demo")

@@ -35,7 +35,7 @@ def read_native(out: Path):
 
 
 def source_tensors(directory: Path) -> dict:
-    from draftsmith.convert.checkpoint import SourceCheckpoint
+    from draftsmith.methods.formats.checkpoint import SourceCheckpoint
 
     checkpoint = SourceCheckpoint(directory)
     return checkpoint.read(checkpoint.names)

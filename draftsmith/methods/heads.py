@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods.base import TreeSpeculativeConfig
 from draftsmith.methods.registry import head_method, method_names
+from draftsmith.methods.speculative_config import TreeSpeculativeConfig
 from draftsmith.models.head_configs import HEAD_TYPE_KEY, HeadConfig
 from draftsmith.models.heads import load_head_weights
 

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose
 from draftsmith.methods.heads import load_attached_head
+from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer, RowState
 
 
 class LastHiddenProposer(Proposer):

@@ -19,12 +19,15 @@ from importlib.metadata import entry_points
 from draftsmith.errors import DraftsmithError
 
 ENTRY_POINT_GROUP = "draftsmith.methods"
+# subpackages of draftsmith.methods that every method shares rather than one method each
+SHARED_SUBPACKAGES = frozenset({"formats"})
 
 
 def register_builtin_methods(package: str, path: list[str]) -> list[str]:
-    """Imports every subpackage of `package` (draftsmith.methods, whose folders are `path`), each a method ->
-    their names."""
-    names = sorted(info.name for info in pkgutil.iter_modules(path) if info.ispkg)
+    """Imports every subpackage of `package` (draftsmith.methods, whose folders are `path`) but the shared
+    ones, each a method -> their names."""
+    names = sorted(info.name for info in pkgutil.iter_modules(path)
+                   if info.ispkg and info.name not in SHARED_SUBPACKAGES)
     for name in names:
         importlib.import_module(f"{package}.{name}")
     return names

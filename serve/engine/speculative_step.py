@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.methods.base import DraftBatch
+from draftsmith.methods.proposer_base import DraftBatch
 from draftsmith.serve.engine.request import Request
 from draftsmith.serve.engine.sampling import SamplingBatch
 from draftsmith.serve.speculation.adaptive import StepPlan

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.methods.base import DraftBatch
+from draftsmith.methods.proposer_base import DraftBatch
 from draftsmith.serve.engine.sampling import SamplingBatch, choose_tokens, logits_to_probs, verify_noise
 from draftsmith.serve.speculation.rejection_reference import rejection_sample_reference
 from draftsmith.serve.speculation.rejection_triton import rejection_sample_triton, triton

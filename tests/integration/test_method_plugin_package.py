@@ -143,7 +143,7 @@ PACKAGE = {
     "toy_plugin/bigram/convert.py": '''
         """The toy's foreign layout: config {"model_type": "toy_bigram_foreign", "vocab", "dim"}, tensors
         "emb" [vocab, dim] and "unemb" [dim, vocab]."""
-        from draftsmith.convert.registry import Exported, NormalizedHead, register_exporter, register_source
+        from draftsmith.methods.formats.registry import Exported, NormalizedHead, register_exporter, register_source
 
         FOREIGN = "toy_bigram_foreign"
 

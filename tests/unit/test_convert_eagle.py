@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 import public_checkpoints as pub
 from draftsmith.cli import build_parser
-from draftsmith.convert.checkpoint import SourceCheckpoint
-from draftsmith.convert.registry import detect_source, load_formats
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint
+from draftsmith.methods.formats.registry import detect_source, load_formats
 from draftsmith.serve import LLM, SamplingParams
 from helpers import CODE_PROMPTS, DEMO_MODEL
 

@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 import public_checkpoints as pub
-from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.convert.cli import run  # noqa: F401  (registers every format)
-from draftsmith.convert.registry import detect_source
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint
+from draftsmith.methods.formats.registry import detect_source
 from helpers import DEMO_MODEL
 
 convert, native, source_tensors = pub.convert, pub.read_native, pub.source_tensors

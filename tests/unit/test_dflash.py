@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head
+from draftsmith.methods.dflash.head import DFlashConfig, DFlashHead
 from draftsmith.models import load_target
 from draftsmith.models.attention import cached_attention
-from draftsmith.models.dflash import DFlashConfig, DFlashHead
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.rope import apply_rope
 from draftsmith.serve import LLM, SamplingParams

@@ -58,7 +58,7 @@ def mtp_models(models, target_dir, tmp_path_factory):
     sharpened like the EAGLE-3 head's LM head."""
     import json
 
-    from draftsmith.models.mtp import MTPHead
+    from draftsmith.methods.mtp.head import MTPHead
 
     target, _ = models
     head_dir = tmp_path_factory.mktemp("mtp")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from draftsmith.methods import resolve_method
+from draftsmith.methods.medusa.head import MedusaHead
+from draftsmith.methods.mlp_speculator.head import MLPSpeculatorHead
 from draftsmith.models.head_configs import MedusaConfig, MLPSpeculatorConfig
-from draftsmith.models.medusa import MedusaHead
-from draftsmith.models.mlp_speculator import MLPSpeculatorHead
 from draftsmith.serve.speculation.config import parse_speculative_config
 from helpers import Row
 

@@ -147,7 +147,7 @@ def test_training_and_conversion_run_without_loading_serving_code():
     code = (
         "import sys\n"
         "import draftsmith.train.trainer, draftsmith.train.cli, draftsmith.train.capture, draftsmith.convert.cli\n"
-        "from draftsmith.convert.registry import load_formats\n"
+        "from draftsmith.methods.formats.registry import load_formats\n"
         "from draftsmith.methods import METHODS\n"
         "load_formats()\n"
         "[m.objective() for m in METHODS.values()]\n"

@@ -7,9 +7,9 @@ import torch
 import public_checkpoints as pub
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head, resolve_method
+from draftsmith.methods.medusa.head import MedusaHead
 from draftsmith.models import load_target
 from draftsmith.models.head_configs import MedusaConfig
-from draftsmith.models.medusa import MedusaHead
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.train.recipe import validate_recipe
 from draftsmith.train.trainer import train

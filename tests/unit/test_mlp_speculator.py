@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import public_checkpoints as pub
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head
+from draftsmith.methods.mlp_speculator.head import MLPSpeculatorHead
 from draftsmith.models.head_configs import MLPSpeculatorConfig
-from draftsmith.models.mlp_speculator import MLPSpeculatorHead
 from draftsmith.serve import LLM, SamplingParams
 from helpers import CODE_PROMPTS, DEMO_MODEL
 

@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 import public_checkpoints as pub
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head, resolve_method
+from draftsmith.methods.mtp.head import MTPHead
 from draftsmith.methods.mtp.objective import step_weights
 from draftsmith.models import load_target
-from draftsmith.models.mtp import MTPHead
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.train.recipe import validate_recipe
 from draftsmith.train.trainer import train

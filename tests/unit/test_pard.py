@@ -10,9 +10,9 @@ import torch
 import yaml
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods.draft_model.head import IGNORE, cod_attention, cod_layout, kept_positions
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.llama import CausalLM
-from draftsmith.models.pard import IGNORE, cod_attention, cod_layout, kept_positions
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.train.recipe import validate_recipe
 from draftsmith.train.trainer import train

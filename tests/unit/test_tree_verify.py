@@ -298,7 +298,7 @@ def test_trees_are_sized_by_confidence_against_the_verify_cost():
     """Free verification keeps every node a row has; a verify dearer than any node's chance keeps none (a plain
     step); in between, the likeliest nodes while each still pays (here the first two, at 0.9 and 0.6 against a
     node's cost of 0.3 of a step)."""
-    from draftsmith.methods.base import DraftBatch
+    from draftsmith.methods.proposer_base import DraftBatch
     from draftsmith.serve.speculation.tree_verify import size_trees
 
     def drafts():

@@ -1,6 +1,6 @@
 """DFlash: a block drafter. Target features from a few layers become every draft layer's context keys and
 values; one non-causal forward over [bonus token, masks] drafts the whole block through the target's own
-LM head (`draftsmith.models.dflash`). Trained on anchors sampled along each sequence, a block predicted from
+LM head (`draftsmith.methods.dflash.head`). Trained on anchors sampled along each sequence, a block predicted from
 each, the loss of block position j weighted exp(-(j - 1) / gamma) (speculators' and SpecForge's scheme)."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import torch
 from pydantic import Field
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods.base import MethodNeeds, RecipeModelSection, RecipeTrainingSection, SpecMethod
+from draftsmith.methods.base import MethodNeeds, SpecMethod
+from draftsmith.methods.dflash.head import DFlashConfig, DFlashHead
 from draftsmith.methods.eagle import EagleTreeConfig
+from draftsmith.methods.recipe_sections import RecipeModelSection, RecipeTrainingSection
 from draftsmith.methods.registry import register_method
-from draftsmith.models.dflash import DFlashConfig, DFlashHead
 
 
 class DFlashSpecConfig(EagleTreeConfig):
@@ -51,7 +52,7 @@ class DFlashMethod(SpecMethod):
     head_module = DFlashHead
     recipe_section = DFlashRecipe
     training_section = DFlashTraining
-    converters = ("draftsmith.convert.dflash",)
+    converters = (".convert",)
     proposer_ref = ".proposer:DFlashProposer"
     objective_ref = ".objective:dflash_objective"
     acceptance_eval_ref = ".objective:simulated_acceptance"

@@ -16,10 +16,12 @@ import re
 from typing import Any
 
 from draftsmith import __version__
-from draftsmith.convert.checkpoint import SourceCheckpoint, target_embedding
-from draftsmith.convert.eagle import head_dtype
-from draftsmith.convert.layer_config import layer_fields, rope_keys
-from draftsmith.convert.registry import (
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.dflash.head import DFlashConfig
+from draftsmith.methods.eagle.convert import head_dtype
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint, target_embedding
+from draftsmith.methods.formats.layer_config import layer_fields, rope_keys
+from draftsmith.methods.formats.registry import (
     PROVENANCE_KEY,
     Exported,
     NormalizedHead,
@@ -30,9 +32,11 @@ from draftsmith.convert.registry import (
     reject_unknown,
     take,
 )
-from draftsmith.convert.speculators import _speculators_config, _with_verifier, register_speculators_reader
-from draftsmith.errors import DraftsmithError
-from draftsmith.models.dflash import DFlashConfig
+from draftsmith.methods.formats.speculators import (
+    _speculators_config,
+    _with_verifier,
+    register_speculators_reader,
+)
 
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
               "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",

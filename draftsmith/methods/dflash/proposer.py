@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose_block
 from draftsmith.methods.draft_trees import TreeShape, configured_tree, marginal_tree, static_marginal_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head
+from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.models.attention import cached_attention
 from draftsmith.models.kv_cache import ForwardBatch
 

@@ -12,8 +12,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods.base import MethodNeeds, RecipeModelSection, RecipeTrainingSection, SpecMethod
+from draftsmith.methods.base import MethodNeeds, SpecMethod
 from draftsmith.methods.eagle import HeadSpeculativeConfig
+from draftsmith.methods.recipe_sections import RecipeModelSection, RecipeTrainingSection
 from draftsmith.methods.registry import register_method
 
 
@@ -69,9 +70,9 @@ class DraftModelMethod(SpecMethod):
 
     @classmethod
     def build_head(cls, section: DraftModelRecipe, target, feature_layers, token_records):
+        from draftsmith.methods.draft_model.head import ParallelDraftLM
         from draftsmith.methods.heads import default_mask_token
         from draftsmith.models.loader import load_target
-        from draftsmith.models.pard import ParallelDraftLM
         from draftsmith.models.tokenizer import check_same_vocabulary, load_tokenizer
 
         draft = Path(section.draft)

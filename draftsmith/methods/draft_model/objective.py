@@ -1,12 +1,12 @@
 """PARD's training: conditional drop-token (COD) cross-entropy over the real tokens and K - 1 depths of mask
-tokens (`draftsmith.models.pard`), and a simulated acceptance against the frozen target for k = 1..K."""
+tokens (`draftsmith.methods.draft_model.head`), and a simulated acceptance against the frozen target for k = 1..K."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from draftsmith.models.pard import IGNORE, cod_attention, cod_layout
+from draftsmith.methods.draft_model.head import IGNORE, cod_attention, cod_layout
 
 # the acceptance eval drafts from every EVAL_STRIDE-th position: all K depths at every position would make
 # its layout K times the sequence

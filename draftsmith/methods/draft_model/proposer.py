@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
+from draftsmith.methods.draft_model.head import MASK_TOKEN_KEYS, TRAINED_DEPTH_KEY, mask_token_id
 from draftsmith.methods.draft_sampling import choose, choose_block
 from draftsmith.methods.heads import draft_dtype
+from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.loader import load_target
-from draftsmith.models.pard import MASK_TOKEN_KEYS, TRAINED_DEPTH_KEY, mask_token_id
 
 
 class DraftModelProposer(Proposer):

@@ -9,17 +9,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from draftsmith.methods.base import (
-    MethodNeeds,
-    RecipeModelSection,
-    RecipeTrainingSection,
-    SpecMethod,
+from draftsmith.methods.base import MethodNeeds, SpecMethod
+from draftsmith.methods.eagle.head import EagleHead
+from draftsmith.methods.recipe_sections import RecipeModelSection, RecipeTrainingSection
+from draftsmith.methods.registry import register_method
+from draftsmith.methods.speculative_config import (
     SpeculativeConfig,
     TreeSpeculativeConfig,
     check_tree_verification,
 )
-from draftsmith.methods.registry import register_method
-from draftsmith.models.eagle import EagleHead
 from draftsmith.models.heads import DraftHeadConfig
 
 EAGLE_FAMILY_NEEDS = MethodNeeds(hidden_states=True, draft_probs=True, own_kv_cache=True, head=True)
@@ -108,7 +106,7 @@ class EagleMethod(EagleFamilyMethod):
     training_section = EagleTraining
     head_type = "eagle"
     head_module = EagleHead
-    converters = ("draftsmith.convert.eagle", "draftsmith.convert.speculators")
+    converters = (".convert", "draftsmith.methods.formats.speculators")
     objective_ref = ".objective:eagle_objective"
 
     @classmethod

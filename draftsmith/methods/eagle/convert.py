@@ -9,9 +9,10 @@ vLLM-V0 wrapper config `{"model_type": "eagle", "model": {...}}` unwrapped.
 
 from __future__ import annotations
 
-from draftsmith.convert.checkpoint import SourceCheckpoint
-from draftsmith.convert.layer_config import layer_fields, llama_layer_config, native_config
-from draftsmith.convert.registry import (
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint
+from draftsmith.methods.formats.layer_config import layer_fields, llama_layer_config, native_config
+from draftsmith.methods.formats.registry import (
     PROVENANCE_KEY,
     Exported,
     NormalizedHead,
@@ -22,7 +23,6 @@ from draftsmith.convert.registry import (
     reject_unknown,
     take,
 )
-from draftsmith.errors import DraftsmithError
 
 LAYER = "layers.0."
 LAYER_KEYS = [f"{LAYER}self_attn.{p}_proj.weight" for p in "qkvo"] + [

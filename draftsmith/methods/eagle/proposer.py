@@ -38,11 +38,11 @@ from dataclasses import replace
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods.base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.methods.draft_sampling import choose, pick_greedy
 from draftsmith.methods.draft_trees import TreeShape, configured_tree
 from draftsmith.methods.eagle.tree_drafting import draft_static_tree, draft_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head
+from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.models.kv_cache import ForwardBatch
 
 # Pending positions kept per slot, at most: the head's context when a row starts or resumes drafting (64 keeps

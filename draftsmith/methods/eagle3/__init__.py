@@ -8,10 +8,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods.base import RecipeModelSection, RecipeTrainingSection
 from draftsmith.methods.eagle import EagleFamilyMethod, EagleTreeConfig
+from draftsmith.methods.eagle3.head import Eagle3Head
+from draftsmith.methods.recipe_sections import RecipeModelSection, RecipeTrainingSection
 from draftsmith.methods.registry import register_method
-from draftsmith.models.eagle3 import Eagle3Head
 from draftsmith.models.heads import DraftHeadConfig
 
 
@@ -50,7 +50,7 @@ class Eagle3Method(EagleFamilyMethod):
     training_section = Eagle3Training
     head_type = "eagle3"
     head_module = Eagle3Head
-    converters = ("draftsmith.convert.eagle3", "draftsmith.convert.speculators")
+    converters = (".convert", "draftsmith.methods.formats.speculators")
     objective_ref = ".objective:eagle3_objective"
 
     @classmethod

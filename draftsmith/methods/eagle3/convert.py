@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.convert.checkpoint import SourceCheckpoint, target_embedding
-from draftsmith.convert.eagle import head_dtype, target_layers_from
-from draftsmith.convert.layer_config import layer_fields, llama_layer_config, native_config
-from draftsmith.convert.registry import (
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.eagle.convert import head_dtype, target_layers_from
+from draftsmith.methods.eagle3 import Eagle3Method
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint, target_embedding
+from draftsmith.methods.formats.layer_config import layer_fields, llama_layer_config, native_config
+from draftsmith.methods.formats.registry import (
     PROVENANCE_KEY,
     Exported,
     NormalizedHead,
@@ -31,8 +33,6 @@ from draftsmith.convert.registry import (
     reject_unknown,
     take,
 )
-from draftsmith.errors import DraftsmithError
-from draftsmith.methods.eagle3 import Eagle3Method
 from draftsmith.models.heads import DraftHeadConfig
 
 MID = "midlayer."

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.convert.checkpoint import SourceCheckpoint
-from draftsmith.convert.registry import Exported, NormalizedHead, ReadContext, register_source
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import head_method, read_head_config
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint
+from draftsmith.methods.formats.registry import Exported, NormalizedHead, ReadContext, register_source
 
 
 @register_source("native", "draftsmith native head (config.json with draftsmith_head_type + model.safetensors)")

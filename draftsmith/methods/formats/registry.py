@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.convert.checkpoint import SourceCheckpoint
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint
 from draftsmith.models.config import TargetConfig
 
 # Exported configs carry this block so a head read back from vLLM/SGLang/speculators layouts regains
@@ -75,10 +75,9 @@ def load_formats() -> dict[str, SourceFormat]:
 
     from draftsmith.methods import METHODS
 
-    importlib.import_module("draftsmith.convert.native")
+    importlib.import_module("draftsmith.methods.formats.native")
     for method in METHODS.values():
-        for module in method.converters:
-            importlib.import_module(module)
+        method.import_converters()
     return SOURCES
 
 

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import __version__
-from draftsmith.convert import eagle, eagle3
-from draftsmith.convert.checkpoint import SourceCheckpoint, local_directory, target_embedding
-from draftsmith.convert.layer_config import llama_layer_config
-from draftsmith.convert.registry import (
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.eagle import convert as eagle
+from draftsmith.methods.eagle3 import convert as eagle3
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint, local_directory, target_embedding
+from draftsmith.methods.formats.layer_config import llama_layer_config
+from draftsmith.methods.formats.registry import (
     Exported,
     NormalizedHead,
     ReadContext,
@@ -23,7 +25,6 @@ from draftsmith.convert.registry import (
     reject_unknown,
     take,
 )
-from draftsmith.errors import DraftsmithError
 from draftsmith.models.config import TargetConfig
 
 LAYER = "layers.0."

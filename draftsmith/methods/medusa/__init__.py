@@ -9,16 +9,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from draftsmith.methods.base import (
-    FinalHiddenMethod,
-    FinalHiddenRecipe,
-    MethodNeeds,
-    RecipeTrainingSection,
-    TreeSpeculativeConfig,
-)
+from draftsmith.methods.base import FinalHiddenMethod, MethodNeeds
+from draftsmith.methods.medusa.head import MedusaHead
+from draftsmith.methods.recipe_sections import FinalHiddenRecipe, RecipeTrainingSection
 from draftsmith.methods.registry import register_method
+from draftsmith.methods.speculative_config import TreeSpeculativeConfig
 from draftsmith.models.head_configs import MedusaConfig
-from draftsmith.models.medusa import MedusaHead
 
 
 class MedusaSpecConfig(TreeSpeculativeConfig):
@@ -47,7 +43,7 @@ class MedusaMethod(FinalHiddenMethod):
     head_module = MedusaHead
     recipe_section = MedusaRecipe
     training_section = MedusaTraining
-    converters = ("draftsmith.convert.medusa",)
+    converters = (".convert",)
     proposer_ref = ".proposer:MedusaProposer"
     objective_ref = ".objective:medusa_objective"
     acceptance_eval_ref = ".objective:simulated_acceptance"

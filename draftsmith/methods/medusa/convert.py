@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 
-from draftsmith.convert.checkpoint import SourceCheckpoint
-from draftsmith.convert.registry import (
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint
+from draftsmith.methods.formats.registry import (
     Exported,
     NormalizedHead,
     ReadContext,
@@ -18,7 +19,6 @@ from draftsmith.convert.registry import (
     register_exporter,
     register_source,
 )
-from draftsmith.errors import DraftsmithError
 from draftsmith.models.head_configs import MedusaConfig
 
 FASTER = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.(weight|bias)|(weight))$")

@@ -8,15 +8,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from draftsmith.methods.base import (
-    FinalHiddenMethod,
-    FinalHiddenRecipe,
-    RecipeTrainingSection,
-    SpeculativeConfig,
-)
+from draftsmith.methods.base import FinalHiddenMethod
+from draftsmith.methods.mlp_speculator.head import MLPSpeculatorHead
+from draftsmith.methods.recipe_sections import FinalHiddenRecipe, RecipeTrainingSection
 from draftsmith.methods.registry import register_method
+from draftsmith.methods.speculative_config import SpeculativeConfig
 from draftsmith.models.head_configs import MLPSpeculatorConfig
-from draftsmith.models.mlp_speculator import MLPSpeculatorHead
 
 
 class MLPSpeculatorSpecConfig(SpeculativeConfig):
@@ -48,7 +45,7 @@ class MLPSpeculatorMethod(FinalHiddenMethod):
     head_module = MLPSpeculatorHead
     recipe_section = MLPSpeculatorRecipe
     training_section = MLPSpeculatorTraining
-    converters = ("draftsmith.convert.mlp_speculator",)
+    converters = (".convert",)
     proposer_ref = ".proposer:MLPSpeculatorProposer"
     objective_ref = ".objective:mlp_speculator_objective"
     acceptance_eval_ref = ".objective:simulated_acceptance"

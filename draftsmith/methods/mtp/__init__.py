@@ -11,11 +11,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from draftsmith.methods.base import FinalHiddenRecipe, RecipeTrainingSection, SpecMethod
+from draftsmith.methods.base import SpecMethod
 from draftsmith.methods.eagle import EAGLE_FAMILY_NEEDS, HeadSpeculativeConfig
+from draftsmith.methods.mtp.head import MTPHead
+from draftsmith.methods.recipe_sections import FinalHiddenRecipe, RecipeTrainingSection
 from draftsmith.methods.registry import register_method
 from draftsmith.models.head_configs import MTPConfig
-from draftsmith.models.mtp import MTPHead
 
 
 class MTPSpecConfig(HeadSpeculativeConfig):
@@ -50,7 +51,7 @@ class MTPMethod(SpecMethod):
     head_module = MTPHead
     recipe_section = MTPRecipe
     training_section = MTPTraining
-    converters = ("draftsmith.convert.mtp",)
+    converters = (".convert",)
     proposer_ref = "draftsmith.methods.eagle.proposer:EagleFamilyProposer"
     objective_ref = ".objective:mtp_objective"
     acceptance_eval_ref = "draftsmith.methods.eagle.training:simulated_acceptance"

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.convert.checkpoint import SourceCheckpoint
-from draftsmith.convert.registry import (
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint
+from draftsmith.methods.formats.registry import (
     Exported,
     NormalizedHead,
     ReadContext,
@@ -23,7 +24,6 @@ from draftsmith.convert.registry import (
     register_exporter,
     register_source,
 )
-from draftsmith.errors import DraftsmithError
 from draftsmith.models.head_configs import MTPConfig
 
 

@@ -7,8 +7,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from draftsmith.methods.base import MethodNeeds, SpecMethod, SpeculativeConfig
+from draftsmith.methods.base import MethodNeeds, SpecMethod
 from draftsmith.methods.registry import register_method
+from draftsmith.methods.speculative_config import SpeculativeConfig
 
 # The settings draftsmith's benchmarks and demo use for code: short n-grams match more often in source files.
 CODE_DEFAULTS = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}

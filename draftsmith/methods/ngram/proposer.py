@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.methods.base import DraftBatch, Proposer, RowState
+from draftsmith.methods.proposer_base import DraftBatch, Proposer, RowState
 
 
 class NgramProposer(Proposer):

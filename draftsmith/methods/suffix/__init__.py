@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from draftsmith.methods.base import MethodNeeds, SpecMethod, SpeculativeConfig
+from draftsmith.methods.base import MethodNeeds, SpecMethod
 from draftsmith.methods.registry import register_method
+from draftsmith.methods.speculative_config import SpeculativeConfig
 
 
 class SuffixConfig(SpeculativeConfig):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.methods.base import DraftBatch, Proposer, RowState
+from draftsmith.methods.proposer_base import DraftBatch, Proposer, RowState
 from draftsmith.methods.suffix.tree import Draft, OwnSequence, SuffixTree
 
 

@@ -93,7 +93,7 @@ def warm_up(modules: Iterable[nn.Module], max_rows: int) -> int:
     """Compiles oneDNN's kernels for every row bucket up to `max_rows` and every distinct shape of the
     modules' `Linear` layers (and of their fused groups, `fused_linears`) now, not at the first step that
     needs each: on a 2-core VM each costs about 0.35 ms, several a first forward at a new row count, and
-    those first steps, timed slow, had taught the adaptive planner that verifying was dearer than it is.
+    those first steps, timed slow, had taught the adaptive policy that verifying was dearer than it is.
     Kernels are per shape, not per weight, so one layer (or group) per shape is run. -> the calls run."""
     seen, calls = set(), 0
     buckets = sorted({row_bucket(rows) for rows in range(1, max_rows + 1)})

@@ -148,10 +148,10 @@ def synthetic_table(query_cost: float, unit: float = 1e-3) -> ForwardCostTable:
 
 
 def make_speculation_pay(llm):
-    """Gives the adaptive planner a forward-cost table where verifying is free, so tests that need drafts to
+    """Gives the adaptive policy a forward-cost table where verifying is free, so tests that need drafts to
     happen (lossless outputs, metrics that move) do not depend on how fast the machine running them is."""
-    llm.engine.planner.cost.table = synthetic_table(0.0)
-    llm.engine.planner.cost.live_scaling = False
+    llm.engine.policy.cost.table = synthetic_table(0.0)
+    llm.engine.policy.cost.live_scaling = False
 
 
 @dataclass

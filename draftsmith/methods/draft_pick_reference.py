@@ -1,6 +1,6 @@
 """What `greedy_pick` (the Triton kernel in draft_pick_triton.py) computes, in plain PyTorch: a greedy draft
 step's choice from a head's logits, as a target token id, with its probability (the confidence the adaptive
-planner and dynamic stop read)."""
+policy and dynamic stop read)."""
 
 from __future__ import annotations
 

@@ -82,11 +82,11 @@ class Proposer:
         # a draft LM's folder, whose tokenizer the engine checks against the target's (None: drafts in the
         # target's own ids)
         self.tokenizer_dir: str | None = None
-        # what one draft forward costs, for the planner's first guess: about `draft_cost_guess` (None: the
-        # planner's default for a one-layer head) times the target's forward of `draft_query_len` tokens a row
+        # what one draft forward costs, for the policy's first guess: about `draft_cost_guess` (None: the
+        # policy's default for a one-layer head) times the target's forward of `draft_query_len` tokens a row
         self.draft_query_len = 1
         self.draft_cost_guess: float | None = None
-        # set where it drafts trees (DraftBatch.parents): the planner's chain width does not cap their nodes
+        # set where it drafts trees (DraftBatch.parents): the policy's chain width does not cap their nodes
         self.tree = None
         # runs the one-token draft steps at static shapes (`serve.engine.step_graphs.DraftStepRunner`), set by the
         # engine when its step mode is not eager and `static_step_head` names a head
@@ -128,7 +128,7 @@ class Proposer:
     def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
         """(how many of these rows must first feed the draft model more positions than one verify step
         brings (k + 1): new rows, or rows resuming after steps without speculation; the most extra positions
-        any of them has). The planner prices that catch-up."""
+        any of them has). The policy prices that catch-up."""
         return 0, 0
 
     def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -34,6 +34,9 @@ class SpeculativeConfig(BaseModel):
     # vLLM's manual schedule, rows [batch_lo, batch_hi, k] (inclusive): k by the number of decoding requests
     # (sizes no row covers use num_speculative_tokens). Setting it replaces the adaptive choice.
     num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
+    # vLLM's: a decode step of more than this many requests runs without speculation (adaptive or not); vLLM
+    # asks for at least 2
+    disable_by_batch_size: int | None = Field(default=None, ge=2)
 
     @model_validator(mode="after")
     def _common_checks(self) -> SpeculativeConfig:

@@ -47,8 +47,8 @@ from draftsmith.serve.engine.step_accounting import StepLedger
 from draftsmith.serve.engine.step_clock import StepClock
 from draftsmith.serve.engine.step_graphs import DraftStepRunner, make_step_runner, resolve_step_mode
 from draftsmith.serve.engine.stopping import StopChecker
-from draftsmith.serve.speculation.adaptive import make_planner
 from draftsmith.serve.speculation.cost_profile import ForwardCostTable
+from draftsmith.serve.speculation.policy import make_policy
 from draftsmith.serve.speculation.verify import SpecMetrics, pick_sampler
 
 logger = logging.getLogger("draftsmith")
@@ -105,11 +105,11 @@ class LLMEngine(FaultIsolatingSteps):
             self.rejection_sampler = pick_sampler(self.device)
             self.spec_metrics = SpecMetrics(spec_config.num_speculative_tokens)
             self.sample_drafts = spec_config.draft_sample_method == "probabilistic"
-            self.planner = make_planner(spec_config, self.proposer, config.max_num_seqs, cost_table, model)
+            self.policy = make_policy(spec_config, self.proposer, config.max_num_seqs, cost_table, model)
             logger.info("speculation: %s, k=%d, %s drafts, rejection sampler %s", spec_config.method,
                         spec_config.num_speculative_tokens, spec_config.draft_sample_method,
                         self.rejection_sampler.__name__)
-        timed = self.proposer is not None and self.planner.cost is not None  # the policy learns from timings
+        timed = self.proposer is not None and self.policy.needs_timing
         self.clock = StepClock(self.device, timed or config.profile_steps)
         # target layers the proposer reads (EAGLE: last, EAGLE-3: three): the method declares that it reads
         # some, its proposer (from the loaded head) says which
@@ -234,7 +234,7 @@ class LLMEngine(FaultIsolatingSteps):
             for request in (leader, *leader.followers):
                 request.slot = self.free_slots.pop(0)
                 if self.proposer is not None:
-                    self.planner.admit(request.slot)
+                    self.policy.admit(request.slot)
                 request.status = Status.RUNNING
                 self.running.append(request)
 
@@ -356,7 +356,7 @@ class LLMEngine(FaultIsolatingSteps):
         """Draft up to w tokens per row (w chosen by the policy), score [last token, drafts] in one forward,
         keep what verifies (`speculative_step` has the pipeline)."""
         sampling = self._sampling(rows)
-        if self.planner.held(tuple(r.slot for r in rows)):
+        if self.policy.held(tuple(r.slot for r in rows)):
             # the step's hidden states still go to the proposer (by reference, `observe_later`): a head
             # resuming with a context of a few positions drafts almost nothing right
             return self._plain_decode(rows, started, sampling)
@@ -364,10 +364,10 @@ class LLMEngine(FaultIsolatingSteps):
         drafted = plan_and_propose(self, rows, limits, sampling)
         if drafted.failed:
             return self._decode_without_drafts(rows, started, drafted.draft_s)
-        self.planner.record(drafted.planned_limits, drafted.plan.width)
+        self.policy.record(drafted.planned_limits, drafted.plan.width)
         num_draft = drafted.num_draft(len(rows))  # sizes the forward
         if max(num_draft) == 0:
-            self.planner.idle([r.slot for r in rows])
+            self.policy.idle([r.slot for r in rows])
             return self._plain_decode(rows, started, sampling, drafted.draft_s, drafted.drafts)
         checked = verify_drafts(self, rows, drafted.drafts, num_draft, sampling)
         finish_step(self, rows, num_draft, checked, sampling)
@@ -378,7 +378,7 @@ class LLMEngine(FaultIsolatingSteps):
                  verify_s: float, drafts: DraftBatch | None = None, catch_up: tuple[int, int] = (0, 0),
                  query_len: float = 1.0) -> None:
         """Books one decode step (`StepLedger.book`); `query_len`: the forward's mean real tokens per row."""
-        cost = self.planner.cost if self.proposer is not None else None
+        cost = self.policy.cost if self.proposer is not None else None
         self.ledger.book(len(rows), width, self.clock() - started, draft_s, forward_s, verify_s, cost, drafts,
                          catch_up, query_len)
 
@@ -432,14 +432,14 @@ class LLMEngine(FaultIsolatingSteps):
         metrics = {**self.stats, "step_profile": dict(self.ledger.profile)}
         if self.proposer is not None:
             metrics.update(self.spec_metrics.as_dict())
-            metrics.update(self.planner.metrics())
+            metrics.update(self.policy.metrics())
             metrics.update(self.proposer.metrics())
         return metrics
 
     def reset_metrics(self) -> None:
         """Zeroes the speculation counters, the chosen-k histogram and the step profile (benchmarks call it
-        after warming up); what the planner has learned is kept."""
+        after warming up); what the policy has learned is kept."""
         self.ledger.reset_profile()
         if self.proposer is not None:
             self.spec_metrics.reset()
-            self.planner.reset_metrics()
+            self.policy.reset_metrics()

@@ -106,7 +106,7 @@ def try_request_row(params: SamplingParams, generator_device: torch.device,
 
 class FaultIsolatingSteps:
     """The parts of `LLMEngine`'s step that apply the rules above (a mixin: they read the engine's `faults`,
-    `stop_checker`, `proposer`, `planner`, `stats` and `config`)."""
+    `stop_checker`, `proposer`, `policy`, `stats` and `config`)."""
 
     def _phase(self, name: str, rows: list[Request], run) -> list[Request]:
         """run(rows) -> the requests that moved; if it raises, the rows of this phase fail (all of them: rows
@@ -191,5 +191,5 @@ class FaultIsolatingSteps:
         """A step whose drafting raised: its rows that did not fail decode plainly (lossless)."""
         rows = [r for r in rows if r.error is None]
         if rows:
-            self.planner.idle([r.slot for r in rows])
+            self.policy.idle([r.slot for r in rows])
             self._plain_decode(rows, started, self._sampling(rows), draft_s)

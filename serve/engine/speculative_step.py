@@ -18,7 +18,7 @@ import torch
 from draftsmith.methods.proposer_base import DraftBatch
 from draftsmith.serve.engine.request import Request
 from draftsmith.serve.engine.sampling import SamplingBatch
-from draftsmith.serve.speculation.adaptive import StepPlan
+from draftsmith.serve.speculation.plan import StepPlan
 from draftsmith.serve.speculation.tree_verify import size_trees, verify_tree
 from draftsmith.serve.speculation.verify import verify
 
@@ -72,21 +72,21 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
     """The policy plans the step and the proposer drafts for it. A proposer that drafts cheaply drafts first,
     and the plan is then made knowing which rows have drafts; else the plan comes first (with the catch-up the
     proposer owes) and sizes the drafting."""
-    proposer, planner, clock = engine.proposer, engine.planner, engine.clock
+    proposer, policy, clock = engine.proposer, engine.policy, engine.clock
     draft_sampling = sampling if engine.sample_drafts else None
     slots = [r.slot for r in rows]
-    if proposer.propose_first and planner.may_draft(len(rows)):
+    if proposer.propose_first and policy.may_draft(len(rows)):
         draft_at = clock()
         drafts = engine.propose(rows, limits, draft_sampling)
         draft_s = clock() - draft_at
         if drafts is None:
             return Drafted(None, None, limits, draft_s)
         planned = drafts.counts.cpu()
-        plan = planner.plan(slots, planned)
+        plan = policy.plan(slots, planned)
         drafts.counts.clamp_(max=plan.width)
         return Drafted(plan, drafts, planned, draft_s)
     catch_up = proposer.catch_up(rows)
-    plan = planner.plan(slots, limits, catch_up)
+    plan = policy.plan(slots, limits, catch_up)
     if not plan.width:
         return Drafted(plan, None, limits, 0.0, catch_up)
     draft_at = clock()
@@ -94,8 +94,8 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
     widths = limits if proposer.tree is not None else [min(n, plan.width) for n in limits]
     drafts = engine.propose(rows, widths, draft_sampling, plan.stop_below)
     draft_s = clock() - draft_at
-    if drafts is not None and drafts.confidence is not None and planner.cost is not None:
-        size_trees(drafts, len(rows), planner.cost, draft_s)
+    if drafts is not None and drafts.confidence is not None and policy.cost is not None:
+        size_trees(drafts, len(rows), policy.cost, draft_s)
     return Drafted(plan, drafts, limits, draft_s, catch_up)
 
 
@@ -135,7 +135,7 @@ def finish_step(engine, rows: list[Request], num_draft: list[int], checked: Veri
     length and are overwritten: nothing to copy."""
     starts = [r.num_tokens - 1 for r in rows]
     engine.observe_features(rows, starts, checked.counts, checked.out)
-    engine.planner.acceptance.observe([r.slot for r in rows], num_draft, [n - 1 for n in checked.counts])
+    engine.policy.observe([r.slot for r in rows], num_draft, [n - 1 for n in checked.counts])
     engine.take_tokens(rows, checked.kept, checked.out.logits, sampling)
     for request, n_draft, new_tokens in zip(rows, num_draft, checked.kept):
         engine.spec_metrics.observe(n_draft, len(new_tokens) - 1)

@@ -1,4 +1,4 @@
-"""Where each decode step's time goes, and what the speculation planner's cost model learns from it.
+"""Where each decode step's time goes, and what the speculation policy's cost model learns from it.
 
 The engine hands every finished decode step here (`StepLedger.book`): its draft, forward and verify seconds
 go into the step profile (`draftsmith bench --profile`), and, for an engine that speculates adaptively, into
@@ -35,7 +35,7 @@ class StepLedger:
     def book(self, rows: int, width: int, total: float, draft_s: float, forward_s: float, verify_s: float,
              cost, drafts=None, catch_up: tuple[int, int] = (0, 0), query_len: float = 1.0) -> None:
         """One decode step of `rows` rows verifying up to `width` drafts (0: plain) that took `total` seconds;
-        `cost`: the planner's cost model (None: nothing learns); `drafts`: the step's DraftBatch, whose
+        `cost`: the policy's cost model (None: nothing learns); `drafts`: the step's DraftBatch, whose
         `forwards` and `steady` say what drafting ran (None: it drafted nothing); `query_len`: the forward's
         mean real tokens per row (packed, that is what it costs)."""
         host = max(total - draft_s - forward_s, 0.0)

@@ -51,10 +51,10 @@ class ServerMetrics:
         self.spec_per_pos = Counter("draftsmith:spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted draft tokens by position", labels + ["position"], registry=r)
         self.spec_chosen_k = Counter("draftsmith:spec_decode_chosen_k",
-                                     "Requests x decode steps by the draft limit the planner gave them", labels + ["k"],
+                                     "Requests x decode steps by the draft limit the policy gave them", labels + ["k"],
                                      registry=r)
         self.spec_plain_steps = Counter("draftsmith:spec_decode_steps_without_speculation",
-                                        "Decode steps the planner ran without drafting", labels, registry=r)
+                                        "Decode steps the policy ran without drafting", labels, registry=r)
         # what a proposer reports of its own state (`Proposer.metrics`): suffix decoding's trees
         self.proposer_gauges = {
             "suffix_cache_bytes": Gauge("draftsmith:suffix_cache_bytes", "Memory the suffix trees hold (about)",

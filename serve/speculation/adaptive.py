@@ -3,7 +3,7 @@
 Speculating pays only when the tokens it gains outweigh what it costs, and both sides move: acceptance
 differs by request and by stretch of text, and the cost of verifying k+1 tokens per row grows with the batch
 (on a small CPU target, 5 tokens x 1 row cost 1.1x one decode token but 5 x 32 rows cost 2.4x). So the
-planner models both and picks, per step, the draft width w in 0..k (the config's num_speculative_tokens
+policy models both and picks, per step, the draft width w in 0..k (the config's num_speculative_tokens
 is the cap) that maximises
 
     expected tokens / expected seconds = sum_rows (1 + sum_{j <= k_row} prod_{m <= j} a_row,m) / T(rows, w)
@@ -14,7 +14,7 @@ which start optimistic so that speculation is tried), and T(rows, w) the step's 
 (`cost_model`) prices them; w = 0 is plain decoding. Plain steps teach nothing about drafting, so long
 plain stretches are probed now and then (PROBE_AFTER).
 
-For proposers that know their confidence, the planner also sets the confidence floor under which drafting
+For proposers that know their confidence, the policy also sets the confidence floor under which drafting
 stops: one more sequential draft step costs about `c` seconds for the whole batch and gains each row's
 chance `P` of getting that far, which pays while the rows' mean P exceeds c times a row's expected tokens
 per second.
@@ -22,16 +22,11 @@ per second.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-
 import numpy as np
 
 from draftsmith.serve.speculation.cost_model import CATCH_UP_HORIZON, CostModel
-from draftsmith.serve.speculation.cost_profile import ForwardCostTable, profile_forwards
 from draftsmith.serve.speculation.estimators import AcceptanceStats
-
-logger = logging.getLogger("draftsmith")
+from draftsmith.serve.speculation.plan import StepPlan, WidthCounts
 
 FLOOR_MARGIN = 0.5
 # The rules below; the measurements that set each value are in docs/decisions/adaptive-speculation.md.
@@ -45,7 +40,7 @@ MAX_PLAIN_HOLD = 64
 # A hold goes on while the batch keeps all but 1/HOLD_SHRINK of its rows (a request finishing and the next
 # joining do not reopen it)
 HOLD_SHRINK = 8
-# Plain steps teach the planner nothing about drafting. So after PROBE_AFTER plain steps in a row, a plan that
+# Plain steps teach the policy nothing about drafting. So after PROBE_AFTER plain steps in a row, a plan that
 # still says no speculates anyway for PROBE_STEPS steps (the first resumes, the second is timed as a steady
 # one) if it is predicted at least PROBE_WORST of plain decoding's tokens/s; each probe that changes nothing
 # doubles the wait, up to MAX_PROBE_AFTER steps.
@@ -58,30 +53,17 @@ THIN_EVIDENCE = 16
 DRAFT_SHARE_DECAY = 0.9
 
 
-@dataclass
-class StepPlan:
-    width: int  # drafts per row at most this step (0 = plain decode)
-    stop_below: float = 0.0  # confidence floor for proposers that stop early
-    expected_tokens: float = 0.0
-    expected_seconds: float = 0.0
+class AdaptivePolicy:
+    """Chooses each step's draft width 0..k from the cost model and the acceptance it has seen (a
+    `SpeculationPolicy`); none for a batch of more than `disable_by_batch_size` rows."""
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.expected_tokens / self.expected_seconds if self.expected_seconds else 0.0
+    needs_timing = True  # the cost model learns from each step's device time
 
-
-class SpeculationPlanner:
-    """Chooses each step's draft width; `adaptive=False` keeps the config's k, or vLLM's
-    num_speculative_tokens_per_batch_size table when one is given."""
-
-    def __init__(self, k: int, num_slots: int, cost: CostModel | None, adaptive: bool = True,
-                 per_batch_size: list[tuple[int, int, int]] | None = None):
-        self.k, self.cost, self.per_batch_size = k, cost, per_batch_size
-        self.adaptive = adaptive and per_batch_size is None and cost is not None
+    def __init__(self, k: int, num_slots: int, cost: CostModel, disable_by_batch_size: int | None = None):
+        self.k, self.cost, self.disable_by_batch_size = k, cost, disable_by_batch_size
         self.confidence_floor = True  # let confident proposers stop early (tests turn it off to force drafts)
         self.acceptance = AcceptanceStats(num_slots, k)
-        self.row_widths = [0] * (k + 1)  # (row, step) pairs by the draft limit they were given
-        self.plain_steps = 0
+        self.counts = WidthCounts(k)
         # a plan without speculation holds while the batch keeps at least as many rows: plain steps left, that
         # row count, the slots last held and held steps whose idle decay is not yet applied to them
         self._hold, self._held_rows, self._held_slots, self._idle_steps = 0, 0, (), 0
@@ -90,14 +72,8 @@ class SpeculationPlanner:
         self._draft_share = 1.0  # proposers that draft before the plan: the share of rows with drafts, lately
 
     def may_draft(self, rows: int) -> bool:
-        """Whether a plan for this many rows can speculate at all (a fixed table may say 0 for them)."""
-        return self.adaptive or self.fixed_width(rows) > 0
-
-    def fixed_width(self, rows: int) -> int:
-        for lo, hi, width in self.per_batch_size or ():
-            if lo <= rows <= hi:
-                return width
-        return self.k
+        """Whether a plan for this many rows can speculate at all."""
+        return self.disable_by_batch_size is None or rows <= self.disable_by_batch_size
 
     def admit(self, slot: int) -> None:
         """A new request in `slot`: no evidence yet (a hold goes on: the method's rates, which the new row
@@ -113,26 +89,29 @@ class SpeculationPlanner:
         row) while the batch has about as many rows (HOLD_SHRINK) or more (requests finishing and new ones
         taking their slots do not reopen it; a smaller batch, where verifying is cheaper, does). A held step is booked here; the
         engine decodes it plainly with no speculative bookkeeping, so that a batch too large to speculate
-        pays almost nothing for the question."""
+        pays almost nothing for the question. A batch of more than `disable_by_batch_size` rows is held too."""
+        if not self.may_draft(len(slots)):
+            self._book_plain(slots)
+            return True
         if not self._hold or len(slots) < self._held_rows - self._held_rows // HOLD_SHRINK:
             return False
-        if slots != self._held_slots:
-            self._settle_idle()
-            self._held_slots = slots
         self._hold -= 1
-        self._idle_steps += 1
+        self._book_plain(slots)
         self._plain_run += 1
-        self.plain_steps += 1
-        self.row_widths[0] += len(slots)
         return True
+
+    def _book_plain(self, slots: tuple[int, ...]) -> None:
+        """A step of these rows decodes plainly without a plan: counted, its idle decay deferred (`idle`)."""
+        self._defer_idle(slots)
+        self.counts.plain(len(slots))
 
     def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0)) -> StepPlan:
         """`slots[b]`, `limits[b]` (int sequences: lists, arrays, CPU tensors): row b's slot and the most it
         may draft (room left, max_tokens, or drafts it has); `catch_up`: the proposer's extra catch-up this
         step (`Proposer.catch_up`), so that resuming is priced in."""
         slots, limits = np.asarray(slots), np.asarray(limits)
-        if not self.adaptive:
-            return StepPlan(min(self.fixed_width(len(slots)), int(limits.max())))
+        if not self.may_draft(len(slots)):
+            return StepPlan(0)
         self._settle_idle()
         rows = len(slots)
         if self.cost.drafts_before_plan:
@@ -238,48 +217,30 @@ class SpeculationPlanner:
     def idle(self, slots) -> None:
         """A plain step that was planned (not held): old acceptance and cost evidence fade, in one go with the
         steps after it at the next plan, as for held steps (a few small tensor ops a step otherwise)."""
-        key = tuple(np.asarray(slots).tolist())
-        if key != self._held_slots:
+        self._defer_idle(tuple(np.asarray(slots).tolist()))
+
+    def _defer_idle(self, slots: tuple[int, ...]) -> None:
+        if slots != self._held_slots:
             self._settle_idle()
-            self._held_slots = key
+            self._held_slots = slots
         self._idle_steps += 1
 
     def _settle_idle(self) -> None:
         """The held steps' idle decay, applied in one go."""
         if self._idle_steps:
             self.acceptance.idle(list(self._held_slots), self._idle_steps)
-            if self.cost is not None:
-                self.cost.idle(self._idle_steps)
+            self.cost.idle(self._idle_steps)
             self._idle_steps = 0
 
+    def observe(self, slots, num_draft, accepted) -> None:
+        self.acceptance.observe(slots, num_draft, accepted)
+
     def record(self, limits, width: int) -> None:
-        if width == 0:
-            self.plain_steps += 1
-            self.row_widths[0] += len(limits)
-            return
-        for given in np.minimum(np.asarray(limits), width).tolist():
-            self.row_widths[given] += 1
+        self.counts.record(limits, width)
 
     def reset_metrics(self) -> None:
-        self.row_widths = [0] * (self.k + 1)
-        self.plain_steps = 0
+        self.counts = WidthCounts(self.k)
 
     def metrics(self) -> dict:
-        return {"spec_k_histogram": list(self.row_widths), "num_steps_without_speculation": self.plain_steps}
+        return self.counts.metrics()
 
-
-def make_planner(spec_config, proposer, num_slots: int, cost_table: ForwardCostTable | None,
-                 target) -> SpeculationPlanner:
-    """The engine's planner for `spec_config`: adaptive (its cost model priced from `cost_table`, measured on
-    `target` now where there is none), the config's fixed k, or vLLM's per-batch-size table."""
-    per_batch_size = spec_config.num_speculative_tokens_per_batch_size
-    adaptive = spec_config.adaptive and per_batch_size is None
-    cost = None
-    if adaptive:
-        if cost_table is None:  # no model folder to key a cached profile by: measure, keep in memory
-            cost_table = profile_forwards(target, {"model": "in-memory"})
-        cost = CostModel(cost_table, sequential_drafts=proposer.sequential, drafts_before_plan=proposer.propose_first,
-                         draft_query_len=proposer.draft_query_len, draft_guess=proposer.draft_cost_guess)
-    logger.info("speculation: %s", "adaptive (0..k per step, from the cost model)" if adaptive else
-                "fixed k" if per_batch_size is None else "k by batch size (num_speculative_tokens_per_batch_size)")
-    return SpeculationPlanner(spec_config.num_speculative_tokens, num_slots, cost, adaptive, per_batch_size)

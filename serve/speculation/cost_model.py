@@ -160,7 +160,7 @@ class CostModel:
     def observe_draft(self, rows: int, forwards: int, seconds: float) -> None:
         ratio = seconds / max(self.forward(rows, self.draft_query_len), 1e-9)
         # One stalled step (the OS, a first-touch allocation) must not price drafting out for good: it is only
-        # re-measured while the planner drafts. A cost really that high still gets there, OUTLIER x at a time.
+        # re-measured while the policy drafts. A cost really that high still gets there, OUTLIER x at a time.
         expected = max(self.draft_guess * forwards, self._draft_ratio(forwards))
         self.draft_ratio.add(forwards, min(ratio, OUTLIER * expected))
 

@@ -29,7 +29,7 @@ from draftsmith.models.linear import onednn_linear_available
 ROWS = (1, 2, 4, 8, 16, 32)
 # 1..8: decodes and verifies; 32: so that longer forwards (a draft model's catch-up after plain steps, up to
 # 64 positions) interpolate. Extended past 8 from the 6 -> 8 slope, a noisy table priced the demo target's
-# 59-token forward at 55 ms where it takes 13, and the planner judged an EAGLE-3 probe (whose catch-up that
+# 59-token forward at 55 ms where it takes 13, and the policy judged an EAGLE-3 probe (whose catch-up that
 # prices) not worth running.
 QUERY_LENS = (1, 2, 3, 4, 5, 6, 8, 32)
 CONTEXT = 256  # tokens already in the cache per row: keys the forward attends over
@@ -48,7 +48,7 @@ class ForwardCostTable:
     def estimate(self, rows: int, query_len: int) -> float:
         """Seconds for a forward of `rows` x `query_len`, interpolated (and extrapolated) linearly per axis."""
         cached = self._estimates.get((rows, query_len))
-        if cached is None:  # the planner asks for the same few shapes every step
+        if cached is None:  # the policy asks for the same few shapes every step
             per_row = [_interpolate(self.query_lens, line, query_len) for line in self.seconds]
             cached = self._estimates[rows, query_len] = max(_interpolate(self.rows, per_row, rows), 0.0)
         return cached

@@ -1,4 +1,4 @@
-"""The running estimates the speculation planner (`adaptive`) learns from: a decayed least-squares line, a
+"""The running estimates the speculation policy (`adaptive`) learns from: a decayed least-squares line, a
 multiplicative correction per batch size, and per-slot acceptance rates by draft position."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ LEVELS = (1, 2)
 def shared_with_demo(tmp_path, monkeypatch):
     """A shared folder whose only model is the embedded demo one (the prompts still come from ../shared), and
     a synthetic forward-cost table for it: measuring the real one takes longer than this whole test, and
-    the test checks the matrix, not which k the adaptive planner picks."""
+    the test checks the matrix, not which k the adaptive policy picks."""
     root = tmp_path / "shared"
     (root / "models").mkdir(parents=True)
     (root / "data").symlink_to(shared_path("data", "code-validation.jsonl.xz").parent)

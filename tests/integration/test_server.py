@@ -419,7 +419,7 @@ def test_metrics_parse_and_move(server):
     per_pos = [after[("draftsmith:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),))]
                for p in range(3)]
     assert sum(per_pos) == after[("draftsmith:spec_decode_num_accepted_tokens_total", ())]
-    # the planner's choices: every decode step of the request counted once, by the draft limit it got
+    # the policy's choices: every decode step of the request counted once, by the draft limit it got
     chosen = {labels: v for (name, labels), v in after.items() if name == "draftsmith:spec_decode_chosen_k_total"}
     chosen_before = {labels: v for (name, labels), v in before.items() if name == "draftsmith:spec_decode_chosen_k_total"}
     steps = sum(chosen.values()) - sum(chosen_before.values())

@@ -1,4 +1,4 @@
-"""Adaptive speculation: the planner's k follows the cost model and the acceptance it sees, and speculation
+"""Adaptive speculation: the policy's k follows the cost model and the acceptance it sees, and speculation
 stays lossless (greedy: token for token; sampled: in distribution) whatever k each step takes."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from draftsmith.serve.speculation.adaptive import (
     PROBE_AFTER,
     PROBE_STEPS,
     THIN_EVIDENCE,
-    SpeculationPlanner,
+    AdaptivePolicy,
 )
 from draftsmith.serve.speculation.cost_model import (
     CATCH_UP_HORIZON,
@@ -46,52 +46,52 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40)
 EXPENSIVE, CHEAP = synthetic_table(2.0, unit=0.05), synthetic_table(0.0)
 
 
-def _planner(table, k=4, sequential=False):
+def _policy(table, k=4, sequential=False):
     cost = CostModel(table, sequential_drafts=sequential, drafts_before_plan=not sequential)
-    return SpeculationPlanner(k, num_slots=8, cost=cost)
+    return AdaptivePolicy(k, num_slots=8, cost=cost)
 
 
-def _feed(planner, slots, accepted_each: int, times: int = 10):
+def _feed(policy, slots, accepted_each: int, times: int = 10):
     slots = torch.tensor(slots)
     for _ in range(times):
-        planner.acceptance.observe(slots, torch.full((len(slots),), planner.k), torch.full((len(slots),), accepted_each))
+        policy.acceptance.observe(slots, torch.full((len(slots),), policy.k), torch.full((len(slots),), accepted_each))
 
 
-def _step(planner, slots, limits) -> int:
+def _step(policy, slots, limits) -> int:
     """The width the engine runs this step: 0 while a plan without speculation holds, else a new plan's."""
-    return 0 if planner.held(tuple(slots.tolist())) else planner.plan(slots, limits).width
+    return 0 if policy.held(tuple(slots.tolist())) else policy.plan(slots, limits).width
 
 
-def _settled(planner, slots, limits):
-    """The plan once a change has had its effect: after a plan without speculation the planner holds it
+def _settled(policy, slots, limits):
+    """The plan once a change has had its effect: after a plan without speculation the policy holds it
     for the same rows for PLAIN_HOLD steps before it asks again."""
     for _ in range(PLAIN_HOLD):
-        if not planner.held(tuple(slots.tolist())):
-            return planner.plan(slots, limits)
+        if not policy.held(tuple(slots.tolist())):
+            return policy.plan(slots, limits)
     raise AssertionError(f"a plain plan held longer than PLAIN_HOLD={PLAIN_HOLD} steps")
 
 
 def test_plain_plans_are_held_while_the_batch_does_not_shrink():
-    planner = _planner(EXPENSIVE)
-    _feed(planner, [0, 1], accepted_each=3)
+    policy = _policy(EXPENSIVE)
+    _feed(policy, [0, 1], accepted_each=3)
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
-    assert planner.plan(slots, limits).width == 0
-    planner.cost.table = CHEAP
-    assert [_step(planner, slots, limits) for _ in range(PLAIN_HOLD)] == [0] * (PLAIN_HOLD - 1) + [4]
-    assert planner.metrics()["num_steps_without_speculation"] == PLAIN_HOLD - 1  # held steps are counted
-    planner.cost.table = EXPENSIVE
-    assert planner.plan(slots, limits).width == 0
-    planner.cost.table = CHEAP
-    assert not planner.held((0,))  # fewer rows: planned at once
-    assert planner.plan(torch.tensor([0]), torch.tensor([4])).width == 4
-    planner.cost.table = EXPENSIVE
-    assert planner.plan(slots, limits).width == 0
-    planner.admit(1)  # a new request in a held slot, other slots, more rows: the hold goes on
-    assert planner.held((0, 1)) and planner.held((2, 3)) and planner.held((0, 1, 2))
+    assert policy.plan(slots, limits).width == 0
+    policy.cost.table = CHEAP
+    assert [_step(policy, slots, limits) for _ in range(PLAIN_HOLD)] == [0] * (PLAIN_HOLD - 1) + [4]
+    assert policy.metrics()["num_steps_without_speculation"] == PLAIN_HOLD - 1  # held steps are counted
+    policy.cost.table = EXPENSIVE
+    assert policy.plan(slots, limits).width == 0
+    policy.cost.table = CHEAP
+    assert not policy.held((0,))  # fewer rows: planned at once
+    assert policy.plan(torch.tensor([0]), torch.tensor([4])).width == 4
+    policy.cost.table = EXPENSIVE
+    assert policy.plan(slots, limits).width == 0
+    policy.admit(1)  # a new request in a held slot, other slots, more rows: the hold goes on
+    assert policy.held((0, 1)) and policy.held((2, 3)) and policy.held((0, 1, 2))
 
 
 def _per_token_prices(per_token_cost):
-    """Step prices for a planner: a plain step 1 s, a step of w drafts per_token_cost() s per verified token."""
+    """Step prices for a policy: a plain step 1 s, a step of w drafts per_token_cost() s per verified token."""
     return lambda rows, query_lens, *args: [1.0] + [per_token_cost() * (w + 1) for w in range(1, len(query_lens))]
 
 
@@ -99,13 +99,13 @@ def test_a_hold_survives_a_slightly_smaller_batch():
     """At 16 in flight, the step that prefills a finished request's successor decodes 15 rows: still held (a
     plan for 15 rows would say what the plan for 16 said); a batch HOLD_SHRINK-th smaller or more is
     planned at once."""
-    planner = SpeculationPlanner(4, num_slots=16, cost=CostModel(EXPENSIVE, sequential_drafts=False,
+    policy = AdaptivePolicy(4, num_slots=16, cost=CostModel(EXPENSIVE, sequential_drafts=False,
                                                                   drafts_before_plan=True))
     slots = torch.arange(16)
-    assert planner.plan(slots, torch.full((16,), 4)).width == 0
+    assert policy.plan(slots, torch.full((16,), 4)).width == 0
     kept = 16 - 16 // HOLD_SHRINK
-    assert planner.held(tuple(range(1, 16))) and planner.held(tuple(range(16 - kept, 16)))
-    assert not planner.held(tuple(range(kept - 1)))
+    assert policy.held(tuple(range(1, 16))) and policy.held(tuple(range(16 - kept, 16)))
+    assert not policy.held(tuple(range(kept - 1)))
 
 
 def test_a_close_call_is_held_briefly_a_clear_one_long(monkeypatch):
@@ -113,14 +113,14 @@ def test_a_close_call_is_held_briefly_a_clear_one_long(monkeypatch):
     steps; plain by far (a big batch): after PLAIN_HOLD."""
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
     for per_token_cost, hold in ((1.0, CLOSE_HOLD), (1.6, PLAIN_HOLD)):
-        planner = _planner(CHEAP)
-        _feed(planner, [0, 1], accepted_each=4)  # drafts all accepted: a step of w drafts yields about w + 1
+        policy = _policy(CHEAP)
+        _feed(policy, [0, 1], accepted_each=4)  # drafts all accepted: a step of w drafts yields about w + 1
         # plain: 1 s a step; w drafts: per_token_cost s per verified token, so speculation just misses (1.0)
         # or misses by far (1.6)
-        monkeypatch.setattr(planner.cost, "step_seconds_by_width", _per_token_prices(lambda c=per_token_cost: c))
-        assert planner.plan(slots, limits).width == 0
+        monkeypatch.setattr(policy.cost, "step_seconds_by_width", _per_token_prices(lambda c=per_token_cost: c))
+        assert policy.plan(slots, limits).width == 0
         steps = 1
-        while planner.held((0, 1)):
+        while policy.held((0, 1)):
             steps += 1
         assert steps == hold
 
@@ -128,20 +128,20 @@ def test_a_close_call_is_held_briefly_a_clear_one_long(monkeypatch):
 def test_clear_losses_are_held_longer_each_time(monkeypatch):
     """Plan after plan where speculation loses clearly (a batch too large for it): each hold doubles, up to
     MAX_PLAIN_HOLD, so that planning costs almost nothing; a close call starts over."""
-    planner = _planner(CHEAP)
-    _feed(planner, [0, 1], accepted_each=4)
+    policy = _policy(CHEAP)
+    _feed(policy, [0, 1], accepted_each=4)
     slots, limits, per_token = torch.tensor([0, 1]), torch.tensor([4, 4]), {"cost": 3.0}  # 3.0: not worth a probe
-    monkeypatch.setattr(planner.cost, "step_seconds_by_width", _per_token_prices(lambda: per_token["cost"]))
+    monkeypatch.setattr(policy.cost, "step_seconds_by_width", _per_token_prices(lambda: per_token["cost"]))
 
     def hold() -> int:
-        assert planner.plan(slots, limits).width == 0
+        assert policy.plan(slots, limits).width == 0
         steps = 1
-        while planner.held((0, 1)):
+        while policy.held((0, 1)):
             steps += 1
         return steps
 
     assert [hold() for _ in range(5)] == [PLAIN_HOLD, 2 * PLAIN_HOLD, 4 * PLAIN_HOLD, MAX_PLAIN_HOLD, MAX_PLAIN_HOLD]
-    _feed(planner, [0, 1], accepted_each=4)  # the long holds faded the evidence
+    _feed(policy, [0, 1], accepted_each=4)  # the long holds faded the evidence
     per_token["cost"] = 1.0
     assert hold() == CLOSE_HOLD
     per_token["cost"] = 3.0
@@ -155,24 +155,24 @@ def test_a_step_short_of_drafts_holds_only_where_drafting_rarely_pays(monkeypatc
     slots = torch.arange(8)
     everyone, one_row = torch.full((8,), 4), torch.tensor([4] + [0] * 7)
     for usual, held in ((everyone, False), (one_row, True)):
-        planner = _planner(CHEAP)
-        _feed(planner, list(range(8)), accepted_each=4)
+        policy = _policy(CHEAP)
+        _feed(policy, list(range(8)), accepted_each=4)
         # plain: 1 s; a speculative step: 1 s of overhead plus 0.5 s per mean verified token per row, so all
         # rows drafting 4 (40 tokens in 3.5 s) beats plain (8 in 1 s) and one row alone (12 in 1.75 s) does not
         prices = lambda rows, query_lens, *args: [1.0] + [1.0 + 0.5 * q for q in query_lens[1:]]  # noqa: E731
-        monkeypatch.setattr(planner.cost, "step_seconds_by_width", prices)
+        monkeypatch.setattr(policy.cost, "step_seconds_by_width", prices)
         for _ in range(30):
-            planner.plan(slots, usual)
-        assert planner.plan(slots, one_row).width == 0
-        assert planner.held(tuple(slots.tolist())) == held
+            policy.plan(slots, usual)
+        assert policy.plan(slots, one_row).width == 0
+        assert policy.held(tuple(slots.tolist())) == held
 
 
 def test_held_steps_fade_evidence_as_plain_steps_do():
-    held, stepped = _planner(EXPENSIVE), _planner(EXPENSIVE)
+    held, stepped = _policy(EXPENSIVE), _policy(EXPENSIVE)
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
-    for planner in (held, stepped):
-        _feed(planner, [0, 1], accepted_each=0)
-        assert planner.plan(slots, limits).width == 0
+    for policy in (held, stepped):
+        _feed(policy, [0, 1], accepted_each=0)
+        assert policy.plan(slots, limits).width == 0
     while held.held((0, 1)):
         stepped.acceptance.idle(slots)  # what a plain step that re-plans does
     held.plan(slots, limits)  # applies the held steps' fading in one go
@@ -181,11 +181,11 @@ def test_held_steps_fade_evidence_as_plain_steps_do():
 
 
 def test_planned_plain_steps_fade_evidence_at_the_next_plan():
-    """planner.idle (a plan said plain) defers its fading to the next plan, where it equals fading each step."""
-    lazy, eager = _planner(EXPENSIVE), _planner(EXPENSIVE)
+    """policy.idle (a plan said plain) defers its fading to the next plan, where it equals fading each step."""
+    lazy, eager = _policy(EXPENSIVE), _policy(EXPENSIVE)
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
-    for planner in (lazy, eager):
-        _feed(planner, [0, 1], accepted_each=0)
+    for policy in (lazy, eager):
+        _feed(policy, [0, 1], accepted_each=0)
     for _ in range(5):
         lazy.idle(slots)
         eager.acceptance.idle(slots)
@@ -197,21 +197,21 @@ def test_planned_plain_steps_fade_evidence_at_the_next_plan():
 
 
 def _fed_rates(slots):
-    fresh = _planner(EXPENSIVE)
+    fresh = _policy(EXPENSIVE)
     _feed(fresh, [0, 1], accepted_each=0)
     return fresh.acceptance.rates(slots)
 
 
-def _widths(planner, slots, limits, steps: int) -> list[int]:
-    return [_step(planner, slots, limits) for _ in range(steps)]
+def _widths(policy, slots, limits, steps: int) -> list[int]:
+    return [_step(policy, slots, limits) for _ in range(steps)]
 
 
 def test_long_plain_stretches_are_probed_with_backoff():
-    """Plain steps bring no news about drafting, so a planner kept plain by pessimistic estimates tries
+    """Plain steps bring no news about drafting, so a policy kept plain by pessimistic estimates tries
     speculation again now and then: after PROBE_AFTER plain steps, for PROBE_STEPS steps, each probe that
     does not change its mind doubling the wait; never when speculation is predicted far worse than plain."""
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
-    marginal = _planner(synthetic_table(0.9), sequential=True)
+    marginal = _policy(synthetic_table(0.9), sequential=True)
     _feed(marginal, [0, 1], accepted_each=1)
     widths = _widths(marginal, slots, limits, 1 + PROBE_AFTER + PROBE_STEPS + 2 * PROBE_AFTER + PROBE_STEPS)
     probes = [i for i, w in enumerate(widths) if w]
@@ -219,8 +219,8 @@ def test_long_plain_stretches_are_probed_with_backoff():
     assert probes[:PROBE_STEPS] == list(range(first, first + PROBE_STEPS))
     second = first + PROBE_STEPS + 2 * PROBE_AFTER
     assert probes[PROBE_STEPS:] == list(range(second, second + PROBE_STEPS))[: len(probes) - PROBE_STEPS]
-    # not when speculation is predicted far worse; nor for proposers whose drafting the planner sees each step
-    for hopeless in (_planner(EXPENSIVE, sequential=True), _planner(synthetic_table(1.2))):
+    # not when speculation is predicted far worse; nor for proposers whose drafting the policy sees each step
+    for hopeless in (_policy(EXPENSIVE, sequential=True), _policy(synthetic_table(1.2))):
         _feed(hopeless, [0, 1], accepted_each=1)
         assert not any(_widths(hopeless, slots, limits, 300))
 
@@ -232,7 +232,7 @@ def test_a_method_with_thin_evidence_is_probed_at_its_first_guesses():
     slots, limits = torch.tensor([0]), torch.tensor([4])
     # a verified token costs 0.9 of a decode and a draft a third: at the first guesses one draft gives 0.76x
     # plain decoding's tokens/s (worth a probe), at the rates two rejections leave about 0.5x (not worth one)
-    thin, believed = (_planner(synthetic_table(0.9), sequential=True) for _ in range(2))
+    thin, believed = (_policy(synthetic_table(0.9), sequential=True) for _ in range(2))
     _feed(thin, [0], accepted_each=0, times=2)
     _feed(believed, [0], accepted_each=0, times=THIN_EVIDENCE)
     assert thin.acceptance.evidence() < THIN_EVIDENCE <= believed.acceptance.evidence()
@@ -242,54 +242,54 @@ def test_a_method_with_thin_evidence_is_probed_at_its_first_guesses():
 
 
 def test_k_follows_the_cost_of_verification():
-    planner = _planner(EXPENSIVE)
-    _feed(planner, [0, 1], accepted_each=3)  # good drafts
+    policy = _policy(EXPENSIVE)
+    _feed(policy, [0, 1], accepted_each=3)  # good drafts
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])
-    assert planner.plan(slots, limits).width == 0
-    planner.cost.table = CHEAP
-    assert _settled(planner, slots, limits).width == 4
-    planner.cost.table = EXPENSIVE
-    assert planner.plan(slots, limits).width == 0
+    assert policy.plan(slots, limits).width == 0
+    policy.cost.table = CHEAP
+    assert _settled(policy, slots, limits).width == 4
+    policy.cost.table = EXPENSIVE
+    assert policy.plan(slots, limits).width == 0
 
 
 def test_k_follows_acceptance():
-    planner = _planner(synthetic_table(0.15))
+    policy = _policy(synthetic_table(0.15))
     slots, limits = torch.tensor([0, 1, 2]), torch.tensor([4, 4, 4])
-    _feed(planner, [0, 1, 2], accepted_each=0, times=30)
-    assert planner.plan(slots, limits).width == 0  # nothing gets accepted: don't draft
-    _feed(planner, [0, 1, 2], accepted_each=4, times=30)
-    assert _settled(planner, slots, limits).width == 4
-    _feed(planner, [0, 1, 2], accepted_each=1, times=30)  # only the first draft lands
-    assert planner.plan(slots, limits).width == 1
+    _feed(policy, [0, 1, 2], accepted_each=0, times=30)
+    assert policy.plan(slots, limits).width == 0  # nothing gets accepted: don't draft
+    _feed(policy, [0, 1, 2], accepted_each=4, times=30)
+    assert _settled(policy, slots, limits).width == 4
+    _feed(policy, [0, 1, 2], accepted_each=1, times=30)  # only the first draft lands
+    assert policy.plan(slots, limits).width == 1
 
 
 def test_rows_limits_cap_the_width():
-    planner = _planner(CHEAP)
-    _feed(planner, [0], accepted_each=4)
-    assert planner.plan(torch.tensor([0]), torch.tensor([2])).width == 2
-    assert planner.plan(torch.tensor([0]), torch.tensor([0])).width == 0
+    policy = _policy(CHEAP)
+    _feed(policy, [0], accepted_each=4)
+    assert policy.plan(torch.tensor([0]), torch.tensor([2])).width == 2
+    assert policy.plan(torch.tensor([0]), torch.tensor([0])).width == 0
 
 
 def test_rows_without_drafts_cost_only_their_own_token():
     """The verify forward is packed: one row drafting among eight costs its drafts, not eight rows' worth.
     With each verified token a fifth of a decode, one row drafting 3 at 90% acceptance pays; priced as if every
     row verified 4 tokens it would not."""
-    planner = _planner(synthetic_table(0.2))
+    policy = _policy(synthetic_table(0.2))
     slots = torch.arange(8)
-    _feed(planner, [0], accepted_each=4, times=20)
+    _feed(policy, [0], accepted_each=4, times=20)
     limits = torch.tensor([3, 0, 0, 0, 0, 0, 0, 0])
-    plan = planner.plan(slots, limits)
+    plan = policy.plan(slots, limits)
     assert plan.width == 3
-    padded = planner.cost.step_seconds(8, 3)
-    assert plan.expected_seconds < 0.7 * padded and plan.expected_tokens / padded < 8 / planner.cost.step_seconds(8, 0)
+    padded = policy.cost.step_seconds(8, 3)
+    assert plan.expected_seconds < 0.7 * padded and plan.expected_tokens / padded < 8 / policy.cost.step_seconds(8, 0)
 
 
 def test_sequential_drafting_cost_and_confidence_floor():
     """A proposer that pays per draft step drafts fewer tokens than a free one, and gets a floor > 0."""
-    free, paid = _planner(synthetic_table(0.05)), _planner(synthetic_table(0.05), sequential=True)
+    free, paid = _policy(synthetic_table(0.05)), _policy(synthetic_table(0.05), sequential=True)
     paid.cost.observe_draft(1, 1, 0.6e-3)
-    for planner in (free, paid):
-        _feed(planner, [0], accepted_each=2)  # 0.9-ish at positions 1-2, then 0 at 3
+    for policy in (free, paid):
+        _feed(policy, [0], accepted_each=2)  # 0.9-ish at positions 1-2, then 0 at 3
     plan_free, plan_paid = free.plan(torch.tensor([0]), torch.tensor([4])), paid.plan(torch.tensor([0]), torch.tensor([4]))
     assert plan_paid.width <= plan_free.width and plan_paid.width >= 1
     assert plan_free.stop_below == 0.0 < plan_paid.stop_below < 1.0
@@ -333,7 +333,7 @@ def test_a_block_drafter_is_priced_by_the_targets_forward_of_its_block():
 
 def test_cost_evidence_fades_over_plain_steps():
     """Drafting measured dear (cold starts: a kernel compiled per new shape) is not re-measured while steps
-    stay plain; over plain steps it fades back to the first guess, so the planner tries speculation again."""
+    stay plain; over plain steps it fades back to the first guess, so the policy tries speculation again."""
     cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
     guess = cost.draft(4, 3)
     for _ in range(30):
@@ -371,7 +371,7 @@ def test_catch_up_cost_is_learned_per_query_token():
 
 
 def test_a_plan_prices_every_width_as_step_seconds_does():
-    """The planner prices all widths in one call: the same seconds as pricing each on its own, with every
+    """The policy prices all widths in one call: the same seconds as pricing each on its own, with every
     part learned (decode and verify scales, drafting, host work, corrections, a catch-up)."""
     for sequential, before in ((True, False), (False, True)):
         cost = CostModel(synthetic_table(0.3), sequential_drafts=sequential, drafts_before_plan=before)
@@ -456,7 +456,7 @@ def test_an_engines_first_steps_teach_the_cost_model_nothing():
 
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
-    engine, cost = llm.engine, llm.engine.planner.cost
+    engine, cost = llm.engine, llm.engine.policy.cost
     cost.table, cost.live_scaling = CHEAP, False  # so that it speculates too
     timed, speculated = [], []
     cost.observe_forward = lambda rows, query_len, seconds, decay=0.95: timed.append(query_len)
@@ -481,27 +481,18 @@ def test_resuming_after_a_pause_is_priced():
     """Drafting pays for a row with good acceptance; a row that must first feed the draft model 30 positions it
     missed while speculation was off pays for that catch-up (spread over the steps it serves), and does not
     resume when the catch-up is long enough."""
-    planner = _planner(synthetic_table(0.3), sequential=True)
-    _feed(planner, [0], accepted_each=4)
+    policy = _policy(synthetic_table(0.3), sequential=True)
+    _feed(policy, [0], accepted_each=4)
     slots, limits = torch.tensor([0]), torch.tensor([4])
-    steady, resuming = planner.plan(slots, limits), planner.plan(slots, limits, catch_up=(1, 30))
+    steady, resuming = policy.plan(slots, limits), policy.plan(slots, limits, catch_up=(1, 30))
     assert steady.width == resuming.width == 4
     assert resuming.expected_seconds > steady.expected_seconds
-    assert planner.plan(slots, limits, catch_up=(1, 400)).width == 0
+    assert policy.plan(slots, limits, catch_up=(1, 400)).width == 0
     # the catch-up is a forward of its own for the rows that need it: more of them cost more
     many = torch.arange(8)
-    _feed(planner, list(range(8)), accepted_each=4)
-    one, all_ = (planner.plan(many, torch.full((8,), 4), catch_up=(n, 30)) for n in (1, 8))
+    _feed(policy, list(range(8)), accepted_each=4)
+    one, all_ = (policy.plan(many, torch.full((8,), 4), catch_up=(n, 30)) for n in (1, 8))
     assert all_.expected_seconds > one.expected_seconds
-
-
-def test_fixed_k_and_vllm_batch_size_table():
-    fixed = SpeculationPlanner(4, 8, cost=None, adaptive=False)
-    assert fixed.plan(torch.tensor([0]), torch.tensor([4])).width == 4
-    table = SpeculationPlanner(4, 8, cost=None, per_batch_size=[(1, 2, 3), (3, 4, 1), (5, 8, 0)])
-    assert not table.adaptive
-    widths = [table.plan(torch.arange(b), torch.full((b,), 4)).width for b in (1, 2, 3, 4, 5, 8)]
-    assert widths == [3, 3, 1, 1, 0, 0]
 
 
 def test_acceptance_counts_each_position_reached():
@@ -545,9 +536,9 @@ def test_engine_k_falls_to_zero_and_rises_again(reference_ids):
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
     engine = llm.engine
     # the synthetic tables alone price forwards: live timings would correct their shape toward this CPU's
-    engine.planner.cost.live_scaling = False
+    engine.policy.cost.live_scaling = False
     for table, speculates in ((EXPENSIVE, False), (CHEAP, True), (EXPENSIVE, False)):
-        engine.planner.cost.table = table
+        engine.policy.cost.table = table
         engine.reset_metrics()
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # 5 prompts on 3 slots: mixed batches
         assert [o.outputs[0].token_ids for o in outputs] == reference_ids
@@ -571,15 +562,15 @@ def test_eagle_rows_resume_drafting_after_held_steps(reference_ids):
     config = SERVABLE_CONFIGS["eagle3"](None) | {"num_speculative_tokens": 3}
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
     engine = llm.engine
-    engine.planner.cost.live_scaling = False
-    engine.planner.confidence_floor = False
-    held, is_held = [], engine.planner.held
-    engine.planner.held = lambda slots: held.append(is_held(slots)) or held[-1]
+    engine.policy.cost.live_scaling = False
+    engine.policy.confidence_floor = False
+    held, is_held = [], engine.policy.held
+    engine.policy.held = lambda slots: held.append(is_held(slots)) or held[-1]
     order = {engine.add_request(llm.encode(p)[1], GREEDY).request_id: i for i, p in enumerate(PROMPTS)}
     outputs, step, phases, collector = [None] * len(PROMPTS), 0, [], OutputCollector()
     while engine.has_unfinished_requests():
         if step % 12 == 0:  # alternate: plain (held) stretches, then speculation over the same requests
-            engine.planner.cost.table = EXPENSIVE if step % 24 == 0 else CHEAP
+            engine.policy.cost.table = EXPENSIVE if step % 24 == 0 else CHEAP
             phases.append(dict(engine.spec_metrics.as_dict()))
         for out in collector.add_all(engine.step()):
             if out.finished:
@@ -632,26 +623,26 @@ def test_every_servable_method_is_covered():
 def test_greedy_equality_with_adaptive_k(method, reference_ids, tmp_path_factory):
     config = {"num_speculative_tokens": 4, **SERVABLE_CONFIGS[method](tmp_path_factory)}
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
-    # verification made nearly free, so the planner drafts and k varies with what each request accepts
-    llm.engine.planner.cost.table = synthetic_table(0.02)
-    llm.engine.planner.cost.live_scaling = False
-    llm.engine.planner.confidence_floor = False  # the random EAGLE head is never confident
+    # verification made nearly free, so the policy drafts and k varies with what each request accepts
+    llm.engine.policy.cost.table = synthetic_table(0.02)
+    llm.engine.policy.cost.live_scaling = False
+    llm.engine.policy.confidence_floor = False  # the random EAGLE head is never confident
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference_ids
     m = llm.get_metrics()
-    assert llm.engine.planner.adaptive and m["num_drafts"] > 0
+    assert llm.engine.policy.needs_timing and m["num_drafts"] > 0
 
 
 @pytest.mark.slow
 def test_seeded_sampling_is_the_same_with_and_without_adaptive_speculation():
     """Deterministic drafts are verified against the token plain sampling draws at that position, so a seeded
-    request samples the same text whatever k the planner picks (and with no speculation at all)."""
+    request samples the same text whatever k the policy picks (and with no speculation at all)."""
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=32) for s in range(len(PROMPTS))]
     plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     spec = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=config)
-    spec.engine.planner.cost.table = CHEAP
-    spec.engine.planner.cost.live_scaling = False
+    spec.engine.policy.cost.table = CHEAP
+    spec.engine.policy.cost.live_scaling = False
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params, use_tqdm=False)] == expected
     assert spec.get_metrics()["num_accepted_tokens"] > 0
@@ -663,13 +654,13 @@ DIST_PROMPT = "import numpy as np\n\n\ndef "
 
 @pytest.mark.slow
 def test_sampled_drafts_with_adaptive_k_follow_the_target_distribution():
-    """EAGLE-3 sampled drafting under the planner: the second sampled token, after the most common first
+    """EAGLE-3 sampled drafting under the policy: the second sampled token, after the most common first
     one, is distributed as the target says, whichever of plain sampling or verification produced it."""
     config = {"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"), "num_speculative_tokens": 2,
               "draft_sample_method": "probabilistic"}
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=8, max_model_len=64, speculative_config=config)
-    llm.engine.planner.cost.table = CHEAP
-    llm.engine.planner.cost.live_scaling = False
+    llm.engine.policy.cost.table = CHEAP
+    llm.engine.policy.cost.live_scaling = False
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(TRIALS)]
     outputs = [o.outputs[0].token_ids for o in llm.generate([DIST_PROMPT] * TRIALS, params, use_tqdm=False)]
     m = llm.get_metrics()

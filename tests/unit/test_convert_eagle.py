@@ -328,7 +328,7 @@ def test_unknown_layouts_ask_for_from(tmp_path, capsys):
 def test_converted_heads_keep_greedy_outputs(build, method, tmp_path, greedy_reference):
     assert convert(build(tmp_path / "src"), tmp_path / "head", "--target", DEMO_MODEL) == 0
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-              # fixed k: these heads are random, so the adaptive planner may rightly stop drafting with them
+              # fixed k: these heads are random, so the adaptive policy may rightly stop drafting with them
               speculative_config={"method": method, "model": str(tmp_path / "head"), "num_speculative_tokens": 3,
                                   "adaptive": False})
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)

@@ -133,7 +133,7 @@ def test_adaptive_dflash_keeps_greedy_equality(demo_target, tmp_path, greedy_ref
     from helpers import make_speculation_pay
 
     llm = _serve(_save(_random_head(demo_target, seed=1), tmp_path / "head"), adaptive=True)
-    cost = llm.engine.planner.cost  # a draft forward priced as the target's of a block (5 a row), 2 layers of 6
+    cost = llm.engine.policy.cost  # a draft forward priced as the target's of a block (5 a row), 2 layers of 6
     assert cost.draft_query_len == 5 and cost.draft_guess == pytest.approx(2 / 6)
     make_speculation_pay(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
@@ -380,7 +380,7 @@ def test_a_request_that_never_drafts_never_projects_its_plain_steps(monkeypatch)
     """Kept plain steps are projected only when drafting needs them: while no step speculates (k = 0 at every
     batch size), the context written is the prompts' alone, though new requests join beside rows with kept
     steps (3 requests, 2 slots). Projected at each prefill, the demo model at 8 in flight lost 7% to a head
-    the planner kept off."""
+    the policy kept off."""
     from draftsmith.methods.dflash.proposer import DFlashProposer
 
     written = []

@@ -20,7 +20,7 @@ VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_outp
 
 def _serves_losslessly(head_dir, greedy_reference) -> None:
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-              # fixed k: random heads, which the adaptive planner may rightly stop drafting with
+              # fixed k: random heads, which the adaptive policy may rightly stop drafting with
               speculative_config={"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3,
                                   "adaptive": False})
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)

@@ -311,7 +311,7 @@ def test_observe_accumulates_until_propose(models, monkeypatch):
     assert proposer.pending_len[:2] == [width, width]
     # the newest W verified positions are pending: the last one is the row's second-to-last token
     assert proposer.context_start[:2] == [r.num_tokens - 1 - width for r in rows]
-    assert proposer.catch_up(rows) == (2, width - (K + 1))  # what the planner prices
+    assert proposer.catch_up(rows) == (2, width - (K + 1))  # what the policy prices
     drafts = proposer.propose(rows, [K, K])
     check_against_reference(proposer, rows, [K, K], drafts)
 
@@ -382,7 +382,7 @@ def test_plain_steps_kept_for_later_replay_as_if_observed(models, monkeypatch):
     """Plain steps handed over by reference (`observe_later`) are built and observed only when drafting
     resumes: a stretch shorter than the buffer, then one that overflows the kept steps (the oldest dropped;
     the context restarts after the gap, as the ring keeps no more anyway), with a row released and its slot
-    reused in between. The planner's catch-up estimate is right before the replay, and the next propose
+    reused in between. The policy's catch-up estimate is right before the replay, and the next propose
     drafts what the per-row reference drafts from the same context."""
     monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
     gen = torch.Generator().manual_seed(5)

@@ -86,7 +86,7 @@ def test_greedy_equality_with_random_head(kind, draft_dtype, target, tmp_path, g
     target: EAGLE-1 reads out through the target's float32 LM head)."""
     _random_head(kind, target, tmp_path)
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-              # fixed k: a random head's drafts are rarely accepted, so the adaptive planner may stop drafting
+              # fixed k: a random head's drafts are rarely accepted, so the adaptive policy may stop drafting
               speculative_config={"method": kind, "model": str(tmp_path), "num_speculative_tokens": 3,
                                   "adaptive": False, "draft_dtype": draft_dtype})
     expected = getattr(torch, draft_dtype)

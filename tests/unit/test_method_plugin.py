@@ -154,7 +154,7 @@ def reference_ids():
 
 @pytest.mark.slow
 def test_toy_method_serves_through_llm_losslessly(toy_head, reference_ids):
-    # fixed k: the adaptive planner would soon stop drafting with a head this weak (few drafts are accepted)
+    # fixed k: the adaptive policy would soon stop drafting with a head this weak (few drafts are accepted)
     spec = {"method": "toy_bigram", "model": str(toy_head), "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256, speculative_config=spec)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # 3 prompts on 2 slots: mixed batches
@@ -181,7 +181,7 @@ def test_toy_method_through_generate_cli(toy_head, reference_ids, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     spec = json.dumps({"method": "toy_bigram", "model": str(toy_head), "num_speculative_tokens": 2,
-                       "adaptive": False})  # fixed k: with a head this weak the planner may rightly not draft
+                       "adaptive": False})  # fixed k: with a head this weak the policy may rightly not draft
     argv = ["generate", "--model", str(DEMO_MODEL), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"),
             "--max-tokens", "32", "--temperature", "0", "--device", "cpu", "--max-model-len", "256",
             "--metrics-json", str(tmp_path / "m.json"), "--speculative-config", spec]

@@ -29,6 +29,7 @@ def test_vllm_prompt_lookup_defaults_and_mirroring():
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "only 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}, "synthetic_acceptance_rate"),
     ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "fast"}, "rejection_sample_method"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_configs_are_one_clear_error(config, message):

@@ -71,7 +71,7 @@ class DFlashProposer(Proposer):
     def observe_later(self, rows: Sequence[RowState], starts: list[int], hidden_states) -> bool:
         """Keeps a plain step's hidden states (one position a row) and projects them with the next drafting or
         verified step's, in one batch: projected step by step, a plain step at 8 rows paid 0.66 ms of context
-        projection (15% of the step) while the planner kept speculation off (demo, 8 in flight). Only drafting,
+        projection (15% of the step) while the policy kept speculation off (demo, 8 in flight). Only drafting,
         a verified step of a row with kept positions, or MAX_LATER kept steps project them: a request that
         finishes before then never pays for a context it never drafts from."""
         slots = [r.slot for r in rows]

@@ -113,7 +113,7 @@ class DraftModelProposer(Proposer):
             self.fed[row.slot] += tokens[kept:]
             self.checked[row.slot] = len(tokens)
         q_lens = [len(t) for t in news]
-        steady = max(q_lens) <= self.k + 1  # a prompt's catch-up is a one-off the planner prices apart
+        steady = max(q_lens) <= self.k + 1  # a prompt's catch-up is a one-off the policy prices apart
         if self.pard_token is not None:
             self._propose_parallel(active, slots, starts, news, limits, width, generators, temperature,
                                    tokens_out, probs_out)

@@ -10,7 +10,7 @@ entries: nothing is copied.
 The pending buffer is a ring `[max_num_seqs, W, F]` (position p in column p mod W), W at most MAX_PENDING,
 not max_model_len wide: a whole prompt of EAGLE-3 features (3 x hidden each) for every slot would cost
 hundreds of MB. A row whose pending positions would outgrow W (a prompt, or a long stretch of steps the
-planner ran without speculation) keeps the newest W, and the head's context starts at the first of them
+policy ran without speculation) keeps the newest W, and the head's context starts at the first of them
 (`context_start`; its attention masks keys before it). So a prompt costs the head at most W positions, paid
 at the first propose, and nothing at all while speculation stays off (running the head over whole prompts
 had made 16 prompts' prefill 0.55 s instead of 0.34); on the demo EAGLE-3 head, W = 64 moved the mean
@@ -122,7 +122,7 @@ class EagleFamilyProposer(Proposer):
 
     def observe_later(self, rows: Sequence[RowState], starts: list[int], hidden_states) -> bool:
         """Keeps a plain decode step's hidden states (one position per row) by reference and builds their
-        features only when drafting needs them: while the planner keeps speculation off, the cat and the
+        features only when drafting needs them: while the policy keeps speculation off, the cat and the
         ring scatter of every step (about 4% of a plain step at 8 rows) are skipped, and steps older than
         the ring's width are never built at all."""
         if self.pending is None:  # the first observe sizes the ring

@@ -1,0 +1,74 @@
+"""Speculation policies as the engine sees them: `make_policy` resolves one from the config, each declares what
+it needs (timings, a cost model), and vLLM's `disable_by_batch_size` turns speculation off above a batch size
+under either policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.speculation.adaptive import AdaptivePolicy
+from draftsmith.serve.speculation.config import parse_speculative_config
+from draftsmith.serve.speculation.cost_model import CostModel
+from draftsmith.serve.speculation.policy import FixedPolicy, make_policy
+from helpers import CODE_PROMPTS, DEMO_MODEL, REPO, synthetic_table
+
+EAGLE3_HEAD = REPO / "assets" / "demo-code-7m-eagle3"
+
+
+class _Proposer:
+    """What `make_policy` reads of a proposer to price its drafting."""
+
+    sequential, propose_first, draft_query_len, draft_cost_guess = True, False, 1, None
+
+
+def _policy(config: dict):
+    return make_policy(parse_speculative_config(config), _Proposer(), 4, synthetic_table(0.1), None)
+
+
+def test_the_config_picks_the_policy_and_the_policy_declares_its_needs():
+    adaptive = _policy({"method": "ngram", "num_speculative_tokens": 4})  # the product default
+    fixed = _policy({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    table = _policy({"method": "ngram", "num_speculative_tokens": 4,
+                     "num_speculative_tokens_per_batch_size": [[1, 2, 3]]})
+    assert adaptive.needs_timing and adaptive.cost is not None
+    for policy in (fixed, table):
+        assert not policy.needs_timing and policy.cost is None
+
+
+def test_fixed_k_and_vllm_batch_size_table():
+    fixed = FixedPolicy(4)
+    assert fixed.plan(torch.tensor([0]), torch.tensor([4])).width == 4
+    assert fixed.plan(torch.tensor([0, 1]), torch.tensor([2, 1])).width == 2  # no row can draft more
+    table = FixedPolicy(4, per_batch_size=[(1, 2, 3), (3, 4, 1), (5, 8, 0)])
+    widths = [table.plan(torch.arange(b), torch.full((b,), 4)).width for b in (1, 2, 3, 4, 5, 8)]
+    assert widths == [3, 3, 1, 1, 0, 0]
+    assert [table.may_draft(b) for b in (4, 5)] == [True, False]
+
+
+def test_disable_by_batch_size_turns_speculation_off_above_it_under_either_policy():
+    fixed = FixedPolicy(4, disable_by_batch_size=2)
+    assert [fixed.plan(torch.arange(b), torch.full((b,), 4)).width for b in (1, 2, 3, 8)] == [4, 4, 0, 0]
+    adaptive = AdaptivePolicy(4, 8, CostModel(synthetic_table(0.0), sequential_drafts=True, drafts_before_plan=False),
+                              disable_by_batch_size=2)
+    assert not adaptive.held((0, 1)) and adaptive.plan(torch.arange(2), torch.full((2,), 4)).width > 0
+    assert adaptive.held((0, 1, 2)) and adaptive.plan(torch.arange(3), torch.full((3,), 4)).width == 0
+    assert adaptive.metrics()["num_steps_without_speculation"] == 1  # the held step is counted
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_an_engine_decodes_batches_above_disable_by_batch_size_plainly(target, greedy_reference, adaptive):
+    config = {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": 3,
+              "disable_by_batch_size": 2, "adaptive": adaptive}
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
+              speculative_config=config)
+    if adaptive:  # verifying priced free, so that below the limit it drafts whatever this machine's speed
+        llm.engine.policy.cost.table, llm.engine.policy.cost.live_scaling = synthetic_table(0.0), False
+        llm.engine.policy.confidence_floor = False
+    steps, account = [], llm.engine._account
+    llm.engine._account = lambda rows, width, *args: steps.append((len(rows), width)) or account(rows, width, *args)
+    outputs = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference
+    assert all(width == 0 for rows, width in steps if rows > 2) and any(rows > 2 for rows, _ in steps)
+    assert any(width > 0 for rows, width in steps if rows <= 2)

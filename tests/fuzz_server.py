@@ -25,10 +25,11 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import spec_config  # tests/ is on sys.path: this script's folder, or pytest's pythonpath
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "assets" / "demo-code-7m"
-EAGLE3 = {"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"), "num_speculative_tokens": 4,
-          "adaptive": False}
+EAGLE3 = spec_config("eagle3", REPO / "assets" / "demo-code-7m-eagle3", 4)
 SERVER_KWARGS = {"model": str(DEMO_MODEL), "dtype": "float32", "device": "cpu", "max_num_seqs": 4,
                  "max_model_len": 64, "speculative_config": json.dumps(EAGLE3)}  # a short context bounds the cost
 CANARY_PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"

@@ -136,6 +136,21 @@ def tiny_recipe(target: Path, data: Path, output: Path, head_type: str = "eagle3
     return recipe
 
 
+def spec_config(method: str, model: str | Path | None = None, k: int | None = None, *, adaptive: bool = False,
+                **keys) -> dict:
+    """A `--speculative-config` dict for a test: `method`, its `model` and `k` (num_speculative_tokens; either
+    omitted where None) and any other `keys`, under the fixed policy (every step drafts up to k) unless the test
+    asks for `adaptive`, the product default, which drafts only where its cost model says drafting pays: on a
+    slow or busy machine it may draft nothing, and a test that needs drafts would then prove nothing. The
+    policy is always written, so the JSON of the dict handed to a server or CLI subprocess says it too."""
+    config: dict = {"method": method}
+    if model is not None:
+        config["model"] = str(model)
+    if k is not None:
+        config["num_speculative_tokens"] = k
+    return config | keys | {"adaptive": adaptive}
+
+
 ROWS, QUERY_LENS = [1, 2, 4, 8], [1, 2, 3, 4, 5, 6, 8]
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftsmith.serve import LLM
-from helpers import DEMO_MODEL, greedy_token_ids
+from helpers import DEMO_MODEL, greedy_token_ids, spec_config
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                    reason="needs a CUDA device: `make gpu-check` runs it on a GPU")]
@@ -18,10 +18,9 @@ DFLASH_HEAD = DEMO_MODEL.parent / "demo-code-7m-dflash"
 STATIC_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]"
 # adaptive off: the cost model of a fast GPU could keep every step plain, and these runs must draft
 SPECULATION = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-              "adaptive": False},
-    "eagle3": {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": 4, "adaptive": False},
-    "dflash": {"method": "dflash", "model": str(DFLASH_HEAD), "num_speculative_tokens": 8, "adaptive": False},
+    "ngram": spec_config("ngram", k=4, prompt_lookup_max=4, prompt_lookup_min=2),
+    "eagle3": spec_config("eagle3", EAGLE3_HEAD, 4),
+    "dflash": spec_config("dflash", DFLASH_HEAD, 8),
     # a static tree is verified whole: adaptive is off by itself
     "eagle3-tree": {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": 9,
                     "speculative_token_tree": STATIC_TREE},

@@ -15,7 +15,7 @@ import pytest
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.openai.cli import build_process_server_app, server_in_thread
-from helpers import DEMO_MODEL, REPO
+from helpers import DEMO_MODEL, REPO, spec_config
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 KWARGS = {"model": str(DEMO_MODEL), "dtype": "float32", "device": "cpu", "max_num_seqs": 4, "max_model_len": 256,
@@ -32,8 +32,7 @@ def test_answers_and_logprobs_with_eagle3_equal_plain_decoding_with_samples_and_
     drafts) answers what a plain engine does, logprobs included."""
     reference = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256)
     want = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, logprobs=2), use_tqdm=False)[0]
-    eagle3 = json.dumps({"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"),
-                         "num_speculative_tokens": 4, "adaptive": False})
+    eagle3 = json.dumps(spec_config("eagle3", REPO / "assets" / "demo-code-7m-eagle3", 4))
     app = build_process_server_app({**KWARGS, "speculative_config": eagle3}, "demo")
     with server_in_thread(app) as url:
         engine = app.state.engine

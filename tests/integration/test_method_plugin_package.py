@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import CODE_PROMPTS, DEMO_MODEL, write_code_corpus
+from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config, write_code_corpus
 
 PACKAGE = {
     "toy_plugin/__init__.py": "",
@@ -177,14 +177,14 @@ PACKAGE = {
 SERVE = """
 import json, sys
 from draftsmith.serve import LLM, SamplingParams
-prompts, head, model = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+prompts, model, spec_config = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 params = SamplingParams(temperature=0, max_tokens=24)
 def run(config):
     llm = LLM(model, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256, speculative_config=config)
     ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     return ids, llm.get_metrics().get("num_draft_tokens", 0)
 plain, _ = run(None)
-spec, drafted = run({"method": "toy_bigram", "model": head, "num_speculative_tokens": 3, "adaptive": False})
+spec, drafted = run(spec_config)
 print(json.dumps({"plain": plain, "spec": spec, "drafted": drafted}))
 """
 
@@ -219,8 +219,9 @@ def test_a_plugin_method_trains_converts_and_serves(tmp_path):
     assert "detected toy_bigram_foreign" in out
 
     env = {**os.environ, "PYTHONPATH": str(site)}
-    served = subprocess.run([sys.executable, "-c", SERVE, json.dumps(CODE_PROMPTS[:2]), str(tmp_path / "native"),
-                             str(DEMO_MODEL)], capture_output=True, text=True, env=env)
+    spec = json.dumps(spec_config("toy_bigram", tmp_path / "native", 3))
+    served = subprocess.run([sys.executable, "-c", SERVE, json.dumps(CODE_PROMPTS[:2]), str(DEMO_MODEL), spec],
+                            capture_output=True, text=True, env=env)
     assert served.returncode == 0, served.stderr[-3000:]
     result = json.loads(served.stdout.strip().splitlines()[-1])
     assert result["spec"] == result["plain"]

@@ -30,12 +30,11 @@ from draftsmith.serve.openai.cli import (
     free_port,
     server_in_thread,
 )
-from helpers import DEMO_MODEL, REPO
+from helpers import DEMO_MODEL, REPO, spec_config
 
 KEY = "reliability-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-EAGLE3 = json.dumps({"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"),
-                     "num_speculative_tokens": 4, "adaptive": False})
+EAGLE3 = json.dumps(spec_config("eagle3", REPO / "assets" / "demo-code-7m-eagle3", 4))
 KWARGS = {"model": str(DEMO_MODEL), "dtype": "float32", "device": "cpu", "max_num_seqs": 4, "max_model_len": 256,
           "speculative_config": EAGLE3}
 CANARY = "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa"

@@ -31,7 +31,7 @@ from draftsmith.serve.speculation.cost_model import (
     CostModel,
 )
 from draftsmith.serve.speculation.estimators import AcceptanceStats, ScaleByBatch
-from helpers import DEMO_MODEL, REPO, random_mlp_speculator, synthetic_table
+from helpers import DEMO_MODEL, REPO, random_mlp_speculator, spec_config, synthetic_table
 
 PROMPTS = [
     "x = 1\ny = 2\nz = 3\nx = 1\ny = ",
@@ -583,7 +583,7 @@ def test_eagle_rows_resume_drafting_after_held_steps(reference_ids):
                for a, b in zip(phases[1::2], phases[2::2])]  # the cheap stretches, each after a held one
     accepted, drafted = map(sum, zip(*resumed))
     fixed = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-                speculative_config=config | {"adaptive": False})
+                speculative_config=spec_config(**config))
     fixed.generate(PROMPTS, GREEDY, use_tqdm=False)
     m = fixed.get_metrics()
     assert drafted > 0 and accepted / drafted > 0.85 * m["num_accepted_tokens"] / m["num_draft_tokens"]

@@ -13,7 +13,7 @@ from draftsmith.cli import build_parser
 from draftsmith.methods.formats.checkpoint import SourceCheckpoint
 from draftsmith.methods.formats.registry import detect_source, load_formats
 from draftsmith.serve import LLM, SamplingParams
-from helpers import CODE_PROMPTS, DEMO_MODEL
+from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config
 
 convert, native, source_tensors = pub.convert, pub.read_native, pub.source_tensors
 
@@ -329,8 +329,7 @@ def test_converted_heads_keep_greedy_outputs(build, method, tmp_path, greedy_ref
     assert convert(build(tmp_path / "src"), tmp_path / "head", "--target", DEMO_MODEL) == 0
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
               # fixed k: these heads are random, so the adaptive policy may rightly stop drafting with them
-              speculative_config={"method": method, "model": str(tmp_path / "head"), "num_speculative_tokens": 3,
-                                  "adaptive": False})
+              speculative_config=spec_config(method, tmp_path / "head", 3))
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0

@@ -18,7 +18,15 @@ from draftsmith.models.rope import apply_rope
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.train.recipe import validate_recipe
 from draftsmith.train.trainer import train
-from helpers import CODE_PROMPTS, DEMO_MODEL, REPO, recorded_draft_forwards, tiny_recipe, write_code_corpus
+from helpers import (
+    CODE_PROMPTS,
+    DEMO_MODEL,
+    REPO,
+    recorded_draft_forwards,
+    spec_config,
+    tiny_recipe,
+    write_code_corpus,
+)
 
 SHIPPED = REPO / "assets" / "demo-code-7m-dflash"
 
@@ -111,12 +119,11 @@ def _save(head, directory):
     return directory
 
 
-def _serve(head_dir, k=4, adaptive=False, engine: dict | None = None, **extra):
+def _serve(head_dir, k=4, engine: dict | None = None, **extra):
     """An engine drafting with the DFlash head in `head_dir`; `engine`: LLM arguments over the defaults (a
     device, a target to share)."""
     engine = {"dtype": "float32", "device": "cpu", "max_num_seqs": 3, "max_model_len": 256, **(engine or {})}
-    return LLM(DEMO_MODEL, speculative_config={"method": "dflash", "model": str(head_dir), "num_speculative_tokens": k,
-                                               "adaptive": adaptive, "draft_dtype": "float32", **extra}, **engine)
+    return LLM(DEMO_MODEL, speculative_config=spec_config("dflash", head_dir, k, draft_dtype="float32", **extra), **engine)
 
 
 @pytest.mark.slow

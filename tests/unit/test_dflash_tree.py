@@ -19,6 +19,7 @@ from helpers import (
     assert_samples_as_plain,
     greedy_acceptance_lengths,
     recorded_draft_forwards,
+    spec_config,
 )
 
 SHIPPED = REPO / "assets" / "demo-code-7m-dflash"
@@ -81,7 +82,7 @@ def test_a_static_tree_holds_the_ranks_it_names():
 
 
 def _spec(**keys):
-    return {"method": "dflash", "model": str(SHIPPED), "draft_dtype": "float32", **keys}
+    return spec_config("dflash", SHIPPED, draft_dtype="float32", **keys)
 
 
 def _llm(target, **keys):
@@ -105,15 +106,15 @@ def test_block_trees_decode_what_plain_decoding_does_and_accept_more(target, gre
     for the block's chain, a whole dynamic tree, one sized each step by the cost model and a static tree; the
     whole dynamic tree accepts more per step than the chain."""
     lengths = greedy_acceptance_lengths(lambda **keys: _llm(target, **keys), [
-        {"num_speculative_tokens": 8, "adaptive": False},
-        {"num_speculative_tokens": 16, "tree_depth": 8, "tree_top_k": 3, "adaptive": False},
-        {"num_speculative_tokens": 16, "tree_depth": 8, "tree_top_k": 3},
+        {"k": 8},
+        {"k": 16, "tree_depth": 8, "tree_top_k": 3},
+        {"k": 16, "tree_depth": 8, "tree_top_k": 3, "adaptive": True},
         {"num_speculative_tokens": 8, "speculative_token_tree": STATIC_TREE}], greedy_reference)
     assert lengths[1] > lengths[0] + 0.2
 
 
 def test_block_trees_sample_what_plain_decoding_samples(target):
-    llm = _llm(target, num_speculative_tokens=12, tree_depth=6, tree_top_k=2, adaptive=False)
+    llm = _llm(target, k=12, tree_depth=6, tree_top_k=2)
     forwards = recorded_draft_forwards(llm)
     assert_samples_as_plain(target, llm)
     assert max(forwards) == 1  # the whole tree from one block forward

@@ -13,13 +13,13 @@ from helpers import (
     flattened_demo_copy,
     make_tiny_checkpoint,
     make_tiny_target_with_tokenizer,
+    spec_config,
 )
 
 
-def _serve(draft_dir, k=4, adaptive=False, max_num_seqs=3):
+def _serve(draft_dir, k=4, max_num_seqs=3, **keys):
     return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=max_num_seqs, max_model_len=256,
-               speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k,
-                                   "adaptive": adaptive})
+               speculative_config=spec_config("draft_model", draft_dir, k, **keys))
 
 
 def test_the_target_drafting_for_itself_is_accepted_almost_always(greedy_reference):
@@ -57,8 +57,7 @@ def test_seeded_sampled_drafts_repeat_alone_and_batched(tmp_path):
     batch (fixed k)."""
     draft = flattened_demo_copy(tmp_path)
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-              speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
-                                  "adaptive": False, "draft_sample_method": "probabilistic"})
+              speculative_config=spec_config("draft_model", draft, 3, draft_sample_method="probabilistic"))
     params = [SamplingParams(temperature=0.8, seed=s, max_tokens=n) for s, n in enumerate((17, 22, 26))]
     batched = [o.outputs[0].token_ids for o in llm.generate(CODE_PROMPTS[:3], params, use_tqdm=False)]
     alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(CODE_PROMPTS, params)]
@@ -76,8 +75,7 @@ def test_rows_at_the_end_of_the_context_draft_no_further(greedy_reference):
     prompts, params = [long, *CODE_PROMPTS[:2]], SamplingParams(temperature=0, max_tokens=40)
     reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert len(reference[0]) == 12  # it ran into max_model_len
-    llm = LLM(DEMO_MODEL, **kwargs, speculative_config={"method": "draft_model", "model": str(DEMO_MODEL),
-                                                          "num_speculative_tokens": 4, "adaptive": False})
+    llm = LLM(DEMO_MODEL, **kwargs, speculative_config=spec_config("draft_model", DEMO_MODEL, 4))
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == reference
 

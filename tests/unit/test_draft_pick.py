@@ -9,7 +9,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.methods import draft_pick_triton as kernel
 from draftsmith.methods.draft_pick_reference import greedy_pick_reference
 from draftsmith.serve import LLM
-from helpers import DEMO_MODEL, KERNEL_DEVICE, greedy_token_ids, triton_kernel_marks
+from helpers import DEMO_MODEL, KERNEL_DEVICE, greedy_token_ids, spec_config, triton_kernel_marks
 
 pytestmark = triton_kernel_marks(kernel)
 
@@ -54,8 +54,7 @@ def test_eagle3_engine_drafts_through_the_kernel(monkeypatch, kernel_target, ker
     calls = []
     real = kernel.greedy_pick
     monkeypatch.setattr(kernel, "greedy_pick", lambda *a: calls.append(a[0].shape) or real(*a))
-    spec = {"method": "eagle3", "model": str(DEMO_MODEL.parent / "demo-code-7m-eagle3"), "num_speculative_tokens": 4,
-            "adaptive": False}
+    spec = spec_config("eagle3", DEMO_MODEL.parent / "demo-code-7m-eagle3", 4)
 
     def run():
         llm = LLM(DEMO_MODEL, dtype="float32", device=KERNEL_DEVICE, max_num_seqs=3, max_model_len=256,

@@ -13,7 +13,7 @@ from draftsmith.methods import load_head, resolve_method
 from draftsmith.methods.eagle.training import unroll
 from draftsmith.models import DraftHeadConfig, ForwardBatch
 from draftsmith.serve import LLM, SamplingParams
-from helpers import CODE_PROMPTS, DEMO_MODEL
+from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config
 
 VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "qk_norm", "sliding_window")
 
@@ -21,8 +21,7 @@ VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_outp
 def _serves_losslessly(head_dir, greedy_reference) -> None:
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
               # fixed k: random heads, which the adaptive policy may rightly stop drafting with
-              speculative_config={"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3,
-                                  "adaptive": False})
+              speculative_config=spec_config("eagle3", head_dir, 3))
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0

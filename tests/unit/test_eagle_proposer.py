@@ -18,7 +18,7 @@ from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.engine.sampling import SamplingBatch
 from draftsmith.serve.speculation.config import parse_speculative_config
-from helpers import DEMO_MODEL, REPO, Row, make_tiny_checkpoint
+from helpers import DEMO_MODEL, REPO, Row, make_tiny_checkpoint, spec_config
 
 K = 4
 MAX_LEN = 96
@@ -466,7 +466,5 @@ def test_a_row_at_the_end_of_its_context_beside_rows_drafting_more(method):
     prompts = [{"prompt_token_ids": plain.encode(CODE_PROMPTS[1] * 3)[1][:40]}, *CODE_PROMPTS[:2]]
     params = SamplingParams(temperature=0, max_tokens=40)
     reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(DEMO_MODEL, **kwargs, speculative_config={
-        "method": method, "model": str(REPO / "assets" / f"demo-code-7m-{method}"), "num_speculative_tokens": 5,
-        "adaptive": False})
+    llm = LLM(DEMO_MODEL, **kwargs, speculative_config=spec_config(method, REPO / "assets" / f"demo-code-7m-{method}", 5))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference

@@ -11,14 +11,14 @@ from draftsmith.methods.eagle import proposer as proposer_module
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.speculation.config import parse_speculative_config
-from helpers import CODE_PROMPTS, DEMO_MODEL, assert_samples_as_plain, greedy_acceptance_lengths
+from helpers import CODE_PROMPTS, DEMO_MODEL, assert_samples_as_plain, greedy_acceptance_lengths, spec_config
 
 EAGLE3_HEAD = DEMO_MODEL.parent / "demo-code-7m-eagle3"
 
 
 def _spec(**keys):
     # a float32 head: the chain oracle below reads keys in another layout, and bfloat16 rounds by layout
-    return {"method": "eagle3", "model": str(EAGLE3_HEAD), "draft_dtype": "float32", **keys}
+    return spec_config("eagle3", EAGLE3_HEAD, draft_dtype="float32", **keys)
 
 
 def _llm(target, **keys):
@@ -95,8 +95,7 @@ def test_tree_nodes_score_as_the_chain_along_their_path(target, monkeypatch, sta
     name = "draft_static_tree" if static else "draft_tree"
     real = getattr(proposer_module, name)
     monkeypatch.setattr(proposer_module, name, checking)
-    keys = {"num_speculative_tokens": 9, "speculative_token_tree": STATIC_TREE} if static else \
-        {"num_speculative_tokens": 10, "tree_depth": 4, "tree_top_k": 3, "adaptive": False}
+    keys = {"k": 9, "speculative_token_tree": STATIC_TREE} if static else {"k": 10, "tree_depth": 4, "tree_top_k": 3}
     llm = _llm(target, **keys)
     long_prompt = "def walk(tree):\n" + "".join(f"    visit(tree.child_{i})\n" for i in range(24)) + "    ret"
     llm.generate([long_prompt, *CODE_PROMPTS[:2]], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
@@ -110,12 +109,12 @@ def test_tree_drafts_decode_what_plain_decoding_does_and_accept_more(target, gre
     of the same depth, a tree sized each step by the cost model (rows cut to their likeliest nodes, or
     to none) and a static tree; the whole tree accepts more per step than the chain."""
     lengths = greedy_acceptance_lengths(lambda **keys: _llm(target, **keys), [
-        {"num_speculative_tokens": 5, "adaptive": False},
-        {"num_speculative_tokens": 12, "tree_depth": 5, "tree_top_k": 3, "adaptive": False},
-        {"num_speculative_tokens": 12, "tree_depth": 5, "tree_top_k": 3},
+        {"k": 5},
+        {"k": 12, "tree_depth": 5, "tree_top_k": 3},
+        {"k": 12, "tree_depth": 5, "tree_top_k": 3, "adaptive": True},
         {"num_speculative_tokens": 9, "speculative_token_tree": STATIC_TREE}], greedy_reference)
     assert lengths[1] > lengths[0] + 0.2
 
 
 def test_tree_drafts_sample_what_plain_decoding_samples(target):
-    assert_samples_as_plain(target, _llm(target, num_speculative_tokens=8, tree_depth=4, tree_top_k=2))
+    assert_samples_as_plain(target, _llm(target, k=8, tree_depth=4, tree_top_k=2, adaptive=True))

@@ -5,7 +5,7 @@ import pytest
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.engine.outputs import OutputCollector
-from helpers import DEMO_MODEL
+from helpers import DEMO_MODEL, spec_config
 
 PROMPTS = [
     "def add(a, b):\n    return a",
@@ -113,7 +113,7 @@ def test_llms_can_share_one_loaded_target(demo_llm):
     """target=: a second LLM (here with speculation) serves from the first one's weights, each with its own
     cache; what it generates is what it would with its own copy."""
     shared = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256, target=demo_llm.model,
-                 speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+                 speculative_config=spec_config("ngram", k=3))
     assert shared.model is demo_llm.model and shared.engine.cache is not demo_llm.engine.cache
     prompts = ["def add(a, b):\n    return a", "x = 1\ny = 2\nx = 1\ny ="]
     greedy = SamplingParams(temperature=0, max_tokens=24)

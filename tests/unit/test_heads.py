@@ -9,7 +9,7 @@ from draftsmith.methods.eagle.training import unroll
 from draftsmith.methods.heads import draft_dtype
 from draftsmith.models import DraftHeadConfig, ForwardBatch
 from draftsmith.serve import LLM, SamplingParams
-from helpers import DEMO_MODEL, REPO
+from helpers import DEMO_MODEL, REPO, spec_config
 
 AUX = {"eagle": (6,), "eagle3": (1, 3, 5)}
 
@@ -87,8 +87,7 @@ def test_greedy_equality_with_random_head(kind, draft_dtype, target, tmp_path, g
     _random_head(kind, target, tmp_path)
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
               # fixed k: a random head's drafts are rarely accepted, so the adaptive policy may stop drafting
-              speculative_config={"method": kind, "model": str(tmp_path), "num_speculative_tokens": 3,
-                                  "adaptive": False, "draft_dtype": draft_dtype})
+              speculative_config=spec_config(kind, tmp_path, 3, draft_dtype=draft_dtype))
     expected = getattr(torch, draft_dtype)
     assert {p.dtype for p in llm.engine.proposer.head.parameters()} == {expected}
     got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
@@ -103,8 +102,7 @@ def test_a_bfloat16_head_drafts_as_well_as_a_float32_one(greedy_reference):
     lengths = {}
     for dtype in ("float32", "bfloat16"):
         llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-                  speculative_config={"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"),
-                                      "num_speculative_tokens": 3, "adaptive": False, "draft_dtype": dtype})
+                  speculative_config=spec_config("eagle3", REPO / "assets" / "demo-code-7m-eagle3", 3, draft_dtype=dtype))
         got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == greedy_reference
         lengths[dtype] = llm.get_metrics()["mean_acceptance_length"]

@@ -8,7 +8,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
-from helpers import DEMO_MODEL, REPO
+from helpers import DEMO_MODEL, REPO, spec_config
 
 PROMPTS = [
     "def add(a, b):\n    return a",
@@ -31,7 +31,7 @@ SPECULATION = {
 
 def _llm(speculation: dict | None = None, **kwargs) -> LLM:
     # fixed k: every step that can draft does, so accepted drafts' logprobs really come from verify forwards
-    config = None if speculation is None else {**speculation, "adaptive": False}
+    config = None if speculation is None else spec_config(**speculation)
     return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
                speculative_config=config, **kwargs)
 

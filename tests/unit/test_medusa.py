@@ -13,7 +13,14 @@ from draftsmith.models.head_configs import MedusaConfig
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.train.recipe import validate_recipe
 from draftsmith.train.trainer import train
-from helpers import CODE_PROMPTS, DEMO_MODEL, make_tiny_target_with_tokenizer, tiny_recipe, write_code_corpus
+from helpers import (
+    CODE_PROMPTS,
+    DEMO_MODEL,
+    make_tiny_target_with_tokenizer,
+    spec_config,
+    tiny_recipe,
+    write_code_corpus,
+)
 
 
 def _random_head(target, own_lm_heads=True, heads=3, layers=2, directory=None):
@@ -31,8 +38,7 @@ def _random_head(target, own_lm_heads=True, heads=3, layers=2, directory=None):
 
 def _serve(head_dir, k=3, max_num_seqs=3):
     return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=max_num_seqs, max_model_len=256,
-               speculative_config={"method": "medusa", "model": str(head_dir), "num_speculative_tokens": k,
-                                   "adaptive": False})
+               speculative_config=spec_config("medusa", head_dir, k))
 
 
 def test_each_head_is_resblocks_then_its_lm_head(target):

@@ -36,7 +36,7 @@ from draftsmith.models import load_target
 from draftsmith.models.head_configs import HeadConfig, check_sizes
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.train.recipe import validate_recipe
-from helpers import DEMO_MODEL
+from helpers import DEMO_MODEL, spec_config
 
 PROMPTS = ["def add(a, b):\n    return a", "for i in range(10):\n    print(", "class Node:\n    def __init__(self"]
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
@@ -155,7 +155,7 @@ def reference_ids():
 @pytest.mark.slow
 def test_toy_method_serves_through_llm_losslessly(toy_head, reference_ids):
     # fixed k: the adaptive policy would soon stop drafting with a head this weak (few drafts are accepted)
-    spec = {"method": "toy_bigram", "model": str(toy_head), "num_speculative_tokens": 3, "adaptive": False}
+    spec = spec_config("toy_bigram", toy_head, 3)
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256, speculative_config=spec)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # 3 prompts on 2 slots: mixed batches
     assert [o.outputs[0].token_ids for o in outputs] == reference_ids
@@ -165,9 +165,8 @@ def test_toy_method_serves_through_llm_losslessly(toy_head, reference_ids):
 
 @pytest.mark.slow
 def test_toy_method_samples_its_drafts_reproducibly(toy_head):
-    spec = {"method": "toy_bigram", "model": str(toy_head), "num_speculative_tokens": 3,
-            "draft_sample_method": "probabilistic", "chain_temperature": 0.7,
-            "adaptive": False}  # sampled drafts repeat for a fixed k; adaptive k changes which draws happen
+    # sampled drafts repeat for a fixed k; adaptive k changes which draws happen
+    spec = spec_config("toy_bigram", toy_head, 3, draft_sample_method="probabilistic", chain_temperature=0.7)
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=spec)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24) for i in range(len(PROMPTS))]
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -180,8 +179,7 @@ def test_toy_method_samples_its_drafts_reproducibly(toy_head):
 def test_toy_method_through_generate_cli(toy_head, reference_ids, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    spec = json.dumps({"method": "toy_bigram", "model": str(toy_head), "num_speculative_tokens": 2,
-                       "adaptive": False})  # fixed k: with a head this weak the policy may rightly not draft
+    spec = json.dumps(spec_config("toy_bigram", toy_head, 2))  # fixed k: the policy may not draft with a head this weak
     argv = ["generate", "--model", str(DEMO_MODEL), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"),
             "--max-tokens", "32", "--temperature", "0", "--device", "cpu", "--max-model-len", "256",
             "--metrics-json", str(tmp_path / "m.json"), "--speculative-config", spec]

@@ -13,7 +13,7 @@ from draftsmith.methods import load_head
 from draftsmith.methods.mlp_speculator.head import MLPSpeculatorHead
 from draftsmith.models.head_configs import MLPSpeculatorConfig
 from draftsmith.serve import LLM, SamplingParams
-from helpers import CODE_PROMPTS, DEMO_MODEL
+from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config
 
 
 def _random(target, tied=False, scale_input=False, n=3, inner=192):
@@ -73,8 +73,7 @@ def test_saved_speculators_round_trip_through_the_vllm_layout(tied, scale_input,
 
 def _serve(head_dir, k=3):
     return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-               speculative_config={"method": "mlp_speculator", "model": str(head_dir), "num_speculative_tokens": k,
-                                   "adaptive": False})
+               speculative_config=spec_config("mlp_speculator", head_dir, k))
 
 
 @pytest.mark.slow

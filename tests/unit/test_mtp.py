@@ -21,6 +21,7 @@ from helpers import (
     DEMO_MODEL,
     REPO,
     make_tiny_target_with_tokenizer,
+    spec_config,
     tiny_recipe,
     write_code_corpus,
 )
@@ -44,10 +45,9 @@ def _random_head(target, directory=None, seed=4, model_type="llama"):
     return head
 
 
-def _serve(head_dir, k=3, max_num_seqs=3, adaptive=False):
+def _serve(head_dir, k=3, max_num_seqs=3, **keys):
     return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=max_num_seqs, max_model_len=256,
-               speculative_config={"method": "mtp", "model": str(head_dir), "num_speculative_tokens": k,
-                                   "adaptive": adaptive})
+               speculative_config=spec_config("mtp", head_dir, k, **keys))
 
 
 @pytest.mark.parametrize("layout, order", [("mimo", "hidden_first"), ("deepseek", "embedding_first")])

@@ -6,7 +6,7 @@ import pytest
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.engine.outputs import OutputCollector
-from helpers import DEMO_MODEL, REPO
+from helpers import DEMO_MODEL, REPO, spec_config
 
 LONG_PROMPT = ("import numpy as np\n\n\ndef normalize(x):\n    mean = x.mean(axis=0)\n    std = x.std(axis=0)\n"
                "    return (x - mean) / std\n\n\ndef clip(x, low, high):\n    return")
@@ -50,8 +50,7 @@ def test_samples_hand_the_drafter_the_shared_prompt():
     """Greedy samples with EAGLE-3 at fixed k: each is the plain greedy output, and each drafts exactly as a
     request of its own does (the prompt's features reached every sample's slot), so two samples accept
     twice the drafts of one."""
-    spec = {"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"), "num_speculative_tokens": 3,
-            "adaptive": False}
+    spec = spec_config("eagle3", REPO / "assets" / "demo-code-7m-eagle3", 3)
     plain = _llm().generate(LONG_PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     one, two = _llm(speculative_config=spec), _llm(speculative_config=spec)
     single = one.generate(LONG_PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]

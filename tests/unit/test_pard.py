@@ -23,6 +23,7 @@ from helpers import (
     Row,
     make_tiny_target_with_tokenizer,
     recorded_draft_forwards,
+    spec_config,
     tiny_recipe,
     write_code_corpus,
 )
@@ -99,10 +100,9 @@ def _pard_copy(directory, pard_token=MASK):
     return directory
 
 
-def _serve(draft, k=4, adaptive=False, **extra):
+def _serve(draft, k=4, **extra):
     return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": k,
-                                   "parallel_drafting": True, "adaptive": adaptive, **extra})
+               speculative_config=spec_config("draft_model", draft, k, parallel_drafting=True, **extra))
 
 
 def test_parallel_drafts_decode_with_greedy_equality_in_one_draft_forward(tmp_path, greedy_reference):
@@ -165,8 +165,7 @@ def test_adaptation_learns_the_masks_and_saves_an_hf_checkpoint_that_serves(adap
             speculative_config={"method": "draft_model", "model": str(final), "num_speculative_tokens": 5,
                                 "parallel_drafting": True})
     llm = LLM(target, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=128,
-              speculative_config={"method": "draft_model", "model": str(final), "num_speculative_tokens": 3,
-                                  "parallel_drafting": True, "adaptive": False})
+              speculative_config=spec_config("draft_model", final, 3, parallel_drafting=True))
     plain = LLM(target, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=128)
     forwards = recorded_draft_forwards(llm)
     params = SamplingParams(temperature=0, max_tokens=16)

@@ -12,7 +12,7 @@ from draftsmith.serve.speculation.adaptive import AdaptivePolicy
 from draftsmith.serve.speculation.config import parse_speculative_config
 from draftsmith.serve.speculation.cost_model import CostModel
 from draftsmith.serve.speculation.policy import FixedPolicy, make_policy
-from helpers import CODE_PROMPTS, DEMO_MODEL, REPO, synthetic_table
+from helpers import CODE_PROMPTS, DEMO_MODEL, REPO, spec_config, synthetic_table
 
 EAGLE3_HEAD = REPO / "assets" / "demo-code-7m-eagle3"
 
@@ -29,7 +29,7 @@ def _policy(config: dict):
 
 def test_the_config_picks_the_policy_and_the_policy_declares_its_needs():
     adaptive = _policy({"method": "ngram", "num_speculative_tokens": 4})  # the product default
-    fixed = _policy({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    fixed = _policy(spec_config("ngram", k=4))
     table = _policy({"method": "ngram", "num_speculative_tokens": 4,
                      "num_speculative_tokens_per_batch_size": [[1, 2, 3]]})
     assert adaptive.needs_timing and adaptive.cost is not None
@@ -59,8 +59,7 @@ def test_disable_by_batch_size_turns_speculation_off_above_it_under_either_polic
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_an_engine_decodes_batches_above_disable_by_batch_size_plainly(target, greedy_reference, adaptive):
-    config = {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": 3,
-              "disable_by_batch_size": 2, "adaptive": adaptive}
+    config = spec_config("eagle3", EAGLE3_HEAD, 3, disable_by_batch_size=2, adaptive=adaptive)
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
               speculative_config=config)
     if adaptive:  # verifying priced free, so that below the limit it drafts whatever this machine's speed

@@ -18,7 +18,7 @@ from draftsmith.serve.engine.sampling import SamplingBatch
 from draftsmith.serve.speculation.config import parse_speculative_config
 from draftsmith.serve.speculation.rejection_reference import rejection_sample_reference
 from draftsmith.serve.speculation.verify import verify
-from helpers import DEMO_MODEL, REPO, Row, flattened_demo_copy, random_mlp_speculator
+from helpers import DEMO_MODEL, REPO, Row, flattened_demo_copy, random_mlp_speculator, spec_config
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
 SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "dflash"]
@@ -130,8 +130,7 @@ def test_eagle3_sampled_drafting_in_the_engine():
     plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256)
     greedy = SamplingParams(temperature=0, max_tokens=24)
     reference = plain.generate(GREEDY_AND_SAMPLED[0], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    spec = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 3, "draft_sample_method": "probabilistic",
-            "adaptive": False}
+    spec = spec_config("eagle3", HEAD, 3, draft_sample_method="probabilistic")
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, speculative_config=spec)
     params = [greedy] + [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24) for s in (1, 2)]
     batched = [o.outputs[0].token_ids for o in llm.generate(GREEDY_AND_SAMPLED, params, use_tqdm=False)]

@@ -12,10 +12,9 @@ from draftsmith.serve.engine import row_faults
 from draftsmith.serve.engine.outputs import OutputCollector
 from draftsmith.serve.engine.row_faults import MAX_CONSECUTIVE_FAULTS, EngineFault
 from draftsmith.serve.engine.sampling_params import INT64_MAX, INT64_MIN
-from helpers import CODE_PROMPTS, DEMO_MODEL, REPO
+from helpers import CODE_PROMPTS, DEMO_MODEL, REPO, spec_config
 
-EAGLE3 = json.dumps({"method": "eagle3", "model": str(REPO / "assets" / "demo-code-7m-eagle3"),
-                     "num_speculative_tokens": 4, "adaptive": False})  # every step drafts
+EAGLE3 = json.dumps(spec_config("eagle3", REPO / "assets" / "demo-code-7m-eagle3", 4))  # every step drafts
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
 BAD = "bad"
 

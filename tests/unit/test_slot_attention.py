@@ -12,7 +12,7 @@ from draftsmith.models import slot_attention_triton as triton_kernel
 from draftsmith.models.attention import cached_attention
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
 from draftsmith.models.slot_attention_reference import slot_attention_reference
-from helpers import KERNEL_DEVICE, triton_kernel_marks
+from helpers import KERNEL_DEVICE, spec_config, triton_kernel_marks
 
 pytestmark = triton_kernel_marks(triton_kernel)
 
@@ -120,9 +120,8 @@ def test_the_engine_decodes_and_verifies_through_the_kernel(monkeypatch, kernel_
     monkeypatch.setattr(triton_kernel, "slot_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
     llm = LLM(DEMO_MODEL, dtype="float32", device=KERNEL_DEVICE, max_num_seqs=3, max_model_len=256,
-              target=kernel_target, enforce_eager=True, speculative_config={
-                  "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                  "adaptive": False})
+              target=kernel_target, enforce_eager=True,
+              speculative_config=spec_config("ngram", k=3, prompt_lookup_min=1, prompt_lookup_max=3))
     assert greedy_token_ids(llm) == kernel_greedy_reference
     assert llm.get_metrics()["num_accepted_tokens"] > 0
     assert any(shape[2] > 1 for shape in calls)  # verify forwards (k + 1 queries a row) went through it

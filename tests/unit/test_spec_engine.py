@@ -6,7 +6,7 @@ import pytest
 
 from draftsmith.cli import main
 from draftsmith.serve import LLM, SamplingParams
-from helpers import DEMO_MODEL
+from helpers import DEMO_MODEL, spec_config
 
 PROMPTS = [
     "def add(a, b):\n    return a",
@@ -22,8 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48)
 def _spec_llm(k, **extra):
     # fixed k: these tests are about verifying k drafts; adaptive k (which may draft nothing on a slow
     # machine) has its own tests in test_adaptive.py
-    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-              "adaptive": False, **extra}
+    config = spec_config("ngram", k=k, prompt_lookup_min=1, prompt_lookup_max=3, **extra)
     return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=4, max_model_len=512,
                speculative_config=config)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftsmith.serve import LLM, SamplingParams
-from helpers import CODE_PROMPTS, DEMO_MODEL, synthetic_table
+from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config, synthetic_table
 
 EAGLE3 = {"method": "eagle3", "model": str(DEMO_MODEL.parent / "demo-code-7m-eagle3"), "num_speculative_tokens": 3}
 
@@ -35,9 +35,8 @@ def _llm(target, **kwargs) -> LLM:
 
 def test_plain_and_fixed_k_steps_never_synchronize(target, count_syncs):
     assert count_syncs(_llm(target)) == 0
-    assert count_syncs(_llm(target, speculative_config={**EAGLE3, "adaptive": False})) == 0
-    assert count_syncs(_llm(target, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                        "adaptive": False})) == 0
+    assert count_syncs(_llm(target, speculative_config=spec_config(**EAGLE3))) == 0
+    assert count_syncs(_llm(target, speculative_config=spec_config("ngram", k=3))) == 0
 
 
 def test_an_adaptive_policy_or_the_profiling_flag_times_steps_on_the_device(target, count_syncs, monkeypatch):

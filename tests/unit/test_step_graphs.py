@@ -26,6 +26,7 @@ from helpers import (
     make_tiny_checkpoint,
     model_device,
     slot_kernel_or_skip,
+    spec_config,
 )
 
 EAGLE3_HEAD = DEMO_MODEL.parent / "demo-code-7m-eagle3"
@@ -124,8 +125,7 @@ def _compiled_llm(target, backend, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("speculation", [None, {"method": "eagle3", "model": str(EAGLE3_HEAD),
-                                                "num_speculative_tokens": 4, "adaptive": False}])
+@pytest.mark.parametrize("speculation", [None, spec_config("eagle3", EAGLE3_HEAD, 4)])
 def test_compiled_steps_decode_what_eager_decodes(target, greedy_reference, speculation):
     """The whole step traced as one graph (a break would raise under fullgraph=True), over a mixed batch
     whose rows join and leave (3 slots for 4 prompts) and, speculating, verify unequal numbers of drafts:
@@ -180,8 +180,7 @@ def test_static_draft_steps_draft_what_eager_steps_draft(kernel_target, monkeypa
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")
     prompts = [LONG_PROMPT, *CODE_PROMPTS[:2]]
     # a float32 head: bfloat16 matmuls round differently with the number of keys read
-    spec = {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": 4, "adaptive": False,
-            "draft_dtype": "float32"}
+    spec = spec_config("eagle3", EAGLE3_HEAD, 4, draft_dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=24)
     runs = []
     for static in (False, True):

@@ -8,7 +8,7 @@ import pytest
 from draftsmith.methods.suffix.tree import SuffixTree
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.speculation.config import parse_speculative_config
-from helpers import CODE_PROMPTS, DEMO_MODEL, Row
+from helpers import CODE_PROMPTS, DEMO_MODEL, Row, spec_config
 
 
 def test_a_continuation_is_scored_by_counts():
@@ -120,7 +120,7 @@ def test_repeated_requests_decode_with_greedy_equality_and_draft_from_earlier_ou
     """The prompts twice, one at a time: the second pass drafts from the first pass's outputs (global tree),
     and both equal plain decoding."""
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
-              speculative_config={"method": "suffix", "num_speculative_tokens": 8, "adaptive": False})
+              speculative_config=spec_config("suffix", k=8))
     params = SamplingParams(temperature=0, max_tokens=32)
     first = llm.generate(CODE_PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == greedy_reference

@@ -24,6 +24,7 @@ from helpers import (
     make_tiny_checkpoint,
     model_device,
     slot_kernel_or_skip,
+    spec_config,
 )
 
 MEDUSA_HEAD = DEMO_MODEL.parent / "demo-code-7m-medusa"
@@ -203,7 +204,7 @@ def test_every_node_scores_as_its_own_path_and_the_path_lands_where_a_chain_puts
 
 
 def _medusa(target, tree: bool, **kwargs):
-    spec = {"method": "medusa", "model": str(MEDUSA_HEAD), "num_speculative_tokens": 3, "adaptive": False}
+    spec = spec_config("medusa", MEDUSA_HEAD, 3)
     if tree:
         spec = {"method": "medusa", "model": str(MEDUSA_HEAD), "num_speculative_tokens": 9,
                 "speculative_token_tree": TREE}

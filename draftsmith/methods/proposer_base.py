@@ -4,9 +4,9 @@ this package and on `draftsmith.models`, never on the engine that consumes it.""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -88,13 +88,13 @@ class Proposer:
         self.draft_cost_guess: float | None = None
         # set where it drafts trees (DraftBatch.parents): the policy's chain width does not cap their nodes
         self.tree = None
-        # runs the one-token draft steps at static shapes (`serve.engine.step_graphs.DraftStepRunner`), set by the
-        # engine when its step mode is not eager and `static_step_head` names a head
+        # runs the one-token draft steps at static shapes (`use_static_steps`); None: eager
         self.draft_steps = None
 
-    def static_step_head(self):
-        """(head, its KV cache) when drafting runs that head one token a row at a time after a first forward
-        (EAGLE drafts 2..k), so those steps can run at static shapes; None otherwise."""
+    def use_static_steps(self, make_runner: Callable[[torch.nn.Module, Any], Any]):
+        """Where drafting runs one head one token a row at a time after a first forward (EAGLE drafts 2..k),
+        runs those steps with `make_runner(head, its KV cache)` (`serve.engine.step_graphs.DraftStepRunner`,
+        at static shapes) from now on and returns that runner; None where it drafts no such steps."""
         return None
 
     def draft_models(self) -> list[torch.nn.Module]:

@@ -132,11 +132,11 @@ class LLMEngine(FaultIsolatingSteps):
             buckets = self.steps.warm_up([1] if tree else list(range(1, k + 2)))
             logger.info("decode and verify steps: %s, %d buckets ready", self.step_mode, buckets)
             # trees draft with steps of their own widths (tree_drafting): no one-token steps to ready
-            head = self.proposer.static_step_head() if self.proposer is not None and not tree and k > 1 else None
-            if head is not None:
-                self.proposer.draft_steps = DraftStepRunner(*head, config.max_num_seqs, self.step_mode)
-                buckets = self.proposer.draft_steps.warm_up()
-                logger.info("draft steps: %s, %d buckets ready", self.step_mode, buckets)
+            runner = self.proposer.use_static_steps(
+                lambda head, cache: DraftStepRunner(head, cache, config.max_num_seqs, self.step_mode),
+            ) if self.proposer is not None and not tree and k > 1 else None
+            if runner is not None:
+                logger.info("draft steps: %s, %d buckets ready", self.step_mode, runner.warm_up())
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,

@@ -116,11 +116,10 @@ def _compiled_llm(target, backend, **kwargs):
     runner.forward = lambda *a: calls.append(a[0].shape) or forward(*a)
     engine.steps = runner
     if engine.proposer is not None:  # and the head's draft steps, in the same backend
-        drafts = DraftStepRunner(*engine.proposer.static_step_head(), 3, "compile")
+        drafts = engine.proposer.use_static_steps(lambda head, cache: DraftStepRunner(head, cache, 3, "compile"))
         drafts._compiled = torch.compile(static_draft_step, fullgraph=True, backend=backend)
         step = drafts.step
         drafts.step = lambda *a: calls.append("draft") or step(*a)
-        engine.proposer.draft_steps = drafts
     return llm, calls
 
 
@@ -189,9 +188,9 @@ def test_static_draft_steps_draft_what_eager_steps_draft(kernel_target, monkeypa
                   target=kernel_target, enforce_eager=True, speculative_config=spec)
         proposer, steps = llm.engine.proposer, []
         if static:
-            proposer.draft_steps = _static(DraftStepRunner(*proposer.static_step_head(), 5, STATIC_MODE))
-            proposer.draft_steps.slot_kernel = kernel
-            _count_rows(proposer.draft_steps, steps)
+            runner = proposer.use_static_steps(lambda head, cache: _static(DraftStepRunner(head, cache, 5, STATIC_MODE)))
+            runner.slot_kernel = kernel
+            _count_rows(runner, steps)
         confidences = _record_confidence(proposer)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         metrics = llm.get_metrics()

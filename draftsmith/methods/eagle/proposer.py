@@ -217,8 +217,9 @@ class EagleFamilyProposer(Proposer):
         drawn, p, probs = choose(logits, temperature, draws)
         return self.head.to_target_ids(drawn), p, probs
 
-    def static_step_head(self):
-        return self.head, self.cache
+    def use_static_steps(self, make_runner):
+        self.draft_steps = make_runner(self.head, self.cache)
+        return self.draft_steps
 
     def _key_starts(self, slots: list[int], base: list[int]) -> list[int]:
         """The first key each row's draft steps read. A head with a window of W was trained (speculators'

@@ -47,11 +47,8 @@ class CostModel:
     sequential_drafts: bool  # each draft token is one more draft forward
     drafts_before_plan: bool  # drafting already happened when the plan is made: its cost is sunk
     # A draft forward is priced against the target's forward of `draft_query_len` tokens a row (1: a head
-    # drafting a token a row per forward; a block drafter's block), at first `draft_guess` times it. Priced
-    # against a one-token decode, the 3-layer demo DFlash head (a block of 9 a row) took 6.6 ms a propose at
-    # 8 in flight where the first guess said 1.75 and the ratio learned at one row (0.77 of a decode) 4.1: a
-    # block grows with the rows as the target's 9-token forward does, twice as fast as a decode. Priced
-    # against that forward: 5.7 at first, 7.6 once learned.
+    # drafting a token a row per forward; a block drafter's block), at first `draft_guess` times it: a block
+    # grows with the rows as the target's forward of a block does, not as a decode does.
     draft_query_len: int = 1
     draft_guess: float | None = None  # None: DRAFT_STEP_GUESS
     # live / table seconds: the table gives the shape of the cost, live steps its level today (context length,
@@ -59,9 +56,8 @@ class CostModel:
     # keep a factor each: longer contexts than the table's make a wide verify dearer relative to a decode,
     # and one shared factor would price plain steps by what verify steps cost.
     # decode forwards by batch size: the profile's context (256 cached tokens) is shorter than live ones, and
-    # attention, whose cost grows with the context, is a larger share of a step the more rows there are
-    # (demo decodes in a bench ran at 0.9x the profile at one row, 2.1-2.3 ms against 2.40, and 1.5x at 16,
-    # 6.15 against 4.17). One factor for every size priced some of them wrong by up to that 1.6x.
+    # attention, whose cost grows with the context, is a larger share of a step the more rows there are, so
+    # one factor for every size would price some of them wrong.
     forward_scales: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
     # verify forwards (query_len > 1) by batch size; until one is timed: the decode scale
     verify_scales: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
@@ -76,10 +72,9 @@ class CostModel:
     catch_up_per_token: float | None = None
     catch_up_weight: float = 0.0  # decayed count of catch-ups behind catch_up_per_token
     # a steady speculative step's measured seconds / the sum of its parts as predicted: each part is fitted
-    # on its own but over all batch sizes and widths at once, and at 16-32 rows on this CPU the whole came
-    # out 10-20% dearer than its parts said (geometric moving average; a cold first step, 3x too slow,
-    # moves it only STEP_SURPRISE x its weight, so that it cannot price speculation out on its own); by batch
-    # size, as what it corrects grows with the batch
+    # on its own but over all batch sizes and widths at once, so the whole may cost more than its parts say
+    # (geometric moving average; a surprising step moves it only STEP_SURPRISE x its weight, so that one
+    # cold step cannot price speculation out on its own); by batch size, as what it corrects grows with it
     spec_corrections: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
     host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
     host_spec: DecayedLine = field(default_factory=DecayedLine)

@@ -28,9 +28,7 @@ from draftsmith.models.linear import onednn_linear_available
 
 ROWS = (1, 2, 4, 8, 16, 32)
 # 1..8: decodes and verifies; 32: so that longer forwards (a draft model's catch-up after plain steps, up to
-# 64 positions) interpolate. Extended past 8 from the 6 -> 8 slope, a noisy table priced the demo target's
-# 59-token forward at 55 ms where it takes 13, and the policy judged an EAGLE-3 probe (whose catch-up that
-# prices) not worth running.
+# 64 positions) interpolate rather than extrapolate from a noisy slope.
 QUERY_LENS = (1, 2, 3, 4, 5, 6, 8, 32)
 CONTEXT = 256  # tokens already in the cache per row: keys the forward attends over
 

@@ -84,9 +84,8 @@ class SpecMethod:
     @classmethod
     def import_converters(cls) -> None:
         """Imports the modules named by `converters` (which register its convert formats)."""
-        owner = next((k for k in cls.__mro__ if "converters" in vars(k)), cls)
         for module in cls.converters:
-            importlib.import_module(module, sys.modules[owner.__module__].__package__)
+            importlib.import_module(module, cls._package_declaring("converters"))
 
     @classmethod
     def _resolve(cls, attribute: str):
@@ -95,9 +94,14 @@ class SpecMethod:
         ref = getattr(cls, attribute)
         if ref is None:
             return None
-        owner = next(k for k in cls.__mro__ if attribute in vars(k))
         module, _, name = ref.partition(":")
-        return getattr(importlib.import_module(module, sys.modules[owner.__module__].__package__), name)
+        return getattr(importlib.import_module(module, cls._package_declaring(attribute)), name)
+
+    @classmethod
+    def _package_declaring(cls, attribute: str) -> str:
+        """The package of the class that set `attribute` (what a relative module there is relative to)."""
+        owner = next(k for k in cls.__mro__ if attribute in vars(k))
+        return sys.modules[owner.__module__].__package__
 
     @classmethod
     def build_head(cls, section: RecipeModelSection, target, feature_layers: tuple[int, ...], token_records):

@@ -65,9 +65,7 @@ class ThreadEngine(EngineClient):
                 self._loop.run()
                 break  # told to stop
             except Exception as exc:  # anything else on the loop thread: as an engine fault
-                logger.exception("engine loop failed; failing the requests in flight")
-                self._loop.abort_all()
-                self.fail_all(RuntimeError(f"engine error: {exc}"))
+                self._fault(exc)
         self._loop.abort_all()
         self.fail_all(DraftsmithError("server is shutting down"))
 
@@ -92,6 +90,6 @@ class ThreadEngine(EngineClient):
             self.observer(stats.running, stats.waiting, stats.metrics)
 
     def _fault(self, exc: Exception) -> None:
-        logger.exception("engine step failed; failing the requests in flight")
+        logger.exception("engine fault; failing the requests in flight")
         self._loop.abort_all()
         self.fail_all(RuntimeError(f"engine error: {exc}"))

@@ -8,17 +8,12 @@ from draftsmith.serve.engine.sampling_params import SamplingParams
 from helpers import CODE_PROMPTS
 
 
-def _run(engine, requests) -> tuple[list, dict]:
-    """Steps until done; every step's deltas, and the engine's own requests as they finished."""
-    deltas, finished = [], {}
+def _run(engine) -> list:
+    """Steps until done -> every step's deltas."""
+    deltas = []
     while engine.has_unfinished_requests():
-        for delta in engine.step():
-            deltas.append(delta)
-        for request in requests:
-            for member in getattr(request, "members", [request]):
-                if member.finish_reason is not None:
-                    finished[member.request_id] = member
-    return deltas, finished
+        deltas += engine.step()
+    return deltas
 
 
 def test_deltas_carry_each_token_once_and_merge_into_the_final_state(demo_llm):
@@ -27,7 +22,7 @@ def test_deltas_carry_each_token_once_and_merge_into_the_final_state(demo_llm):
     ids = demo_llm.encode(CODE_PROMPTS[0])[1]
     one = engine.add_request(ids, params, prompt=CODE_PROMPTS[0])
     group = engine.add_request(demo_llm.encode(CODE_PROMPTS[2])[1], SamplingParams(n=2, max_tokens=6, seed=3))
-    deltas, finished = _run(engine, [one, group])
+    deltas = _run(engine)
     mine = [d for d in deltas if d.request_id == one.request_id]
     assert mine[0].header is not None and all(d.header is None for d in mine[1:])  # named once
     assert mine[0].header.prompt_token_ids == ids and mine[0].header.prompt == CODE_PROMPTS[0]

@@ -231,7 +231,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         "bench", help="throughput matrix: every speculation method against none, by concurrency",
         description="For each model, runs no speculation and every method (--speculative-config "
         "and every head shipped as assets/MODEL-HEADTYPE) at each --concurrency level, in one "
-        "process on the same validation code prompts, greedy. Concurrency c = c requests in "
+        "process on the same code prompts (from repositories the training split lacks), greedy. Concurrency c = c requests in "
         "flight, the next prompt queued as one finishes; max(--waves x c, --num-prompts) prompts per "
         "level, so that c requests stay in flight for most of the run, as under steady load, "
         "rather than one batch draining; tokens/s counts the steps that begin with c in flight (the final drain is "
@@ -255,12 +255,20 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--workload", choices=("code", "edit"), default="code",
                        help="code: validation files cut inside a block, to be continued; edit: a whole file, then "
                        "a request to rewrite it (the continuation mostly repeats the file) (default: %(default)s)")
+    bench.add_argument("--prompts", choices=("held-out", "validation"), default="held-out",
+                       help="code prompts from: held-out, the validation repositories that the training split lacks "
+                       "(heads accept far less on other repositories' code than on the validation split's, which "
+                       "shares most repositories with training); validation, the first validation files "
+                       "(--workload edit always uses validation files) (default: %(default)s)")
     bench.add_argument("--repeat", type=_positive_int, default=1,
                        help="send each level's prompts this many times, pass after pass: a repetitive workload, "
                        "where suffix decoding drafts from earlier outputs (default: %(default)s)")
     bench.add_argument("--rounds", type=_positive_int, default=1,
                        help="run each level this many times (all methods side by side each time) and report "
                        "each method's median (default: %(default)s)")
+    bench.add_argument("--quiet-wait", type=float, default=60.0,
+                       help="before each round, wait up to this many seconds for other processes to leave the CPU "
+                       "(0: do not wait) (default: %(default)s)")
     bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     bench.add_argument("--speculative-config", default=json.dumps(CODE_DEFAULTS),
                        help="speculation to compare against no speculation, besides the shipped heads ('' to skip); "

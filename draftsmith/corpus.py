@@ -8,6 +8,7 @@ file at once, which measures nothing, while a cut mid-line keeps them writing co
 
 from __future__ import annotations
 
+import itertools
 import json
 import lzma
 from collections.abc import Iterator
@@ -56,6 +57,51 @@ def code_prompts(path: str | Path, num_prompts: int, min_chars: int = 600, max_c
     if len(prompts) < num_prompts:
         raise DraftsmithError(f"{path} yields only {len(prompts)} prompts, {num_prompts} requested")
     return prompts
+
+
+def repository(path: str) -> str:
+    """A code record's repository: its path's first component (the corpus keeps one repository per one)."""
+    return path.split("/", 1)[0]
+
+
+def held_out_records(path: str | Path, train: str | Path) -> list[dict]:
+    """The records of `path` whose repository has no file in `train`: code the heads never saw the like of
+    (a split by file shares most repositories with training, and heads accept far more on those)."""
+    seen = {repository(record.get("path", "")) for record in read_jsonl(train)}
+    return [record for record in read_jsonl(path) if repository(record.get("path", "")) not in seen]
+
+
+# After a prompt's cut, the next prompt from the same file starts this many characters on: past the code a
+# continuation of a few hundred tokens would write, so that no prompt holds another's expected output
+WINDOW_GAP = 1000
+
+
+def code_windows(text: str, min_chars: int, max_chars: int) -> list[str]:
+    """Successive prompts from one file: each starts on a line and is cut like `cut_inside_block`."""
+    windows, start = [], 0
+    while start < len(text):
+        prompt = cut_inside_block(text[start:], min_chars)
+        if prompt is None:
+            break
+        if len(prompt) <= max_chars:
+            windows.append(prompt)
+        next_line = text.find("\n", start + len(prompt) + WINDOW_GAP)
+        if next_line < 0:
+            break
+        start = next_line + 1
+    return windows
+
+
+def held_out_code_prompts(path: str | Path, train: str | Path, num_prompts: int, min_chars: int = 2000,
+                          max_chars: int = 4000) -> list[str]:
+    """Up to `num_prompts` code prompts from the repositories of `path` that `train` lacks: a window of every
+    such file in turn, then a second window of each, and so on (few repositories are held out, so each gives
+    several)."""
+    by_file = [code_windows(r.get("text", ""), min_chars, max_chars) for r in held_out_records(path, train)]
+    prompts = [window for windows in itertools.zip_longest(*by_file) for window in windows if window]
+    if not prompts:
+        raise DraftsmithError(f"{path} holds no code from a repository that {train} lacks")
+    return prompts[:num_prompts]
 
 
 EDIT_INSTRUCTION = "\n\n# The same code again, rewritten with type hints and docstrings:\n\n"

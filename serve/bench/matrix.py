@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.corpus import code_prompts, edit_prompts
+from draftsmith.corpus import code_prompts, edit_prompts, held_out_code_prompts
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import method_names, read_head_config, resolve_method, servable
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.serve.apps.llm import LLM
 from draftsmith.serve.bench.plot import plot_speedups, require_matplotlib
+from draftsmith.serve.bench.quiet import wait_for_quiet
 from draftsmith.serve.engine.outputs import OutputCollector
 from draftsmith.serve.engine.sampling_params import SamplingParams
 
@@ -210,6 +211,27 @@ def _row(model: str, method: str, k: int | None, c: int, speeds: list[float], me
             "step_profile": metrics.get("step_profile")}
 
 
+def bench_texts(args, count: int) -> tuple[list[str], str]:
+    """`count` prompts for the bench and what they are: by default code from the validation repositories that
+    the training split lacks (cycled where they give fewer), the code heads are measured on."""
+    data = Path(args.shared) / "data"
+    validation, train = data / "code-validation.jsonl.xz", data / "code-train.jsonl.xz"
+    needed = [validation, train] if args.prompts == "held-out" and args.workload == "code" else [validation]
+    for path in needed:
+        if not path.is_file():
+            raise DraftsmithError(f"benchmark data {path} not found; pass --shared DIR (the folder holding data/ and "
+                                  "models/)")
+    if args.workload == "edit":
+        return edit_prompts(validation, count), "validation code-edit prompts"
+    if args.prompts == "validation":
+        return code_prompts(validation, count), "validation code prompts"
+    distinct = held_out_code_prompts(validation, train, count)
+    texts = list(itertools.islice(itertools.cycle(distinct), count))
+    return texts, (f"code prompts from validation repositories the training split lacks ({len(distinct)} "
+                   "distinct, cycled)" if len(distinct) < count else "code prompts from validation repositories "
+                   "the training split lacks")
+
+
 def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[dict]:
     """The matrix for one model: a row per (method, concurrency), each printed once measured."""
     model_dir = Path(args.shared) / "models" / name
@@ -240,6 +262,8 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
         batch = prompts[: level_prompts(args, c)] * args.repeat
         runs = {m: [] for m in llms}  # per method: a finished _Run per round
         for _ in range(args.rounds):
+            if args.quiet_wait:
+                wait_for_quiet(max_wait_s=args.quiet_wait)
             for llm in llms.values():
                 llm.engine.reset_metrics()  # drops the warm-up's and the previous run's counts
                 if llm.engine.proposer is not None:
@@ -317,13 +341,8 @@ def run(args: argparse.Namespace) -> int:
     levels = parse_concurrency(args.concurrency or "1,4,8,16,32")
     if not args.no_plot:
         require_matplotlib()  # now, not after a run of many minutes
-    shared = Path(args.shared)
-    data = shared / "data" / "code-validation.jsonl.xz"
-    if not data.is_file():
-        raise DraftsmithError(f"benchmark data {data} not found; pass --shared DIR (the folder holding data/ and models/)")
-    texts = (edit_prompts if args.workload == "edit" else code_prompts)(data, level_prompts(args, levels[-1]))
-    print(f"concurrency {','.join(map(str, levels))}: max({args.waves} x c, {args.num_prompts}) validation "
-          f"{'code-edit' if args.workload == 'edit' else 'code'} prompts per level, "
+    texts, source = bench_texts(args, level_prompts(args, levels[-1]))
+    print(f"concurrency {','.join(map(str, levels))}: max({args.waves} x c, {args.num_prompts}) {source} per level, "
           f"greedy, {args.max_tokens} new tokens, fp32, {torch.get_num_threads()} CPU threads, "
           f"median of {args.rounds} round(s)" + (f", the prompts sent {args.repeat} times" if args.repeat > 1 else ""),
           flush=True)

@@ -49,6 +49,10 @@ PROBE_AFTER, MAX_PROBE_AFTER, PROBE_STEPS, PROBE_WORST = 16, 256, 2, 0.7
 # than the first guesses, and neither holds nor probes wait longer: a few early rejections must not keep
 # speculation off for good
 THIN_EVIDENCE = 16
+# Position j's rate is re-measured only by plans at least j wide: where the method's decayed count of rows
+# reaching the position after a plan's last one falls under THIN_POSITION, a plan drafts one more if that is
+# predicted at least EXPLORE_WORST of the best plan's tokens/s
+THIN_POSITION, EXPLORE_WORST = 4.0, 0.9
 # Per plan, the weight kept by the running share of rows that found drafts (proposers drafting before the plan)
 DRAFT_SHARE_DECAY = 0.9
 
@@ -165,16 +169,28 @@ class AdaptivePolicy:
         np.cumsum(rates.cumprod(1), 1, out=gain[:, 1:])
         tokens = (rows + np.take_along_axis(gain, drafts, 1).sum(0)).tolist()
         plain = StepPlan(0, 0.0, tokens[0], max(seconds[0], 1e-9))
-        best, speculative = plain, None
+        best, speculative, candidates = plain, None, [plain]
         for width in range(1, len(tokens)):
             if tokens[width] <= tokens[width - 1]:
                 break  # no row can use a wider step
-            candidate = StepPlan(width, 0.0, tokens[width], max(seconds[width], 1e-9))
-            if candidate.tokens_per_s > best.tokens_per_s:
-                best = candidate
-            if speculative is None or candidate.tokens_per_s > speculative.tokens_per_s:
-                speculative = candidate
+            candidates.append(StepPlan(width, 0.0, tokens[width], max(seconds[width], 1e-9)))
+            if candidates[-1].tokens_per_s > best.tokens_per_s:
+                best = candidates[-1]
+            if speculative is None or candidates[-1].tokens_per_s > speculative.tokens_per_s:
+                speculative = candidates[-1]
+        if best.width:
+            best = speculative = self._one_deeper(best, candidates)
         return gain, best, speculative, plain
+
+    def _one_deeper(self, best: StepPlan, candidates: list[StepPlan]) -> StepPlan:
+        """`best`, or one draft more where the method's evidence at that position has faded (THIN_POSITION)
+        and drafting it is predicted within EXPLORE_WORST of the best: a plan of w drafts never re-measures
+        position w + 1, and an early unlucky estimate there would keep every later plan narrower than pays."""
+        width = best.width
+        if width + 1 >= len(candidates) or self.acceptance.reached_lately(width) >= THIN_POSITION:
+            return best
+        deeper = candidates[width + 1]
+        return deeper if deeper.tokens_per_s >= EXPLORE_WORST * best.tokens_per_s else best
 
     def _probe_due(self) -> bool:
         return not self._probing and self._plain_run >= self._probe_after

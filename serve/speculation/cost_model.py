@@ -82,7 +82,7 @@ class CostModel:
     def __post_init__(self) -> None:
         if self.draft_guess is None:
             self.draft_guess = DRAFT_STEP_GUESS
-        self.draft_ratio = DecayedLine(prior_slope=self.draft_guess, prior_weight=0.5)
+        self.draft_ratio = DecayedLine(prior_weight=0.5)
 
     def forward(self, rows: int, query_len: float) -> float:
         scale = self.forward_scales.get(rows)

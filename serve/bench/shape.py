@@ -98,6 +98,8 @@ def _random_eagle3_head(target: CausalLM, model_dir: Path, directory: Path) -> P
 
 def dispatch(args: argparse.Namespace) -> int:
     """`draftsmith bench`: the shape bench with --shape, else the shared models' matrix (`matrix.run`)."""
+    if args.shape is not None and getattr(args, "peer", None):
+        raise DraftsmithError("--peer compares the shared models' matrix; it does not run with --shape")
     return run(args) if args.shape is not None else matrix.run(args)
 
 

@@ -1,0 +1,279 @@
+"""`draftsmith bench --peer vllm`: the same prompts, greedy, max_tokens and concurrency levels through vLLM's CPU
+build, side by side with draftsmith in one run (issue 39).
+
+vLLM lives in a venv of its own (`make peer-vllm`: it pins transformers apart from ours), so it runs as a
+subprocess of that venv's python on `vllm_peer_worker.py`, one process per (model, method): a job JSON in,
+a result JSON out. Both engines get the same compute threads on the same cores (`--peer-threads N`: draftsmith
+runs N torch threads on cores 0..N-1, vLLM binds its OpenMP threads to the same cores). Heads are exported
+with draftsmith's own converter (`draftsmith convert --to vllm`) into a temporary folder; a method vLLM will
+not load is a row saying why, not a failed run.
+
+The peer's methods run one after another, after draftsmith's, in their own processes: unlike draftsmith's
+methods (which take turns on one copy of the weights) they are timed minutes apart, so a drift in machine
+speed reaches the draftsmith/vLLM ratio; run the bench on a quiet machine and with --rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods import resolve_method
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PYTHON = ROOT / "build" / "peer-vllm" / "bin" / "python"
+WORKER = Path(__file__).with_name("vllm_peer_worker.py")
+PEERS = ("vllm",)
+PEER_MAX_MODEL_LEN = 2048  # what ../shared/docs/peers-2026-11.md runs vLLM's CPU build with
+DRAFTSMITH_ONLY_KEYS = ("adaptive",)  # vLLM drafts a fixed k: dropped, the row still names draftsmith's k
+NOT_IN_VLLM = ("tree_depth", "tree_top_k")  # draftsmith's dynamic trees: no vLLM counterpart to compare with
+WORKER_TIMEOUT_S = 1800
+
+
+class PeerLevel(BaseModel):
+    """One concurrency level of the worker's result (`vllm_peer_worker.bench_levels`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    concurrency: int
+    tokens_per_s: list[float]
+    whole_run_tokens_per_s: list[float]
+    outputs: list[list[int]]
+    rounds_equal: bool
+    mean_acceptance_length: float | None = None
+
+
+class PeerResult(BaseModel):
+    """The worker's result: levels, or the one-line reason vLLM refused the config or failed."""
+
+    model_config = ConfigDict(extra="forbid")
+    vllm_version: str | None = None
+    torch_threads: int | None = None
+    startup_s: float | None = None
+    levels: list[PeerLevel] = []
+    refused: str | None = None
+    failed: str | None = None
+    not_run: str | None = None  # set on this side: why the peer was not asked (no export, no counterpart)
+
+    @property
+    def problem(self) -> str | None:
+        if self.not_run:
+            return self.not_run
+        if self.refused:
+            return f"refused by vLLM: {self.refused}"
+        return f"failed in vLLM: {self.failed}" if self.failed else None
+
+
+def peer_python(args: argparse.Namespace) -> Path:
+    """The peer venv's python; a one-line error naming `make peer-vllm` when it is not there."""
+    if args.peer not in PEERS:
+        raise DraftsmithError(f"--peer {args.peer!r}: the peers are {', '.join(PEERS)}")
+    python = Path(args.peer_python) if args.peer_python else DEFAULT_PYTHON
+    if not python.is_file():
+        raise DraftsmithError(f"--peer vllm: {python} not found; run `make peer-vllm` (vLLM's CPU build in its "
+                              "own venv) or pass --peer-python")
+    return python
+
+
+def bind_threads(threads: int | None) -> tuple[int, str]:
+    """Runs this process's torch on `threads` threads (default: torch's count now) on cores 0..threads-1, and
+    returns (threads, vLLM's VLLM_CPU_OMP_THREADS_BIND for the same cores)."""
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    cores = set(range(threads))
+    if hasattr(os, "sched_setaffinity"):
+        allowed = os.sched_getaffinity(0)
+        if not cores <= allowed:
+            raise DraftsmithError(f"--peer-threads {threads}: cores 0-{threads - 1} are not all available to this "
+                                  f"process (allowed: {','.join(map(str, sorted(allowed)))})")
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+    return threads, "0" if threads == 1 else f"0-{threads - 1}"
+
+
+def vllm_config(name: str, config: dict | None, target: Path, workdir: Path) -> dict | str | None:
+    """vLLM's speculative_config for a bench row's draftsmith config (None: no speculation), or the one-line
+    reason it has none. A head is exported with draftsmith's converter (`--to vllm`) into `workdir`."""
+    if config is None:
+        return None
+    blocked = [key for key in NOT_IN_VLLM if config.get(key)]
+    if blocked:
+        return f"not compared: vLLM has no {', '.join(blocked)}"
+    spec = {key: value for key, value in config.items() if key not in DRAFTSMITH_ONLY_KEYS}
+    if spec.get("model"):
+        model = Path(spec["model"])
+        if resolve_method(spec["method"]).head_type is not None:
+            try:
+                model = export_head(model, target, workdir / name.replace("@", "-"))
+            except DraftsmithError as exc:
+                return f"not exported for vLLM: {exc}"
+        spec["model"] = str(model.resolve())
+    return spec
+
+
+def export_head(head: Path, target: Path, out: Path) -> Path:
+    """`draftsmith convert HEAD OUT --to vllm --target TARGET`, in this process."""
+    from draftsmith.convert.cli import run as convert
+
+    convert(argparse.Namespace(src=str(head), out=str(out), from_format=None, to="vllm", target=str(target),
+                               dtype=None, force=True, inspect=False))
+    return out
+
+
+def make_job(model_dir: Path, batches: dict[int, list[list[int]]], max_tokens: int, rounds: int,
+             spec: dict | None) -> dict:
+    """The worker's job: every level's prompts (token ids, in order), greedy, `max_tokens` each."""
+    longest = max(len(ids) for batch in batches.values() for ids in batch)
+    return {"model": str(model_dir.resolve()), "max_tokens": max_tokens, "rounds": rounds,
+            "max_model_len": max(PEER_MAX_MODEL_LEN, longest + max_tokens), "max_num_seqs": max(batches),
+            "speculative_config": spec,
+            "levels": [{"concurrency": c, "prompts": batch} for c, batch in batches.items()]}
+
+
+def run_worker(python: Path, job: dict, bind: str, threads: int, workdir: Path, worker: Path = WORKER) -> PeerResult:
+    """Runs the worker on `job` with vLLM's CPU settings; its log goes to a file named in any error."""
+    job_path, result_path = workdir / "job.json", workdir / "result.json"
+    log_path = workdir / "worker.log"
+    job_path.write_text(json.dumps(job))
+    result_path.unlink(missing_ok=True)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(threads),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "w") as log:
+        try:
+            done = subprocess.run([str(python), str(worker), str(job_path), str(result_path)], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, timeout=WORKER_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise DraftsmithError(f"the vLLM peer ran past {WORKER_TIMEOUT_S} s; its log: {log_path}") from None
+    if not result_path.is_file():
+        tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]
+        raise DraftsmithError(f"the vLLM peer exited with status {done.returncode} and no result ({tail[0][:200]}); "
+                              f"its log: {log_path}")
+    return PeerResult.model_validate_json(result_path.read_text())
+
+
+def peer_fields(result: PeerResult, c: int, reference: list[list[int]] | None) -> dict:
+    """The peer's part of a bench row at level c: its median tokens/s and acceptance, and on how many prompts
+    its greedy ids differ from draftsmith's no-speculation ids (`reference`)."""
+    if result.problem:
+        return {"peer_problem": result.problem}
+    level = next((lv for lv in result.levels if lv.concurrency == c), None)
+    if level is None:
+        return {"peer_problem": f"the vLLM peer returned no level c={c}"}
+    mismatches = None if reference is None else sum(a != b for a, b in zip(level.outputs, reference)) + abs(
+        len(level.outputs) - len(reference))
+    return {"peer_tokens_per_s": statistics.median(level.tokens_per_s),
+            "peer_whole_run_tokens_per_s": statistics.median(level.whole_run_tokens_per_s),
+            "peer_mean_acceptance_length": level.mean_acceptance_length,
+            "peer_greedy_mismatches": mismatches, "peer_greedy_checked": len(level.outputs),
+            "peer_rounds_equal": level.rounds_equal}
+
+
+def merge(rows: list[dict], results: dict[str, PeerResult], references: dict[int, list[list[int]]],
+          peer: str) -> list[dict]:
+    """Adds the peer's fields to draftsmith's rows of one model (`vs_peer` = draftsmith / vLLM tokens/s)."""
+    for row in rows:
+        result = results.get(row["method"])
+        if result is None:  # a row without a peer counterpart (HF's)
+            continue
+        row.update(peer=peer, **peer_fields(result, row["concurrency"], references.get(row["concurrency"])))
+        if row.get("peer_tokens_per_s"):
+            row["vs_peer"] = row["tokens_per_s"] / row["peer_tokens_per_s"]
+    return rows
+
+
+def bench_peer(args: argparse.Namespace, python: Path, model_dir: Path, configs: dict[str, dict | None],
+               batches: dict[int, list[list[int]]], threads: int, bind: str) -> dict[str, PeerResult]:
+    """Every method of one model through the peer: {method: result}, printing a line per method."""
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="draftsmith-peer-") as tmp:
+        for name, config in configs.items():
+            workdir = Path(tmp) / name.replace("@", "-")
+            workdir.mkdir()
+            spec = vllm_config(name, config, model_dir, workdir)
+            if isinstance(spec, str):
+                results[name] = PeerResult(not_run=spec)
+            else:
+                job = make_job(model_dir, batches, args.max_tokens, args.rounds, spec)
+                results[name] = run_worker(python, job, bind, threads, workdir)
+            print(f"  vLLM peer {model_dir.name} {name}: {_summary(results[name])}", flush=True)
+    return results
+
+
+def _summary(result: PeerResult) -> str:
+    if result.problem:
+        return result.problem
+    speeds = ", ".join(f"c={lv.concurrency} {statistics.median(lv.tokens_per_s):.1f} tok/s" for lv in result.levels)
+    return f"vLLM {result.vllm_version}, {result.torch_threads} threads, started in {result.startup_s:.0f} s: {speeds}"
+
+
+class Peer:
+    """The peer engine a bench compares against, set up before anything is timed: its python, and the threads
+    and cores both engines compute on."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.name = args.peer
+        self.python = peer_python(args)
+        self.threads, self.bind = bind_threads(args.peer_threads)
+        self.version: str | None = None
+
+    def compare(self, args: argparse.Namespace, model_dir: Path, configs: dict[str, dict | None],
+                batches: dict[int, list[list[int]]], references: dict[int, list[list[int]]],
+                rows: list[dict]) -> list[dict]:
+        """Runs one model's methods (`configs`, by row name) through the peer and merges them into `rows`."""
+        results = bench_peer(args, self.python, model_dir, configs, batches, self.threads, self.bind)
+        self.version = next((r.vllm_version for r in results.values() if r.vllm_version), self.version)
+        return merge(rows, results, references, self.name)
+
+    def print_table(self, name: str, rows: list[dict], levels: list[int]) -> None:
+        cores = f"core {self.bind}" if self.threads == 1 else f"cores {self.bind}"
+        print(f"\n{name} against vLLM-CPU {self.version or '?'}, {self.threads} compute thread(s) each on {cores}: "
+              "tok/s draftsmith / vLLM and their ratio; acc = mean acceptance length draftsmith/vLLM")
+        for line in table_lines(rows, levels):
+            print(line, flush=True)
+
+
+def _cell(row: dict | None) -> str:
+    if row is None or not row.get("peer_tokens_per_s"):
+        return " " * 26
+    return f"{row['tokens_per_s']:>8.1f} / {row['peer_tokens_per_s']:>7.1f} {row['vs_peer']:>5.2f}x"
+
+
+def _ids(rows: list[dict]) -> str:
+    """Whether the peer's greedy ids equal draftsmith's no-speculation ids, over a method's levels."""
+    counted = [r for r in rows if r.get("peer_greedy_mismatches") is not None]
+    differ = [f"c={r['concurrency']} {r['peer_greedy_mismatches']}/{r['peer_greedy_checked']}" for r in counted
+              if r["peer_greedy_mismatches"]]
+    if not counted:
+        return ""
+    return "ids equal" if not differ else "ids differ: " + " ".join(differ)
+
+
+def table_lines(rows: list[dict], levels: list[int]) -> list[str]:
+    """One line per method with a peer row: draftsmith / vLLM tok/s and the ratio at each level, the
+    acceptance lengths and the greedy check; a method the peer did not run says why."""
+    peer_rows = [r for r in rows if "peer" in r]
+    labels = {r["method"]: r["method"] if r["k"] is None else f"{r['method']} k={r['k']}" for r in peer_rows}
+    if not labels:
+        return []
+    width = max(map(len, labels.values())) + 2
+    lines = [f"{'method':<{width}}" + "".join(f"{f'c={c}':>26}  " for c in levels) + "acc by c, greedy vs plain"]
+    for method, label in labels.items():
+        mine = {r["concurrency"]: r for r in peer_rows if r["method"] == method}
+        problem = next((r["peer_problem"] for r in mine.values() if r.get("peer_problem")), None)
+        if problem:
+            lines.append(f"{label:<{width}}{problem}")
+            continue
+        accept = [f"{r['mean_acceptance_length']:.2f}/{r['peer_mean_acceptance_length']:.2f}" for r in mine.values()
+                  if r.get("mean_acceptance_length") is not None and r.get("peer_mean_acceptance_length") is not None]
+        lines.append(f"{label:<{width}}" + "".join(f"{_cell(mine.get(c))}  " for c in levels)
+                     + " ".join(filter(None, [" ".join(accept) or "-", _ids(list(mine.values()))])))
+    return lines

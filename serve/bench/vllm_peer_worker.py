@@ -1,0 +1,188 @@
+"""vLLM's side of `draftsmith bench --peer vllm`: one model and one speculative config, every level, timed the
+way draftsmith's bench times its own engine (`matrix._Run`).
+
+It runs with the peer venv's python, by file path: that venv has vLLM's CPU build and no draftsmith, so this
+file imports only vLLM (inside `main`) and the standard library. Usage:
+
+    VLLM_TARGET_DEVICE=cpu build/peer-vllm/bin/python vllm_peer_worker.py JOB.json RESULT.json
+
+The job (written by `serve/bench/peer.py`): model, max_model_len, max_num_seqs, max_tokens, rounds,
+speculative_config (vLLM's dict, or null) and levels, a list of {concurrency, prompts: [[token ids]]}.
+The result: {"vllm_version", "torch_threads", "startup_s", "levels": [{"concurrency", "tokens_per_s" and
+"whole_run_tokens_per_s" (one per round), "outputs" (the first round's token ids, in prompt order),
+"rounds_equal", "mean_acceptance_length"}]}, or {"refused": reason} where vLLM would not load the model with
+that config, or {"failed": reason} where it loaded and then failed. Reasons are one line.
+
+Concurrency c = c requests in flight, the next prompt added as one finishes, through vLLM's own step loop
+(`LLMEngine.add_request` / `step`) with the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+set by the caller), so that a step's time is the step's work, as in draftsmith's loop. Tokens/s counts the
+steps that begin with c requests in flight; the whole run's, drain included, is reported beside it.
+Requests are not detokenized (draftsmith's engine does not detokenize without stop strings either).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+import traceback
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+WARMUP_TOKENS = 8
+
+
+class StepRun:
+    """One pass over `prompts` with `concurrency` requests in flight, advanced a step at a time: the peer's
+    `matrix._Run`. `engine` is vLLM's LLMEngine (add_request, step, has_unfinished_requests)."""
+
+    def __init__(self, engine, prompts: list[list[int]], params, concurrency: int, tag: str):
+        self.engine, self.params, self.tag = engine, params, tag
+        self.outputs: list[list[int] | None] = [None] * len(prompts)
+        self.live: dict[str, int] = {}  # request id -> tokens generated so far
+        self.queue = iter(enumerate(prompts))
+        self.concurrency = concurrency
+        self.seconds = 0.0
+        self.steady_seconds, self.steady_tokens = 0.0, 0
+        start = time.perf_counter()
+        for _ in range(concurrency):
+            self._add_next()
+        self.seconds += time.perf_counter() - start
+
+    def _add_next(self) -> None:
+        for index, ids in itertools.islice(self.queue, 1):
+            request_id = f"{self.tag}-{index}"
+            self.engine.add_request(request_id, {"prompt_token_ids": ids}, self.params)
+            self.live[request_id] = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        steady = len(self.live) == self.concurrency
+        start = time.perf_counter()
+        new_tokens = 0
+        for output in self.engine.step():
+            ids = list(output.outputs[0].token_ids)  # cumulative: every token so far
+            new_tokens += len(ids) - self.live[output.request_id]
+            self.live[output.request_id] = len(ids)
+            if output.finished:
+                del self.live[output.request_id]
+                self.outputs[int(output.request_id.rsplit("-", 1)[1])] = ids
+                self._add_next()
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        if steady:
+            self.steady_seconds += seconds
+            self.steady_tokens += new_tokens
+
+    def run(self) -> StepRun:
+        while not self.done:
+            self.step()
+        return self
+
+    @property
+    def tokens_per_s(self) -> float:
+        if self.steady_seconds > 0 and self.steady_tokens > 0:
+            return self.steady_tokens / self.steady_seconds
+        return self.whole_run_tokens_per_s
+
+    @property
+    def whole_run_tokens_per_s(self) -> float:
+        return sum(map(len, self.outputs)) / self.seconds
+
+
+def spec_counts(metrics) -> dict[str, float]:
+    """The spec-decode counters (drafts, accepted tokens) summed over their labels; absent ones are 0."""
+    counts = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    for metric in metrics:
+        if metric.name in counts:
+            counts[metric.name] += metric.value
+    return counts
+
+
+def acceptance(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Mean acceptance length between two counter snapshots: 1 + accepted / drafts (None without drafts)."""
+    drafts = after[SPEC_COUNTERS[0]] - before[SPEC_COUNTERS[0]]
+    accepted = after[SPEC_COUNTERS[1]] - before[SPEC_COUNTERS[1]]
+    return 1 + accepted / drafts if drafts else None
+
+
+def one_line(exc: BaseException) -> str:
+    """The gist of a vLLM error, with its type: a pydantic error's first message (vLLM validates its configs
+    with pydantic, whose text ends in a link), else the last message line; its first sentence either way."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            message = errors()[0]["msg"].removeprefix("Value error, ")
+        except (TypeError, LookupError, AttributeError):
+            message = str(exc)
+    else:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        message = lines[-1] if lines else "no message"
+    message = message.strip().splitlines()[0] if message.strip() else "no message"
+    first, dot, rest = message.partition(". ")
+    return f"{type(exc).__name__}: {first}{dot.strip() if rest else ''}"[:300]
+
+
+def load(job: dict):
+    from vllm import LLM
+
+    spec = job.get("speculative_config")
+    # stats only where they are read: the spec-decode counters need them
+    return LLM(job["model"], dtype="float32", enforce_eager=True, max_model_len=job["max_model_len"],
+               enable_prefix_caching=False, max_num_seqs=job["max_num_seqs"], speculative_config=spec,
+               disable_log_stats=spec is None, seed=0)
+
+
+def bench_levels(llm, job: dict) -> list[dict]:
+    from vllm import SamplingParams
+
+    engine, speculating = llm.llm_engine, job.get("speculative_config") is not None
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False)
+    warm = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, detokenize=False)
+    StepRun(engine, job["levels"][0]["prompts"][:1], warm, 1, "warmup").run()
+    results = []
+    for level in job["levels"]:
+        c, runs, accept = level["concurrency"], [], None
+        for round_index in range(job["rounds"]):
+            before = spec_counts(llm.get_metrics()) if speculating else None
+            runs.append(StepRun(engine, level["prompts"], params, c, f"c{c}r{round_index}").run())
+            if speculating:  # the last round's, as draftsmith reports: greedy acceptance is the same each round
+                accept = acceptance(before, spec_counts(llm.get_metrics()))
+        results.append({"concurrency": c, "tokens_per_s": [run.tokens_per_s for run in runs],
+                        "whole_run_tokens_per_s": [run.whole_run_tokens_per_s for run in runs],
+                        "outputs": runs[0].outputs,
+                        "rounds_equal": all(run.outputs == runs[0].outputs for run in runs),
+                        "mean_acceptance_length": accept})
+    return results
+
+
+def main(argv: list[str]) -> int:
+    job_path, result_path = argv
+    job = json.loads(open(job_path).read())
+    start = time.perf_counter()
+    try:
+        llm = load(job)
+    except Exception as exc:  # vLLM refuses configs with a wide range of exception types
+        traceback.print_exc()
+        result = {"refused": one_line(exc)}
+    else:
+        import torch
+        import vllm
+
+        result = {"vllm_version": vllm.__version__, "torch_threads": torch.get_num_threads(),
+                  "startup_s": time.perf_counter() - start}
+        try:
+            result["levels"] = bench_levels(llm, job)
+        except Exception as exc:
+            traceback.print_exc()
+            result = {"failed": one_line(exc)}
+    with open(result_path, "w") as out:
+        json.dump(result, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,232 @@
+"""`draftsmith bench --peer vllm` without vLLM: the worker's step loop against a fake vLLM engine, the job and
+result protocol against a stand-in worker script, the speculative configs handed to vLLM, and the merged
+rows and table. tests/integration/test_bench_peer.py runs the real peer."""
+
+import json
+import os
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
+from draftsmith.serve.bench import peer
+from draftsmith.serve.bench import vllm_peer_worker as worker
+from helpers import REPO
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class _Completion:
+    token_ids: list[int]
+
+
+@dataclass
+class _Output:
+    request_id: str
+    finished: bool
+    outputs: list[_Completion] = field(default_factory=list)
+
+
+class _FakeVllmEngine:
+    """vLLM's LLMEngine as the worker uses it: each step takes a second and gives every live request one
+    token (a prompt [n] wants n), reported cumulatively under the id it was added with."""
+
+    def __init__(self, clock: _Clock):
+        self.clock, self.live = clock, {}
+
+    def add_request(self, request_id, prompt, params):
+        self.live[request_id] = [prompt["prompt_token_ids"][0], []]
+        return f"{request_id}-internal"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def step(self):
+        self.clock.now += 1.0
+        outputs = []
+        for request_id, (wanted, tokens) in list(self.live.items()):
+            tokens.append(wanted)
+            done = len(tokens) == wanted
+            if done:
+                del self.live[request_id]
+            outputs.append(_Output(request_id, done, [_Completion(list(tokens))]))
+        return outputs
+
+
+def test_the_worker_times_the_steps_with_c_in_flight_like_the_bench(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(worker.time, "perf_counter", clock)
+    run = worker.StepRun(_FakeVllmEngine(clock), [[2], [4], [6]], None, 2, "c2r0").run()
+    # as tests/unit/test_bench_window.py: steps 1-4 begin with 2 in flight (8 tokens), then a drain to step 8
+    assert run.outputs == [[2, 2], [4] * 4, [6] * 6]
+    assert (run.steady_tokens, run.steady_seconds) == (8, 4.0)
+    assert run.tokens_per_s == 2.0 and run.whole_run_tokens_per_s == 12 / 8
+
+
+@dataclass
+class _Metric:
+    name: str
+    value: float
+
+
+def test_acceptance_comes_from_the_spec_decode_counters_between_two_snapshots():
+    before = worker.spec_counts([_Metric("vllm:spec_decode_num_drafts", 10),
+                                 _Metric("vllm:spec_decode_num_accepted_tokens", 5), _Metric("other", 3)])
+    after = worker.spec_counts([_Metric("vllm:spec_decode_num_drafts", 30),
+                                _Metric("vllm:spec_decode_num_accepted_tokens", 45)])
+    assert worker.acceptance(before, after) == pytest.approx(1 + 40 / 20)
+    assert worker.acceptance(after, after) is None  # no drafts: no acceptance, not a division by zero
+    assert worker.one_line(ValueError("Traceback\n  line\nthe reason\n\n")) == "ValueError: the reason"
+
+
+def test_a_refusal_is_the_first_sentence_of_vllms_pydantic_error():
+    import pydantic
+
+    class SpeculativeConfig(pydantic.BaseModel):
+        model: str
+
+        @pydantic.model_validator(mode="after")
+        def _known(self):
+            raise ValueError("The checkpoint has model type `mimo` but Transformers does not recognize this "
+                             "architecture. This could be because of an issue with the checkpoint.\n\nYou can...")
+
+    with pytest.raises(pydantic.ValidationError) as caught:
+        SpeculativeConfig(model="x")
+    assert worker.one_line(caught.value) == ("ValidationError: The checkpoint has model type `mimo` but Transformers "
+                                             "does not recognize this architecture.")
+
+
+FAKE_WORKER = textwrap.dedent("""
+    import json, os, sys
+    job = json.load(open(sys.argv[1]))
+    env = {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_TARGET_DEVICE")}
+    open(sys.argv[1] + ".env", "w").write(json.dumps(env))
+    if (job["speculative_config"] or {}).get("method") == "mlp_speculator":
+        result = {"refused": "ValueError: architectures ['MLPSpeculatorPreTrainedModel'] are not supported"}
+    else:
+        levels = [{"concurrency": lv["concurrency"], "tokens_per_s": [90.0, 100.0, 120.0],
+                   "whole_run_tokens_per_s": [80.0, 80.0, 80.0],
+                   "outputs": [ids[:job["max_tokens"]] for ids in lv["prompts"]], "rounds_equal": True,
+                   "mean_acceptance_length": 2.5 if job["speculative_config"] else None} for lv in job["levels"]]
+        result = {"vllm_version": "fake", "torch_threads": 1, "startup_s": 0.1, "levels": levels}
+    json.dump(result, open(sys.argv[2], "w"))
+""")
+
+
+@pytest.fixture
+def fake_worker(tmp_path) -> Path:
+    path = tmp_path / "fake_worker.py"
+    path.write_text(FAKE_WORKER)
+    return path
+
+
+BATCHES = {1: [[1, 2, 3], [4, 5, 6]], 2: [[1, 2, 3], [4, 5, 6], [7, 8, 9]]}
+
+
+def test_a_job_goes_to_the_worker_and_its_result_comes_back(tmp_path, fake_worker):
+    job = peer.make_job(REPO / "assets" / "demo-code-7m", BATCHES, 2, 3, None)
+    assert job["max_model_len"] == peer.PEER_MAX_MODEL_LEN and job["max_num_seqs"] == 2
+    assert [lv["prompts"] for lv in job["levels"]] == [BATCHES[1], BATCHES[2]]
+    result = peer.run_worker(Path(sys.executable), job, "0", 1, tmp_path, worker=fake_worker)
+    assert result.problem is None and result.levels[1].outputs == [[1, 2], [4, 5], [7, 8]]
+    env = json.loads((tmp_path / "job.json.env").read_text())
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    refused = peer.run_worker(Path(sys.executable), {**job, "speculative_config": {"method": "mlp_speculator"}},
+                              "0", 1, tmp_path, worker=fake_worker)
+    assert refused.problem == "refused by vLLM: ValueError: architectures ['MLPSpeculatorPreTrainedModel'] are " \
+                              "not supported"
+
+
+def test_a_worker_that_dies_without_a_result_is_one_line_naming_its_log(tmp_path):
+    dying = tmp_path / "dying.py"
+    dying.write_text("import sys\nprint('Segmentation fault in the peer')\nsys.exit(139)\n")
+    with pytest.raises(DraftsmithError, match=r"status 139 and no result \(Segmentation fault in the peer\).*"
+                                              r"worker\.log"):
+        peer.run_worker(Path(sys.executable), peer.make_job(REPO, BATCHES, 2, 1, None), "0", 1, tmp_path, worker=dying)
+
+
+def _row(method, k, c, speed, accept=None):
+    return {"model": "m", "method": method, "k": k, "concurrency": c, "tokens_per_s": speed,
+            "mean_acceptance_length": accept}
+
+
+def test_peer_rows_merge_with_the_ratio_the_greedy_check_and_refusals(tmp_path, fake_worker):
+    results = {}
+    for name, spec in (("none", None), ("ngram", {"method": "ngram"}), ("mlp_speculator", {"method": "mlp_speculator"})):
+        job = peer.make_job(REPO, BATCHES, 2, 3, spec)
+        results[name] = peer.run_worker(Path(sys.executable), job, "0-1", 2, tmp_path, worker=fake_worker)
+    results["eagle3-tree"] = peer.PeerResult(not_run="not compared: vLLM has no tree_depth")
+    rows = [_row("none", None, 1, 150.0), _row("ngram", 4, 1, 300.0, 3.0), _row("none", None, 2, 200.0),
+            _row("ngram", 4, 2, 50.0, 3.0), _row("mlp_speculator", 3, 1, 10.0, 1.5), _row("hf", None, 1, 5.0),
+            _row("eagle3-tree", 10, 1, 99.0, 4.0)]
+    references = {1: [[1, 2], [4, 5]], 2: [[1, 2], [4, 9], [7, 8]]}  # one prompt differs at c=2
+    merged = {(r["method"], r["concurrency"]): r for r in peer.merge(rows, results, references, "vllm")}
+    none1, ngram2 = merged["none", 1], merged["ngram", 2]
+    assert none1["peer_tokens_per_s"] == 100.0 and none1["vs_peer"] == pytest.approx(1.5)  # median of rounds
+    assert none1["peer_greedy_mismatches"] == 0 and merged["none", 2]["peer_greedy_mismatches"] == 1
+    assert ngram2["vs_peer"] == pytest.approx(0.5) and ngram2["peer_mean_acceptance_length"] == 2.5
+    assert merged["mlp_speculator", 1]["peer_problem"].startswith("refused by vLLM: ValueError")
+    assert "peer" not in merged["hf", 1]  # no counterpart: left as it was
+    json.dumps(list(merged.values()))  # the --json rows stay plain JSON
+    lines = peer.table_lines(list(merged.values()), [1, 2])
+    assert lines[0].split() == ["method", "c=1", "c=2", "acc", "by", "c,", "greedy", "vs", "plain"]
+    table = "\n".join(lines)
+    assert "150.0 /   100.0  1.50x" in table and "ids differ: c=2 1/3" in table
+    assert "3.00/2.50 3.00/2.50 ids differ: c=2 1/3" in table
+    assert "mlp_speculator k=3  refused by vLLM: ValueError: architectures" in table
+    assert "eagle3-tree k=10    not compared: vLLM has no tree_depth" in table
+
+
+def test_the_speculative_configs_vllm_gets(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # where `make bench` names its draft models from
+    target = REPO / "assets" / "demo-code-7m"
+    assert peer.vllm_config("none", None, target, tmp_path) is None
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+             "adaptive": False}
+    assert peer.vllm_config("ngram", ngram, target, tmp_path) == {k: v for k, v in ngram.items() if k != "adaptive"}
+    tree = {"method": "eagle3", "model": "assets/demo-code-7m-eagle3", "tree_depth": 5, "tree_top_k": 2}
+    assert peer.vllm_config("eagle3-tree", tree, target, tmp_path) == "not compared: vLLM has no tree_depth, tree_top_k"
+    draft = {"method": "draft_model", "model": "assets/demo-code-7m", "num_speculative_tokens": 4}
+    # a draft model is a plain model: vLLM loads it as it is, by an absolute path
+    assert peer.vllm_config("draft_model", draft, target, tmp_path) == {**draft, "model": str(target.resolve())}
+
+
+def test_a_shipped_head_is_exported_with_draftsmith_convert(tmp_path):
+    head = REPO / "assets" / "demo-code-7m-eagle3"
+    spec = peer.vllm_config("eagle3", {"method": "eagle3", "model": str(head), "num_speculative_tokens": 5},
+                            REPO / "assets" / "demo-code-7m", tmp_path)
+    config = json.loads((Path(spec["model"]) / "config.json").read_text())
+    assert spec["method"] == "eagle3" and Path(spec["model"]).parent == tmp_path
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]  # --to vllm's layout
+
+
+def test_a_missing_peer_venv_is_one_line_naming_make_peer_vllm(tmp_path, capsys):
+    assert main(["bench", "--peer", "vllm", "--peer-python", str(tmp_path / "none" / "python"), "--no-plot"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "run `make peer-vllm`" in err
+
+
+def test_both_engines_get_the_same_threads_and_cores():
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    try:
+        assert peer.bind_threads(1) == (1, "0")
+        assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {0}
+        os.sched_setaffinity(0, affinity)  # a process binds once; the test binds again
+        if {0, 1} <= affinity:
+            assert peer.bind_threads(2) == (2, "0-1") and os.sched_getaffinity(0) == {0, 1}
+        with pytest.raises(DraftsmithError, match="--peer-threads 4096: cores 0-4095 are not all available"):
+            peer.bind_threads(4096)
+    finally:
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, affinity)

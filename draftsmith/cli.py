@@ -302,7 +302,8 @@ def _add_bench_peer_args(bench: argparse.ArgumentParser) -> None:
     peer.add_argument("--peer-python", default=None,
                       help="the peer venv's python (default: build/peer-vllm/bin/python)")
     peer.add_argument("--peer-threads", type=_positive_int, default=None,
-                      help="compute threads for each engine, on cores 0..N-1 (default: torch's thread count)")
+                      help="compute threads for each engine: draftsmith's torch threads, vLLM's OpenMP threads bound "
+                      "to cores 0..N-1 (default: torch's thread count)")
 
 
 def _add_bench_shape_args(bench: argparse.ArgumentParser) -> None:

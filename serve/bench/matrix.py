@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from draftsmith.corpus import code_prompts, edit_prompts, held_out_code_prompts
+from draftsmith.cpu_load import wait_for_quiet
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import method_names, read_head_config, resolve_method, servable
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.serve.apps.llm import LLM
 from draftsmith.serve.bench.peer import Peer
 from draftsmith.serve.bench.plot import plot_speedups, require_matplotlib
-from draftsmith.serve.bench.quiet import wait_for_quiet
 from draftsmith.serve.engine.outputs import OutputCollector
 from draftsmith.serve.engine.sampling_params import SamplingParams
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import statistics
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.cpu_load import BUSY_LIMIT, OthersBusy, wait_for_quiet
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import onednn_linear_available
@@ -31,6 +33,8 @@ ROWS = (1, 2, 4, 8, 16, 32)
 # 64 positions) interpolate rather than extrapolate from a noisy slope.
 QUERY_LENS = (1, 2, 3, 4, 5, 6, 8, 32)
 CONTEXT = 256  # tokens already in the cache per row: keys the forward attends over
+
+logger = logging.getLogger("draftsmith")
 
 
 @dataclass
@@ -122,9 +126,21 @@ def profile_forwards(model, key: dict, rows=ROWS, query_lens=QUERY_LENS, context
     return ForwardCostTable(key, list(rows), list(query_lens), context, seconds)
 
 
+# A saved table is checked against live forwards of a decode and a verify shape when loaded: a table off by more
+# than STALE_RATIO either way (timed on a busy machine: the house model's 1-row decode saved at 324 ms, where it
+# takes 10; or on another day's slower VM) is measured again. Priced by such a table, plain decoding looked
+# 3.7x dearer than it was, and a draft model speculated at 8 in flight at 0.8x plain decoding's speed.
+STALE_RATIO = 2.0
+CHECK_SHAPES = ((1, 1), (4, 4))
+# A profile is taken once other processes use under BUSY_LIMIT cores (waiting up to QUIET_WAIT_S); one taken
+# while they used more serves this process but is not saved.
+QUIET_WAIT_S = 30.0
+
+
 def load_or_profile(model, model_dir: str | Path, refresh: bool = False, progress=None,
                     **grid) -> tuple[ForwardCostTable, bool]:
-    """(table, whether it came from disk). A cached table is reused only for the same key and grid."""
+    """(table, whether it came from disk). A cached table is reused only for the same key and grid, and only
+    while live forwards agree with it (STALE_RATIO)."""
     key = profile_key(model_dir, model)
     path = cache_path(key)
     if path.is_file() and not refresh:
@@ -135,13 +151,35 @@ def load_or_profile(model, model_dir: str | Path, refresh: bool = False, progres
         wanted = {"rows": list(grid.get("rows", ROWS)), "query_lens": list(grid.get("query_lens", QUERY_LENS)),
                   "context": grid.get("context", CONTEXT)}
         if table.key == key and all(getattr(table, k) == v for k, v in wanted.items()):
-            return table, True
+            off = stale_by(model, table)
+            if off is None:
+                return table, True
+            logger.info("forward-cost profile %s is off by %.1fx from live forwards: measuring again", path, off)
+    wait_for_quiet(max_wait_s=QUIET_WAIT_S, log=logger.info)
+    others = OthersBusy()
     table = profile_forwards(model, key, progress=progress, **grid)
+    busy = others.cores()
+    if busy > BUSY_LIMIT:
+        logger.warning("forward-cost profile taken while other processes used %.2f cores: used now, not saved", busy)
+        return table, False
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(table.to_json(), indent=1) + "\n")
     os.replace(tmp, path)
     return table, False
+
+
+def stale_by(model, table: ForwardCostTable, shapes=CHECK_SHAPES, repeats: int = 3) -> float | None:
+    """How far (a factor >= 1) live forwards of `shapes` are from the table, where beyond STALE_RATIO at any
+    of them; None where the table agrees."""
+    shapes = [(r, q) for r, q in shapes if r <= max(table.rows)]
+    cache = model.make_cache(max(r for r, _ in shapes), table.context + max(q for _, q in shapes))
+    worst = 1.0
+    for rows, query_len in shapes:
+        live = time_forward(model, cache, rows, query_len, table.context, repeats)
+        ratio = live / max(table.estimate(rows, query_len), 1e-9)
+        worst = max(worst, ratio, 1 / max(ratio, 1e-9))
+    return worst if worst > STALE_RATIO else None
 
 
 def format_table(table: ForwardCostTable) -> str:

@@ -43,14 +43,37 @@ def test_profile_is_measured_once_then_reused(cache_dir, monkeypatch):
     path = cache_path(table.key)
     assert path.parent == cache_dir / "profiles" and json.loads(path.read_text())["seconds"] == table.seconds
 
-    def no_timing(*args, **kwargs):
+    def no_profile(*args, **kwargs):
         raise AssertionError("a matching saved profile must be reused, not measured again")
 
-    monkeypatch.setattr(cost_profile, "time_forward", no_timing)
+    monkeypatch.setattr(cost_profile, "profile_forwards", no_profile)
     again, cached = load_or_profile(model, DEMO_MODEL, **GRID)
     assert cached and again == table
     with pytest.raises(AssertionError, match="reused"):  # another grid is measured anew
         load_or_profile(model, DEMO_MODEL, rows=(1, 2, 4), query_lens=(1, 3), context=16)
+
+
+def test_a_saved_profile_that_live_forwards_disagree_with_is_measured_again(cache_dir):
+    """A table saved from a busy machine (every forward 30x slower than now) is not trusted: live forwards of
+    a decode and a verify shape disagree, so the table is measured again and saved over it."""
+    model = load_target(DEMO_MODEL, dtype="float32")
+    table, _ = load_or_profile(model, DEMO_MODEL, **GRID)
+    path = cache_path(table.key)
+    saved = json.loads(path.read_text())
+    saved["seconds"] = [[30 * s for s in line] for line in saved["seconds"]]
+    path.write_text(json.dumps(saved))
+    again, cached = load_or_profile(model, DEMO_MODEL, **GRID)
+    assert not cached and again.seconds[0][0] < saved["seconds"][0][0] / 2
+    assert json.loads(path.read_text())["seconds"] == again.seconds
+
+
+def test_a_profile_taken_while_other_processes_are_busy_is_not_saved(cache_dir, monkeypatch):
+    monkeypatch.setattr(cost_profile, "wait_for_quiet", lambda **kwargs: 0.0)
+    monkeypatch.setattr(cost_profile.OthersBusy, "cores", lambda self: 1.0)  # a core used elsewhere throughout
+    model = load_target(DEMO_MODEL, dtype="float32")
+    table, cached = load_or_profile(model, DEMO_MODEL, **GRID)
+    assert not cached and all(s > 0 for line in table.seconds for s in line)
+    assert not cache_path(table.key).exists()
 
 
 def test_profiles_are_kept_apart_by_dtype_and_model():

@@ -1,6 +1,6 @@
 """The bench's gate that waits for a quiet machine before each timed round."""
 
-from draftsmith.serve.bench import quiet
+from draftsmith import cpu_load as quiet
 
 
 def test_the_quiet_gate_counts_only_other_processes(monkeypatch):

@@ -1,6 +1,6 @@
-"""Waiting for a quiet machine before a timed round: on a shared 2-core VM, another process's burst of work
-halves an engine's speed for a while, and two engines timed side by side are only comparable while nothing
-else runs. Linux only (/proc/stat); elsewhere the gate lets every round go at once."""
+"""How busy other processes keep the CPU, for timings that must be taken on a quiet machine (bench rounds, the
+forward-cost profile): on a shared 2-core VM, another process's burst of work makes a 2-thread matmul 20x
+slower for a while. Linux only (/proc/stat); elsewhere the machine always reads quiet."""
 
 from __future__ import annotations
 
@@ -26,14 +26,24 @@ def _cpu_seconds() -> tuple[float, float] | None:
     return busy, own.user + own.system + own.children_user + own.children_system
 
 
+class OthersBusy:
+    """Cores' worth of CPU that other processes used between its creation and `cores()`."""
+
+    def __init__(self):
+        self.start, self.started = _cpu_seconds(), time.monotonic()
+
+    def cores(self) -> float:
+        end, seconds = _cpu_seconds(), time.monotonic() - self.started
+        if self.start is None or end is None or seconds <= 0:
+            return 0.0
+        return max((end[0] - self.start[0]) - (end[1] - self.start[1]), 0.0) / seconds
+
+
 def others_busy(sample_s: float = SAMPLE_S) -> float:
     """Cores' worth of CPU that other processes used over `sample_s` seconds (0.0 where unknown)."""
-    before = _cpu_seconds()
+    span = OthersBusy()
     time.sleep(sample_s)
-    after = _cpu_seconds()
-    if before is None or after is None:
-        return 0.0
-    return max((after[0] - before[0]) - (after[1] - before[1]), 0.0) / sample_s
+    return span.cores()
 
 
 def wait_for_quiet(limit: float = BUSY_LIMIT, max_wait_s: float = 120.0, log=print) -> float:

@@ -22,14 +22,14 @@ OPTIMISM = 0.25
 
 class DecayedLine:
     """y ~ a + b x, fitted by least squares over observations weighted by decay**age. With `prior_weight`, the
-    slope is shrunk (by that weight, in units of x variance, fading as evidence grows) toward a prior: the
-    line through the origin and the mean observation where `prior_slope` is None, else `prior_slope`. So
-    one x value seen still extrapolates: in proportion to x, not with a guessed slope whose error the
-    intercept would absorb (drafting timed only at 5 forwards, 0.5 of a decode each, was priced 1.17 at one
-    forward with the guessed slope 1/3 where it cost 0.5, so narrower plans looked dearer than they were)."""
+    slope is shrunk (by that weight, in units of x variance, fading as evidence grows) toward the line through
+    the origin and the mean observation. So one x value seen still extrapolates: in proportion to x, not with
+    a guessed slope whose error the intercept would absorb (drafting timed only at 5 forwards, 0.5 of a decode
+    each, was priced 1.17 at one forward with the guessed slope 1/3 where it cost 0.5, so narrower plans looked
+    dearer than they were)."""
 
-    def __init__(self, decay: float = 0.97, prior_slope: float | None = None, prior_weight: float = 0.0):
-        self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
+    def __init__(self, decay: float = 0.97, prior_weight: float = 0.0):
+        self.decay, self.prior_weight = decay, prior_weight
         self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
 
     def fade(self, factor: float) -> None:
@@ -49,7 +49,7 @@ class DecayedLine:
         var = max(self.sxx / self.n - mean_x * mean_x, 0.0)
         covariance = self.sxy / self.n - mean_x * mean_y
         if self.prior_weight:
-            prior = self.prior_slope if self.prior_slope is not None else mean_y / mean_x if mean_x else 0.0
+            prior = mean_y / mean_x if mean_x else 0.0
             weight = self.prior_weight / self.n
             slope = (covariance + weight * prior) / (var + weight)
         elif var < 1e-9 * max(1.0, mean_x * mean_x):  # one x value seen: no slope to fit

@@ -112,6 +112,7 @@ def test_the_house_recipe_reads_the_house_model_and_corpus_from_beside_the_repos
     calls = train.device_calls([train.CARRY / "part-1", train.CARRY / "part-2"])
     assert calls[0]["carry"] == [".whl", ".gpu-carry/part-1"] and calls[1]["carry"] == [".gpu-carry/part-2"]
     assert calls[1]["command"].endswith("then make gpu-train; else python3 -m draftsmith.gpu.train run; fi")
+    assert "make gpu-check" in calls[0]["command"] and "gpu-check" not in calls[1]["command"]
 
 
 def test_the_check_reads_failures_from_a_junit_report(tmp_path):

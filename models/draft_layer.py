@@ -18,7 +18,7 @@ from draftsmith.models.attention import batch_attention
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import Linear, fused
 from draftsmith.models.llama import MLP, RMSNorm
-from draftsmith.models.rope import apply_rope
+from draftsmith.models.rope import apply_rope_qk
 
 
 class DraftAttention(nn.Module):
@@ -48,9 +48,9 @@ class DraftAttention(nn.Module):
         k = k.view(rows, width, self.kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope_qk(q, k, cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             batch.write(cache[0], k)
             batch.write(cache[1], v)

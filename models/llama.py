@@ -18,7 +18,7 @@ from draftsmith.models.attention import batch_attention, cached_attention
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
 from draftsmith.models.linear import Linear, fused
-from draftsmith.models.rope import apply_rope, rope_tables
+from draftsmith.models.rope import apply_rope_qk, rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +28,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one kernel, the same arithmetic as below (tests/unit/test_rope_norm_fast.py): on CPU each small
+            # op of a decode step costs 5-20 us whatever its size, and a norm is six of them
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # fp32 statistics, cast back before the weight: HF's order, needed for bit-level parity in bf16.
         dtype = x.dtype
         x = x.float()
@@ -54,8 +58,9 @@ class Attention(nn.Module):
         if x.dim() == 2:  # packed: the batch's real tokens only (ForwardBatch.tokens)
             return self._packed(x, cos, sin, cache, batch)
         rows, width, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self._project(x))  # [B, heads, Q, head_dim]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._project(x)
+        q, k = apply_rope_qk(q, k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, head_dim]
         if cache is None:  # whole sequences at once (training, reference scoring)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask, is_causal=window_mask is None,
                                                  enable_gqa=True)
@@ -86,7 +91,7 @@ class Attention(nn.Module):
         """x [T, hidden], cos/sin [T, head_dim]: projections and rope per real token; the cache write and
         attention over the padded [B, Q] layout (padding writes go to the scratch slot)."""
         q, k, v = self._project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, heads, head_dim]
+        q, k = apply_rope_qk(q, k, cos, sin)  # [T, heads, head_dim]
         k_cache, v_cache = cache
         if batch.row_spans is not None:
             return self.o_proj(self._attend_rows(q, k, v, k_cache, v_cache, batch))

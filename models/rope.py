@@ -57,3 +57,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [B, heads, Q, head_dim]; cos/sin [B, Q, head_dim] already in x's dtype."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` of q [..., heads, head_dim] and k [..., kv_heads, head_dim] (heads before head_dim, as a
+    projection's output viewed per head); cos/sin [..., head_dim]. Where k follows q in memory, as the
+    views of a fused q/k/v projection do, both turn in one pass: on CPU each small op of a decode step costs
+    5-20 us whatever its size, and one pass is 5 ops a layer, not 10. Same arithmetic either way."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    heads = q.shape[-2]
+    if _follows(q, k):
+        both = q.as_strided(q.shape[:-2] + (heads + k.shape[-2], q.shape[-1]), q.stride(), q.storage_offset())
+        turned = both * cos + rotate_half(both) * sin
+        return turned[..., :heads, :], turned[..., heads:, :]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _follows(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether k's heads continue q's in one buffer with the same strides (one tensor of heads + kv_heads)."""
+    return (q.shape[:-2] == k.shape[:-2] and q.shape[-1] == k.shape[-1] and q.stride() == k.stride()
+            and q.dtype == k.dtype and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+            and k.storage_offset() == q.storage_offset() + q.shape[-2] * q.stride(-2))

@@ -83,7 +83,7 @@ class LastHiddenProposer(Proposer):
             probs[:, :width] = torch.stack(self._qs, dim=1)
         parents = None if self.tree is None else self.tree.parent_tensor(n, self.device)
         # a head per draft in one pass (Medusa), or a stage per draft in turn (MLP speculator)
-        return DraftBatch(tokens, counts, probs, parents, forwards=width if self.sequential else 1)
+        return DraftBatch(tokens, counts, probs, parents, forwards=width if self.per_token_drafts else 1)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """One draft per row [n] from logits [n, V]: the argmax, or for sampling rows a draw whose q is kept."""

@@ -30,7 +30,8 @@ class DraftBatch:
     # [B, K] the drafter's chance that each node's path is accepted, for a tree whose nodes come likeliest
     # first: the engine verifies the first w of them, w sized by the cost model (tree_verify.size_trees)
     confidence: torch.Tensor | None = None
-    # what drafting cost, for the policy's cost model: the sequential draft forwards this propose ran, and
+    # what drafting cost, for the policy's cost model: the draft units this propose ran (sequential forwards,
+    # or Medusa heads; 1 for a one-pass drafter: `Proposer.per_token_drafts`), and
     # whether it was steady (False: it also caught up over a prompt or a pause, a one-off priced apart)
     forwards: int = 0
     steady: bool = True
@@ -61,14 +62,14 @@ class DraftSampling(Protocol):
 class Proposer:
     """Drafts tokens for the rows being decoded; returned by its method's `proposer_class()`.
 
-    The engine's cost model reads about drafting: `sequential` (each further draft token costs one more
-    sequential draft forward, as in EAGLE; False when one pass yields them all, as in n-gram lookup or
-    parallel drafting), `propose_first` (drafting is so cheap that the engine drafts before it sizes the
-    step, so it knows which rows have drafts at all), and what each `propose` returns: its DraftBatch's
+    The engine's cost model reads about drafting: `per_token_drafts` (each further draft token costs one more
+    draft unit: a sequential draft forward, as in EAGLE, or a head, as in Medusa; False when one pass drafts
+    any width at one cost, as n-gram lookup, DFlash or parallel drafting do), `propose_first` (drafting is so
+    cheap that the engine drafts before it sizes the step, so it knows which rows have drafts at all), and what each `propose` returns: its DraftBatch's
     `forwards` and `steady`.
     """
 
-    sequential: ClassVar[bool] = True
+    per_token_drafts: ClassVar[bool] = True
     propose_first: ClassVar[bool] = False
 
     def __init__(self, config: SpeculativeConfig, target, max_num_seqs: int, max_model_len: int):

@@ -132,7 +132,7 @@ class AdaptivePolicy:
             # the first guesses
             probe = self._choose(np.maximum(rates, self.acceptance.initial_rates), drafts, seconds)[2]
         best = self._explore(best, probe, plain, catch_up, thin)
-        if best.width > 0 and self.cost.sequential_drafts and self.confidence_floor:
+        if best.width > 0 and self.cost.per_token_drafts and self.confidence_floor:
             # one more draft step costs a draft forward plus a wider verify; it pays while the row's chance
             # of acceptance exceeds that cost times the row's token rate. Draft confidences are not calibrated
             # acceptance rates (a one-layer head tends to be under-confident), hence the margin.

@@ -44,7 +44,9 @@ class CostModel:
     """Seconds of a decode step's parts, from the profile table and live timings."""
 
     table: ForwardCostTable
-    sequential_drafts: bool  # each draft token is one more draft forward
+    # each draft token costs one more draft unit (a sequential draft forward, a Medusa head): drafting w tokens
+    # costs w units; False: one pass drafts any width at one cost (n-gram lookup, DFlash, parallel drafting)
+    per_token_drafts: bool
     drafts_before_plan: bool  # drafting already happened when the plan is made: its cost is sunk
     # A draft forward is priced against the target's forward of `draft_query_len` tokens a row (1: a head
     # drafting a token a row per forward; a block drafter's block), at first `draft_guess` times it: a block
@@ -99,7 +101,7 @@ class CostModel:
         """What drafting `width` tokens for `rows` steady rows costs, sunk or not."""
         if width == 0:
             return 0.0
-        forwards = width if self.sequential_drafts else 1
+        forwards = width if self.per_token_drafts else 1
         return self._draft_ratio(forwards) * self.forward(rows, self.draft_query_len)
 
     def _draft_ratio(self, forwards: int) -> float:
@@ -146,7 +148,7 @@ class CostModel:
         tokens = catch_up[0] * (1 + catch_up[1])
         if tokens <= 0:
             return
-        extra = max(seconds - self.drafting(rows, forwards if self.sequential_drafts else 1), 0.0)
+        extra = max(seconds - self.drafting(rows, forwards if self.per_token_drafts else 1), 0.0)
         per_token = min(extra, OUTLIER * max(self._catch_up_guess(*catch_up), 1e-9)) / tokens
         previous = self.catch_up_per_token
         self.catch_up_per_token = per_token if previous is None else decay * previous + (1 - decay) * per_token
@@ -204,7 +206,7 @@ class CostModel:
             query_len = query_lens[width]
             verify = self.table.estimate(rows, query_len) * (scale if query_len == 1 else verify_scale)
             draft = 0.0 if self.drafts_before_plan else \
-                self._draft_ratio(width if self.sequential_drafts else 1) * draft_forward
+                self._draft_ratio(width if self.per_token_drafts else 1) * draft_forward
             seconds.append((verify + draft + host) * correction + catch)
         return seconds
 

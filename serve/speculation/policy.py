@@ -122,7 +122,7 @@ def make_policy(spec_config, proposer, num_slots: int, cost_table: ForwardCostTa
         return FixedPolicy(k, per_batch_size, disable_above)
     if cost_table is None:  # no model folder to key a cached profile by: measure, keep in memory
         cost_table = profile_forwards(target, {"model": "in-memory"})
-    cost = CostModel(cost_table, sequential_drafts=proposer.sequential, drafts_before_plan=proposer.propose_first,
+    cost = CostModel(cost_table, per_token_drafts=proposer.per_token_drafts, drafts_before_plan=proposer.propose_first,
                      draft_query_len=proposer.draft_query_len, draft_guess=proposer.draft_cost_guess)
     logger.info("speculation: adaptive (0..k per step, from the cost model)")
     return AdaptivePolicy(k, num_slots, cost, disable_above)

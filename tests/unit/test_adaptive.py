@@ -39,7 +39,7 @@ K = 4
 
 
 def _policy(table, k=K, sequential=False, num_slots=8) -> AdaptivePolicy:
-    cost = CostModel(table, sequential_drafts=sequential, drafts_before_plan=not sequential)
+    cost = CostModel(table, per_token_drafts=sequential, drafts_before_plan=not sequential)
     return AdaptivePolicy(k, num_slots=num_slots, cost=cost)
 
 
@@ -69,9 +69,9 @@ def _simulate(query_cost: float, rows: int, acceptance, steps: int = 300, sequen
     probability `acceptance(step)` (or the float) when the drafts before it were. The policy's cost model
     prices steps as they really cost (no live timings): what is tested is how it decides."""
     table = synthetic_table(query_cost)
-    policy = AdaptivePolicy(K, rows, CostModel(table, sequential_drafts=sequential, drafts_before_plan=False))
+    policy = AdaptivePolicy(K, rows, CostModel(table, per_token_drafts=sequential, drafts_before_plan=False))
     policy.cost.live_scaling = False
-    truth = CostModel(table, sequential_drafts=sequential, drafts_before_plan=False)
+    truth = CostModel(table, per_token_drafts=sequential, drafts_before_plan=False)
     rng = np.random.default_rng(0)
     slots, limits = tuple(range(rows)), [K] * rows
     tokens = seconds = 0.0

@@ -24,7 +24,7 @@ def test_draft_cost_separates_catch_up_from_each_draft_forward():
     the fit recovers both parts, and predicts a batch size it never saw through the forward table. Before any
     evidence it guesses a third of a decode per forward; one width seen extrapolates in proportion to the forwards
     (not with the guessed slope, whose error the fixed part would absorb)."""
-    cost = CostModel(synthetic_table(0.1), sequential_drafts=True, drafts_before_plan=False)
+    cost = CostModel(synthetic_table(0.1), per_token_drafts=True, drafts_before_plan=False)
     decode = cost.forward(4, 1)
     assert cost.draft(4, 3) == pytest.approx(decode)
     cost.observe_draft(4, 1, 0.55 * decode)
@@ -37,7 +37,7 @@ def test_draft_cost_separates_catch_up_from_each_draft_forward():
                 cost.observe_draft(rows, forwards, cost.forward(rows, 1) * (0.2 + 0.35 * forwards))
     for forwards in (1, 3, 5):
         assert cost.draft(6, forwards) == pytest.approx(cost.forward(6, 1) * (0.2 + 0.35 * forwards), rel=0.02)
-    assert CostModel(CHEAP, sequential_drafts=False, drafts_before_plan=False).draft(4, 4) == \
+    assert CostModel(CHEAP, per_token_drafts=False, drafts_before_plan=False).draft(4, 4) == \
         pytest.approx(CHEAP.estimate(4, 1) / 3)  # one forward drafts every token
 
 
@@ -46,7 +46,7 @@ def test_a_block_drafter_is_priced_by_the_targets_forward_of_its_block():
     forward of q tokens a row, at first its own guess times it, then as measured at one batch size: another
     batch size follows that forward's growth (not a decode's), and a plan's step prices the same drafting."""
     table = synthetic_table(0.3)
-    cost = CostModel(table, sequential_drafts=False, drafts_before_plan=False, draft_query_len=8, draft_guess=0.5)
+    cost = CostModel(table, per_token_drafts=False, drafts_before_plan=False, draft_query_len=8, draft_guess=0.5)
     assert cost.draft(4, 6) == pytest.approx(0.5 * cost.forward(4, 8))
     for _ in range(30):
         cost.observe_draft(1, 1, 0.8 * cost.forward(1, 8))
@@ -59,7 +59,7 @@ def test_a_block_drafter_is_priced_by_the_targets_forward_of_its_block():
 def test_cost_evidence_fades_over_plain_steps():
     """Drafting measured dear (cold starts: a kernel compiled per new shape) is not re-measured while steps
     stay plain; over plain steps it fades back to the first guess, so the policy tries speculation again."""
-    cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
+    cost = CostModel(synthetic_table(0.3), per_token_drafts=True, drafts_before_plan=False)
     guess = cost.draft(4, 3)
     for _ in range(30):
         cost.observe_draft(4, 3, 3 * guess)
@@ -74,7 +74,7 @@ def test_cost_evidence_fades_over_plain_steps():
 def test_catch_up_cost_is_learned_per_query_token():
     """Proposes that began with a catch-up forward teach its cost per query token (rows x their longest
     pending run), beyond what as many steady draft forwards cost; an odd stall moves it OUTLIER x at most."""
-    cost = CostModel(synthetic_table(0.1), sequential_drafts=True, drafts_before_plan=False)
+    cost = CostModel(synthetic_table(0.1), per_token_drafts=True, drafts_before_plan=False)
     for forwards in (1, 3):
         cost.observe_draft(4, forwards, cost.forward(4, 1) * (0.2 + 0.3 * forwards))
     guess = cost.catch_up(2, 30)
@@ -89,7 +89,7 @@ def test_catch_up_cost_is_learned_per_query_token():
     assert cost.catch_up(2, 30) < 2 * guess * (1 + (OUTLIER - 1) * 0.21)
     # a stalled first catch-up (nothing learned before it) is priced OUTLIER x the guess at most, else a
     # request would never resume drafting: plain steps never re-measure it
-    fresh = CostModel(synthetic_table(0.1), sequential_drafts=True, drafts_before_plan=False)
+    fresh = CostModel(synthetic_table(0.1), per_token_drafts=True, drafts_before_plan=False)
     first_guess = fresh.catch_up(1, 58)
     fresh.observe_catch_up((1, 58), 1, 1, 10.0)
     assert first_guess < fresh.catch_up(1, 58) <= OUTLIER * first_guess * 1.0001
@@ -99,7 +99,7 @@ def test_a_plan_prices_every_width_as_step_seconds_does():
     """The policy prices all widths in one call: the same seconds as pricing each on its own, with every
     part learned (decode and verify scales, drafting, host work, corrections, a catch-up)."""
     for sequential, before in ((True, False), (False, True)):
-        cost = CostModel(synthetic_table(0.3), sequential_drafts=sequential, drafts_before_plan=before)
+        cost = CostModel(synthetic_table(0.3), per_token_drafts=sequential, drafts_before_plan=before)
         cost.observe_forward(8, 1, 0.02)
         cost.observe_forward(8, 3.5, 0.05)
         cost.observe_draft(8, 3, 0.01)
@@ -117,7 +117,7 @@ def test_speculative_steps_are_priced_as_they_turn_out():
     """Steady speculative steps that take longer in all than their parts predict make every speculative
     width dearer by that much (a moving average); one step moves it at most as if STEP_SURPRISE x off, so a
     cold first step cannot price speculation out; plain steps keep their price."""
-    cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
+    cost = CostModel(synthetic_table(0.3), per_token_drafts=True, drafts_before_plan=False)
     plain, spec = cost.step_seconds(8, 0), cost.step_seconds(8, 3)
     cost.observe_step(8, 3, 100 * spec)
     first = STEP_SURPRISE ** (1 / ScaleByBatch.FIRST_WEIGHT)  # a first observation weighs 1/FIRST_WEIGHT
@@ -136,7 +136,7 @@ def test_corrections_are_learned_per_batch_size():
     """Speculative steps that turn out dearer at 16 rows than at 4 (longer padded attention, more draft
     work per row) are priced so at 16 rows within about ten steps there, without changing the price at 4; a
     batch size never seen borrows its nearest neighbour's correction."""
-    cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
+    cost = CostModel(synthetic_table(0.3), per_token_drafts=True, drafts_before_plan=False)
     at4, at16 = cost.step_seconds(4, 3), cost.step_seconds(16, 3)
     for _ in range(100):
         cost.observe_step(4, 3, 1.1 * at4)
@@ -163,7 +163,7 @@ def test_corrections_are_learned_per_batch_size():
 def test_one_stalled_step_does_not_price_speculation_out():
     """A speculative step's host work that stalls (1 s against 1 ms) counts as OUTLIER x the prediction at
     most: plain steps never re-measure it, so unclipped it would keep speculation off for good."""
-    cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
+    cost = CostModel(synthetic_table(0.3), per_token_drafts=True, drafts_before_plan=False)
     for _ in range(20):
         cost.observe_host(8, True, 1e-3)
     cost.observe_host(8, True, 1.0)
@@ -177,7 +177,7 @@ def test_speculative_corrections_fade_over_plain_steps():
     """Speculative steps and verify forwards that measured dear (a slow stretch of the machine) are priced
     so for a while, then, over plain steps that re-measure neither, fade back toward the model's parts:
     otherwise one slow stretch kept speculation off for the rest of a run."""
-    cost = CostModel(synthetic_table(0.3), sequential_drafts=True, drafts_before_plan=False)
+    cost = CostModel(synthetic_table(0.3), per_token_drafts=True, drafts_before_plan=False)
     fresh = cost.step_seconds(1, 3)
     for _ in range(30):
         cost.observe_step(1, 3, 1.5 * cost._spec_parts(1, 3, None))

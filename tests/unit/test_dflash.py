@@ -133,7 +133,7 @@ def test_a_random_head_decodes_with_greedy_equality_one_draft_forward_a_step(dem
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0
-    assert max(forwards) == 1 and llm.engine.proposer.sequential is False
+    assert max(forwards) == 1 and llm.engine.proposer.per_token_drafts is False
 
 
 def test_adaptive_dflash_keeps_greedy_equality(demo_target, tmp_path, greedy_reference):

@@ -16,6 +16,7 @@ from draftsmith.train.trainer import train
 from helpers import (
     CODE_PROMPTS,
     DEMO_MODEL,
+    make_speculation_pay,
     make_tiny_target_with_tokenizer,
     spec_config,
     tiny_recipe,
@@ -76,6 +77,27 @@ def test_random_heads_decode_with_greedy_equality(own_lm_heads, target, tmp_path
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_each_draft_is_priced_as_one_more_head(target, tmp_path):
+    """The heads run in one pass, but each draft runs one more head (its block and its own LM head): the
+    cost model must price drafting 1 token below drafting 3."""
+    _random_head(target, directory=tmp_path / "head")
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256,
+              speculative_config=spec_config("medusa", tmp_path / "head", 3, adaptive=True))
+    make_speculation_pay(llm)
+    seen, propose = [], llm.engine.proposer.propose
+
+    def recording(rows, widths, *args, **kwargs):
+        drafts = propose(rows, widths, *args, **kwargs)
+        seen.append((max(widths), drafts.forwards))
+        return drafts
+
+    llm.engine.proposer.propose = recording
+    llm.generate(CODE_PROMPTS[:2], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert seen and all(width == forwards for width, forwards in seen), seen
+    cost = llm.engine.policy.cost
+    assert cost.per_token_drafts and cost.drafting(1, 1) < cost.drafting(1, 3)
 
 
 @pytest.mark.slow

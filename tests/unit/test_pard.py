@@ -110,7 +110,7 @@ def test_parallel_drafts_decode_with_greedy_equality_in_one_draft_forward(tmp_pa
     the target's own choice and nearly always accepted; mixed batch (4 prompts, 3 slots)."""
     llm = _serve(_pard_copy(tmp_path))
     proposer = llm.engine.proposer
-    assert proposer.sequential is False
+    assert proposer.per_token_drafts is False
     forwards = recorded_draft_forwards(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference

@@ -44,7 +44,7 @@ def _best(table, rows, curve, draft_per_forward, setup):
 def _settle(table, rows, curve, draft_per_forward, setup, steps=400, seed=0) -> list[int]:
     """Steps driven as the engine drives them (held, or planned then observed), drafting's seconds taught
     to the cost model as the step ledger teaches them; -> each step's width."""
-    cost = CostModel(table, sequential_drafts=True, drafts_before_plan=False)
+    cost = CostModel(table, per_token_drafts=True, drafts_before_plan=False)
     cost.live_scaling = False
     policy = AdaptivePolicy(K, rows, cost)
     policy.confidence_floor = False

@@ -20,7 +20,7 @@ EAGLE3_HEAD = REPO / "assets" / "demo-code-7m-eagle3"
 class _Proposer:
     """What `make_policy` reads of a proposer to price its drafting."""
 
-    sequential, propose_first, draft_query_len, draft_cost_guess = True, False, 1, None
+    per_token_drafts, propose_first, draft_query_len, draft_cost_guess = True, False, 1, None
 
 
 def _policy(config: dict):
@@ -50,7 +50,7 @@ def test_fixed_k_and_vllm_batch_size_table():
 def test_disable_by_batch_size_turns_speculation_off_above_it_under_either_policy():
     fixed = FixedPolicy(4, disable_by_batch_size=2)
     assert [fixed.plan(torch.arange(b), torch.full((b,), 4)).width for b in (1, 2, 3, 8)] == [4, 4, 0, 0]
-    adaptive = AdaptivePolicy(4, 8, CostModel(synthetic_table(0.0), sequential_drafts=True, drafts_before_plan=False),
+    adaptive = AdaptivePolicy(4, 8, CostModel(synthetic_table(0.0), per_token_drafts=True, drafts_before_plan=False),
                               disable_by_batch_size=2)
     assert not adaptive.held((0, 1)) and adaptive.plan(torch.arange(2), torch.full((2,), 4)).width > 0
     assert adaptive.held((0, 1, 2)) and adaptive.plan(torch.arange(3), torch.full((3,), 4)).width == 0

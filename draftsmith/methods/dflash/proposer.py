@@ -26,7 +26,7 @@ MAX_LATER = 256
 
 
 class DFlashProposer(Proposer):
-    sequential = False  # one draft forward a step, whatever the block's width
+    per_token_drafts = False  # one draft forward a step, whatever the block's width
 
     def __init__(self, config, target, max_num_seqs: int, max_model_len: int):
         super().__init__(config, target, max_num_seqs, max_model_len)

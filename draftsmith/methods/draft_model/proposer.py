@@ -51,7 +51,7 @@ class DraftModelProposer(Proposer):
             if not 0 <= self.pard_token < vocab:
                 raise DraftsmithError(f"{config.model}: mask token {self.pard_token} is outside its vocabulary of {vocab}")
         # one forward drafts every token: the cost model prices drafting as one draft forward
-        self.sequential = not config.parallel_drafting
+        self.per_token_drafts = not config.parallel_drafting
         # the masks of a parallel draft sit past the row's tokens: room for them in the draft's cache
         self.cache = self.draft.make_cache(max_num_seqs, max_model_len + config.num_speculative_tokens)
         self.window = self.draft.config.sliding_window

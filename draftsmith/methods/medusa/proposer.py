@@ -13,7 +13,7 @@ from draftsmith.methods.last_hidden import LastHiddenProposer
 
 
 class MedusaProposer(LastHiddenProposer):
-    sequential = False  # one pass over the heads yields every draft
+    per_token_drafts = True  # the heads run in one pass, but each draft is one more head (an LM head each)
 
     def __init__(self, config, target, max_num_seqs: int, max_model_len: int):
         super().__init__(config, target, max_num_seqs, max_model_len)

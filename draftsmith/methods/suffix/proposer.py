@@ -19,7 +19,7 @@ from draftsmith.methods.suffix.tree import Draft, OwnSequence, SuffixTree
 
 
 class SuffixProposer(Proposer):
-    sequential = False  # one lookup yields every draft
+    per_token_drafts = False  # one lookup yields every draft
     propose_first = True  # and costs little next to a forward: the policy sees which rows matched
 
     def __init__(self, config, target, max_num_seqs: int, max_model_len: int):

@@ -263,8 +263,26 @@ def bench_model(args, name: str, levels: list[int], texts: list[str], peer=None)
                            speculative_config=config, target=next(iter(llms.values())).model if llms else None)
     for llm in llms.values():
         llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    # the peer's engines load now, before anything is timed; each draftsmith round is followed by the peer's
+    session = None if peer is None else peer.session(
+        args, model_dir, configs, {c: level_batch(args, prompts, c) for c in levels})
+    try:
+        rows, references = _levels(args, name, levels, (texts, prompts, tokenizer), llms, session)
+    finally:
+        if session is not None:
+            session.close()
+    return rows if session is None else peer.merge(model_dir, session, references, rows)
+
+
+def _levels(args, name: str, levels: list[int], workload: tuple, llms: dict[str, LLM],
+            session) -> tuple[list[dict], dict[int, list[list[int]]]]:
+    """Every level's rows, and no speculation's token ids by level (what the peer's must equal); `workload`:
+    the prompts' texts, their token ids and the tokenizer. With `session` (`peer.PeerSession`), each round
+    of a level also runs through the peer, right after ours."""
+    model_dir = Path(args.shared) / "models" / name
+    texts, prompts, tokenizer = workload
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    rows, references = [], {}  # references: no speculation's token ids by level, what the peer's must equal
+    rows, references = [], {}
     for c in levels:
         batch = level_batch(args, prompts, c)
         runs = {m: [] for m in llms}  # per method: a finished _Run per round
@@ -277,6 +295,8 @@ def bench_model(args, name: str, levels: list[int], texts: list[str], peer=None)
                     llm.engine.proposer.forget()  # every round starts without earlier rounds' outputs
             for method, run in drive(llms, batch, params, c).items():
                 runs[method].append(run)
+            if session is not None:
+                session.run_round(c)
         references[c] = runs[NO_SPEC][0].outputs
         level: list[dict] = []  # no speculation's row first: every ratio at this level divides by it
         for method, llm in llms.items():
@@ -292,10 +312,7 @@ def bench_model(args, name: str, levels: list[int], texts: list[str], peer=None)
             level.append(_row(name, HF, None, 1, [hf], {}, None, level))
             _print_row(level[-1], args.profile)
         rows += level
-    if peer is not None:
-        rows = peer.compare(args, model_dir, configs, {c: level_batch(args, prompts, c) for c in levels},
-                            references, rows)
-    return rows
+    return rows, references
 
 
 def _label(row: dict) -> str:

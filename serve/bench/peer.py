@@ -2,15 +2,15 @@
 build, side by side with draftsmith in one run (issue 39).
 
 vLLM lives in a venv of its own (`make peer-vllm`: it pins transformers apart from ours), so it runs as a
-subprocess of that venv's python on `vllm_peer_worker.py`, one process per (model, method): a job JSON in,
-a result JSON out. Both engines get the same number of compute threads (`--peer-threads N`: draftsmith runs N
-torch threads, vLLM binds N OpenMP threads to cores 0..N-1, as it binds them always). Heads are exported
-with draftsmith's own converter (`draftsmith convert --to vllm`) into a temporary folder; a method vLLM will
-not load is a row saying why, not a failed run.
+subprocess of that venv's python on `vllm_peer_worker.py`, one process per (model, method), loaded once before
+anything is timed and kept for the model's whole matrix. Both engines get the same number of compute threads
+(`--peer-threads N`: draftsmith runs N torch threads, vLLM binds N OpenMP threads to cores 0..N-1, as it binds
+them always). Heads are exported with draftsmith's own converter (`draftsmith convert --to vllm`) into a
+temporary folder; a method vLLM will not load is a row saying why, not a failed run.
 
-The peer's methods run one after another, after draftsmith's, in their own processes: unlike draftsmith's
-methods (which take turns on one copy of the weights) they are timed minutes apart, so a drift in machine
-speed reaches the draftsmith/vLLM ratio; run the bench on a quiet machine and with --rounds.
+Each round of a level runs through every peer worker right after draftsmith's round of it (`PeerSession`):
+the machine's speed drifts by up to a third over minutes, and two engines timed minutes apart had given
+ratios that moved by half between runs. Idle workers wait on their stdin and take no CPU.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -35,7 +37,8 @@ PEERS = ("vllm",)
 PEER_MAX_MODEL_LEN = 2048  # what ../shared/docs/peers-2026-11.md runs vLLM's CPU build with
 DRAFTSMITH_ONLY_KEYS = ("adaptive",)  # vLLM drafts a fixed k: dropped, the row still names draftsmith's k
 NOT_IN_VLLM = ("tree_depth", "tree_top_k")  # draftsmith's dynamic trees: no vLLM counterpart to compare with
-WORKER_TIMEOUT_S = 1800
+WORKER_TIMEOUT_S = 1800  # the most a worker may take to load, or to run one round
+PREFIX = "DRAFTSMITH-PEER "  # the worker's protocol lines (vllm_peer_worker.PREFIX; that file imports no draftsmith)
 
 
 class PeerLevel(BaseModel):
@@ -127,36 +130,133 @@ def export_head(head: Path, target: Path, out: Path) -> Path:
     return out
 
 
-def make_job(model_dir: Path, batches: dict[int, list[list[int]]], max_tokens: int, rounds: int,
-             spec: dict | None) -> dict:
+def make_job(model_dir: Path, batches: dict[int, list[list[int]]], max_tokens: int, spec: dict | None) -> dict:
     """The worker's job: every level's prompts (token ids, in order), greedy, `max_tokens` each."""
     longest = max(len(ids) for batch in batches.values() for ids in batch)
-    return {"model": str(model_dir.resolve()), "max_tokens": max_tokens, "rounds": rounds,
+    return {"model": str(model_dir.resolve()), "max_tokens": max_tokens,
             "max_model_len": max(PEER_MAX_MODEL_LEN, longest + max_tokens), "max_num_seqs": max(batches),
             "speculative_config": spec,
             "levels": [{"concurrency": c, "prompts": batch} for c, batch in batches.items()]}
 
 
-def run_worker(python: Path, job: dict, bind: str, threads: int, workdir: Path, worker: Path = WORKER) -> PeerResult:
-    """Runs the worker on `job` with vLLM's CPU settings; its log goes to a file named in any error."""
-    job_path, result_path = workdir / "job.json", workdir / "result.json"
-    log_path = workdir / "worker.log"
-    job_path.write_text(json.dumps(job))
-    result_path.unlink(missing_ok=True)
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(threads),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log_path, "w") as log:
+class PeerWorker:
+    """One worker process (`vllm_peer_worker.py`) with vLLM's CPU settings: `reply` reads its next protocol
+    line; what else it prints goes to its log, which every error names."""
+
+    def __init__(self, python: Path, job: dict, bind: str, threads: int, workdir: Path, worker: Path = WORKER):
+        job_path, self.log_path = workdir / "job.json", workdir / "worker.log"
+        job_path.write_text(json.dumps(job))
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(threads),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen([str(python), str(worker), str(job_path)], env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def reply(self) -> dict:
+        while True:
+            try:
+                line = self.lines.get(timeout=WORKER_TIMEOUT_S)
+            except queue.Empty:
+                self.close()
+                raise DraftsmithError(f"the vLLM peer gave no answer in {WORKER_TIMEOUT_S} s; its log: "
+                                      f"{self.log_path}") from None
+            if line is None:
+                status = self.process.wait()
+                self.log.flush()
+                tail = self.log_path.read_text().strip().splitlines()[-1:] or ["no output"]
+                raise DraftsmithError(f"the vLLM peer exited with status {status} and no result ({tail[0][:200]}); "
+                                      f"its log: {self.log_path}")
+            if line.startswith(PREFIX):
+                self.log.flush()  # the log is whole up to this answer
+                return json.loads(line[len(PREFIX):])
+            self.log.write(line)
+
+    def round(self, concurrency: int) -> dict:
+        self.process.stdin.write(json.dumps({"concurrency": concurrency}) + "\n")
+        self.process.stdin.flush()
+        return self.reply()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()  # the worker's loop ends at end of input
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+class PeerSession:
+    """The peer's workers for one model's methods (`configs`, by row name), each loaded once; `run_round(c)`
+    runs one round of level c through each, right after draftsmith's; `results` by method."""
+
+    def __init__(self, python: Path, model_dir: Path, configs: dict[str, dict | None],
+                 batches: dict[int, list[list[int]]], max_tokens: int, threads: int, bind: str,
+                 worker: Path = WORKER):
+        self.tmp = tempfile.TemporaryDirectory(prefix="draftsmith-peer-")
+        self.results: dict[str, PeerResult] = {}
+        self.workers: dict[str, PeerWorker] = {}
         try:
-            done = subprocess.run([str(python), str(worker), str(job_path), str(result_path)], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT, timeout=WORKER_TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired:
-            raise DraftsmithError(f"the vLLM peer ran past {WORKER_TIMEOUT_S} s; its log: {log_path}") from None
-    if not result_path.is_file():
-        tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]
-        raise DraftsmithError(f"the vLLM peer exited with status {done.returncode} and no result ({tail[0][:200]}); "
-                              f"its log: {log_path}")
-    return PeerResult.model_validate_json(result_path.read_text())
+            for name, config in configs.items():
+                self._start(name, config, python, model_dir, batches, max_tokens, threads, bind, worker)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, name, config, python, model_dir, batches, max_tokens, threads, bind, worker) -> None:
+        workdir = Path(self.tmp.name) / name.replace("@", "-")
+        workdir.mkdir()
+        spec = vllm_config(name, config, model_dir, workdir)
+        if isinstance(spec, str):
+            self.results[name] = PeerResult(not_run=spec)
+            return
+        process = PeerWorker(python, make_job(model_dir, batches, max_tokens, spec), bind, threads, workdir, worker)
+        hello = process.reply()
+        if "ready" not in hello:
+            process.close()
+            self.results[name] = PeerResult(refused=hello.get("refused", json.dumps(hello)))
+            print(f"  vLLM peer {model_dir.name} {name}: {self.results[name].problem}", flush=True)
+            return
+        self.results[name] = PeerResult(**hello["ready"])
+        self.workers[name] = process
+
+    def run_round(self, concurrency: int) -> None:
+        for name, process in list(self.workers.items()):
+            reply = process.round(concurrency)
+            if "round" not in reply:
+                process.close()
+                del self.workers[name]
+                self.results[name] = PeerResult(failed=reply.get("failed", json.dumps(reply)))
+                continue
+            _add_round(self.results[name], reply["round"])
+
+    def close(self) -> None:
+        for process in self.workers.values():
+            process.close()
+        self.workers = {}
+        self.tmp.cleanup()
+
+
+def _add_round(result: PeerResult, done: dict) -> None:
+    """One round's figures into the result's level (made at its first round, whose ids the level keeps)."""
+    level = next((lv for lv in result.levels if lv.concurrency == done["concurrency"]), None)
+    if level is None:
+        level = PeerLevel(concurrency=done["concurrency"], tokens_per_s=[], whole_run_tokens_per_s=[],
+                          outputs=done["outputs"], rounds_equal=True)
+        result.levels.append(level)
+    level.tokens_per_s.append(done["tokens_per_s"])
+    level.whole_run_tokens_per_s.append(done["whole_run_tokens_per_s"])
+    level.rounds_equal = level.rounds_equal and done["outputs"] == level.outputs
+    level.mean_acceptance_length = done["mean_acceptance_length"]  # greedy: the same each round
 
 
 def peer_fields(result: PeerResult, c: int, reference: list[list[int]] | None) -> dict:
@@ -189,24 +289,6 @@ def merge(rows: list[dict], results: dict[str, PeerResult], references: dict[int
     return rows
 
 
-def bench_peer(args: argparse.Namespace, python: Path, model_dir: Path, configs: dict[str, dict | None],
-               batches: dict[int, list[list[int]]], threads: int, bind: str) -> dict[str, PeerResult]:
-    """Every method of one model through the peer: {method: result}, printing a line per method."""
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="draftsmith-peer-") as tmp:
-        for name, config in configs.items():
-            workdir = Path(tmp) / name.replace("@", "-")
-            workdir.mkdir()
-            spec = vllm_config(name, config, model_dir, workdir)
-            if isinstance(spec, str):
-                results[name] = PeerResult(not_run=spec)
-            else:
-                job = make_job(model_dir, batches, args.max_tokens, args.rounds, spec)
-                results[name] = run_worker(python, job, bind, threads, workdir)
-            print(f"  vLLM peer {model_dir.name} {name}: {_summary(results[name])}", flush=True)
-    return results
-
-
 def _summary(result: PeerResult) -> str:
     if result.problem:
         return result.problem
@@ -224,13 +306,18 @@ class Peer:
         self.threads, self.bind = bind_threads(args.peer_threads)
         self.version: str | None = None
 
-    def compare(self, args: argparse.Namespace, model_dir: Path, configs: dict[str, dict | None],
-                batches: dict[int, list[list[int]]], references: dict[int, list[list[int]]],
-                rows: list[dict]) -> list[dict]:
-        """Runs one model's methods (`configs`, by row name) through the peer and merges them into `rows`."""
-        results = bench_peer(args, self.python, model_dir, configs, batches, self.threads, self.bind)
-        self.version = next((r.vllm_version for r in results.values() if r.vllm_version), self.version)
-        return merge(rows, results, references, self.name)
+    def session(self, args: argparse.Namespace, model_dir: Path, configs: dict[str, dict | None],
+                batches: dict[int, list[list[int]]]) -> PeerSession:
+        """One model's methods (`configs`, by row name) loaded in the peer, ready for rounds."""
+        return PeerSession(self.python, model_dir, configs, batches, args.max_tokens, self.threads, self.bind)
+
+    def merge(self, model_dir: Path, session: PeerSession, references: dict[int, list[list[int]]],
+              rows: list[dict]) -> list[dict]:
+        """The session's results merged into `rows`, a line printed per method."""
+        for name, result in session.results.items():
+            print(f"  vLLM peer {model_dir.name} {name}: {_summary(result)}", flush=True)
+        self.version = next((r.vllm_version for r in session.results.values() if r.vllm_version), self.version)
+        return merge(rows, session.results, references, self.name)
 
     def print_table(self, name: str, rows: list[dict], levels: list[int]) -> None:
         cores = f"core {self.bind}" if self.threads == 1 else f"cores {self.bind}"

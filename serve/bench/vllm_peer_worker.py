@@ -1,17 +1,19 @@
-"""vLLM's side of `draftsmith bench --peer vllm`: one model and one speculative config, every level, timed the
-way draftsmith's bench times its own engine (`matrix._Run`).
+"""vLLM's side of `draftsmith bench --peer vllm`: one model and one speculative config, loaded once, then a
+round of a level per command, timed the way draftsmith's bench times its own engine (`matrix._Run`).
 
 It runs with the peer venv's python, by file path: that venv has vLLM's CPU build and no draftsmith, so this
 file imports only vLLM (inside `main`) and the standard library. Usage:
 
-    VLLM_TARGET_DEVICE=cpu build/peer-vllm/bin/python vllm_peer_worker.py JOB.json RESULT.json
+    VLLM_TARGET_DEVICE=cpu build/peer-vllm/bin/python vllm_peer_worker.py JOB.json
 
-The job (written by `serve/bench/peer.py`): model, max_model_len, max_num_seqs, max_tokens, rounds,
-speculative_config (vLLM's dict, or null) and levels, a list of {concurrency, prompts: [[token ids]]}.
-The result: {"vllm_version", "torch_threads", "startup_s", "levels": [{"concurrency", "tokens_per_s" and
-"whole_run_tokens_per_s" (one per round), "outputs" (the first round's token ids, in prompt order),
-"rounds_equal", "mean_acceptance_length"}]}, or {"refused": reason} where vLLM would not load the model with
-that config, or {"failed": reason} where it loaded and then failed. Reasons are one line.
+The job (written by `serve/bench/peer.py`): model, max_model_len, max_num_seqs, max_tokens, speculative_config
+(vLLM's dict, or null) and levels, a list of {concurrency, prompts: [[token ids]]}. The worker speaks in
+lines on stdout that begin with PREFIX (anything else there is vLLM's own output): first {"ready":
+{"vllm_version", "torch_threads", "startup_s"}}, or {"refused": reason} where vLLM would not load the model
+with that config. Then, for each line {"concurrency": c} on stdin, one round of that level: {"round":
+{"concurrency", "tokens_per_s", "whole_run_tokens_per_s", "outputs" (token ids, in prompt order),
+"mean_acceptance_length"}}, or {"failed": reason}. Reasons are one line. The bench sends a level's round
+right after draftsmith's round of it, so that both engines are timed seconds apart, not minutes.
 
 Concurrency c = c requests in flight, the next prompt added as one finishes, through vLLM's own step loop
 (`LLMEngine.add_request` / `step`) with the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
@@ -30,6 +32,7 @@ import traceback
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
 WARMUP_TOKENS = 8
+PREFIX = "DRAFTSMITH-PEER "  # starts the worker's protocol lines on stdout
 
 
 class StepRun:
@@ -126,6 +129,11 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}{dot.strip() if rest else ''}"[:300]
 
 
+def say(message: dict, out=None) -> None:
+    """One protocol line on stdout, on a line of its own (vLLM's progress bars may leave one unfinished)."""
+    print("\n" + PREFIX + json.dumps(message), file=out or sys.stdout, flush=True)
+
+
 def load(job: dict):
     from vllm import LLM
 
@@ -136,51 +144,45 @@ def load(job: dict):
                disable_log_stats=spec is None, seed=0)
 
 
-def bench_levels(llm, job: dict) -> list[dict]:
+def serve(llm, job: dict, commands, out=None) -> None:
+    """A round of a level per command line ({"concurrency": c}), each answered by its result line."""
     from vllm import SamplingParams
 
     engine, speculating = llm.llm_engine, job.get("speculative_config") is not None
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False)
-    warm = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, detokenize=False)
-    StepRun(engine, job["levels"][0]["prompts"][:1], warm, 1, "warmup").run()
-    results = []
-    for level in job["levels"]:
-        c, runs, accept = level["concurrency"], [], None
-        for round_index in range(job["rounds"]):
-            before = spec_counts(llm.get_metrics()) if speculating else None
-            runs.append(StepRun(engine, level["prompts"], params, c, f"c{c}r{round_index}").run())
-            if speculating:  # the last round's, as draftsmith reports: greedy acceptance is the same each round
-                accept = acceptance(before, spec_counts(llm.get_metrics()))
-        results.append({"concurrency": c, "tokens_per_s": [run.tokens_per_s for run in runs],
-                        "whole_run_tokens_per_s": [run.whole_run_tokens_per_s for run in runs],
-                        "outputs": runs[0].outputs,
-                        "rounds_equal": all(run.outputs == runs[0].outputs for run in runs),
-                        "mean_acceptance_length": accept})
-    return results
+    prompts = {level["concurrency"]: level["prompts"] for level in job["levels"]}
+    for index, line in enumerate(commands):
+        c = json.loads(line)["concurrency"]
+        before = spec_counts(llm.get_metrics()) if speculating else None
+        run = StepRun(engine, prompts[c], params, c, f"c{c}r{index}").run()
+        accept = acceptance(before, spec_counts(llm.get_metrics())) if speculating else None
+        say({"round": {"concurrency": c, "tokens_per_s": run.tokens_per_s,
+                       "whole_run_tokens_per_s": run.whole_run_tokens_per_s, "outputs": run.outputs,
+                       "mean_acceptance_length": accept}}, out)
 
 
 def main(argv: list[str]) -> int:
-    job_path, result_path = argv
-    job = json.loads(open(job_path).read())
+    job = json.loads(open(argv[0]).read())
     start = time.perf_counter()
     try:
         llm = load(job)
     except Exception as exc:  # vLLM refuses configs with a wide range of exception types
         traceback.print_exc()
-        result = {"refused": one_line(exc)}
-    else:
-        import torch
-        import vllm
+        say({"refused": one_line(exc)})
+        return 0
+    import torch
+    import vllm
+    from vllm import SamplingParams
 
-        result = {"vllm_version": vllm.__version__, "torch_threads": torch.get_num_threads(),
-                  "startup_s": time.perf_counter() - start}
-        try:
-            result["levels"] = bench_levels(llm, job)
-        except Exception as exc:
-            traceback.print_exc()
-            result = {"failed": one_line(exc)}
-    with open(result_path, "w") as out:
-        json.dump(result, out)
+    warm = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, detokenize=False)
+    StepRun(llm.llm_engine, job["levels"][0]["prompts"][:1], warm, 1, "warmup").run()
+    say({"ready": {"vllm_version": vllm.__version__, "torch_threads": torch.get_num_threads(),
+                   "startup_s": time.perf_counter() - start}})
+    try:
+        serve(llm, job, sys.stdin)
+    except Exception as exc:
+        traceback.print_exc()
+        say({"failed": one_line(exc)})
     return 0
 
 

@@ -108,19 +108,24 @@ def test_a_refusal_is_the_first_sentence_of_vllms_pydantic_error():
 
 
 FAKE_WORKER = textwrap.dedent("""
-    import json, os, sys
+    import itertools, json, os, sys
     job = json.load(open(sys.argv[1]))
     env = {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_TARGET_DEVICE")}
     open(sys.argv[1] + ".env", "w").write(json.dumps(env))
+    def say(message):
+        print("\\nDRAFTSMITH-PEER " + json.dumps(message), flush=True)
+    print("INFO vLLM's own chatter")
     if (job["speculative_config"] or {}).get("method") == "mlp_speculator":
-        result = {"refused": "ValueError: architectures ['MLPSpeculatorPreTrainedModel'] are not supported"}
-    else:
-        levels = [{"concurrency": lv["concurrency"], "tokens_per_s": [90.0, 100.0, 120.0],
-                   "whole_run_tokens_per_s": [80.0, 80.0, 80.0],
-                   "outputs": [ids[:job["max_tokens"]] for ids in lv["prompts"]], "rounds_equal": True,
-                   "mean_acceptance_length": 2.5 if job["speculative_config"] else None} for lv in job["levels"]]
-        result = {"vllm_version": "fake", "torch_threads": 1, "startup_s": 0.1, "levels": levels}
-    json.dump(result, open(sys.argv[2], "w"))
+        say({"refused": "ValueError: architectures ['MLPSpeculatorPreTrainedModel'] are not supported"})
+        sys.exit(0)
+    say({"ready": {"vllm_version": "fake", "torch_threads": 1, "startup_s": 0.1}})
+    prompts = {lv["concurrency"]: lv["prompts"] for lv in job["levels"]}
+    speeds = itertools.cycle([90.0, 100.0, 120.0])
+    for line in sys.stdin:
+        c = json.loads(line)["concurrency"]
+        say({"round": {"concurrency": c, "tokens_per_s": next(speeds), "whole_run_tokens_per_s": 80.0,
+                       "outputs": [ids[:job["max_tokens"]] for ids in prompts[c]],
+                       "mean_acceptance_length": 2.5 if job["speculative_config"] else None}})
 """)
 
 
@@ -134,18 +139,33 @@ def fake_worker(tmp_path) -> Path:
 BATCHES = {1: [[1, 2, 3], [4, 5, 6]], 2: [[1, 2, 3], [4, 5, 6], [7, 8, 9]]}
 
 
-def test_a_job_goes_to_the_worker_and_its_result_comes_back(tmp_path, fake_worker):
-    job = peer.make_job(REPO / "assets" / "demo-code-7m", BATCHES, 2, 3, None)
+def _session(fake_worker, configs, bind="0", threads=1) -> peer.PeerSession:
+    return peer.PeerSession(Path(sys.executable), REPO / "assets" / "demo-code-7m", configs, BATCHES, 2, threads,
+                            bind, worker=fake_worker)
+
+
+def test_a_job_goes_to_the_worker_and_each_round_comes_back(tmp_path, fake_worker):
+    job = peer.make_job(REPO / "assets" / "demo-code-7m", BATCHES, 2, None)
     assert job["max_model_len"] == peer.PEER_MAX_MODEL_LEN and job["max_num_seqs"] == 2
     assert [lv["prompts"] for lv in job["levels"]] == [BATCHES[1], BATCHES[2]]
-    result = peer.run_worker(Path(sys.executable), job, "0", 1, tmp_path, worker=fake_worker)
-    assert result.problem is None and result.levels[1].outputs == [[1, 2], [4, 5], [7, 8]]
-    env = json.loads((tmp_path / "job.json.env").read_text())
-    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    refused = peer.run_worker(Path(sys.executable), {**job, "speculative_config": {"method": "mlp_speculator"}},
-                              "0", 1, tmp_path, worker=fake_worker)
-    assert refused.problem == "refused by vLLM: ValueError: architectures ['MLPSpeculatorPreTrainedModel'] are " \
-                              "not supported"
+    session = _session(fake_worker, {"none": None, "mlp_speculator": {"method": "mlp_speculator"}})
+    try:
+        env = json.loads((Path(session.tmp.name) / "none" / "job.json.env").read_text())
+        assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}
+        assert list(session.workers) == ["none"]  # the refusal's worker is gone, its reason kept
+        for _ in range(3):
+            session.run_round(2)
+        session.run_round(1)
+        log = (Path(session.tmp.name) / "none" / "worker.log").read_text()
+    finally:
+        session.close()
+    result = session.results["none"]
+    assert result.problem is None and result.vllm_version == "fake"
+    assert [(lv.concurrency, lv.tokens_per_s) for lv in result.levels] == [(2, [90.0, 100.0, 120.0]), (1, [90.0])]
+    assert result.levels[0].outputs == [[1, 2], [4, 5], [7, 8]] and result.levels[0].rounds_equal
+    assert "vLLM's own chatter" in log and "DRAFTSMITH-PEER" not in log
+    assert session.results["mlp_speculator"].problem == \
+        "refused by vLLM: ValueError: architectures ['MLPSpeculatorPreTrainedModel'] are not supported"
 
 
 def test_a_worker_that_dies_without_a_result_is_one_line_naming_its_log(tmp_path):
@@ -153,7 +173,7 @@ def test_a_worker_that_dies_without_a_result_is_one_line_naming_its_log(tmp_path
     dying.write_text("import sys\nprint('Segmentation fault in the peer')\nsys.exit(139)\n")
     with pytest.raises(DraftsmithError, match=r"status 139 and no result \(Segmentation fault in the peer\).*"
                                               r"worker\.log"):
-        peer.run_worker(Path(sys.executable), peer.make_job(REPO, BATCHES, 2, 1, None), "0", 1, tmp_path, worker=dying)
+        peer.PeerSession(Path(sys.executable), REPO, {"none": None}, BATCHES, 2, 1, "0", worker=dying)
 
 
 def _row(method, k, c, speed, accept=None):
@@ -162,10 +182,15 @@ def _row(method, k, c, speed, accept=None):
 
 
 def test_peer_rows_merge_with_the_ratio_the_greedy_check_and_refusals(tmp_path, fake_worker):
-    results = {}
-    for name, spec in (("none", None), ("ngram", {"method": "ngram"}), ("mlp_speculator", {"method": "mlp_speculator"})):
-        job = peer.make_job(REPO, BATCHES, 2, 3, spec)
-        results[name] = peer.run_worker(Path(sys.executable), job, "0-1", 2, tmp_path, worker=fake_worker)
+    session = _session(fake_worker, {"none": None, "ngram": {"method": "ngram"},
+                                     "mlp_speculator": {"method": "mlp_speculator"}}, "0-1", 2)
+    try:
+        for c in (1, 2):
+            for _ in range(3):
+                session.run_round(c)
+    finally:
+        session.close()
+    results = session.results
     results["eagle3-tree"] = peer.PeerResult(not_run="not compared: vLLM has no tree_depth")
     rows = [_row("none", None, 1, 150.0), _row("ngram", 4, 1, 300.0, 3.0), _row("none", None, 2, 200.0),
             _row("ngram", 4, 2, 50.0, 3.0), _row("mlp_speculator", 3, 1, 10.0, 1.5), _row("hf", None, 1, 5.0),

@@ -16,8 +16,10 @@ import torch.nn.functional as F
 
 GROUPED_UP_TO = 16  # queries per row: longer rows (prompt chunks) use SDPA's flash kernel
 # queries in the batch from which the grouped form beats SDPA; below, SDPA is faster (measurements:
-# docs/decisions/cpu-kernels.md)
+# docs/decisions/cpu-kernels.md) ...
 GROUPED_FROM = 8
+# ... unless the rows read this many keys or more, in fp32: then the grouped form wins from one query on
+GROUPED_KEYS_FROM = 128
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -27,7 +29,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     batch), where what every layer would derive from the mask alike is kept."""
     rows, heads, queries, dim = q.shape
     kv_heads = k.shape[1]
-    if q.device.type != "cpu" or queries > GROUPED_UP_TO or rows * queries < GROUPED_FROM or heads % kv_heads:
+    few = rows * queries < GROUPED_FROM and (q.dtype != torch.float32 or k.shape[2] < GROUPED_KEYS_FROM)
+    if q.device.type != "cpu" or queries > GROUPED_UP_TO or few or heads % kv_heads:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return grouped_attention(q, k, v, mask, memo)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.models.attention import GROUPED_UP_TO, cached_attention, grouped_attention
+from draftsmith.models.attention import GROUPED_KEYS_FROM, GROUPED_UP_TO, cached_attention, grouped_attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # bf16: SDPA and matmul round at different points
 
@@ -26,6 +26,7 @@ def _case(rows, heads, kv_heads, queries, keys, dtype, window=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,heads,kv_heads,queries,keys,window", [
     (1, 4, 4, 1, 9, None),  # one row, no grouping (cached_attention: SDPA)
+    (1, 8, 2, 1, 300, None),  # one row over a long context: grouped in fp32
     (2, 4, 4, 4, 9, None),  # 8 queries: grouped
     (8, 8, 2, 1, 300, None),  # decode, GQA
     (8, 8, 2, 5, 300, None),  # verify
@@ -44,6 +45,16 @@ def test_a_query_with_no_key_stays_finite():
     q, k, v, mask = _case(2, 4, 2, 3, 10, torch.float32)
     mask[1, :, 2] = False
     assert torch.isfinite(grouped_attention(q, k, v, mask)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_takes_the_grouped_form_from_grouped_keys_from_keys_in_fp32(dtype):
+    for keys in (GROUPED_KEYS_FROM - 1, GROUPED_KEYS_FROM):
+        q, k, v, mask = _case(1, 8, 2, 1, keys, dtype)
+        grouped = keys >= GROUPED_KEYS_FROM and dtype == torch.float32
+        expected = grouped_attention(q, k, v, mask) if grouped else \
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert torch.equal(cached_attention(q, k, v, mask), expected), (keys, dtype)
 
 
 def test_long_queries_keep_sdpa():

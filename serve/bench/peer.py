@@ -42,7 +42,7 @@ PREFIX = "DRAFTSMITH-PEER "  # the worker's protocol lines (vllm_peer_worker.PRE
 
 
 class PeerLevel(BaseModel):
-    """One concurrency level of the worker's result (`vllm_peer_worker.bench_levels`)."""
+    """One concurrency level of the peer's results: a figure per round (`PeerSession.run_round`)."""
 
     model_config = ConfigDict(extra="forbid")
     concurrency: int

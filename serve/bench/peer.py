@@ -169,8 +169,9 @@ class PeerWorker:
                 raise DraftsmithError(f"the vLLM peer gave no answer in {WORKER_TIMEOUT_S} s; its log: "
                                       f"{self.log_path}") from None
             if line is None:
+                self.lines.put(None)  # every later call ends here too
                 status = self.process.wait()
-                self.log.flush()
+                self.log.close()
                 tail = self.log_path.read_text().strip().splitlines()[-1:] or ["no output"]
                 raise DraftsmithError(f"the vLLM peer exited with status {status} and no result ({tail[0][:200]}); "
                                       f"its log: {self.log_path}")
@@ -180,13 +181,19 @@ class PeerWorker:
             self.log.write(line)
 
     def round(self, concurrency: int) -> dict:
-        self.process.stdin.write(json.dumps({"concurrency": concurrency}) + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(json.dumps({"concurrency": concurrency}) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it is gone: `reply` says how, naming its log
         return self.reply()
 
     def close(self) -> None:
         if self.process.poll() is None:
-            self.process.stdin.close()  # the worker's loop ends at end of input
+            try:
+                self.process.stdin.close()  # the worker's loop ends at end of input
+            except BrokenPipeError:
+                pass
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:

@@ -176,6 +176,21 @@ def test_a_worker_that_dies_without_a_result_is_one_line_naming_its_log(tmp_path
         peer.PeerSession(Path(sys.executable), REPO, {"none": None}, BATCHES, 2, 1, "0", worker=dying)
 
 
+def test_a_worker_that_dies_in_a_round_is_one_line_naming_its_log(tmp_path):
+    dying = tmp_path / "dying.py"
+    dying.write_text("import sys\nprint('\\nDRAFTSMITH-PEER {\"ready\": {}}', flush=True)\nsys.stdin.readline()\n"
+                     "print('killed by the OOM killer', flush=True)\nsys.exit(137)\n")
+    session = peer.PeerSession(Path(sys.executable), REPO, {"none": None}, BATCHES, 2, 1, "0", worker=dying)
+    try:
+        with pytest.raises(DraftsmithError, match=r"status 137 and no result \(killed by the OOM killer\).*"
+                                                  r"worker\.log"):
+            session.run_round(1)
+        with pytest.raises(DraftsmithError, match="status 137"):  # again: no broken pipe, the same line
+            session.run_round(1)
+    finally:
+        session.close()
+
+
 def _row(method, k, c, speed, accept=None):
     return {"model": "m", "method": method, "k": k, "concurrency": c, "tokens_per_s": speed,
             "mean_acceptance_length": accept}

@@ -231,7 +231,6 @@ class PeerSession:
         if "ready" not in hello:
             process.close()
             self.results[name] = PeerResult(refused=hello.get("refused", json.dumps(hello)))
-            print(f"  vLLM peer {model_dir.name} {name}: {self.results[name].problem}", flush=True)
             return
         self.results[name] = PeerResult(**hello["ready"])
         self.workers[name] = process

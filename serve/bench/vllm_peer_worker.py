@@ -129,9 +129,9 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}{dot.strip() if rest else ''}"[:300]
 
 
-def say(message: dict, out=None) -> None:
+def say(message: dict) -> None:
     """One protocol line on stdout, on a line of its own (vLLM's progress bars may leave one unfinished)."""
-    print("\n" + PREFIX + json.dumps(message), file=out or sys.stdout, flush=True)
+    print("\n" + PREFIX + json.dumps(message), flush=True)
 
 
 def load(job: dict):
@@ -144,7 +144,7 @@ def load(job: dict):
                disable_log_stats=spec is None, seed=0)
 
 
-def serve(llm, job: dict, commands, out=None) -> None:
+def serve(llm, job: dict, commands) -> None:
     """A round of a level per command line ({"concurrency": c}), each answered by its result line."""
     from vllm import SamplingParams
 
@@ -158,7 +158,7 @@ def serve(llm, job: dict, commands, out=None) -> None:
         accept = acceptance(before, spec_counts(llm.get_metrics())) if speculating else None
         say({"round": {"concurrency": c, "tokens_per_s": run.tokens_per_s,
                        "whole_run_tokens_per_s": run.whole_run_tokens_per_s, "outputs": run.outputs,
-                       "mean_acceptance_length": accept}}, out)
+                       "mean_acceptance_length": accept}})
 
 
 def main(argv: list[str]) -> int:

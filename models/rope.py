@@ -55,7 +55,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, Q, head_dim]; cos/sin [B, Q, head_dim] already in x's dtype."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _turn(x, cos.unsqueeze(1), sin.unsqueeze(1))
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by cos/sin already broadcastable to it."""
     return x * cos + rotate_half(x) * sin
 
 
@@ -69,9 +73,9 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     heads = q.shape[-2]
     if _follows(q, k):
         both = q.as_strided(q.shape[:-2] + (heads + k.shape[-2], q.shape[-1]), q.stride(), q.storage_offset())
-        turned = both * cos + rotate_half(both) * sin
+        turned = _turn(both, cos, sin)
         return turned[..., :heads, :], turned[..., heads:, :]
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return _turn(q, cos, sin), _turn(k, cos, sin)
 
 
 def _follows(q: torch.Tensor, k: torch.Tensor) -> bool:

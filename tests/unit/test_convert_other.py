@@ -121,6 +121,26 @@ def test_medusa2_without_lm_heads_takes_the_vocab_from_the_target(tmp_path, caps
     assert not any(k.startswith("lm_heads.") for k in tensors)
 
 
+def test_medusa_on_the_target_lm_head_exports_it_for_vllm(tmp_path, capsys):
+    """vLLM fills its own LM head of `original_lm_head` Medusa only from lm_heads.0.weight: without it, vLLM's
+    stays uninitialised and accepts nothing. The export copies the target's (tied: its embedding) there."""
+    src = pub.medusa(tmp_path / "src", lm_heads=False)
+    assert convert(src, tmp_path / "native", "--target", DEMO_MODEL) == 0
+    assert_round_trip(tmp_path, "vllm")  # read back, the copy is dropped again
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    exported = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    embedding = load_file(str(DEMO_MODEL / "model.safetensors"))["model.embed_tokens.weight"]
+    assert config["original_lm_head"] is True and torch.equal(exported["lm_heads.0.weight"], embedding)
+    assert not any(k.startswith("lm_heads.") and k != "lm_heads.0.weight" for k in exported)
+
+    native_config = tmp_path / "native" / "config.json"
+    native_config.write_text(json.dumps({**json.loads(native_config.read_text()), "target_model": "nowhere/model"}))
+    capsys.readouterr()
+    assert convert(tmp_path / "native", tmp_path / "vllm2", "--to", "vllm") == 2
+    err = capsys.readouterr().err
+    assert "lm_heads.0.weight" in err and "pass --target" in err and len(err.strip().splitlines()) == 1
+
+
 def test_mtp_layers_of_a_kind_the_runtime_lacks_say_so(tmp_path):
     """DeepSeek-V3's MTP block is MLA attention over MoE experts: converted, exported, but not served here."""
     assert convert(pub.deepseek_target_with_mtp(tmp_path / "src"), tmp_path / "native") == 0

@@ -162,13 +162,28 @@ class SourceCheckpoint:
 EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 
 
-def target_embedding(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """The input embedding of the model directory `name`, where it is one here and holds one of `shape`."""
+# where they keep the output projection; a model with tied embeddings keeps none, and reads out through the input one
+LM_HEAD_NAMES = ("lm_head.weight", "model.language_model.lm_head.weight", "language_model.lm_head.weight")
+
+
+def _first_of(name: str, candidates: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The first of `candidates` the model directory `name` holds with `shape`, where it is one here."""
     if not name or not (Path(name) / "config.json").is_file():
         return None
     target = SourceCheckpoint(name)
-    for weight in EMBEDDING_NAMES:
+    for weight in candidates:
         if target.has(weight) and target.shape(weight) == tuple(shape):
             return target.read([weight])[weight]
     return None
+
+
+def target_embedding(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The input embedding of the model directory `name`, where it is one here and holds one of `shape`."""
+    return _first_of(name, EMBEDDING_NAMES, shape)
+
+
+def target_lm_head(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The output projection of the model directory `name` (its input embedding where the two are tied), where
+    it is one here and holds one of `shape`."""
+    return _first_of(name, LM_HEAD_NAMES + EMBEDDING_NAMES, shape)
 

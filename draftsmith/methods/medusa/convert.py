@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods.formats.checkpoint import SourceCheckpoint
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint, target_lm_head
 from draftsmith.methods.formats.registry import (
     Exported,
     NormalizedHead,
@@ -66,6 +66,10 @@ class Medusa:
         if set(tensors) != expected:
             missing = sorted(expected - set(tensors))
             raise DraftsmithError(f"{checkpoint.path}: Medusa blocks are incomplete (missing {', '.join(missing[:4])})")
+        c = checkpoint.config
+        shared = bool(c.get("original_lm_head")) and sorted(lm_heads) == [0]
+        if shared:  # vLLM's layout for heads on the target's LM head: a copy of it, which the native form omits
+            lm_heads = {}
         if lm_heads and sorted(lm_heads) != list(range(heads)):
             raise DraftsmithError(f"{checkpoint.path}: only heads {sorted(lm_heads)} of {heads} have an LM head")
         hidden = tensors["blocks.0.layers.0.weight"].shape[0]
@@ -73,7 +77,6 @@ class Medusa:
             expected_shape = (hidden, hidden) if name.endswith("weight") else (hidden,)
             if tuple(value.shape) != expected_shape:
                 raise DraftsmithError(f"{name} has shape {tuple(value.shape)}, expected {expected_shape}")
-        c = checkpoint.config
         vocab = lm_heads[0].shape[0] if lm_heads else int(c.get("vocab_size") or (ctx.target.vocab_size if ctx.target else 0))
         if not vocab:
             raise DraftsmithError("these Medusa heads use the target's LM head, so the vocab size comes from the "
@@ -83,6 +86,8 @@ class Medusa:
             if tuple(weight.shape) != (vocab, hidden):
                 raise DraftsmithError(f"head {h} LM head has shape {tuple(weight.shape)}, expected {(vocab, hidden)}")
         notes = [f"{heads} heads x {layers} ResBlocks (counted from the keys)"]
+        if shared:
+            notes.append("lm_heads.0.weight is vLLM's copy of the target's LM head (original_lm_head): not kept")
         declared = c.get("medusa_num_heads") or c.get("num_heads")
         if declared and int(declared) != heads:
             notes.append(f"config says {declared} heads; the weights hold {heads}, which is what is kept")
@@ -94,9 +99,20 @@ class Medusa:
 
 @register_exporter("vllm", "medusa")
 def to_vllm(head: NormalizedHead) -> Exported:
+    """vLLM's MedusaModel. Heads that read out through the target's LM head are `original_lm_head: true`, and
+    vLLM then builds one LM head of its own, filled only from `lm_heads.0.weight`: so the export carries the
+    target's there (without it vLLM's stays uninitialised, and accepts nothing)."""
     c = MedusaConfig.from_json(head.config)
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": c.hidden_size,
               "vocab_size": c.vocab_size, "truncated_vocab_size": c.vocab_size, "num_heads": c.num_heads,
               "num_hidden_layers": c.num_layers, "medusa_fc_bias": True, "original_lm_head": not c.own_lm_heads,
               **provenance(head)}
-    return Exported(config, dict(head.tensors))
+    tensors = dict(head.tensors)
+    if not c.own_lm_heads:
+        lm_head = target_lm_head(c.target_model, (c.vocab_size, c.hidden_size))
+        if lm_head is None:
+            raise DraftsmithError(f"these Medusa heads read out through the target's LM head, which vLLM loads from "
+                                  f"the export (lm_heads.0.weight); the target {c.target_model!r} is not a model "
+                                  "directory here: pass --target TARGET_DIR")
+        tensors["lm_heads.0.weight"] = lm_head.to(tensors["blocks.0.layers.0.weight"].dtype)
+    return Exported(config, tensors)

@@ -32,6 +32,9 @@ class SpecMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # drafts that reached each position: a row drafts fewer than k near its max_tokens or context end, so a
+    # position's acceptance rate is accepted / drafted there, not accepted / num_drafts
+    drafted_per_position: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.reset()
@@ -39,6 +42,7 @@ class SpecMetrics:
     def reset(self) -> None:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * self.num_speculative_tokens
+        self.drafted_per_position = [0] * self.num_speculative_tokens
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens == 0:
@@ -48,6 +52,8 @@ class SpecMetrics:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+        for position in range(num_draft_tokens):
+            self.drafted_per_position[position] += 1
 
     def as_dict(self) -> dict:
         return {
@@ -55,6 +61,7 @@ class SpecMetrics:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
             "mean_acceptance_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0,
             "draft_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
         }

@@ -44,6 +44,10 @@ def test_greedy_equality_with_ngram(k, reference_ids):
     assert metrics["accepted_per_position"] == sorted(metrics["accepted_per_position"], reverse=True)
     assert metrics["accepted_per_position"][0] <= metrics["num_drafts"]
     assert metrics["num_draft_tokens"] <= k * metrics["num_drafts"]
+    drafted = metrics["drafted_per_position"]  # drafts reaching each position: the per-position denominators
+    assert sum(drafted) == metrics["num_draft_tokens"] and drafted[0] == metrics["num_drafts"]
+    assert drafted == sorted(drafted, reverse=True)
+    assert all(a <= d for a, d in zip(metrics["accepted_per_position"], drafted))
     assert metrics["mean_acceptance_length"] == pytest.approx(
         1 + metrics["num_accepted_tokens"] / metrics["num_drafts"])
     # fewer target forwards than tokens: each verify forward kept more than one token on average

@@ -73,13 +73,16 @@ def test_step_is_norms_projection_block_then_the_target_readout(layout, order, t
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_saved_head_reloads_bit_exactly_and_round_trips_through_vllm_as_mimo(model_type, target, tmp_path):
-    """A Llama block gains zero q/k/v biases in MiMo's layout and loses them again; a Qwen2 block has them."""
+def test_saved_head_reloads_bit_exactly_and_round_trips_through_vllm_as_mimo(model_type, target, tmp_path, capsys):
+    """A Llama block gains zero q/k/v biases in MiMo's layout and loses them again; a Qwen2 block has them.
+    vLLM cannot serve either beside a target that is not MiMo, and the export says so."""
     head = _random_head(target, directory=tmp_path / "native", model_type=model_type)
     again = load_head(tmp_path / "native")
     assert again.config == head.config
     assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
+    capsys.readouterr()
     assert pub.convert(tmp_path / "native", tmp_path / "vllm", "--to", "vllm") == 0
+    assert f"note: vLLM cannot serve this export beside a {model_type} target" in capsys.readouterr().out
     exported = json.loads((tmp_path / "vllm" / "config.json").read_text())
     # what vLLM's mimo_mtp reads: MiMo's config and names, a Qwen2 block whose q/k/v biases are zero
     assert (exported["model_type"], exported["architectures"], exported["num_nextn_predict_layers"]) == \

@@ -24,6 +24,9 @@ from draftsmith.methods.formats.registry import (
 from draftsmith.models.head_configs import MLPSpeculatorConfig
 
 PREFIX = "speculator."
+VLLM_CANNOT_SERVE = ("vLLM cannot serve this export: its V1 engine (0.32) has MLPSpeculatorPreTrainedModel disabled "
+                     "in its model registry; this is the layout vLLM's V0 engine and TGI load. For vLLM today, "
+                     "serve it with draftsmith, or train an EAGLE-3 head (recipes/eagle3-demo.yaml) for vLLM")
 STAGE_KEY = re.compile(r"^(emb|proj|head|ln)\.(\d+)\.(weight|bias)$")
 
 
@@ -113,4 +116,4 @@ def to_vllm(head: NormalizedHead) -> Exported:
               "top_k_tokens_per_head": c.top_k_tokens_per_head, "n_candidates": c.n_candidates,
               "tie_weights": c.tie_weights, "scale_input": c.scale_input,
               "torch_dtype": str(tensors[PREFIX + "emb.0.weight"].dtype).removeprefix("torch."), **provenance(head)}
-    return Exported(config, tensors, notes=["vLLM V1 has the MLP speculator disabled in its registry; V0 and TGI load this"])
+    return Exported(config, tensors, notes=[VLLM_CANNOT_SERVE])

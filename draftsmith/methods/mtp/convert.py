@@ -49,6 +49,11 @@ LAYOUTS = {
         "input_proj.weight": "input_proj.weight", "final_layernorm.weight": "final_norm.weight"},
         concat_order="hidden_first"),
 }
+VLLM_CANNOT_SERVE_MIMO = (
+    "vLLM cannot serve this export beside a {kind} target: it is written as MiMo's MTP, the only vLLM MTP model "
+    "of a Llama-family block, and vLLM (0.32) reads MiMo MTP's layer count from the target's own config and "
+    "transformers knows no `mimo` model type without MiMo's remote code. For vLLM, serve it with draftsmith, or "
+    "train an EAGLE-3 head (recipes/eagle3-demo.yaml)")
 REQUIRED_PARTS = ("token_norm.weight", "hidden_norm.weight", "input_proj.weight", "final_norm.weight")
 
 
@@ -217,6 +222,7 @@ def to_vllm(head: NormalizedHead) -> Exported:
             raise DraftsmithError(f"vLLM has no MTP model for this {kind} block ({', '.join(lacks)}): MiMo's, the "
                                   "one a Llama-family block exports as, is a plain Qwen2 layer")
         _as_mimo_block(exported.config, exported.tensors, c.num_layers)
+        exported.notes.append(VLLM_CANNOT_SERVE_MIMO.format(kind=kind))
     return exported
 
 

@@ -333,3 +333,13 @@ def test_converted_heads_keep_greedy_outputs(build, method, tmp_path, greedy_ref
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("to", ["vllm", "speculators"])
+def test_a_dflash_head_on_the_last_layer_says_vllm_reads_it_before_the_norm(to, tmp_path, capsys):
+    """The shipped DFlash head fuses layers 1-6 of a 6-layer target: its layer 6 is the final-normed state here,
+    the pre-norm one in vLLM and SGLang, which no key of their layouts can say."""
+    assert pub.convert(DEMO_MODEL.with_name("demo-code-7m-dflash"), tmp_path / to, "--to", to,
+                       "--target", DEMO_MODEL) == 0
+    assert "note: the head reads the target's last layer (6), which draftsmith trains on after the final norm" \
+        in capsys.readouterr().out

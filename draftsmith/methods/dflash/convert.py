@@ -140,6 +140,16 @@ def _qwen3_layer(c: DFlashConfig, dtype: str, architectures: list[str]) -> dict[
             "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": dtype}
 
 
+def _last_layer_notes(c: DFlashConfig) -> list[str]:
+    """Where the head reads the target's last layer: draftsmith (as HF's hidden_states) takes it after the
+    final norm, vLLM and SGLang before it, and no key of these layouts says which."""
+    if c.target_num_layers not in c.aux_layer_ids:
+        return []
+    return [f"the head reads the target's last layer ({c.target_num_layers}), which draftsmith trains on after the "
+            "final norm and vLLM and SGLang capture before it: their acceptance may differ a little (the demo "
+            "head: within 0.03 per position in vLLM)"]
+
+
 @register_exporter("vllm", "dflash")
 @register_exporter("sglang", "dflash")
 def to_zlab(head: NormalizedHead) -> Exported:
@@ -153,7 +163,8 @@ def to_zlab(head: NormalizedHead) -> Exported:
               "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.aux_layer_ids]},
               **provenance(head)}
     return Exported(config, dict(head.tensors),
-                    notes=[f'serve with {{"method": "dflash", "num_speculative_tokens": {c.block_size - 1}}}'])
+                    notes=[f'serve with {{"method": "dflash", "num_speculative_tokens": {c.block_size - 1}}}',
+                           *_last_layer_notes(c)])
 
 
 @register_exporter("speculators", "dflash")
@@ -167,7 +178,7 @@ def to_speculators(head: NormalizedHead) -> Exported:
               "draft_vocab_size": c.vocab_size, "block_size": c.block_size, "target_hidden_size": c.target_hidden_size,
               "aux_hidden_state_layer_ids": list(c.aux_layer_ids), "mask_token_id": c.mask_token_id,
               "sample_from_anchor": False, **provenance(head)}
-    tensors, notes = dict(head.tensors), []
+    tensors, notes = dict(head.tensors), _last_layer_notes(c)
     embedding = target_embedding(c.target_model, (c.vocab_size, c.target_hidden_size))
     if embedding is None:
         notes.append("embed_tokens.weight not written (the target is not a model directory here): speculators "

@@ -35,7 +35,8 @@ DEFAULT_PYTHON = ROOT / "build" / "peer-vllm" / "bin" / "python"
 WORKER = Path(__file__).with_name("vllm_peer_worker.py")
 PEERS = ("vllm",)
 PEER_MAX_MODEL_LEN = 2048  # what ../shared/docs/peers-2026-11.md runs vLLM's CPU build with
-DRAFTSMITH_ONLY_KEYS = ("adaptive",)  # vLLM drafts a fixed k: dropped, the row still names draftsmith's k
+# dropped from vLLM's config: vLLM drafts a fixed k (the row still names draftsmith's), in the model's dtype
+DRAFTSMITH_ONLY_KEYS = ("adaptive", "draft_dtype")
 NOT_IN_VLLM = ("tree_depth", "tree_top_k")  # draftsmith's dynamic trees: no vLLM counterpart to compare with
 WORKER_TIMEOUT_S = 1800  # the most a worker may take to load, or to run one round
 PREFIX = "DRAFTSMITH-PEER "  # the worker's protocol lines (vllm_peer_worker.PREFIX; that file imports no draftsmith)

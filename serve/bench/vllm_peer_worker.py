@@ -12,7 +12,7 @@ lines on stdout that begin with PREFIX (anything else there is vLLM's own output
 {"vllm_version", "torch_threads", "startup_s"}}, or {"refused": reason} where vLLM would not load the model
 with that config. Then, for each line {"concurrency": c} on stdin, one round of that level: {"round":
 {"concurrency", "tokens_per_s", "whole_run_tokens_per_s", "outputs" (token ids, in prompt order),
-"mean_acceptance_length"}}, or {"failed": reason}. Reasons are one line. The bench sends a level's round
+"mean_acceptance_length", "acceptance_per_position"}}, or {"failed": reason}. Reasons are one line. The bench sends a level's round
 right after draftsmith's round of it, so that both engines are timed seconds apart, not minutes.
 
 Concurrency c = c requests in flight, the next prompt added as one finishes, through vLLM's own step loop
@@ -31,6 +31,7 @@ import time
 import traceback
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"  # a vector: accepted drafts at each position
 WARMUP_TOKENS = 8
 PREFIX = "DRAFTSMITH-PEER "  # starts the worker's protocol lines on stdout
 
@@ -96,20 +97,32 @@ class StepRun:
         return sum(map(len, self.outputs)) / self.seconds
 
 
-def spec_counts(metrics) -> dict[str, float]:
-    """The spec-decode counters (drafts, accepted tokens) summed over their labels; absent ones are 0."""
-    counts = dict.fromkeys(SPEC_COUNTERS, 0.0)
+def spec_counts(metrics) -> dict[str, float | list[float]]:
+    """The spec-decode counters (drafts, accepted tokens, accepted per position) summed over their labels;
+    absent ones are 0 (no positions)."""
+    counts: dict = {**dict.fromkeys(SPEC_COUNTERS, 0.0), PER_POSITION: []}
     for metric in metrics:
-        if metric.name in counts:
+        if metric.name in SPEC_COUNTERS:
             counts[metric.name] += metric.value
+        elif metric.name == PER_POSITION:
+            per_position = counts[PER_POSITION]
+            for position, value in enumerate(metric.values):
+                if position == len(per_position):
+                    per_position.append(0.0)
+                per_position[position] += value
     return counts
 
 
-def acceptance(before: dict[str, float], after: dict[str, float]) -> float | None:
-    """Mean acceptance length between two counter snapshots: 1 + accepted / drafts (None without drafts)."""
+def acceptance(before: dict, after: dict) -> dict:
+    """Between two counter snapshots: the mean acceptance length, 1 + accepted / drafts, and the rate each draft
+    position was accepted at (None and [] without drafts)."""
     drafts = after[SPEC_COUNTERS[0]] - before[SPEC_COUNTERS[0]]
+    if not drafts:
+        return {"mean_acceptance_length": None, "acceptance_per_position": []}
     accepted = after[SPEC_COUNTERS[1]] - before[SPEC_COUNTERS[1]]
-    return 1 + accepted / drafts if drafts else None
+    was = before[PER_POSITION] + [0.0] * (len(after[PER_POSITION]) - len(before[PER_POSITION]))
+    return {"mean_acceptance_length": 1 + accepted / drafts,
+            "acceptance_per_position": [(a - b) / drafts for a, b in zip(after[PER_POSITION], was)]}
 
 
 def one_line(exc: BaseException) -> str:
@@ -155,10 +168,11 @@ def serve(llm, job: dict, commands) -> None:
         c = json.loads(line)["concurrency"]
         before = spec_counts(llm.get_metrics()) if speculating else None
         run = StepRun(engine, prompts[c], params, c, f"c{c}r{index}").run()
-        accept = acceptance(before, spec_counts(llm.get_metrics())) if speculating else None
+        accept = acceptance(before, spec_counts(llm.get_metrics())) if speculating else {}
         say({"round": {"concurrency": c, "tokens_per_s": run.tokens_per_s,
                        "whole_run_tokens_per_s": run.whole_run_tokens_per_s, "outputs": run.outputs,
-                       "mean_acceptance_length": accept}})
+                       "mean_acceptance_length": accept.get("mean_acceptance_length"),
+                       "acceptance_per_position": accept.get("acceptance_per_position", [])}})
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """`draftsmith bench --peer vllm` against the real peer: vLLM's CPU build in build/peer-vllm (`make peer-vllm`),
 on the demo model, 2 prompts of 8 tokens. vLLM's greedy ids must equal draftsmith's, with and without n-gram
-speculation. Skipped where the peer venv is not built (`make test` does not build it)."""
+speculation. Skipped where the peer venv is not built (`make test` builds it where vLLM installs)."""
 
 import json
 
@@ -9,11 +9,11 @@ import torch
 
 from draftsmith.cli import build_parser
 from draftsmith.serve.bench import matrix as bench
-from draftsmith.serve.bench.peer import DEFAULT_PYTHON
 from helpers import DEMO_MODEL, shared_path
+from vllm_oracle import INSTALLED
 
-pytestmark = pytest.mark.skipif(not DEFAULT_PYTHON.is_file(),
-                                reason=f"{DEFAULT_PYTHON} not found: `make peer-vllm` builds vLLM's CPU build there")
+pytestmark = pytest.mark.skipif(not INSTALLED.is_file(),
+                                reason=f"{INSTALLED} not found: `make peer-vllm` builds vLLM's CPU build there")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
          "adaptive": False}  # a fixed k, as vLLM drafts: no cost table to measure
 

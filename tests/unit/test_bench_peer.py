@@ -77,16 +77,24 @@ def test_the_worker_times_the_steps_with_c_in_flight_like_the_bench(monkeypatch)
 @dataclass
 class _Metric:
     name: str
-    value: float
+    value: float = 0.0
+    values: list = None
 
 
 def test_acceptance_comes_from_the_spec_decode_counters_between_two_snapshots():
+    per_position = "vllm:spec_decode_num_accepted_tokens_per_pos"
     before = worker.spec_counts([_Metric("vllm:spec_decode_num_drafts", 10),
-                                 _Metric("vllm:spec_decode_num_accepted_tokens", 5), _Metric("other", 3)])
+                                 _Metric("vllm:spec_decode_num_accepted_tokens", 5), _Metric("other", 3),
+                                 _Metric(per_position, values=[4, 1])])
+    # two label sets (engines) of the per-position vector add up, position by position
     after = worker.spec_counts([_Metric("vllm:spec_decode_num_drafts", 30),
-                                _Metric("vllm:spec_decode_num_accepted_tokens", 45)])
-    assert worker.acceptance(before, after) == pytest.approx(1 + 40 / 20)
-    assert worker.acceptance(after, after) is None  # no drafts: no acceptance, not a division by zero
+                                _Metric("vllm:spec_decode_num_accepted_tokens", 45),
+                                _Metric(per_position, values=[20, 10, 2]), _Metric(per_position, values=[4, 3])])
+    accepted = worker.acceptance(before, after)
+    assert accepted["mean_acceptance_length"] == pytest.approx(1 + 40 / 20)
+    assert accepted["acceptance_per_position"] == pytest.approx([20 / 20, 12 / 20, 2 / 20])
+    # no drafts: no acceptance, not a division by zero
+    assert worker.acceptance(after, after) == {"mean_acceptance_length": None, "acceptance_per_position": []}
     assert worker.one_line(ValueError("Traceback\n  line\nthe reason\n\n")) == "ValueError: the reason"
 
 

@@ -1,0 +1,140 @@
+"""vLLM's CPU build as an independent oracle for `draftsmith convert --to vllm`: each shipped demo head is
+exported with draftsmith's converter, served by vLLM (its own venv, build/peer-vllm: `make peer-vllm`; the
+worker of `draftsmith bench --peer vllm`) and by draftsmith on the same prompts, greedy, a fixed k, one request
+in flight; the two per-position acceptance rates are then compared. Exports vLLM cannot serve must say so.
+
+The prompts are Python standard-library source: code the demo heads never trained on, the same on every
+machine with this Python. Run as a script, it prints the README's table:
+
+    .venv/bin/python tests/vllm_oracle.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.serve.bench.peer import DEFAULT_PYTHON as PEER_PYTHON
+from draftsmith.serve.bench.peer import WORKER as BENCH_WORKER
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("vllm_oracle_worker.py")
+INSTALLED = PEER_PYTHON.parent.parent / ".vllm-installed"  # the Makefile's PEER_STAMP: vLLM installed whole
+TARGET = REPO / "assets" / "demo-code-7m"
+PROMPT_MODULES = ("json.decoder", "argparse", "textwrap", "shlex", "string", "fractions")
+PROMPT_CHARS = 1500
+MAX_TOKENS = 64
+THREADS = 2
+
+# row name -> draftsmith's speculative config of a shipped head (k as `make bench` runs it). Both engines
+# draft in float32, as vLLM runs a float32 model's heads: the oracle checks how a head is read, not bfloat16
+FP32 = {"draft_dtype": "float32"}
+HEADS = {
+    "eagle3": {"method": "eagle3", "model": "assets/demo-code-7m-eagle3", "num_speculative_tokens": 5, **FP32},
+    "dflash": {"method": "dflash", "model": "assets/demo-code-7m-dflash", "num_speculative_tokens": 8, **FP32},
+    "medusa": {"method": "medusa", "model": "assets/demo-code-7m-medusa", "num_speculative_tokens": 3},
+    "pard": {"method": "draft_model", "model": "assets/demo-code-7m-pard", "num_speculative_tokens": 6,
+             "parallel_drafting": True, **FP32},
+    "draft_model": {"method": "draft_model", "model": "assets/demo-code-7m", "num_speculative_tokens": 4, **FP32},
+    "mtp": {"method": "mtp", "model": "assets/demo-code-7m-mtp", "num_speculative_tokens": 1, **FP32},
+}
+
+
+@dataclass
+class Acceptance:
+    """One engine's greedy acceptance: mean acceptance length and the rate each draft position was accepted."""
+
+    mean: float | None = None
+    per_position: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    refused: str | None = None  # vLLM's one-line reason where it would not serve the export
+    export_notes: list[str] = field(default_factory=list)
+
+
+def prompts() -> list[list[int]]:
+    from draftsmith.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(TARGET)
+    return [tokenizer.encode(inspect.getsource(importlib.import_module(name))[:PROMPT_CHARS])
+            for name in PROMPT_MODULES]
+
+
+def draftsmith_acceptance(spec: dict, prompt_ids: list[list[int]]) -> Acceptance:
+    from draftsmith.serve.apps.llm import LLM
+    from draftsmith.serve.engine.sampling_params import SamplingParams
+
+    spec = {**spec, "model": str(REPO / spec["model"]), "adaptive": False}
+    llm = LLM(str(TARGET), dtype="float32", speculative_config=spec, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    metrics = llm.get_metrics()
+    rates = [a / d for a, d in zip(metrics["accepted_per_position"], metrics["drafted_per_position"]) if d]
+    return Acceptance(metrics["mean_acceptance_length"], rates, [list(o.outputs[0].token_ids) for o in outputs])
+
+
+def vllm_acceptance(name: str, spec: dict, prompt_ids: list[list[int]], python: Path, workdir: Path,
+                    fixed: bool = True) -> Acceptance:
+    """The export's acceptance in vLLM, through the bench's peer worker (c = 1, greedy, `MAX_TOKENS` each);
+    `fixed`: with vLLM's CPU defects fixed (tests/vllm_oracle_worker.py), else vLLM as it is shipped."""
+    import contextlib
+    import io
+
+    from draftsmith.serve.bench.peer import PeerWorker, make_job, vllm_config
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):  # the converter's report; its notes are kept
+        config = vllm_config(name, {**spec, "model": str(REPO / spec["model"])}, TARGET, workdir)
+    notes = [line.strip().removeprefix("note: ") for line in said.getvalue().splitlines() if "note:" in line]
+    if isinstance(config, str):
+        return Acceptance(refused=config, export_notes=notes)
+    job = make_job(TARGET, {1: prompt_ids}, MAX_TOKENS, config)
+    worker = PeerWorker(python, job, f"0-{THREADS - 1}", THREADS, workdir, worker=WORKER if fixed else BENCH_WORKER)
+    try:
+        ready = worker.reply()
+        if "refused" in ready:
+            return Acceptance(refused=ready["refused"], export_notes=notes)
+        result = worker.round(1)["round"]
+    finally:
+        worker.close()
+    return Acceptance(result["mean_acceptance_length"], result["acceptance_per_position"], result["outputs"],
+                      export_notes=notes)
+
+
+def compare(name: str, python: Path) -> tuple[Acceptance, Acceptance]:
+    """(draftsmith's, vLLM's) acceptance of the shipped head `name` on the oracle's prompts."""
+    prompt_ids = prompts()
+    ours = draftsmith_acceptance(HEADS[name], prompt_ids)
+    with tempfile.TemporaryDirectory() as workdir:
+        theirs = vllm_acceptance(name, HEADS[name], prompt_ids, python, Path(workdir))
+    return ours, theirs
+
+
+def table_row(name: str, ours: Acceptance, theirs: Acceptance) -> str:
+    k = HEADS[name]["num_speculative_tokens"]
+    if theirs.refused:
+        return f"| {name} | {k} | {ours.mean:.2f} | - | not served by vLLM: {theirs.refused} |"
+    rates = " / ".join(f"{a:.2f}:{b:.2f}" for a, b in zip(ours.per_position, theirs.per_position))
+    return f"| {name} | {k} | {ours.mean:.2f} | {theirs.mean:.2f} | {rates} |"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--python", default=str(PEER_PYTHON), help="the vLLM venv's python")
+    parser.add_argument("heads", nargs="*", default=list(HEADS), help=f"rows to run (default: {' '.join(HEADS)})")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(THREADS)
+    print("| head | k | draftsmith acceptance | vLLM acceptance | per position, draftsmith:vLLM |")
+    print("|---|---|---|---|---|")
+    for name in args.heads:
+        print(table_row(name, *compare(name, Path(args.python))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from draftsmith.acceptance_record import RECORD_FILE, carry_record
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import head_method, read_head_config, servable
 from draftsmith.methods.formats import native as native_format
@@ -112,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     for note in head.notes + exported.notes:
         print(f"  note: {note}")
     native_format.write_atomically(exported, out, args.force)
+    if carry_record(checkpoint.directory, out):
+        print(f"  note: the head's acceptance record ({RECORD_FILE}) goes with it")
     print(f"wrote {out} ({args.to} {head.head_type} head, {len(exported.tensors)} tensors)")
     if args.to == "native" and servable(head_method(head.head_type)):
         k = min(5, read_head_config(head.config).max_drafts() or 5)  # a head or stage a draft: no more than it has

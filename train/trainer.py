@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from draftsmith.acceptance_record import training_record, write_record
 from draftsmith.corpus import load_records
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import RecipeTrainingSection, load_head, resolve_method
@@ -392,10 +393,20 @@ def _finish(accelerator, recipe: Recipe, output: Path, argv: list[str], run: Pre
     save_head(accelerator, run.trainee, final, DTYPES[recipe.training.save_dtype])  # on every rank: it gathers
     if accelerator.is_main_process:
         (final / "recipe.yaml").write_text(dump_recipe(recipe))
+        _write_training_record(output, final)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     accelerator.print(f"saved head to {final}")
     return final
+
+
+def _write_training_record(output: Path, head_dir: Path) -> None:
+    """The newest eval's simulated acceptance per position, as the head's record (`draftsmith check`)."""
+    reports = sorted(output.glob("eval_*.json"), key=lambda path: path.stat().st_mtime)
+    record = training_record(json.loads(reports[-1].read_text()), f"training eval ({reports[-1].name}): "
+                             "simulated, teacher-forced on the eval split") if reports else None
+    if record is not None:
+        write_record(head_dir, record)
 
 
 def _report(accelerator, output: Path, name: str, report: dict[str, float], step: int) -> None:

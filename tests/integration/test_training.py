@@ -14,6 +14,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from draftsmith.acceptance_record import read_record
 from draftsmith.corpus import load_records
 from draftsmith.methods import load_head, resolve_method
 from draftsmith.models import load_target
@@ -69,6 +70,9 @@ def test_loss_falls_and_head_is_saved(workspace, head_type, variants):
     report = json.loads((out / "eval_epoch3.json").read_text())
     assert report["sim_mean_acceptance_length_k4"] >= report["sim_mean_acceptance_length_k1"] >= 1.0
     assert report["sim_accept_pos1"] > 0.2  # a regular corpus is learnable in a few dozen steps
+    record = read_record(final)  # the newest eval's figures, as the head's record for `draftsmith check`
+    assert record.source == "training" and record.k == 4
+    assert record.per_position == [report[f"sim_accept_pos{i}"] for i in range(1, 5)]
 
 
 def test_online_and_offline_give_the_same_loss(workspace, tmp_path):

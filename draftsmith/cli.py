@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Speculative decoding end to end: train draft heads, convert checkpoints, serve and measure."))
     parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
-    for add_command in (_add_generate, _add_serve, _add_train, _add_capture, _add_datagen, _add_convert, _add_bench,
+    for add_command in (_add_generate, _add_serve, _add_train, _add_capture, _add_datagen, _add_convert, _add_check, _add_bench,
                         _add_profile, _add_bench_serve, _add_demo):
         add_command(commands)
     return parser
@@ -221,6 +221,31 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
                       help="print format, method, tensor count, parameters, dtype and the config it would write; "
                       "write nothing")
     conv.set_defaults(handler="draftsmith.convert.cli:run")
+
+
+def _add_check(commands: argparse._SubParsersAction) -> None:
+    """`draftsmith check`: the acceptance gate and doctor."""
+    chk = commands.add_parser(
+        "check", help="check that a draft head accepts what it should against its target, and diagnose it if not",
+        description="Run HEAD against its target on a few prompts the target writes itself (no data needed), "
+        "greedy at a fixed k, and measure how often each draft position is accepted. The head passes when it "
+        "keeps half of its record (acceptance.json beside its config.json: `--record` writes one) or, without "
+        "one, accepts its first draft at least 10%% of the time. On a failure the doctor re-reads the head "
+        "under the conventions converters slip on (fused layer ids 0- or 1-based or reordered, norm flags, MTP "
+        "concatenation order) and names the config key of a reading that accepts clearly more. Exit status 1 "
+        "on a failed gate.")
+    chk.add_argument("head", help="draft head directory: native, or any format `draftsmith convert` reads")
+    chk.add_argument("--target", default=None, help="target model directory (default: the head's recorded one)")
+    chk.add_argument("-k", "--num-speculative-tokens", dest="k", type=_positive_int, default=None,
+                     help="drafts a step (default: 5, or fewer where the head drafts fewer)")
+    chk.add_argument("--prompts", type=_positive_int, default=4, help="calibration prompts (default: %(default)s)")
+    chk.add_argument("--max-tokens", type=_positive_int, default=64,
+                     help="tokens generated per prompt (default: %(default)s)")
+    chk.add_argument("--json", action="store_true", help="print the figures as JSON (the verdict goes to stderr)")
+    chk.add_argument("--no-doctor", action="store_true", help="on a failure, skip the alternative readings")
+    chk.add_argument("--record", action="store_true",
+                     help="on a pass, write what was measured as the head's record (acceptance.json)")
+    chk.set_defaults(handler="draftsmith.serve.check.cli:run")
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:

@@ -123,6 +123,14 @@ def test_medusa2_without_lm_heads_takes_the_vocab_from_the_target(tmp_path, caps
     assert not any(k.startswith("lm_heads.") for k in tensors)
 
 
+def test_the_acceptance_record_goes_with_every_conversion(tmp_path, capsys):
+    shipped = DEMO_MODEL.with_name("demo-code-7m-medusa")
+    assert convert(shipped, tmp_path / "vllm", "--to", "vllm") == 0
+    assert "acceptance record (acceptance.json) goes with it" in capsys.readouterr().out
+    assert convert(tmp_path / "vllm", tmp_path / "back") == 0
+    assert (tmp_path / "back" / "acceptance.json").read_text() == (shipped / "acceptance.json").read_text()
+
+
 def test_medusa_on_the_target_lm_head_exports_it_for_vllm(tmp_path, capsys):
     """vLLM fills its own LM head of `original_lm_head` Medusa only from lm_heads.0.weight: without it, vLLM's
     stays uninitialised and accepts nothing. The export copies the target's (tied: its embedding) there."""

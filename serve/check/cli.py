@@ -1,0 +1,118 @@
+"""`draftsmith check HEAD --target TARGET`: the gate, the doctor where it fails, a per-position table (or
+JSON), and exit status 1 on a failed gate with a one-line diagnosis."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from draftsmith.acceptance_record import RECORD_FILE, Acceptance, read_record, write_record
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods import head_method, read_head_config, servable
+from draftsmith.methods.formats import native as native_format
+from draftsmith.methods.formats.checkpoint import SourceCheckpoint, local_directory
+from draftsmith.methods.formats.registry import ReadContext, detect_source, exporter
+from draftsmith.models.config import TargetConfig
+from draftsmith.models.head_configs import HEAD_TYPE_KEY
+from draftsmith.models.loader import load_target
+from draftsmith.serve.apps.llm import LLM
+from draftsmith.serve.check import doctor
+from draftsmith.serve.check.calibration import calibration_prompts
+from draftsmith.serve.check.gate import judge, measure
+
+DEFAULT_K = 5
+
+
+def _native(head: Path, target_dir: Path | None, workdir: Path) -> Path:
+    """`head` itself when it is a native head, else its native form (any format `convert` reads) in `workdir`."""
+    config_path = head / "config.json"
+    if config_path.is_file() and HEAD_TYPE_KEY in json.loads(config_path.read_text()):
+        return head
+    checkpoint = SourceCheckpoint(str(head))
+    context = ReadContext(TargetConfig.from_model_dir(target_dir), str(target_dir)) if target_dir else ReadContext()
+    normalized = detect_source(checkpoint).read(checkpoint, context)
+    out = workdir / "native"
+    native_format.write_atomically(exporter("native", normalized.head_type)(normalized), out, False)
+    return out
+
+
+def _target_dir(args: argparse.Namespace, head_dir: Path, config: dict) -> Path:
+    if args.target:
+        return Path(args.target)
+    recorded = config.get("target_model") or ""
+    found = local_directory(recorded, head_dir)
+    if found is None:
+        raise DraftsmithError(f"the head's target {recorded!r} is not a model directory here: pass --target TARGET_DIR")
+    return found
+
+
+def _spec(head_type: str, model: Path, k: int) -> dict:
+    spec = {"method": head_type, "model": str(model), "num_speculative_tokens": k}
+    if "draft_dtype" in head_method(head_type).section.model_fields:
+        spec["draft_dtype"] = "float32"  # the record's precision: a bfloat16 draft would blur the comparison
+    return spec
+
+
+def _table(measured: Acceptance, record: Acceptance | None) -> str:
+    lines = ["position  acceptance  record"]
+    for i, rate in enumerate(measured.per_position):
+        recorded = f"{record.per_position[i]:.3f}" if record and i < len(record.per_position) else "-"
+        lines.append(f"{i + 1:>8}  {rate:>10.3f}  {recorded:>6}")
+    lines.append(f"mean acceptance length {measured.mean_acceptance_length:.2f} at k={measured.k}")
+    return "\n".join(lines)
+
+
+def check(args: argparse.Namespace, head_dir: Path) -> dict:
+    """The gate's result: {"head", "k", "acceptance", "record", "failed", "diagnosis"}."""
+    config = json.loads((head_dir / "config.json").read_text())
+    head_type = config[HEAD_TYPE_KEY]
+    if not servable(head_method(head_type)):
+        raise DraftsmithError(f"{head_type} heads are not served by draftsmith, so they cannot be checked here")
+    target_dir = _target_dir(args, head_dir, config)
+    read_head_config(config).check_target(TargetConfig.from_model_dir(target_dir))
+    k = args.k or min(DEFAULT_K, read_head_config(config).max_drafts() or DEFAULT_K)
+    target = load_target(target_dir, dtype="float32")
+    plain = LLM(target_dir, dtype="float32", device="cpu", max_num_seqs=args.prompts, target=target)
+    prompts = calibration_prompts(plain, args.prompts)
+
+    def measured_at(directory: Path) -> Acceptance:
+        return measure(target_dir, target, _spec(head_type, directory, k), prompts, args.max_tokens)
+
+    measured, record = measured_at(head_dir), read_record(head_dir)
+    examined = [] if args.no_doctor else doctor.examine(head_dir, config, measured_at)
+    diagnosis = doctor.diagnosis(measured, examined)
+    # a slip can leave a head accepting well, just less than it should: a reading that accepts clearly more
+    # fails the gate as surely as a record or the floor does
+    failed = judge(measured, record) or (diagnosis and "is read under a convention it was not trained with")
+    return {"head": str(head_dir), "head_type": head_type, "k": k, "acceptance": measured.to_json(),
+            "record": record.to_json() if record else None, "failed": failed, "diagnosis": diagnosis,
+            "readings": [{"reading": r.what, "set": r.changes, "drafts_per_step": a.gain()} for r, a in examined]}
+
+
+def run(args: argparse.Namespace) -> int:
+    head = Path(args.head)
+    with tempfile.TemporaryDirectory(prefix="draftsmith-check-") as workdir:
+        head_dir = _native(head, Path(args.target) if args.target else None, Path(workdir))
+        result = check(args, head_dir)
+    measured = Acceptance(**result["acceptance"])
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        record = Acceptance(**result["record"]) if result["record"] else None
+        print(_table(measured, record))
+    say = sys.stderr if args.json else sys.stdout  # with --json, stdout is the JSON alone
+    if result["failed"]:
+        print(f"draftsmith check: FAILED: {head} {result['failed']}"
+              + (f"; {result['diagnosis']}" if result["diagnosis"] else "; no other reading accepts clearly more"),
+              file=say)
+        return 1
+    print(f"draftsmith check: passed ({'against its record' if result['record'] else 'the floor, no record'})",
+          file=say)
+    if args.record:
+        if head_dir != head:
+            raise DraftsmithError(f"--record writes {RECORD_FILE} into a native head; convert {head} first")
+        print(f"wrote {write_record(head, measured)}", file=say)
+    return 0

@@ -1,0 +1,105 @@
+"""`draftsmith check`: the acceptance gate and doctor. Synthetic figures test the rules; the shipped demo heads
+must pass their own records, and checkpoints slipped from them (fused layer ids shifted or reordered, a norm
+flag flipped, an MTP input concatenated the other way) must fail with the diagnosis that names the reading
+they were trained with."""
+
+import json
+import shutil
+
+import pytest
+
+from draftsmith.acceptance_record import Acceptance, read_record, training_record, write_record
+from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
+from draftsmith.serve.check import doctor
+from draftsmith.serve.check.gate import FLOOR, judge
+from helpers import DEMO_MODEL
+
+ASSETS = DEMO_MODEL.parent
+
+
+def _acceptance(*rates, source="check"):
+    return Acceptance(len(rates), 1 + sum(rates), list(rates), source)
+
+
+def test_a_record_round_trips_and_a_broken_one_is_one_line(tmp_path):
+    record = _acceptance(0.7, 0.4, source="training")
+    write_record(tmp_path, record)
+    assert read_record(tmp_path) == record
+    (tmp_path / "acceptance.json").write_text(json.dumps({"k": 3, "mean_acceptance_length": 2, "per_position": [1]}))
+    with pytest.raises(DraftsmithError, match="not an acceptance record"):
+        read_record(tmp_path)
+    assert read_record(tmp_path / "none") is None
+
+
+def test_a_training_record_reads_the_eval_report():
+    report = {"sim_accept_pos1": 0.6, "sim_accept_pos2": 0.3, "sim_mean_acceptance_length_k2": 1.9, "loss": 2.0}
+    record = training_record(report, "eval")
+    assert (record.k, record.per_position, record.source) == (2, [0.6, 0.3], "training")
+    assert record.mean_acceptance_length == pytest.approx(1.9)
+    assert training_record({"loss": 1.0}, "eval") is None
+
+
+def test_the_gate_holds_a_head_to_its_record_or_the_floor():
+    check_record = _acceptance(0.8, 0.5, 0.3)  # gain 1.6
+    assert judge(_acceptance(0.75, 0.45, 0.2), check_record) is None  # 1.4: 88% of it
+    assert "below 80%" in judge(_acceptance(0.6, 0.4, 0.2), check_record)  # 1.2: 75%
+    # a training record was simulated on other text: half of it passes
+    assert judge(_acceptance(0.6, 0.4, 0.2), _acceptance(0.8, 0.5, 0.3, source="training")) is None
+    # compared over the positions both have
+    assert judge(_acceptance(0.8, 0.5), check_record) is None
+    assert judge(_acceptance(FLOOR + 0.01, 0.0), None) is None
+    assert "below the floor" in judge(_acceptance(FLOOR - 0.01, 0.3), None)
+
+
+def test_the_doctor_names_a_reading_only_when_it_accepts_clearly_more():
+    as_written = _acceptance(0.3, 0.1)
+    shifted = doctor.Reading("layer ids one lower", {"aux_layer_ids": [0, 2, 4]})
+    line = doctor.diagnosis(as_written, [(shifted, _acceptance(0.6, 0.3))])
+    assert line.startswith("read with layer ids one lower") and '"aux_layer_ids": [0, 2, 4]' in line
+    assert doctor.diagnosis(as_written, [(shifted, _acceptance(0.32, 0.15))]) is None  # 1.18x: not clearly
+    assert doctor.diagnosis(_acceptance(0.0, 0.0), [(shifted, _acceptance(0.05, 0.0))]) is None  # below the floor
+    assert doctor.diagnosis(as_written, []) is None
+
+
+def test_readings_cover_layer_ids_norm_flags_and_concatenation_order():
+    eagle3 = json.loads((ASSETS / "demo-code-7m-eagle3" / "config.json").read_text())
+    changes = [r.changes for r in doctor.readings(eagle3)]
+    assert {"aux_layer_ids": [0, 2, 4]} in changes and {"aux_layer_ids": [2, 4, 6]} in changes
+    assert {"aux_layer_ids": [5, 3, 1]} in changes and {"norm_before_residual": True} in changes
+    mtp = json.loads((ASSETS / "demo-code-7m-mtp" / "config.json").read_text())
+    assert [r.changes for r in doctor.readings(mtp)] == [{"concat_order": "embedding_first"}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["eagle3", "dflash", "medusa", "mtp"])
+def test_the_shipped_heads_pass_their_own_records(head, capsys):
+    assert read_record(ASSETS / f"demo-code-7m-{head}") is not None
+    assert main(["check", str(ASSETS / f"demo-code-7m-{head}")]) == 0
+    assert "passed (against its record)" in capsys.readouterr().out
+
+
+def _slipped(tmp_path, head: str, changes: dict):
+    slipped = tmp_path / head
+    shutil.copytree(ASSETS / f"demo-code-7m-{head}", slipped)
+    (slipped / "acceptance.json").unlink()  # a slip made in conversion: the record is the converter's to carry
+    config = json.loads((slipped / "config.json").read_text())
+    (slipped / "config.json").write_text(json.dumps({**config, **changes, "target_model": str(DEMO_MODEL)}))
+    return slipped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head, slip, right", [
+    ("eagle3", {"aux_layer_ids": [2, 4, 6]}, '"aux_layer_ids": [1, 3, 5]'),
+    ("eagle3", {"aux_layer_ids": [5, 3, 1]}, '"aux_layer_ids": [1, 3, 5]'),
+    ("eagle3", {"norm_before_residual": True}, '"norm_before_residual": false'),
+    ("dflash", {"aux_layer_ids": [0, 1, 2, 3, 4, 5]}, '"aux_layer_ids": [1, 2, 3, 4, 5, 6]'),
+    ("mtp", {"concat_order": "embedding_first"}, '"concat_order": "hidden_first"'),
+])
+def test_a_slipped_head_fails_with_the_reading_that_fixes_it(head, slip, right, tmp_path, capsys):
+    assert main(["check", str(_slipped(tmp_path, head, slip)), "--json"]) == 1
+    captured = capsys.readouterr()
+    verdict = captured.err.strip().splitlines()[-1]
+    assert verdict.startswith("draftsmith check: FAILED:") and f"set {right} in its config.json" in verdict
+    result = json.loads(captured.out)
+    assert result["failed"] and right in result["diagnosis"] and len(result["acceptance"]["per_position"]) == 5

@@ -22,8 +22,10 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.serve.apps.llm import LLM, engine_kwargs
 from draftsmith.serve.client.engine_process import start_engine_process
 from draftsmith.serve.client.thread_engine import ThreadEngine
+from draftsmith.serve.openai.acceptance_drift import served_record
 from draftsmith.serve.openai.app import ServerOptions, build_app
 from draftsmith.serve.openai.metrics import ServerMetrics
+from draftsmith.serve.speculation.config import parse_speculative_config
 
 SHUTDOWN_GRACE_S = 5.0  # uvicorn's wait past --shutdown-timeout, for the requests' error events to go out
 
@@ -32,7 +34,7 @@ def build_server_app(llm: LLM, served_model_name: str, options: ServerOptions | 
     """The app over an engine on a thread of this process; `overrides`: ServerOptions fields."""
     options = dataclasses.replace(options or ServerOptions(), **overrides)
     spec = llm.engine.spec_config
-    metrics = ServerMetrics(served_model_name, spec.num_speculative_tokens if spec else 0)
+    metrics = ServerMetrics(served_model_name, spec.num_speculative_tokens if spec else 0, served_record(spec))
     engine = ThreadEngine(llm, options.max_queue, metrics.observe, options.max_stream_backlog)
     return build_app(engine, served_model_name, options, metrics)
 
@@ -43,7 +45,8 @@ def build_process_server_app(llm_kwargs: dict, served_model_name: str, options: 
     options = dataclasses.replace(options or ServerOptions(), **overrides)
     engine = start_engine_process(llm_kwargs, options.max_queue, max_backlog=options.max_stream_backlog,
                                   max_restarts=options.max_engine_restarts)
-    metrics = ServerMetrics(served_model_name, engine.num_speculative_tokens)
+    record = served_record(parse_speculative_config(llm_kwargs.get("speculative_config")))
+    metrics = ServerMetrics(served_model_name, engine.num_speculative_tokens, record)
     engine.observer = metrics.observe
     engine.on_restart = metrics.engine_restarted
     return build_app(engine, served_model_name, options, metrics)

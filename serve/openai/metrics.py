@@ -15,6 +15,9 @@ from prometheus_client import (
     generate_latest,
 )
 
+from draftsmith.acceptance_record import Acceptance
+from draftsmith.serve.openai.acceptance_drift import WINDOW_DRAFTS, AcceptanceDrift
+
 # `*_created` timestamp series double the output and no dashboard reads them.
 disable_created_metrics()
 
@@ -23,7 +26,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_speculative_tokens: int = 0):
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0, record: Acceptance | None = None):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -50,6 +53,8 @@ class ServerMetrics:
                                      labels, registry=r)
         self.spec_per_pos = Counter("draftsmith:spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted draft tokens by position", labels + ["position"], registry=r)
+        self.spec_drafted_per_pos = Counter("draftsmith:spec_decode_num_draft_tokens_per_pos",
+                                            "Drafts that reached each position", labels + ["position"], registry=r)
         self.spec_chosen_k = Counter("draftsmith:spec_decode_chosen_k",
                                      "Requests x decode steps by the draft limit the policy gave them", labels + ["k"],
                                      registry=r)
@@ -64,7 +69,26 @@ class ServerMetrics:
         self.model_name = model_name
         for position in range(num_speculative_tokens):  # exported from the start, at 0
             self.spec_per_pos.labels(model_name, str(position))
+            self.spec_drafted_per_pos.labels(model_name, str(position))
+        self.drift = self._drift_metrics(record) if record else None
         self._last: dict = {}
+
+    def _drift_metrics(self, record: Acceptance) -> AcceptanceDrift:
+        """The head's record per position, and gauges for the live figure beside it (`acceptance_drift`)."""
+        r, labels = self.registry, ["model_name", "position"]
+        recorded = Gauge("draftsmith:spec_decode_record_acceptance_rate",
+                         f"The head's record: how often each draft position was accepted ({record.source})", labels,
+                         registry=r)
+        for position, rate in enumerate(record.per_position):
+            recorded.labels(self.model_name, str(position)).set(rate)
+        self.spec_live_rate = Gauge("draftsmith:spec_decode_live_acceptance_rate",
+                                    f"How often each draft position was accepted over the newest {WINDOW_DRAFTS} "
+                                    "drafts", labels, registry=r)
+        self.spec_below_record = Gauge("draftsmith:spec_decode_below_record",
+                                       "1 while live acceptance stays below the share of the record the gate asks",
+                                       ["model_name"], registry=r)
+        self.spec_below_record.labels(self.model_name).set(0)
+        return AcceptanceDrift(record)
 
     def observe(self, running: int, waiting: int, now: dict) -> None:
         """The engine's request counts and cumulative `get_metrics()`, however they arrive (a thread's engine,
@@ -79,9 +103,16 @@ class ServerMetrics:
                              ("num_steps_without_speculation", self.spec_plain_steps)):
             if key in now:
                 counter.labels(name).inc(now[key] - self._last.get(key, 0))
-        for position, count in enumerate(now.get("accepted_per_position", [])):
-            previous = self._last.get("accepted_per_position", [0] * (position + 1))
-            self.spec_per_pos.labels(name, str(position)).inc(count - previous[position])
+        for key, counter in (("accepted_per_position", self.spec_per_pos),
+                             ("drafted_per_position", self.spec_drafted_per_pos)):
+            for position, count in enumerate(now.get(key, [])):
+                previous = self._last.get(key, [0] * (position + 1))
+                counter.labels(name, str(position)).inc(count - previous[position])
+        if self.drift is not None and self.drift.observe(now.get("accepted_per_position", []),
+                                                         now.get("drafted_per_position", [])):
+            for position, rate in enumerate(self.drift.live):
+                self.spec_live_rate.labels(name, str(position)).set(rate)
+            self.spec_below_record.labels(name).set(int(self.drift.below_record))
         for k, count in enumerate(now.get("spec_k_histogram", [])):
             previous = self._last.get("spec_k_histogram", [0] * (k + 1))
             self.spec_chosen_k.labels(name, str(k)).inc(count - previous[k])

@@ -134,6 +134,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                      help="step the engine in its own process, as vLLM does (the HTTP side only parses, tokenises "
                      "and streams; if the engine dies, requests fail with 500 and /health turns 503); "
                      "--no-engine-process runs it on a thread of the API process")
+    srv.add_argument("--no-check", action="store_true",
+                     help="skip the acceptance gate at start: without it a draft head is run against the target "
+                     "first (`draftsmith check`, seconds for a small head) and the server refuses to start with a "
+                     "head that accepts below its record or the floor, or is read under the wrong convention")
     _add_engine_args(srv, method_names(servable))
     srv.set_defaults(handler="draftsmith.serve.openai.cli:run")
 
@@ -149,7 +153,10 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         "Rerunning the same command resumes from the newest checkpoint in training.output_dir.")
     tr.add_argument("recipe", help="recipe YAML (see recipes/)")
     tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.learning_rate=3e-4")
-    tr.set_defaults(handler="draftsmith.train.cli:run_train")
+    tr.add_argument("--no-check", action="store_true",
+                    help="skip the acceptance gate on the saved head (`draftsmith check` against its training "
+                    "record; exit status 1 when it fails)")
+    tr.set_defaults(handler="draftsmith.serve.check.hooks:train_then_check")
 
 
 def _add_capture(commands: argparse._SubParsersAction) -> None:
@@ -220,7 +227,10 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
     conv.add_argument("--inspect", action="store_true",
                       help="print format, method, tensor count, parameters, dtype and the config it would write; "
                       "write nothing")
-    conv.set_defaults(handler="draftsmith.convert.cli:run")
+    conv.add_argument("--no-check", action="store_true",
+                      help="with --target, skip the acceptance gate (`draftsmith check`) on the converted head; "
+                      "without this flag a head that fails it exits with status 1 (its output is written)")
+    conv.set_defaults(handler="draftsmith.serve.check.hooks:convert_then_check")
 
 
 def _add_check(commands: argparse._SubParsersAction) -> None:

@@ -20,11 +20,12 @@ LLAMA_LAYER_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llam
                       "tie_word_embeddings": False}
 
 
-def convert(*args) -> int:
-    """`draftsmith convert ARGS` through the console entry point; returns its exit status."""
+def convert(*args, check: bool = False) -> int:
+    """`draftsmith convert ARGS` through the console entry point; returns its exit status. The acceptance
+    gate that follows a conversion with --target is skipped unless `check`: these checkpoints are random."""
     from draftsmith.cli import main
 
-    return main(["convert", *map(str, args)])
+    return main(["convert", *map(str, args), *([] if check else ["--no-check"])])
 
 
 def read_native(out: Path):

@@ -17,16 +17,16 @@ from draftsmith.methods.formats.checkpoint import SourceCheckpoint, local_direct
 from draftsmith.methods.formats.registry import ReadContext, detect_source, exporter
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.head_configs import HEAD_TYPE_KEY
+from draftsmith.models.llama import CausalLM
 from draftsmith.models.loader import load_target
-from draftsmith.serve.apps.llm import LLM
 from draftsmith.serve.check import doctor
 from draftsmith.serve.check.calibration import calibration_prompts
-from draftsmith.serve.check.gate import judge, measure
+from draftsmith.serve.check.gate import judge, measure, plain_llm
 
 DEFAULT_K = 5
 
 
-def _native(head: Path, target_dir: Path | None, workdir: Path) -> Path:
+def native_head(head: Path, target_dir: Path | None, workdir: Path) -> Path:
     """`head` itself when it is a native head, else its native form (any format `convert` reads) in `workdir`."""
     config_path = head / "config.json"
     if config_path.is_file() and HEAD_TYPE_KEY in json.loads(config_path.read_text()):
@@ -65,24 +65,23 @@ def _table(measured: Acceptance, record: Acceptance | None) -> str:
     return "\n".join(lines)
 
 
-def check(args: argparse.Namespace, head_dir: Path) -> dict:
-    """The gate's result: {"head", "k", "acceptance", "record", "failed", "diagnosis"}."""
+def check_head(head_dir: Path, target_dir: Path, target: CausalLM, k: int | None = None, prompts: int = 4,
+               max_tokens: int = 64, with_doctor: bool = True) -> dict:
+    """The gate's result for the native head in `head_dir` on `target` (loaded from `target_dir`): {"head",
+    "head_type", "k", "acceptance", "record", "failed" (one line, or None), "diagnosis", "readings"}."""
     config = json.loads((head_dir / "config.json").read_text())
     head_type = config[HEAD_TYPE_KEY]
     if not servable(head_method(head_type)):
         raise DraftsmithError(f"{head_type} heads are not served by draftsmith, so they cannot be checked here")
-    target_dir = _target_dir(args, head_dir, config)
     read_head_config(config).check_target(TargetConfig.from_model_dir(target_dir))
-    k = args.k or min(DEFAULT_K, read_head_config(config).max_drafts() or DEFAULT_K)
-    target = load_target(target_dir, dtype="float32")
-    plain = LLM(target_dir, dtype="float32", device="cpu", max_num_seqs=args.prompts, target=target)
-    prompts = calibration_prompts(plain, args.prompts)
+    k = k or min(DEFAULT_K, read_head_config(config).max_drafts() or DEFAULT_K)
+    calibration = calibration_prompts(plain_llm(target_dir, target, prompts), prompts)
 
     def measured_at(directory: Path) -> Acceptance:
-        return measure(target_dir, target, _spec(head_type, directory, k), prompts, args.max_tokens)
+        return measure(target_dir, target, _spec(head_type, directory, k), calibration, max_tokens)
 
     measured, record = measured_at(head_dir), read_record(head_dir)
-    examined = [] if args.no_doctor else doctor.examine(head_dir, config, measured_at)
+    examined = doctor.examine(head_dir, config, measured_at) if with_doctor else []
     diagnosis = doctor.diagnosis(measured, examined)
     # a slip can leave a head accepting well, just less than it should: a reading that accepts clearly more
     # fails the gate as surely as a record or the floor does
@@ -92,11 +91,21 @@ def check(args: argparse.Namespace, head_dir: Path) -> dict:
             "readings": [{"reading": r.what, "set": r.changes, "drafts_per_step": a.gain()} for r, a in examined]}
 
 
+def verdict(result: dict) -> str:
+    """The gate's one line."""
+    if result["failed"]:
+        return (f"FAILED: {result['head']} {result['failed']}"
+                + (f"; {result['diagnosis']}" if result["diagnosis"] else "; no other reading accepts clearly more"))
+    return f"passed ({'against its record' if result['record'] else 'the floor, no record'})"
+
+
 def run(args: argparse.Namespace) -> int:
     head = Path(args.head)
     with tempfile.TemporaryDirectory(prefix="draftsmith-check-") as workdir:
-        head_dir = _native(head, Path(args.target) if args.target else None, Path(workdir))
-        result = check(args, head_dir)
+        head_dir = native_head(head, Path(args.target) if args.target else None, Path(workdir))
+        target_dir = _target_dir(args, head_dir, json.loads((head_dir / "config.json").read_text()))
+        result = check_head(head_dir, target_dir, load_target(target_dir, dtype="float32"), args.k, args.prompts,
+                            args.max_tokens, not args.no_doctor)
     measured = Acceptance(**result["acceptance"])
     if args.json:
         print(json.dumps(result, indent=2))
@@ -104,15 +113,25 @@ def run(args: argparse.Namespace) -> int:
         record = Acceptance(**result["record"]) if result["record"] else None
         print(_table(measured, record))
     say = sys.stderr if args.json else sys.stdout  # with --json, stdout is the JSON alone
+    print(f"draftsmith check: {verdict(result)}", file=say)
     if result["failed"]:
-        print(f"draftsmith check: FAILED: {head} {result['failed']}"
-              + (f"; {result['diagnosis']}" if result["diagnosis"] else "; no other reading accepts clearly more"),
-              file=say)
         return 1
-    print(f"draftsmith check: passed ({'against its record' if result['record'] else 'the floor, no record'})",
-          file=say)
     if args.record:
         if head_dir != head:
             raise DraftsmithError(f"--record writes {RECORD_FILE} into a native head; convert {head} first")
         print(f"wrote {write_record(head, measured)}", file=say)
     return 0
+
+
+def gate_served_head(spec_config, target_dir: Path, target: CausalLM) -> str | None:
+    """`serve`'s gate at start on the head `spec_config` serves: its passing line, None where it serves no
+    head (n-gram, a draft model), a DraftsmithError with the one line where it fails."""
+    model = Path(getattr(spec_config, "model", None) or "")
+    config_path = model / "config.json"
+    if not config_path.is_file() or HEAD_TYPE_KEY not in json.loads(config_path.read_text()):
+        return None
+    result = check_head(model, target_dir, target)
+    if result["failed"]:
+        raise DraftsmithError(f"acceptance gate {verdict(result)}; serve it anyway with --no-check")
+    return f"acceptance gate {verdict(result)}: {result['head_type']} accepts " \
+           f"{Acceptance(**result['acceptance']).gain():.2f} drafts a step at k={result['k']}"

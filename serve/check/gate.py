@@ -18,14 +18,21 @@ RECORD_SHARE = {"check": 0.8, "training": 0.5}
 # without a record: the first draft position must be accepted this often. Heads read right accept 0.2-0.8
 # there on text their target wrote; mis-read ones (an MTP input concatenated the wrong way) a few percent
 FLOOR = 0.1
+MAX_MODEL_LEN = 512  # calibration prompt, output and drafts: a small KV cache, whatever the target's context
+
+
+def plain_llm(target_dir: Path, target: CausalLM, max_num_seqs: int, spec: dict | None = None) -> LLM:
+    """An engine over the loaded `target`, on its device and in its dtype."""
+    weight = target.model.embed_tokens.weight
+    return LLM(target_dir, dtype=weight.dtype, device=str(weight.device), speculative_config=spec,
+               max_num_seqs=max_num_seqs, max_model_len=min(MAX_MODEL_LEN, target.config.max_position_embeddings),
+               target=target)
 
 
 def measure(target_dir: Path, target: CausalLM, spec: dict, prompts: list[list[int]], max_tokens: int) -> Acceptance:
-    """Greedy decoding of `prompts` with `spec` (vLLM's keys) at its fixed k, drafting in float32."""
+    """Greedy decoding of `prompts` with `spec` (vLLM's keys) at its fixed k."""
     k = spec["num_speculative_tokens"]
-    config = {**spec, "adaptive": False}
-    llm = LLM(target_dir, dtype="float32", device="cpu", speculative_config=config, max_num_seqs=len(prompts),
-              target=target)
+    llm = plain_llm(target_dir, target, len(prompts), {**spec, "adaptive": False})
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     metrics = llm.get_metrics()

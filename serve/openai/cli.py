@@ -11,21 +11,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
 import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
+import torch
 import uvicorn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.loader import load_target
 from draftsmith.serve.apps.llm import LLM, engine_kwargs
+from draftsmith.serve.check.cli import gate_served_head
 from draftsmith.serve.client.engine_process import start_engine_process
 from draftsmith.serve.client.thread_engine import ThreadEngine
 from draftsmith.serve.openai.acceptance_drift import served_record
 from draftsmith.serve.openai.app import ServerOptions, build_app
 from draftsmith.serve.openai.metrics import ServerMetrics
 from draftsmith.serve.speculation.config import parse_speculative_config
+
+logger = logging.getLogger("draftsmith")
 
 SHUTDOWN_GRACE_S = 5.0  # uvicorn's wait past --shutdown-timeout, for the requests' error events to go out
 
@@ -78,6 +85,13 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          max_stream_backlog=args.max_stream_backlog, max_engine_restarts=args.max_engine_restarts)
 
 
+def _gate(args: argparse.Namespace, target) -> None:
+    """`draftsmith check`'s gate on the served head, before the server listens (`--no-check` skips it)."""
+    passed = gate_served_head(parse_speculative_config(args.speculative_config), Path(args.model), target)
+    if passed:
+        logger.info(passed)
+
+
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise DraftsmithError(f"--port {args.port} is not a TCP port")
@@ -90,10 +104,16 @@ def run(args: argparse.Namespace) -> int:
     llm_kwargs = {"model": args.model, **engine_kwargs(args)}
     name = args.served_model_name or args.model
     options = server_options(args)
+    gated = not args.no_check and parse_speculative_config(args.speculative_config) is not None
     if args.engine_process:
+        if gated:  # on a target loaded here for it: the engine process loads its own
+            _gate(args, load_target(args.model, dtype=args.dtype, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
         app = build_process_server_app(llm_kwargs, name, options)
     else:
-        app = build_server_app(LLM(**llm_kwargs), name, options)
+        llm = LLM(**llm_kwargs)
+        if gated:
+            _gate(args, llm.model)
+        app = build_server_app(llm, name, options)
     server = make_server(app, args.host, args.port, options.shutdown_timeout)
     fatal: list[str] = []
 

@@ -4,16 +4,23 @@ flag flipped, an MTP input concatenated the other way) must fail with the diagno
 they were trained with."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
+import yaml
 
+import public_checkpoints as pub
 from draftsmith.acceptance_record import Acceptance, read_record, training_record, write_record
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
+from draftsmith.serve.apps.demo import wait_healthy
 from draftsmith.serve.check import doctor
 from draftsmith.serve.check.gate import FLOOR, judge
-from helpers import DEMO_MODEL
+from draftsmith.serve.openai.cli import free_port
+from helpers import DEMO_MODEL, tiny_recipe, write_code_corpus
 
 ASSETS = DEMO_MODEL.parent
 
@@ -103,3 +110,55 @@ def test_a_slipped_head_fails_with_the_reading_that_fixes_it(head, slip, right, 
     assert verdict.startswith("draftsmith check: FAILED:") and f"set {right} in its config.json" in verdict
     result = json.loads(captured.out)
     assert result["failed"] and right in result["diagnosis"] and len(result["acceptance"]["per_position"]) == 5
+
+
+@pytest.mark.slow
+def test_serve_refuses_a_slipped_head_before_it_listens(tmp_path, capsys):
+    slipped = _slipped(tmp_path, "mtp", {"concat_order": "embedding_first"})
+    spec = json.dumps({"method": "mtp", "model": str(slipped), "num_speculative_tokens": 2})
+    assert main(["serve", str(DEMO_MODEL), "--port", str(free_port()), "--device", "cpu",
+                 "--speculative-config", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("draftsmith serve: error: acceptance gate FAILED") and "--no-check" in err
+    assert 'set "concat_order": "hidden_first"' in err
+
+
+@pytest.mark.slow
+def test_serve_checks_a_head_at_start_and_then_serves(tmp_path):
+    port, log = free_port(), tmp_path / "serve.log"
+    spec = json.dumps({"method": "eagle3", "model": str(ASSETS / "demo-code-7m-eagle3"), "num_speculative_tokens": 3})
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "draftsmith", "serve", str(DEMO_MODEL), "--port", str(port),
+                                    "--device", "cpu", "--max-model-len", "512", "--speculative-config", spec],
+                                   stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process, log, timeout=180)
+        assert "acceptance gate passed (against its record): eagle3 accepts" in log.read_text()
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_convert_with_a_target_gates_what_it_wrote(tmp_path, capsys):
+    slipped = _slipped(tmp_path, "mtp", {"concat_order": "embedding_first"})
+    assert pub.convert(slipped, tmp_path / "vllm", "--to", "vllm", "--target", DEMO_MODEL, check=True) == 1
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("draftsmith convert: acceptance gate FAILED") and '"concat_order": "hidden_first"' in line
+    assert (tmp_path / "vllm" / "config.json").is_file()  # written: the gate judges it, it does not hide it
+    assert pub.convert(ASSETS / "demo-code-7m-medusa", tmp_path / "medusa", "--target", DEMO_MODEL, check=True) == 0
+    assert "draftsmith convert: acceptance gate passed (against its record)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_train_gates_the_head_it_saved(tmp_path, monkeypatch, capsys):
+    """The trainer is replaced by one that 'saves' a slipped head: the wiring is what is tested here."""
+    import draftsmith.train.trainer as trainer
+
+    slipped = _slipped(tmp_path, "eagle3", {"aux_layer_ids": [5, 3, 1]})
+    recipe = tiny_recipe(DEMO_MODEL, write_code_corpus(tmp_path / "corpus.jsonl", 8), tmp_path / "run")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    monkeypatch.setattr(trainer, "train", lambda recipe, argv: slipped)
+    assert main(["train", str(tmp_path / "recipe.yaml")]) == 1
+    assert '"aux_layer_ids": [1, 3, 5]' in capsys.readouterr().out
+    assert main(["train", str(tmp_path / "recipe.yaml"), "--no-check"]) == 0

@@ -1,5 +1,5 @@
-"""`draftsmith check HEAD --target TARGET`: the gate, the doctor where it fails, a per-position table (or
-JSON), and exit status 1 on a failed gate with a one-line diagnosis."""
+"""`draftsmith check HEAD --target TARGET`: the gate and the doctor, a per-position table (or JSON), and exit
+status 1 on a failed gate with a one-line diagnosis."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from draftsmith.acceptance_record import RECORD_FILE, Acceptance, read_record, write_record
+from draftsmith.acceptance_record import RECORD_FILE, Acceptance, carry_record, read_record, write_record
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import head_method, read_head_config, servable
 from draftsmith.methods.formats import native as native_format
@@ -36,6 +36,7 @@ def native_head(head: Path, target_dir: Path | None, workdir: Path) -> Path:
     normalized = detect_source(checkpoint).read(checkpoint, context)
     out = workdir / "native"
     native_format.write_atomically(exporter("native", normalized.head_type)(normalized), out, False)
+    carry_record(checkpoint.directory, out)
     return out
 
 
@@ -66,9 +67,10 @@ def _table(measured: Acceptance, record: Acceptance | None) -> str:
 
 
 def check_head(head_dir: Path, target_dir: Path, target: CausalLM, k: int | None = None, prompts: int = 4,
-               max_tokens: int = 64, with_doctor: bool = True) -> dict:
-    """The gate's result for the native head in `head_dir` on `target` (loaded from `target_dir`): {"head",
-    "head_type", "k", "acceptance", "record", "failed" (one line, or None), "diagnosis", "readings"}."""
+               max_tokens: int = 64, with_doctor: bool = True, name: str = "") -> dict:
+    """The gate's result for the native head in `head_dir` on `target` (loaded from `target_dir`): {"head" (
+    `name`, or the directory), "head_type", "k", "acceptance", "record", "failed" (one line, or None),
+    "diagnosis", "readings"}."""
     config = json.loads((head_dir / "config.json").read_text())
     head_type = config[HEAD_TYPE_KEY]
     if not servable(head_method(head_type)):
@@ -86,7 +88,7 @@ def check_head(head_dir: Path, target_dir: Path, target: CausalLM, k: int | None
     # a slip can leave a head accepting well, just less than it should: a reading that accepts clearly more
     # fails the gate as surely as a record or the floor does
     failed = judge(measured, record) or (diagnosis and "is read under a convention it was not trained with")
-    return {"head": str(head_dir), "head_type": head_type, "k": k, "acceptance": measured.to_json(),
+    return {"head": name or str(head_dir), "head_type": head_type, "k": k, "acceptance": measured.to_json(),
             "record": record.to_json() if record else None, "failed": failed, "diagnosis": diagnosis,
             "readings": [{"reading": r.what, "set": r.changes, "drafts_per_step": a.gain()} for r, a in examined]}
 
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         head_dir = native_head(head, Path(args.target) if args.target else None, Path(workdir))
         target_dir = _target_dir(args, head_dir, json.loads((head_dir / "config.json").read_text()))
         result = check_head(head_dir, target_dir, load_target(target_dir, dtype="float32"), args.k, args.prompts,
-                            args.max_tokens, not args.no_doctor)
+                            args.max_tokens, not args.no_doctor, str(head))
     measured = Acceptance(**result["acceptance"])
     if args.json:
         print(json.dumps(result, indent=2))
@@ -126,10 +128,11 @@ def run(args: argparse.Namespace) -> int:
 def gate_served_head(spec_config, target_dir: Path, target: CausalLM) -> str | None:
     """`serve`'s gate at start on the head `spec_config` serves: its passing line, None where it serves no
     head (n-gram, a draft model), a DraftsmithError with the one line where it fails."""
-    model = Path(getattr(spec_config, "model", None) or "")
-    config_path = model / "config.json"
-    if not config_path.is_file() or HEAD_TYPE_KEY not in json.loads(config_path.read_text()):
+    model = getattr(spec_config, "model", None)
+    config_path = Path(model) / "config.json" if model else None
+    if config_path is None or not config_path.is_file() or HEAD_TYPE_KEY not in json.loads(config_path.read_text()):
         return None
+    model = Path(model)
     result = check_head(model, target_dir, target)
     if result["failed"]:
         raise DraftsmithError(f"acceptance gate {verdict(result)}; serve it anyway with --no-check")

@@ -15,7 +15,7 @@ from draftsmith.serve.check.cli import check_head, native_head, verdict
 
 def _gate(command: str, head: Path, target_dir: Path, workdir: Path) -> int:
     """The gate on `head` (any format convert reads) against `target_dir`: 0, or 1 with its one line."""
-    result = check_head(native_head(head, target_dir, workdir), target_dir, load_target(target_dir))
+    result = check_head(native_head(head, target_dir, workdir), target_dir, load_target(target_dir), name=str(head))
     print(f"draftsmith {command}: acceptance gate {verdict(result)}")
     return 1 if result["failed"] else 0
 

@@ -162,3 +162,11 @@ def test_train_gates_the_head_it_saved(tmp_path, monkeypatch, capsys):
     assert main(["train", str(tmp_path / "recipe.yaml")]) == 1
     assert '"aux_layer_ids": [1, 3, 5]' in capsys.readouterr().out
     assert main(["train", str(tmp_path / "recipe.yaml"), "--no-check"]) == 0
+
+
+@pytest.mark.slow
+def test_an_export_is_checked_through_its_native_reading_with_its_record(tmp_path, capsys):
+    assert pub.convert(ASSETS / "demo-code-7m-medusa", tmp_path / "vllm", "--to", "vllm") == 0
+    capsys.readouterr()
+    assert main(["check", str(tmp_path / "vllm"), "--target", str(DEMO_MODEL)]) == 0
+    assert "draftsmith check: passed (against its record)" in capsys.readouterr().out

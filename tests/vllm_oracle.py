@@ -45,7 +45,7 @@ HEADS = {
 
 
 @dataclass
-class Acceptance:
+class OracleRun:
     """One engine's greedy acceptance: mean acceptance length and the rate each draft position was accepted."""
 
     mean: float | None = None
@@ -63,7 +63,7 @@ def prompts() -> list[list[int]]:
             for name in PROMPT_MODULES]
 
 
-def draftsmith_acceptance(spec: dict, prompt_ids: list[list[int]]) -> Acceptance:
+def draftsmith_acceptance(spec: dict, prompt_ids: list[list[int]]) -> OracleRun:
     from draftsmith.serve.apps.llm import LLM
     from draftsmith.serve.engine.sampling_params import SamplingParams
 
@@ -73,11 +73,11 @@ def draftsmith_acceptance(spec: dict, prompt_ids: list[list[int]]) -> Acceptance
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     metrics = llm.get_metrics()
     rates = [a / d for a, d in zip(metrics["accepted_per_position"], metrics["drafted_per_position"]) if d]
-    return Acceptance(metrics["mean_acceptance_length"], rates, [list(o.outputs[0].token_ids) for o in outputs])
+    return OracleRun(metrics["mean_acceptance_length"], rates, [list(o.outputs[0].token_ids) for o in outputs])
 
 
 def vllm_acceptance(name: str, spec: dict, prompt_ids: list[list[int]], python: Path, workdir: Path,
-                    fixed: bool = True) -> Acceptance:
+                    fixed: bool = True) -> OracleRun:
     """The export's acceptance in vLLM, through the bench's peer worker (c = 1, greedy, `MAX_TOKENS` each);
     `fixed`: with vLLM's CPU defects fixed (tests/vllm_oracle_worker.py), else vLLM as it is shipped."""
     import contextlib
@@ -90,21 +90,21 @@ def vllm_acceptance(name: str, spec: dict, prompt_ids: list[list[int]], python: 
         config = vllm_config(name, {**spec, "model": str(REPO / spec["model"])}, TARGET, workdir)
     notes = [line.strip().removeprefix("note: ") for line in said.getvalue().splitlines() if "note:" in line]
     if isinstance(config, str):
-        return Acceptance(refused=config, export_notes=notes)
+        return OracleRun(refused=config, export_notes=notes)
     job = make_job(TARGET, {1: prompt_ids}, MAX_TOKENS, config)
     worker = PeerWorker(python, job, f"0-{THREADS - 1}", THREADS, workdir, worker=WORKER if fixed else BENCH_WORKER)
     try:
         ready = worker.reply()
         if "refused" in ready:
-            return Acceptance(refused=ready["refused"], export_notes=notes)
+            return OracleRun(refused=ready["refused"], export_notes=notes)
         result = worker.round(1)["round"]
     finally:
         worker.close()
-    return Acceptance(result["mean_acceptance_length"], result["acceptance_per_position"], result["outputs"],
+    return OracleRun(result["mean_acceptance_length"], result["acceptance_per_position"], result["outputs"],
                       export_notes=notes)
 
 
-def compare(name: str, python: Path) -> tuple[Acceptance, Acceptance]:
+def compare(name: str, python: Path) -> tuple[OracleRun, OracleRun]:
     """(draftsmith's, vLLM's) acceptance of the shipped head `name` on the oracle's prompts."""
     prompt_ids = prompts()
     ours = draftsmith_acceptance(HEADS[name], prompt_ids)
@@ -113,7 +113,7 @@ def compare(name: str, python: Path) -> tuple[Acceptance, Acceptance]:
     return ours, theirs
 
 
-def table_row(name: str, ours: Acceptance, theirs: Acceptance) -> str:
+def table_row(name: str, ours: OracleRun, theirs: OracleRun) -> str:
     k = HEADS[name]["num_speculative_tokens"]
     if theirs.refused:
         return f"| {name} | {k} | {ours.mean:.2f} | - | not served by vLLM: {theirs.refused} |"

@@ -4,6 +4,8 @@ draftsmith's within a few points, so that a head which loads also accepts what i
 cannot serve must be refused by vLLM and say so at export. Skipped where vLLM's venv is not built (`make
 test` builds it, test-only; it skips where vLLM does not install)."""
 
+import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -38,6 +40,15 @@ def _mlp_speculator(directory: Path) -> dict:
     return {"method": "mlp_speculator", "model": str(native), "num_speculative_tokens": 3}
 
 
+def _anchor_first_dflash(directory: Path) -> dict:
+    """The shipped DFlash head's tensors under DSpark's anchor-first block layout (`sample_from_anchor`)."""
+    head = directory / "dflash"
+    shutil.copytree(oracle.REPO / oracle.HEADS["dflash"]["model"], head)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "sample_from_anchor": True}))
+    return {**oracle.HEADS["dflash"], "model": str(head)}
+
+
 @pytest.mark.parametrize("name", ["mtp", "mlp_speculator"])
 def test_an_export_vllm_cannot_serve_says_so(name, tmp_path):
     spec = _mlp_speculator(tmp_path) if name == "mlp_speculator" else oracle.HEADS[name]
@@ -45,3 +56,18 @@ def test_an_export_vllm_cannot_serve_says_so(name, tmp_path):
         theirs = oracle.vllm_acceptance(name, spec, oracle.prompts()[:1], oracle.PEER_PYTHON, Path(workdir))
     assert theirs.refused, f"vLLM now serves the {name} export: drop its 'cannot serve' note and compare it"
     assert any(note.startswith("vLLM cannot serve this export") for note in theirs.export_notes), theirs.export_notes
+
+
+def test_vllm_reads_every_dflash_block_as_1_plus_n_so_an_anchor_first_export_says_so(tmp_path):
+    """vLLM's CPU build serves a head marked anchor-first (`dflash_config.sample_from_anchor`) as 1+N without a
+    word: the shipped 1+N head's tensors so marked accept in vLLM what draftsmith's 1+N reading accepts. A head
+    trained anchor-first would be read one position off there, so its export must say vLLM cannot serve it."""
+    spec, prompt = _anchor_first_dflash(tmp_path), oracle.prompts()[:1]
+    with tempfile.TemporaryDirectory() as workdir:
+        theirs = oracle.vllm_acceptance("dflash_anchor_first", spec, prompt, oracle.PEER_PYTHON, Path(workdir))
+    ours = oracle.draftsmith_acceptance(oracle.HEADS["dflash"], prompt)
+    assert theirs.refused is None, f"vLLM now refuses the key ({theirs.refused}): say so in the export note"
+    assert theirs.per_position == pytest.approx(ours.per_position, abs=POSITION_TOLERANCE), \
+        "vLLM now honours sample_from_anchor: compare anchor-first exports instead of refusing them"
+    assert any(note.startswith("vLLM cannot serve this export: the head drafts anchor-first")
+               for note in theirs.export_notes), theirs.export_notes

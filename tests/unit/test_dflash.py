@@ -36,13 +36,14 @@ def demo_target():
     return load_target(DEMO_MODEL, dtype="float32")
 
 
-def _random_head(target, block_size=5, layers=2, seed=0):
+def _random_head(target, block_size=5, layers=2, seed=0, sample_from_anchor=False):
     t = target.config
     config = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=128, num_hidden_layers=layers,
                           num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
                           head_dim=t.head_dim, vocab_size=t.vocab_size, target_hidden_size=t.hidden_size,
                           target_num_layers=t.num_hidden_layers, aux_layer_ids=(1, 3, 5), block_size=block_size,
-                          mask_token_id=3, rms_norm_eps=t.rms_norm_eps, rope=t.rope)
+                          mask_token_id=3, rms_norm_eps=t.rms_norm_eps, rope=t.rope,
+                          sample_from_anchor=sample_from_anchor)
     torch.manual_seed(seed)
     head = DFlashHead(config)
     for name, p in head.named_parameters():
@@ -157,6 +158,33 @@ def test_k_beyond_the_block_is_one_line(demo_target, tmp_path):
         _serve(head_dir)
 
 
+def test_an_anchor_first_head_drafts_its_whole_block_as_it_was_taught(demo_target, tmp_path, greedy_reference):
+    """Anchor-first (`sample_from_anchor`): every block position's output is a draft, the anchor's the first,
+    so a block of 5 drafts 5; the proposer's drafts are the teacher-forced block's read that way, and decoding
+    stays lossless."""
+    from draftsmith.methods.dflash.proposer import DFlashProposer
+    from draftsmith.serve.speculation.config import parse_speculative_config
+    from helpers import Row
+
+    head_dir = _save(_random_head(demo_target, sample_from_anchor=True, seed=4), tmp_path / "head")
+    config = parse_speculative_config({"method": "dflash", "model": str(head_dir), "num_speculative_tokens": 5,
+                                       "draft_dtype": "float32"})
+    proposer = DFlashProposer(config, demo_target, 1, 128)
+    head, ids = proposer.head, torch.randint(4, 8000, (1, 20))
+    with torch.no_grad():
+        out = demo_target(ids, feature_layers=head.feature_layers)
+        features = head.features(out.hidden_states)
+        taught = head.training_forward(features, ids, torch.tensor([[19]]), 5)
+    proposer.observe([Row("a", 0, ids[0, :19].tolist(), [])], [0], [19], features[:, :19])
+    drafts = proposer.propose([Row("a", 0, ids[0, :19].tolist(), [int(ids[0, 19])])], [5]).tokens[0].tolist()
+    assert drafts == head.readout(taught).argmax(-1)[0].tolist()
+    with pytest.raises(DraftsmithError, match="drafts at most 5 tokens a step"):
+        _serve(head_dir, k=6)
+    llm = _serve(head_dir, k=5)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+
+
 @pytest.mark.slow
 def test_training_learns_the_targets_next_tokens(tmp_path):
     """On the demo target (a random tiny one predicts near-uniformly: nothing to agree on), a regular corpus."""
@@ -175,22 +203,26 @@ def test_training_learns_the_targets_next_tokens(tmp_path):
     assert report["sim_served_acceptance_length"] > 1.0, report
 
 
-def test_loss_positions_learn_the_first_block_positions_alone(demo_target):
-    """`loss_positions: n`: the last layer runs block positions 1..n only, as they are in the whole block's
-    forward, and the loss is the one every position gives when the later ones weigh nothing."""
+@pytest.mark.parametrize("anchor_first", [False, True])
+def test_loss_positions_learn_the_first_drafts_alone(demo_target, anchor_first):
+    """`loss_positions: n`: the last layer runs the block positions of drafts 1..n only (1..n in the 1+N
+    layout, 0..n-1 anchor-first), as they are in the whole block's forward; the loss is the one every draft
+    gives when the later ones weigh nothing, and that is the first draft's soft cross-entropy against the
+    target's next token after the anchor."""
     from types import SimpleNamespace
 
-    from draftsmith.methods.dflash.objective import dflash_objective
+    from draftsmith.methods.dflash.objective import dflash_objective, sample_anchors
     from draftsmith.train.objectives import target_features
 
-    head = _random_head(demo_target, block_size=5)
+    head = _random_head(demo_target, block_size=5, sample_from_anchor=anchor_first)
+    first = 0 if anchor_first else 1
     ids = torch.randint(4, 8000, (2, 24))
     features = target_features(demo_target, head.feature_layers, ids, torch.float32)
     with torch.no_grad():
         anchors = torch.tensor([[5, 13, 17], [2, 9, 19]])
         whole = head.training_forward(features["features"], ids, anchors).view(2, 3, 5, -1)
         firsts = head.training_forward(features["features"], ids, anchors, 2).view(2, 3, 2, -1)
-        torch.testing.assert_close(firsts, whole[:, :, 1:3], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(firsts, whole[:, :, first : first + 2], atol=1e-5, rtol=1e-5)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([24, 24])}
     losses = []
     for positions in (None, 1):
@@ -198,10 +230,18 @@ def test_loss_positions_learn_the_first_block_positions_alone(demo_target):
         cfg = SimpleNamespace(num_anchors=4, loss_decay_gamma=0.01, loss_positions=positions)
         losses.append(dflash_objective(head, demo_target, batch, features, cfg)[0])
     torch.testing.assert_close(losses[0], losses[1], atol=1e-4, rtol=1e-4)
-    assert losses[0] > 0
-    with pytest.raises(DraftsmithError, match="loss_positions 5: the head's block_size 5 drafts 4 positions; set loss_positions <= 4"):
+    torch.manual_seed(0)
+    anchors, _ = sample_anchors(batch["loss_mask"], [24, 24], 4, "cpu")
+    with torch.no_grad():
+        drafts = head.readout(head.training_forward(features["features"], ids, anchors).view(2, 4, 5, -1)[:, :, first])
+        wanted = demo_target.lm_head(features["last"].gather(1, anchors[:, :, None].expand(-1, -1, 256)))
+    want = -(torch.softmax(wanted, -1) * torch.log_softmax(drafts, -1)).sum(-1).mean()
+    torch.testing.assert_close(losses[0], want, atol=1e-4, rtol=1e-4)
+    most = 5 if anchor_first else 4
+    with pytest.raises(DraftsmithError, match=f"loss_positions {most + 1}: the head's block_size 5 drafts {most} "
+                                              f"positions; set loss_positions <= {most}"):
         dflash_objective(head, demo_target, batch, features, SimpleNamespace(num_anchors=4, loss_decay_gamma=1.0,
-                                                                              loss_positions=5))
+                                                                              loss_positions=most + 1))
 
 
 def test_anchors_draft_only_where_the_next_token_is_learned():
@@ -278,25 +318,42 @@ def test_a_zlab_checkpoint_converts_and_decodes_losslessly(demo_target, tmp_path
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
 
 
+@pytest.mark.parametrize("anchor_first", [False, True])
 @pytest.mark.parametrize("to", ["vllm", "speculators"])
-def test_round_trips_are_lossless(demo_target, tmp_path, to):
+def test_round_trips_are_lossless(demo_target, tmp_path, to, anchor_first, capsys):
+    """Both block layouts survive both exports; an anchor-first export says vLLM cannot serve it (its dflash
+    method refuses the key), and its speculators config drafts the whole block."""
     import public_checkpoints as pub
 
-    head = _random_head(demo_target, seed=3)
+    head = _random_head(demo_target, seed=3, sample_from_anchor=anchor_first)
     head.config.target_model = str(DEMO_MODEL)
     head.save_pretrained(tmp_path / "native")
     config, tensors = pub.read_native(tmp_path / "native")
     assert pub.convert(tmp_path / "native", tmp_path / to, "--to", to) == 0
     exported = json.loads((tmp_path / to / "config.json").read_text())
+    layout = {"sample_from_anchor": True, "query_zero_predicts_next": True} if anchor_first else {}
     if to == "vllm":  # z-lab's layout, which vLLM loads
-        assert exported["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [0, 2, 4]}
+        assert exported["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [0, 2, 4], **layout}
     else:
         assert exported["speculators_model_type"] == "dflash" and exported["aux_hidden_state_layer_ids"] == [1, 3, 5]
-        assert exported["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+        assert exported["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4 + anchor_first
+        assert exported["sample_from_anchor"] is anchor_first
+    assert ("vLLM cannot serve this export: the head drafts anchor-first" in capsys.readouterr().out) is anchor_first
     assert pub.convert(tmp_path / to, tmp_path / "back") == 0
     config_back, tensors_back = pub.read_native(tmp_path / "back")
     assert config_back == config and tensors_back.keys() == tensors.keys()
     assert all(torch.equal(tensors[k], tensors_back[k]) for k in tensors)
+
+
+def test_sglangs_layout_key_reads_as_anchor_first(demo_target, tmp_path, capsys):
+    import public_checkpoints as pub
+
+    head = _random_head(demo_target, seed=5, sample_from_anchor=True)
+    assert pub.convert(_zlab_checkpoint(head, tmp_path / "zlab", query_zero_predicts_next=True), tmp_path / "a") == 0
+    assert pub.read_native(tmp_path / "a")[0]["sample_from_anchor"] is True
+    source = _zlab_checkpoint(head, tmp_path / "odd", sample_from_anchor="yes")
+    assert pub.convert(source, tmp_path / "b") == 2
+    assert "sample_from_anchor 'yes' must be true or false" in capsys.readouterr().err
 
 
 def test_a_checkpoint_without_a_mask_token_is_one_line(demo_target, tmp_path, capsys):

@@ -19,9 +19,9 @@ from draftsmith.methods.registry import register_method
 
 
 class DFlashSpecConfig(EagleTreeConfig):
-    """A chain of num_speculative_tokens drafts (at most block_size - 1), or a tree from the same one block
-    forward (`methods.draft_trees`): vLLM's static `speculative_token_tree`, or `tree_depth` (at most
-    block_size - 1) and `tree_top_k` for EAGLE-2's dynamic tree grown from the block's per-depth distributions,
+    """A chain of num_speculative_tokens drafts (at most the head's: block_size - 1, or block_size anchor-first),
+    or a tree from the same one block forward (`methods.draft_trees`): vLLM's static `speculative_token_tree`,
+    or `tree_depth` (at most the head's drafts) and `tree_top_k` for EAGLE-2's dynamic tree grown from the block's per-depth distributions,
     of which the engine verifies the likeliest nodes, up to num_speculative_tokens."""
 
     method: Literal["dflash"]
@@ -29,7 +29,11 @@ class DFlashSpecConfig(EagleTreeConfig):
 
 class DFlashRecipe(RecipeModelSection):
     head_type: Literal["dflash"]
-    block_size: int = Field(default=9, ge=2, le=64, description="bonus token + masks: drafts block_size - 1 a step")
+    block_size: int = Field(default=9, ge=2, le=64, description="bonus token + masks: drafts block_size - 1 a step "
+                            "(block_size anchor-first)")
+    sample_from_anchor: bool = Field(default=False, description=(
+        "the block layout (speculators' key): false, DFlash's 1+N (block position i predicts the token at i); true, "
+        "DSpark's anchor-first (position i predicts the token after it, the anchor's output is the first draft)"))
     num_draft_layers: int = Field(default=1, gt=0, description="decoder layers (z-lab's Qwen3 drafts have 5)")
     mask_token_id: int | None = Field(default=None, description="default: the target tokenizer's pad token")
 
@@ -38,7 +42,7 @@ class DFlashTraining(RecipeTrainingSection):
     num_anchors: int = Field(default=16, gt=0, description="blocks predicted per sequence, from random anchors")
     loss_decay_gamma: float = Field(default=4.0, gt=0, description="block position j weighs exp(-(j-1)/gamma)")
     loss_positions: int | None = Field(default=None, gt=0, description=(
-        "block positions 1..n learn (default: all block_size - 1); the later ones, whose decayed weight is small, "
+        "drafts 1..n learn (default: all the block's); the later ones, whose decayed weight is small, "
         "then cost no LM head"))
 
 
@@ -76,6 +80,7 @@ class DFlashMethod(SpecMethod):
                               num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
                               target_hidden_size=t.hidden_size, target_num_layers=t.num_hidden_layers,
                               aux_layer_ids=tuple(feature_layers), block_size=section.block_size, mask_token_id=mask,
+                              sample_from_anchor=section.sample_from_anchor,
                               rms_norm_eps=t.rms_norm_eps, rope=t.rope, max_position_embeddings=t.max_position_embeddings,
                               attention_bias=t.qkv_bias, target_model=section.target)
         config.check_target(t)

@@ -5,6 +5,10 @@ load, and speculators' `dflash` (`transformer_layer_config`, `aux_hidden_state_l
 and skips on reading). The tensor names are draftsmith's own,
 so only configs are mapped.
 
+The block layout (`DFlashConfig.sample_from_anchor`) is speculators' `sample_from_anchor`; in z-lab's layout
+`dflash_config.sample_from_anchor` (vLLM's name: its `dflash` method refuses true) or
+`dflash_config.query_zero_predicts_next` (SGLang's, sgl-project/sglang#40203). Absent, it is 1+N.
+
 z-lab's `target_layer_ids` index decoder layers (feature i is the output of layer i, HF `hidden_states[i +
 1]`); speculators, vLLM's `aux_hidden_state_layer_ids` and draftsmith's `feature_layers` are hidden_states
 indices: one more.
@@ -55,7 +59,10 @@ def _layer_count(names: list[str], where: str) -> int:
 
 
 def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], feature_layers: list[int], block_size,
-               mask_token_id, num_target_layers, target_name: str, where: str, ignorable=()) -> NormalizedHead:
+               mask_token_id, num_target_layers, target_name: str, where: str, ignorable=(),
+               sample_from_anchor=False) -> NormalizedHead:
+    if not isinstance(sample_from_anchor, bool):
+        raise DraftsmithError(f"{where}: sample_from_anchor {sample_from_anchor!r} must be true or false")
     if mask_token_id is None:
         raise DraftsmithError(f"{where}: no mask_token_id: a DFlash head fills its block with that token")
     if not isinstance(block_size, int) or block_size < 2:
@@ -79,7 +86,7 @@ def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], featu
     config = DFlashConfig(**fields, num_hidden_layers=layers, vocab_size=vocab,
                           target_hidden_size=fc_in // len(feature_layers), target_num_layers=target_layers,
                           aux_layer_ids=tuple(feature_layers), block_size=block_size, mask_token_id=mask,
-                          attention_bias=biased, target_model=target_name)
+                          sample_from_anchor=sample_from_anchor, attention_bias=biased, target_model=target_name)
     return NormalizedHead(config.to_json(), tensors, [f"dropped {n} (the target's own)" for n in dropped])
 
 
@@ -108,7 +115,9 @@ class ZLabDFlash:
         layers, target = _target_layers(config, ctx, config.get("num_target_layers"))
         mask = dflash.get("mask_token_id", config.get("mask_token_id"))
         block = dflash.get("block_size", config.get("block_size"))
-        return _normalize(checkpoint, config, [i + 1 for i in ids], block, mask, layers, target, where)
+        anchor_first = dflash.get("sample_from_anchor", dflash.get("query_zero_predicts_next", False))
+        return _normalize(checkpoint, config, [i + 1 for i in ids], block, mask, layers, target, where,
+                          sample_from_anchor=anchor_first)
 
 
 @register_speculators_reader("dflash")
@@ -120,15 +129,14 @@ def read_speculators(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str)
     if config.get("draft_vocab_size") not in (None, layer.get("vocab_size")):
         raise DraftsmithError(f"{where}: draft_vocab_size {config['draft_vocab_size']} of {layer.get('vocab_size')}: "
                               "draftsmith's DFlash head reads out with the target's whole LM head")
-    if config.get("sample_from_anchor"):
-        raise DraftsmithError(f"{where}: sample_from_anchor=true (the anchor drafted too) is not DFlash's layout")
     ids = config.get("aux_hidden_state_layer_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
         raise DraftsmithError(f"{where}: aux_hidden_state_layer_ids must be a non-empty list of layer ids")
     ctx = _with_verifier(ctx, config, checkpoint.directory)
     layers, target = _target_layers(config, ctx, None)
     return _normalize(checkpoint, layer, ids, config.get("block_size"), config.get("mask_token_id"), layers, target,
-                      where, ignorable=VERIFIER_COPIES + ("d2t", "t2d", "verifier_"))
+                      where, ignorable=VERIFIER_COPIES + ("d2t", "t2d", "verifier_"),
+                      sample_from_anchor=config.get("sample_from_anchor", False))
 
 
 def _qwen3_layer(c: DFlashConfig, dtype: str, architectures: list[str]) -> dict[str, Any]:
@@ -150,6 +158,18 @@ def _last_layer_notes(c: DFlashConfig) -> list[str]:
             "head: within 0.03 per position in vLLM)"]
 
 
+def _layout_notes(c: DFlashConfig) -> list[str]:
+    """What serves an anchor-first head: not vLLM's dflash method, which reads only the 1+N layout."""
+    if not c.sample_from_anchor:
+        return []
+    return ["vLLM cannot serve this export: the head drafts anchor-first (sample_from_anchor), and vLLM's dflash "
+            "method reads only the 1+N block layout (its GPU runner refuses the key; its CPU build 0.32 ignores it "
+            "and reads every draft one position off). SGLang honours "
+            "dflash_config.query_zero_predicts_next where its version has it (sgl-project/sglang#40203; older ones "
+            "read 1+N and accept almost nothing); draftsmith serve reads either layout. For vLLM, train with "
+            "model.sample_from_anchor false"]
+
+
 @register_exporter("vllm", "dflash")
 @register_exporter("sglang", "dflash")
 def to_zlab(head: NormalizedHead) -> Exported:
@@ -157,14 +177,14 @@ def to_zlab(head: NormalizedHead) -> Exported:
     if 0 in c.aux_layer_ids:
         raise DraftsmithError("the head reads the target's embedding output (hidden_states index 0), which z-lab's "
                               "target_layer_ids (decoder-layer outputs) cannot name")
+    dflash = {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.aux_layer_ids]}
+    notes = _layout_notes(c) or [f'serve with {{"method": "dflash", "num_speculative_tokens": {c.max_drafts()}}}']
+    if c.sample_from_anchor:
+        dflash.update(sample_from_anchor=True, query_zero_predicts_next=True)
     config = {**_qwen3_layer(c, head_dtype(head.tensors), ["DFlashDraftModel"]),
               "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": c.block_size,
-              "num_target_layers": c.target_num_layers,
-              "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.aux_layer_ids]},
-              **provenance(head)}
-    return Exported(config, dict(head.tensors),
-                    notes=[f'serve with {{"method": "dflash", "num_speculative_tokens": {c.block_size - 1}}}',
-                           *_last_layer_notes(c)])
+              "num_target_layers": c.target_num_layers, "dflash_config": dflash, **provenance(head)}
+    return Exported(config, dict(head.tensors), notes=[*notes, *_last_layer_notes(c)])
 
 
 @register_exporter("speculators", "dflash")
@@ -173,12 +193,12 @@ def to_speculators(head: NormalizedHead) -> Exported:
     dtype = head_dtype(head.tensors)
     config = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
               "speculators_version": f"draftsmith-{__version__}",
-              "speculators_config": _speculators_config(head, "dflash", c.block_size - 1),
+              "speculators_config": _speculators_config(head, "dflash", c.max_drafts()),
               "transformer_layer_config": _qwen3_layer(c, dtype, ["Qwen3ForCausalLM"]),
               "draft_vocab_size": c.vocab_size, "block_size": c.block_size, "target_hidden_size": c.target_hidden_size,
               "aux_hidden_state_layer_ids": list(c.aux_layer_ids), "mask_token_id": c.mask_token_id,
-              "sample_from_anchor": False, **provenance(head)}
-    tensors, notes = dict(head.tensors), _last_layer_notes(c)
+              "sample_from_anchor": c.sample_from_anchor, **provenance(head)}
+    tensors, notes = dict(head.tensors), _layout_notes(c) + _last_layer_notes(c)
     embedding = target_embedding(c.target_model, (c.vocab_size, c.target_hidden_size))
     if embedding is None:
         notes.append("embed_tokens.weight not written (the target is not a model directory here): speculators "

@@ -2,8 +2,13 @@
 `hidden_norm`) into one context vector per position, which every draft layer projects with its own k/v
 projections into "context" keys and values. A block `[bonus token, mask, ..., mask]` (`block_size` tokens, the
 target's own embeddings) then runs through the draft layers in ONE forward, each block token attending to the
-whole context and to the whole block (not causally), and the target's LM head turns block positions
-1..block_size-1 into that many drafts: block position i predicts the token at its own position.
+whole context and to the whole block (not causally), and the target's LM head turns block positions into
+drafts. Two block layouts exist, and a head is trained for one (`sample_from_anchor`, speculators' key):
+- 1+N, DFlash's (false): block position i predicts the token at its own position, so positions
+  1..block_size-1 give that many drafts and the bonus token's own output is not read;
+- anchor-first, DSpark's (true): block position i predicts the token after it, as an LM does, so all
+  block_size positions give drafts.
+Read under the other layout, every draft is one position off and acceptance collapses (vLLM #56792).
 
 Layers are Qwen3 decoder layers (q/k norms; the context keys are k-normed and rotated at their own
 positions too), as in z-lab's reference and vLLM's `qwen3_dflash.py`; parameter names are z-lab's (`fc`,
@@ -43,8 +48,9 @@ class DFlashConfig(HeadConfig):
     target_hidden_size: int
     target_num_layers: int
     aux_layer_ids: tuple[int, ...]  # HF hidden_states indices (speculators' and vLLM's; z-lab's ids are one less)
-    block_size: int  # bonus token + block_size - 1 masks: at most block_size - 1 drafts a step
+    block_size: int  # bonus token + block_size - 1 masks
     mask_token_id: int
+    sample_from_anchor: bool = False  # the block layout: anchor-first (true) or 1+N (false), as above
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 2048
@@ -85,8 +91,17 @@ class DFlashConfig(HeadConfig):
             raise DraftsmithError(f"DFlash mask_token_id {self.mask_token_id} is outside the target's vocabulary of "
                                   f"{target.vocab_size}")
 
+    @property
+    def first_draft_slot(self) -> int:
+        """The block position whose output is the first draft: 0 anchor-first, 1 in the 1+N layout."""
+        return 0 if self.sample_from_anchor else 1
+
     def max_drafts(self) -> int:
-        return self.block_size - 1
+        return self.block_size - self.first_draft_slot
+
+    def draft_slots(self, drafts: int) -> slice:
+        """The block positions whose outputs are drafts 1..`drafts`."""
+        return slice(self.first_draft_slot, self.first_draft_slot + drafts)
 
 
 # (q [B, heads, T, D], k, v [B, kv_heads, T, D] of the block) -> attention output [B, heads, T, D]
@@ -186,8 +201,9 @@ class DFlashHead(AttachedHead):
                          drafts: int | None = None) -> torch.Tensor:
         """Teacher-forced blocks: features [B, L, F] and input_ids [B, L] of whole sequences, anchors [B, A] (a
         block starts at each with the token there; its context is the positions before it) -> final hidden
-        states [B, A * block_size, hidden] of the blocks' tokens, block by block; with `drafts`, of block
-        positions 1..drafts only, [B, A * drafts, hidden] (the last layer computes no others)."""
+        states [B, A * block_size, hidden] of the blocks' tokens, block by block; with `drafts`, of the block
+        positions of drafts 1..drafts only (`draft_slots`), [B, A * drafts, hidden] (the last layer computes no
+        others)."""
         rows, length = input_ids.shape
         size = self.config.block_size
         device = input_ids.device
@@ -202,8 +218,9 @@ class DFlashHead(AttachedHead):
         mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]  # [B, 1, T, L + T]
         outputs = slice(None)
         if drafts is not None:
+            slots = self.config.draft_slots(drafts)
             outputs = (torch.arange(anchors.shape[1], device=device)[:, None] * size
-                       + torch.arange(1, drafts + 1, device=device)).view(-1)
+                       + torch.arange(slots.start, slots.stop, device=device)).view(-1)
         last_mask = mask[:, :, outputs]  # the last layer's queries: the output positions'
 
         def attend(i, q, k, v):

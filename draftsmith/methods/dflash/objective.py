@@ -1,6 +1,7 @@
-"""DFlash training: blocks from random anchors along each sequence, each block position j >= 1 learning the
-target's distribution of the token at anchor + j (soft cross-entropy, weighted exp(-(j - 1) / gamma)), and
-the simulated acceptance of whole blocks against the target's greedy choices."""
+"""DFlash training: blocks from random anchors along each sequence, draft j of each block (block position j in
+the 1+N layout, j - 1 anchor-first) learning the target's distribution of the token at anchor + j
+(soft cross-entropy, weighted exp(-(j - 1) / gamma)), and the simulated acceptance of whole blocks against
+the target's greedy choices."""
 
 from __future__ import annotations
 
@@ -54,14 +55,14 @@ def _block_targets(target, batch, features, anchors, positions: int):
 def dflash_objective(head, target, batch, features, cfg):
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     rows, length = ids.shape
-    size = head.config.block_size
-    # later block positions weigh little (the decay) but cost as much LM head as the first ones: they may sit out
-    learned = cfg.loss_positions or size - 1
-    if learned > size - 1:
-        raise DraftsmithError(f"training.loss_positions {learned}: the head's block_size {size} drafts "
-                              f"{size - 1} positions; set loss_positions <= {size - 1}")
+    most = head.config.max_drafts()
+    # later drafts weigh little (the decay) but cost as much LM head as the first ones: they may sit out
+    learned = cfg.loss_positions or most
+    if learned > most:
+        raise DraftsmithError(f"training.loss_positions {learned}: the head's block_size {head.config.block_size} "
+                              f"drafts {most} positions; set loss_positions <= {most}")
     anchors, valid = sample_anchors(loss_mask, batch["lengths"].tolist(), cfg.num_anchors, ids.device)
-    hidden = head.training_forward(features["features"], ids, anchors, learned)  # position 0 drafts nothing
+    hidden = head.training_forward(features["features"], ids, anchors, learned)
     logits = head.readout(hidden.view(rows, anchors.shape[1], learned, -1))
     predicted, real, target_logits = _block_targets(target, batch, features, anchors, learned)
     trained = real & valid[:, :, None] & loss_mask.gather(1, predicted.clamp(max=length - 1).view(rows, -1)).view(
@@ -90,7 +91,7 @@ def simulated_acceptance(head, target, batch, features, max_k: int):
     ids = batch["input_ids"]
     counts, starts = torch.zeros(max_k, dtype=torch.long), 0  # depths past the block stay 0: never drafted
     served_tokens = served_blocks = 0
-    max_k = min(max_k, head.config.block_size - 1)
+    max_k = min(max_k, head.config.max_drafts())
     lengths = batch["lengths"].tolist()
     for b, length in enumerate(lengths):
         choices = anchor_choices(batch["loss_mask"][b], length)

@@ -2,7 +2,7 @@
 into each draft layer's context keys and values, kept per slot at their positions in the head's own cache
 (so a step never re-reads old features). A step writes the block [last token, masks] after the context, runs
 the draft layers once over it (each block token sees the context and the whole block) and reads the drafts
-from block positions 1..w. The block's own keys and values land where the next verified positions' context
+from the block positions of its layout (`DFlashConfig.draft_slots`). The block's own keys and values land where the next verified positions' context
 will overwrite them. With a tree config the same forward's per-depth distributions give a draft tree
 (`methods.draft_trees`), whose verified path comes back as a chain's would."""
 
@@ -172,7 +172,7 @@ class DFlashProposer(Proposer):
         last = torch.tensor([(rows[b].output_token_ids or rows[b].prompt_token_ids)[-1] for b in active],
                             device=self.device)
         hidden = self.head.block_forward(self.head.embed_block(last[:, None]), batch.positions, attend,
-                                         outputs=slice(1, width + 1))
+                                         outputs=self.head.config.draft_slots(width))
         logits = self.head.readout(hidden)  # [rows, width, V]: one block forward drafts them all
         if self.tree is not None:
             return self._tree(logits, active, limits, n)

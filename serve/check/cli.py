@@ -75,20 +75,27 @@ def check_head(head_dir: Path, target_dir: Path, target: CausalLM, k: int | None
     head_type = config[HEAD_TYPE_KEY]
     if not servable(head_method(head_type)):
         raise DraftsmithError(f"{head_type} heads are not served by draftsmith, so they cannot be checked here")
-    read_head_config(config).check_target(TargetConfig.from_model_dir(target_dir))
-    k = k or min(DEFAULT_K, read_head_config(config).max_drafts() or DEFAULT_K)
+    typed = read_head_config(config)
+    typed.check_target(TargetConfig.from_model_dir(target_dir))
+    k = k or min(DEFAULT_K, typed.max_drafts() or DEFAULT_K)
     calibration = calibration_prompts(plain_llm(target_dir, target, prompts), prompts)
 
     def measured_at(directory: Path) -> Acceptance:
         return measure(target_dir, target, _spec(head_type, directory, k), calibration, max_tokens)
 
-    measured, record = measured_at(head_dir), read_record(head_dir)
-    examined = doctor.examine(head_dir, config, measured_at) if with_doctor else []
+    measured, load_error, record = None, None, read_record(head_dir)
+    try:
+        measured = measured_at(head_dir)
+    except DraftsmithError as exc:  # tensors its config does not name (an LM head it says it has, and lacks)
+        load_error = str(exc)
+    examined = doctor.examine(head_dir, config, measured_at) if with_doctor or load_error else []
     diagnosis = doctor.diagnosis(measured, examined)
     # a slip can leave a head accepting well, just less than it should: a reading that accepts clearly more
     # fails the gate as surely as a record or the floor does
-    failed = judge(measured, record) or (diagnosis and "is read under a convention it was not trained with")
-    return {"head": name or str(head_dir), "head_type": head_type, "k": k, "acceptance": measured.to_json(),
+    failed = (f"does not load as written ({load_error})" if load_error else judge(measured, record)) or \
+        (diagnosis and "is read under a convention it was not trained with")
+    return {"head": name or str(head_dir), "head_type": head_type, "k": k,
+            "acceptance": measured.to_json() if measured else None,
             "record": record.to_json() if record else None, "failed": failed, "diagnosis": diagnosis,
             "readings": [{"reading": r.what, "set": r.changes, "drafts_per_step": a.gain()} for r, a in examined]}
 
@@ -108,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
         target_dir = _target_dir(args, head_dir, json.loads((head_dir / "config.json").read_text()))
         result = check_head(head_dir, target_dir, load_target(target_dir, dtype="float32"), args.k, args.prompts,
                             args.max_tokens, not args.no_doctor, str(head))
-    measured = Acceptance(**result["acceptance"])
+    measured = Acceptance(**result["acceptance"]) if result["acceptance"] else None
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
+    elif measured:
         record = Acceptance(**result["record"]) if result["record"] else None
         print(_table(measured, record))
     say = sys.stderr if args.json else sys.stdout  # with --json, stdout is the JSON alone

@@ -21,7 +21,12 @@ from draftsmith.serve.check.gate import FLOOR
 # head with its fused layer ids one too high still keeps 1.32 drafts a step of its 2.07
 CLEARLY_MORE = 1.25
 CLEARLY_MORE_DRAFTS = 0.1
-NORM_FLAGS = ("norm_before_residual", "norm_output")  # EAGLE-3 variant flags that change no tensor
+# boolean config keys a slip flips, with what each value means. The norm flags (EAGLE-3 variants) change no
+# tensor; the LM-head ones change which tensors the head loads, so only the reading that fits the file loads
+FLAGS = {"norm_before_residual": ("norm_before_residual on", "norm_before_residual off"),
+         "norm_output": ("norm_output on", "norm_output off"),
+         "own_lm_heads": ("LM heads of its own (own_lm_heads)", "the target's LM head (own_lm_heads false)"),
+         "tie_weights": ("its stages' weights tied (tie_weights)", "weights of its own per stage (tie_weights false)")}
 
 
 @dataclass(frozen=True)
@@ -54,10 +59,15 @@ def readings(config: dict) -> list[Reading]:
     """The alternative readings of a native head config."""
     found = _layer_readings(config)
     typed = read_head_config(config)  # its defaults: flags an older config.json leaves out
-    for flag in NORM_FLAGS:
+    for flag, (when_on, when_off) in FLAGS.items():
         value = getattr(typed, flag, None)
         if isinstance(value, bool):
-            found.append(Reading(f"{flag} {'off' if value else 'on'}", {flag: not value}))
+            found.append(Reading(when_off if value else when_on, {flag: not value}))
+    anchor_first = getattr(typed, "sample_from_anchor", None)  # a block drafter's layout
+    if isinstance(anchor_first, bool):
+        other = "1+N block layout (the anchor a bonus token)" if anchor_first else \
+            "anchor-first block layout (the anchor's output the first draft, DSpark's)"
+        found.append(Reading(f"the {other}", {"sample_from_anchor": not anchor_first}))
     order = getattr(typed, "concat_order", None)
     if order in ("embedding_first", "hidden_first"):
         other = "hidden_first" if order == "embedding_first" else "embedding_first"
@@ -85,13 +95,16 @@ def examine(head_dir: Path, config: dict, measure: Callable[[Path], Acceptance])
     return sorted(results, key=lambda found: -found[1].gain())
 
 
-def diagnosis(as_written: Acceptance, examined: list[tuple[Reading, Acceptance]]) -> str | None:
-    """One line naming the reading that accepts clearly more than the head as written, or None."""
+def diagnosis(as_written: Acceptance | None, examined: list[tuple[Reading, Acceptance]]) -> str | None:
+    """One line naming the reading that accepts clearly more than the head as written (None: it does not
+    load), or None."""
     if not examined:
         return None
     reading, best = examined[0]
-    clearly = best.gain() >= max(CLEARLY_MORE * as_written.gain(), as_written.gain() + CLEARLY_MORE_DRAFTS)
+    written = as_written.gain() if as_written else 0.0
+    clearly = best.gain() >= max(CLEARLY_MORE * written, written + CLEARLY_MORE_DRAFTS)
     if not clearly or best.per_position[0] < FLOOR:
         return None
-    return (f"read with {reading.what}, the head accepts {best.gain():.2f} drafts a step against "
-            f"{as_written.gain():.2f} as written: set {reading.selector()} in its config.json")
+    against = f"{written:.2f} as written" if as_written else "none as written (it does not load)"
+    return (f"read with {reading.what}, the head accepts {best.gain():.2f} drafts a step against {against}: "
+            f"set {reading.selector()} in its config.json")

@@ -1,7 +1,7 @@
 """`draftsmith check`: the acceptance gate and doctor. Synthetic figures test the rules; the shipped demo heads
 must pass their own records, and checkpoints slipped from them (fused layer ids shifted or reordered, a norm
-flag flipped, an MTP input concatenated the other way) must fail with the diagnosis that names the reading
-they were trained with."""
+flag flipped, an MTP input concatenated the other way, a DFlash block layout swapped, an LM head the config
+claims and the file lacks) must fail with the diagnosis that names the reading they were trained with."""
 
 import json
 import os
@@ -69,13 +69,16 @@ def test_the_doctor_names_a_reading_only_when_it_accepts_clearly_more():
     assert doctor.diagnosis(as_written, []) is None
 
 
-def test_readings_cover_layer_ids_norm_flags_and_concatenation_order():
-    eagle3 = json.loads((ASSETS / "demo-code-7m-eagle3" / "config.json").read_text())
-    changes = [r.changes for r in doctor.readings(eagle3)]
-    assert {"aux_layer_ids": [0, 2, 4]} in changes and {"aux_layer_ids": [2, 4, 6]} in changes
-    assert {"aux_layer_ids": [5, 3, 1]} in changes and {"norm_before_residual": True} in changes
-    mtp = json.loads((ASSETS / "demo-code-7m-mtp" / "config.json").read_text())
-    assert [r.changes for r in doctor.readings(mtp)] == [{"concat_order": "embedding_first"}]
+def test_readings_cover_layer_ids_flags_block_layout_and_concatenation_order():
+    def changes(head):
+        return [r.changes for r in doctor.readings(json.loads((ASSETS / f"demo-code-7m-{head}" / "config.json").read_text()))]
+
+    eagle3 = changes("eagle3")
+    assert {"aux_layer_ids": [0, 2, 4]} in eagle3 and {"aux_layer_ids": [2, 4, 6]} in eagle3
+    assert {"aux_layer_ids": [5, 3, 1]} in eagle3 and {"norm_before_residual": True} in eagle3
+    assert changes("mtp") == [{"concat_order": "embedding_first"}]
+    assert {"sample_from_anchor": True} in changes("dflash")
+    assert changes("medusa") == [{"own_lm_heads": True}]
 
 
 @pytest.mark.slow
@@ -102,6 +105,7 @@ def _slipped(tmp_path, head: str, changes: dict):
     ("eagle3", {"norm_before_residual": True}, '"norm_before_residual": false'),
     ("dflash", {"aux_layer_ids": [0, 1, 2, 3, 4, 5]}, '"aux_layer_ids": [1, 2, 3, 4, 5, 6]'),
     ("mtp", {"concat_order": "embedding_first"}, '"concat_order": "hidden_first"'),
+    ("dflash", {"sample_from_anchor": True}, '"sample_from_anchor": false'),
 ])
 def test_a_slipped_head_fails_with_the_reading_that_fixes_it(head, slip, right, tmp_path, capsys):
     assert main(["check", str(_slipped(tmp_path, head, slip)), "--json"]) == 1
@@ -110,6 +114,18 @@ def test_a_slipped_head_fails_with_the_reading_that_fixes_it(head, slip, right, 
     assert verdict.startswith("draftsmith check: FAILED:") and f"set {right} in its config.json" in verdict
     result = json.loads(captured.out)
     assert result["failed"] and right in result["diagnosis"] and len(result["acceptance"]["per_position"]) == 5
+
+
+@pytest.mark.slow
+def test_a_head_missing_the_lm_heads_its_config_claims_is_read_with_the_targets(tmp_path, capsys):
+    """A Medusa config saying own_lm_heads over a file without them (vLLM's `original_lm_head` export defect,
+    the other way round) does not load as written; the doctor finds the reading that loads and accepts."""
+    assert main(["check", str(_slipped(tmp_path, "medusa", {"own_lm_heads": True})), "--json"]) == 1
+    captured = capsys.readouterr()
+    verdict = captured.err.strip().splitlines()[-1]
+    assert "does not load as written" in verdict and "missing ['lm_heads.0.weight'" in verdict
+    assert 'against none as written (it does not load): set "own_lm_heads": false in its config.json' in verdict
+    assert json.loads(captured.out)["acceptance"] is None
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""vllm-project/speculators 0.9 as an independent test oracle for EAGLE-3 heads: its own trainer's defaults,
-its own save_pretrained, from_pretrained and forward. `make test` installs it test-only (the Makefile's
+"""vllm-project/speculators 0.9 as an independent test oracle for EAGLE-3 and DFlash heads: its own trainer's
+defaults, its own save_pretrained, from_pretrained and forward. `make test` installs it test-only (the Makefile's
 ORACLE_STAMP rule, with --no-deps: its torchaudio/torchvision pins pull a CUDA torch); tests that need it
 skip, saying why, where it does not import.
 """
@@ -65,18 +65,22 @@ def trained_head(directory: Path, verifier: Path, draft_vocab: int = 1024, seed:
     return directory
 
 
-def load(directory: Path):
-    """speculators' from_pretrained -> (model, keys it expected and the file lacks, keys the file holds and it
-    does not define). Its own ignore lists (the verifier's weights it fills in itself) do not count."""
+def load(directory: Path, dflash: bool = False):
+    """speculators' from_pretrained (its EAGLE-3 model, or with `dflash` its DFlash one) -> (model, keys it
+    expected and the file lacks, keys the file holds and it does not define). Its own ignore lists (the
+    verifier's weights it fills in itself) do not count."""
     Eagle3DraftModel, _, _ = require()
     from safetensors import safe_open
 
-    config = Eagle3DraftModel.config_class.from_pretrained(str(directory))
+    model_class = Eagle3DraftModel
+    if dflash:
+        from speculators.models.dflash.core import DFlashDraftModel as model_class
+    config = model_class.config_class.from_pretrained(str(directory))
     # its default, flex attention, needs torch.compile on CPU: SDPA computes the same masks
     config.transformer_layer_config._attn_implementation = "sdpa"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = Eagle3DraftModel.from_pretrained(str(directory), config=config)
+        model = model_class.from_pretrained(str(directory), config=config)
     with safe_open(str(Path(directory) / "model.safetensors"), "pt") as weights:
         saved = set(weights.keys())
     defined = set(model.state_dict())
@@ -95,3 +99,24 @@ def logits_by_step(model, input_ids: torch.Tensor, features: torch.Tensor, steps
     finally:
         hook.remove()
     return captured
+
+
+@torch.no_grad()
+def dflash_blocks(model, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                  last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """speculators' DFlash training forward over one sequence with the blocks at `anchors` [A] (its own anchor
+    sampler is bypassed) -> (draft logits [A, block_size, V], its targets [A, block_size, V]: the verifier's
+    logits from `last_hidden` [1, L, H] that each block slot learns, the slots it trains [A, block_size])."""
+    from speculators.models.dflash import core
+
+    picked = (anchors.clone(), torch.ones(len(anchors), dtype=torch.bool))
+    sampler, core.select_anchors = core.select_anchors, lambda *_args: picked
+    try:
+        _, logits, targets, trained, _ = model._backbone_forward(
+            features, input_ids, torch.ones_like(input_ids), last_hidden, torch.zeros_like(input_ids),
+            max_anchors=len(anchors))
+    finally:
+        core.select_anchors = sampler
+    size = model.block_size
+    return logits.view(len(anchors), size, -1).float(), targets.view(len(anchors), size, -1).float(), \
+        trained.view(len(anchors), size).bool()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head
-from draftsmith.methods.dflash.head import DFlashConfig, DFlashHead
+from draftsmith.methods.dflash.head import DFlashConfig
 from draftsmith.models import load_target
 from draftsmith.models.attention import cached_attention
 from draftsmith.models.kv_cache import ForwardBatch
@@ -22,6 +22,7 @@ from helpers import (
     CODE_PROMPTS,
     DEMO_MODEL,
     REPO,
+    random_dflash_head,
     recorded_draft_forwards,
     spec_config,
     tiny_recipe,
@@ -36,26 +37,11 @@ def demo_target():
     return load_target(DEMO_MODEL, dtype="float32")
 
 
-def _random_head(target, block_size=5, layers=2, seed=0, sample_from_anchor=False):
-    t = target.config
-    config = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-                          head_dim=t.head_dim, vocab_size=t.vocab_size, target_hidden_size=t.hidden_size,
-                          target_num_layers=t.num_hidden_layers, aux_layer_ids=(1, 3, 5), block_size=block_size,
-                          mask_token_id=3, rms_norm_eps=t.rms_norm_eps, rope=t.rope,
-                          sample_from_anchor=sample_from_anchor)
-    torch.manual_seed(seed)
-    head = DFlashHead(config)
-    for name, p in head.named_parameters():
-        torch.nn.init.normal_(p, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.1)
-    return head.attach_target(target).eval()
-
-
 def test_training_blocks_equal_blocks_drafted_from_the_cache(demo_target):
     """A block from anchor a in one teacher-forced forward over the whole sequence equals the block the
     proposer's way computes: context keys and values of positions < a written to the cache, then the block
     attending over them and over itself."""
-    head = _random_head(demo_target)
+    head = random_dflash_head(demo_target)
     ids = torch.randint(4, 8000, (1, 24))
     with torch.no_grad():
         out = demo_target(ids, feature_layers=head.feature_layers)
@@ -86,7 +72,7 @@ def test_serving_shortcuts_compute_what_the_plain_layers_do(demo_target, layers)
     """The context keys and values from one fused projection of every layer (oneDNN at inference) equal each
     layer's own k/v projections, and a block whose last layer runs only positions 1..3 gives those positions
     of the whole block's forward."""
-    head = _random_head(demo_target, layers=layers)
+    head = random_dflash_head(demo_target, layers=layers)
     features = torch.randn(2, 7, 3 * demo_target.config.hidden_size)
     positions = torch.arange(7).expand(2, -1)
     with torch.inference_mode():
@@ -129,7 +115,7 @@ def _serve(head_dir, k=4, engine: dict | None = None, **extra):
 
 @pytest.mark.slow
 def test_a_random_head_decodes_with_greedy_equality_one_draft_forward_a_step(demo_target, tmp_path, greedy_reference):
-    llm = _serve(_save(_random_head(demo_target), tmp_path / "head"))
+    llm = _serve(_save(random_dflash_head(demo_target), tmp_path / "head"))
     forwards = recorded_draft_forwards(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
@@ -140,7 +126,7 @@ def test_a_random_head_decodes_with_greedy_equality_one_draft_forward_a_step(dem
 def test_adaptive_dflash_keeps_greedy_equality(demo_target, tmp_path, greedy_reference):
     from helpers import make_speculation_pay
 
-    llm = _serve(_save(_random_head(demo_target, seed=1), tmp_path / "head"), adaptive=True)
+    llm = _serve(_save(random_dflash_head(demo_target, seed=1), tmp_path / "head"), adaptive=True)
     cost = llm.engine.policy.cost  # a draft forward priced as the target's of a block (5 a row), 2 layers of 6
     assert cost.draft_query_len == 5 and cost.draft_guess == pytest.approx(2 / 6)
     make_speculation_pay(llm)
@@ -149,7 +135,7 @@ def test_adaptive_dflash_keeps_greedy_equality(demo_target, tmp_path, greedy_ref
 
 
 def test_k_beyond_the_block_is_one_line(demo_target, tmp_path):
-    head_dir = _save(_random_head(demo_target, block_size=5), tmp_path / "head")
+    head_dir = _save(random_dflash_head(demo_target, block_size=5), tmp_path / "head")
     with pytest.raises(DraftsmithError, match=r"num_speculative_tokens=6, but the dflash head .* drafts at most 4"):
         _serve(head_dir, k=6)
     config = json.loads((head_dir / "config.json").read_text())
@@ -166,7 +152,7 @@ def test_an_anchor_first_head_drafts_its_whole_block_as_it_was_taught(demo_targe
     from draftsmith.serve.speculation.config import parse_speculative_config
     from helpers import Row
 
-    head_dir = _save(_random_head(demo_target, sample_from_anchor=True, seed=4), tmp_path / "head")
+    head_dir = _save(random_dflash_head(demo_target, sample_from_anchor=True, seed=4), tmp_path / "head")
     config = parse_speculative_config({"method": "dflash", "model": str(head_dir), "num_speculative_tokens": 5,
                                        "draft_dtype": "float32"})
     proposer = DFlashProposer(config, demo_target, 1, 128)
@@ -214,7 +200,7 @@ def test_loss_positions_learn_the_first_drafts_alone(demo_target, anchor_first):
     from draftsmith.methods.dflash.objective import dflash_objective, sample_anchors
     from draftsmith.train.objectives import target_features
 
-    head = _random_head(demo_target, block_size=5, sample_from_anchor=anchor_first)
+    head = random_dflash_head(demo_target, block_size=5, sample_from_anchor=anchor_first)
     first = 0 if anchor_first else 1
     ids = torch.randint(4, 8000, (2, 24))
     features = target_features(demo_target, head.feature_layers, ids, torch.float32)
@@ -306,7 +292,7 @@ def _zlab_checkpoint(head, directory, **dflash_extra):
 def test_a_zlab_checkpoint_converts_and_decodes_losslessly(demo_target, tmp_path, greedy_reference):
     import public_checkpoints as pub
 
-    head = _random_head(demo_target, seed=2)
+    head = random_dflash_head(demo_target, seed=2)
     source = _zlab_checkpoint(head, tmp_path / "zlab")
     assert pub.convert(source, tmp_path / "native") == 0
     config, tensors = pub.read_native(tmp_path / "native")
@@ -325,7 +311,7 @@ def test_round_trips_are_lossless(demo_target, tmp_path, to, anchor_first, capsy
     method refuses the key), and its speculators config drafts the whole block."""
     import public_checkpoints as pub
 
-    head = _random_head(demo_target, seed=3, sample_from_anchor=anchor_first)
+    head = random_dflash_head(demo_target, seed=3, sample_from_anchor=anchor_first)
     head.config.target_model = str(DEMO_MODEL)
     head.save_pretrained(tmp_path / "native")
     config, tensors = pub.read_native(tmp_path / "native")
@@ -348,7 +334,7 @@ def test_round_trips_are_lossless(demo_target, tmp_path, to, anchor_first, capsy
 def test_sglangs_layout_key_reads_as_anchor_first(demo_target, tmp_path, capsys):
     import public_checkpoints as pub
 
-    head = _random_head(demo_target, seed=5, sample_from_anchor=True)
+    head = random_dflash_head(demo_target, seed=5, sample_from_anchor=True)
     assert pub.convert(_zlab_checkpoint(head, tmp_path / "zlab", query_zero_predicts_next=True), tmp_path / "a") == 0
     assert pub.read_native(tmp_path / "a")[0]["sample_from_anchor"] is True
     source = _zlab_checkpoint(head, tmp_path / "odd", sample_from_anchor="yes")
@@ -359,7 +345,7 @@ def test_sglangs_layout_key_reads_as_anchor_first(demo_target, tmp_path, capsys)
 def test_a_checkpoint_without_a_mask_token_is_one_line(demo_target, tmp_path, capsys):
     import public_checkpoints as pub
 
-    source = _zlab_checkpoint(_random_head(demo_target), tmp_path / "zlab")
+    source = _zlab_checkpoint(random_dflash_head(demo_target), tmp_path / "zlab")
     config = json.loads((source / "config.json").read_text())
     del config["dflash_config"]["mask_token_id"]
     (source / "config.json").write_text(json.dumps(config))
@@ -370,7 +356,7 @@ def test_a_checkpoint_without_a_mask_token_is_one_line(demo_target, tmp_path, ca
 def test_a_checkpoint_with_odd_layer_ids_is_one_line(demo_target, tmp_path, capsys):
     import public_checkpoints as pub
 
-    source = _zlab_checkpoint(_random_head(demo_target), tmp_path / "zlab")
+    source = _zlab_checkpoint(random_dflash_head(demo_target), tmp_path / "zlab")
     config = json.loads((source / "config.json").read_text())
     config["dflash_config"]["target_layer_ids"] = ["0", 2, 4]
     (source / "config.json").write_text(json.dumps(config))
@@ -485,7 +471,7 @@ def test_blocks_run_through_the_triton_kernel(monkeypatch, demo_target, tmp_path
     real = kernel.slot_attention
     monkeypatch.setattr(kernel, "slot_attention", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
-    head_dir = _save(_random_head(demo_target), tmp_path / "head")
+    head_dir = _save(random_dflash_head(demo_target), tmp_path / "head")
 
     def drafts(llm):  # every step's drafts, from now on
         seen, propose = [], llm.engine.proposer.propose

@@ -108,6 +108,20 @@ def test_native_round_trips_are_lossless(build, to, tmp_path):
     assert all(torch.equal(tensors[k], tensors_back[k]) and tensors[k].dtype == tensors_back[k].dtype for k in tensors)
 
 
+@pytest.mark.parametrize("qwen2", [False, True])
+def test_a_vllm_eagle_export_builds_no_bias_its_file_lacks(qwen2, tmp_path):
+    """vLLM's Llama layer takes attention biases from `attention_bias or bias` (q/k/v's alone from `qkv_bias`):
+    yuhuili's `bias` (the fc's) there left vLLM an unfilled q/k/v/o bias and the demo EAGLE-1 head accepting
+    nothing (1.00 against 1.41)."""
+    src = pub.yuhuili_eagle(tmp_path / "src", fc_bias=True, qwen2=qwen2, weights="model.safetensors")
+    assert convert(src, tmp_path / "n", "--target", DEMO_MODEL) == 0
+    assert convert(tmp_path / "n", tmp_path / "vllm", "--to", "vllm") == 0
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert (config["bias"], config["attention_bias"], config["qkv_bias"]) == (False, False, qwen2)
+    assert ("layers.0.self_attn.q_proj.bias" in source_tensors(tmp_path / "vllm")) is qwen2
+    assert "layers.0.self_attn.o_proj.bias" not in source_tensors(tmp_path / "vllm")
+
+
 def test_exported_configs_follow_each_loader(tmp_path):
     assert convert(pub.specforge_eagle3(tmp_path / "src"), tmp_path / "n", "--target", DEMO_MODEL) == 0
     for to in ("vllm", "sglang", "speculators"):

@@ -103,10 +103,15 @@ def _yuhuili_config(head: NormalizedHead, architectures: list[str]) -> dict:
 
 @register_exporter("vllm", "eagle")
 def to_vllm(head: NormalizedHead) -> Exported:
+    """vLLM builds its Llama layers' attention biases from `attention_bias or bias` (and q/k/v's alone from
+    `qkv_bias`), so yuhuili's `bias` (the fc's) would give the draft layer biases no tensor fills."""
     notes = []
     if head.config["fc_bias"]:
-        notes.append("this head has fc.bias; vLLM versions whose EAGLE fc is built without a bias reject it")
-    return Exported(_yuhuili_config(head, ["LlamaForCausalLM"]), dict(head.tensors), notes=notes)
+        notes.append("this head has fc.bias, which vLLM's EAGLE fc lacks: vLLM 0.32 skips the tensor without a "
+                     "word and serves the head without it (the demo head accepts the same either way)")
+    config = {**_yuhuili_config(head, ["LlamaForCausalLM"]), "bias": False, "attention_bias": False,
+              "qkv_bias": bool(head.config["attention_bias"])}
+    return Exported(config, dict(head.tensors), notes=notes)
 
 
 @register_exporter("sglang", "eagle")

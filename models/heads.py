@@ -263,4 +263,10 @@ def load_head_weights(head: nn.Module, directory: str | Path) -> nn.Module:
     missing, unexpected = head.load_state_dict(load_file(str(weights)), strict=False)
     if missing or unexpected:
         raise DraftsmithError(f"{weights} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    check = getattr(head, "check_weights", None)  # a head's rules on tensor values (EAGLE-3's vocab maps)
+    if check is not None:
+        try:
+            check()
+        except DraftsmithError as exc:
+            raise DraftsmithError(f"{weights}: {exc}") from None
     return head

@@ -1,7 +1,8 @@
 """The doctor: re-reads a head under each convention a trainer, converter or engine can slip on, measures each
 reading as the gate does, and names the one that accepts clearly more, with the config.json key that
-selects it. Readings change only config keys (the tensors are the same), so each is a config beside a link to
-the head's weights."""
+selects it. Most readings change only config keys, so each is a config beside a link to the head's weights;
+a reading of a tensor's convention (EAGLE-3's d2t as absolute ids) writes the tensor it reads, and names the
+rewrite that fixes the file."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
 
 from draftsmith.acceptance_record import Acceptance
 from draftsmith.errors import DraftsmithError
@@ -33,9 +37,25 @@ FLAGS = {"norm_before_residual": ("norm_before_residual on", "norm_before_residu
 class Reading:
     what: str  # the convention, in words
     changes: dict  # config.json keys -> this reading's values
+    # the head's tensors -> this reading's (None: the same), and what fixes the file then, in words
+    tensors: Callable[[dict], dict] | None = None
+    fix: str = ""
 
     def selector(self) -> str:
         return ", ".join(f'"{key}": {json.dumps(value)}' for key, value in self.changes.items())
+
+    def remedy(self) -> str:
+        return self.fix or f"set {self.selector()} in its config.json"
+
+
+def _d2t_as_offsets(tensors: dict) -> dict:
+    d2t = tensors["d2t"]
+    return {**tensors, "d2t": d2t - torch.arange(len(d2t), dtype=d2t.dtype)}
+
+
+D2T_ABSOLUTE = Reading("d2t as absolute target ids (d2t[i] the target id of draft id i, not an offset)", {},
+                       _d2t_as_offsets, "rewrite its d2t as offsets, d2t[i] - i (EAGLE-3's convention, which vLLM "
+                       "and SGLang read too)")
 
 
 def _layer_readings(config: dict) -> list[Reading]:
@@ -68,6 +88,8 @@ def readings(config: dict) -> list[Reading]:
         other = "1+N block layout (the anchor a bonus token)" if anchor_first else \
             "anchor-first block layout (the anchor's output the first draft, DSpark's)"
         found.append(Reading(f"the {other}", {"sample_from_anchor": not anchor_first}))
+    if getattr(typed, "draft_vocab_size", None) not in (None, getattr(typed, "vocab_size", None)):
+        found.append(D2T_ABSOLUTE)  # only a file whose d2t reads as ascending target ids loads under it
     order = getattr(typed, "concat_order", None)
     if order in ("embedding_first", "hidden_first"):
         other = "hidden_first" if order == "embedding_first" else "embedding_first"
@@ -79,7 +101,10 @@ def _variant(head_dir: Path, config: dict, reading: Reading, where: Path) -> Pat
     where.mkdir()
     (where / "config.json").write_text(json.dumps({**config, **reading.changes}, indent=2))
     for weights in head_dir.glob("*.safetensors"):
-        (where / weights.name).symlink_to(weights.resolve())
+        if reading.tensors is None:
+            (where / weights.name).symlink_to(weights.resolve())
+        else:
+            save_file(reading.tensors(load_file(str(weights))), str(where / weights.name))
     return where
 
 
@@ -107,4 +132,4 @@ def diagnosis(as_written: Acceptance | None, examined: list[tuple[Reading, Accep
         return None
     against = f"{written:.2f} as written" if as_written else "none as written (it does not load)"
     return (f"read with {reading.what}, the head accepts {best.gain():.2f} drafts a step against {against}: "
-            f"set {reading.selector()} in its config.json")
+            f"{reading.remedy()}")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 import public_checkpoints as pub
@@ -74,6 +75,7 @@ def test_readings_cover_layer_ids_flags_block_layout_and_concatenation_order():
         return [r.changes for r in doctor.readings(json.loads((ASSETS / f"demo-code-7m-{head}" / "config.json").read_text()))]
 
     eagle3 = changes("eagle3")
+    assert doctor.D2T_ABSOLUTE in doctor.readings(json.loads((ASSETS / "demo-code-7m-eagle3" / "config.json").read_text()))
     assert {"aux_layer_ids": [0, 2, 4]} in eagle3 and {"aux_layer_ids": [2, 4, 6]} in eagle3
     assert {"aux_layer_ids": [5, 3, 1]} in eagle3 and {"norm_before_residual": True} in eagle3
     assert changes("mtp") == [{"concat_order": "embedding_first"}]
@@ -126,6 +128,22 @@ def test_a_head_missing_the_lm_heads_its_config_claims_is_read_with_the_targets(
     assert "does not load as written" in verdict and "missing ['lm_heads.0.weight'" in verdict
     assert 'against none as written (it does not load): set "own_lm_heads": false in its config.json' in verdict
     assert json.loads(captured.out)["acceptance"] is None
+
+
+@pytest.mark.slow
+def test_a_d2t_of_absolute_ids_is_named_and_the_rewrite_that_fixes_it(tmp_path, capsys):
+    """EAGLE-3's d2t holds offsets; a converter that wrote absolute target ids leaves a head that maps drafts
+    past the vocabulary. It does not load (one line saying so), and the doctor's tensor reading finds it."""
+    from safetensors.torch import load_file, save_file
+
+    slipped = _slipped(tmp_path, "eagle3", {})
+    tensors = load_file(str(slipped / "model.safetensors"))
+    tensors["d2t"] = tensors["d2t"] + torch.arange(len(tensors["d2t"]))
+    save_file(tensors, str(slipped / "model.safetensors"))
+    assert main(["check", str(slipped)]) == 1
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "its values look like absolute target ids, where d2t holds offsets" in verdict
+    assert "read with d2t as absolute target ids" in verdict and "rewrite its d2t as offsets, d2t[i] - i" in verdict
 
 
 @pytest.mark.slow

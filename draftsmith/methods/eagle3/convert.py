@@ -20,6 +20,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.eagle.convert import head_dtype, target_layers_from
 from draftsmith.methods.eagle3 import Eagle3Method
+from draftsmith.methods.eagle3.vocab import check_vocab_maps
 from draftsmith.methods.formats.checkpoint import SourceCheckpoint, target_embedding
 from draftsmith.methods.formats.layer_config import layer_fields, llama_layer_config, native_config
 from draftsmith.methods.formats.registry import (
@@ -88,17 +89,6 @@ def _trained_embedding(config: dict, embedding: torch.Tensor, ctx: ReadContext) 
     if theirs is None:
         return None
     return None if torch.equal(theirs.to(embedding.dtype), embedding) else "it differs from the target's"
-
-
-def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int) -> None:
-    targets = d2t + torch.arange(len(d2t))
-    if len(t2d) != vocab:
-        raise DraftsmithError(f"t2d has {len(t2d)} entries but the target vocab size is {vocab}")
-    if int(targets.min()) < 0 or int(targets.max()) >= vocab:
-        raise DraftsmithError(f"d2t maps draft ids to target ids {int(targets.min())}..{int(targets.max())}, "
-                              f"outside the target vocab 0..{vocab - 1}")
-    if not torch.equal(torch.nonzero(t2d).flatten(), targets):
-        raise DraftsmithError("d2t and t2d disagree (t2d must mark exactly the ascending target ids d2t maps to)")
 
 
 def sliding_window(config: dict) -> int | None:

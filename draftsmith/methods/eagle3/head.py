@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from draftsmith.methods.eagle3.vocab import check_vocab_maps
 from draftsmith.models.draft_layer import DraftDecoderLayer
 from draftsmith.models.heads import DraftHead, DraftHeadConfig
 from draftsmith.models.linear import Linear
@@ -57,6 +58,10 @@ class Eagle3Head(DraftHead):
         self.set_vocab(draft_to_target)
         self.lm_head.weight.copy_(self.target.lm_head.weight[draft_to_target].float())
         self.norm.weight.copy_(self.target.model.norm.weight.float())
+
+    def check_weights(self) -> None:
+        """The loaded vocab maps are EAGLE-3's (a one-line error, not an index past the vocabulary at serving)."""
+        check_vocab_maps(self.d2t, self.t2d, self.config.vocab_size)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -6,8 +6,9 @@ and skips on reading). The tensor names are draftsmith's own,
 so only configs are mapped.
 
 The block layout (`DFlashConfig.sample_from_anchor`) is speculators' `sample_from_anchor`; in z-lab's layout
-`dflash_config.sample_from_anchor` (vLLM's name: its `dflash` method refuses true) or
-`dflash_config.query_zero_predicts_next` (SGLang's, sgl-project/sglang#40203). Absent, it is 1+N.
+`dflash_config.sample_from_anchor` (vLLM's name; its `dflash` method reads only 1+N) or
+`dflash_config.query_zero_predicts_next` (sgl-project/sglang#40203, open; SGLang 0.5.23 reads only 1+N).
+Absent, it is 1+N.
 
 z-lab's `target_layer_ids` index decoder layers (feature i is the output of layer i, HF `hidden_states[i +
 1]`); speculators, vLLM's `aux_hidden_state_layer_ids` and draftsmith's `feature_layers` are hidden_states
@@ -164,10 +165,10 @@ def _layout_notes(c: DFlashConfig) -> list[str]:
         return []
     return ["vLLM cannot serve this export: the head drafts anchor-first (sample_from_anchor), and vLLM's dflash "
             "method reads only the 1+N block layout (its GPU runner refuses the key; its CPU build 0.32 ignores it "
-            "and reads every draft one position off). SGLang honours "
-            "dflash_config.query_zero_predicts_next where its version has it (sgl-project/sglang#40203; older ones "
-            "read 1+N and accept almost nothing); draftsmith serve reads either layout. For vLLM, train with "
-            "model.sample_from_anchor false"]
+            "and reads every draft one position off). Nor can SGLang 0.5.23: its DFlash worker reads drafts from "
+            "block positions 1.. (sgl-project/sglang#40203, open, adds dflash_config.query_zero_predicts_next, "
+            "written here). draftsmith serve reads either layout; for vLLM, train with model.sample_from_anchor "
+            "false"]
 
 
 @register_exporter("vllm", "dflash")

@@ -34,6 +34,7 @@ THREADS = 2
 # draft in float32, as vLLM runs a float32 model's heads: the oracle checks how a head is read, not bfloat16
 FP32 = {"draft_dtype": "float32"}
 HEADS = {
+    "eagle": {"method": "eagle", "model": "assets/demo-code-7m-eagle", "num_speculative_tokens": 3, **FP32},
     "eagle3": {"method": "eagle3", "model": "assets/demo-code-7m-eagle3", "num_speculative_tokens": 5, **FP32},
     "dflash": {"method": "dflash", "model": "assets/demo-code-7m-dflash", "num_speculative_tokens": 8, **FP32},
     "medusa": {"method": "medusa", "model": "assets/demo-code-7m-medusa", "num_speculative_tokens": 3},

@@ -84,7 +84,7 @@ def test_readings_cover_layer_ids_flags_block_layout_and_concatenation_order():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head", ["eagle3", "dflash", "medusa", "mtp"])
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "dflash", "medusa", "mtp"])
 def test_the_shipped_heads_pass_their_own_records(head, capsys):
     assert read_record(ASSETS / f"demo-code-7m-{head}") is not None
     assert main(["check", str(ASSETS / f"demo-code-7m-{head}")]) == 0

@@ -10,12 +10,17 @@ from pathlib import Path
 from draftsmith.errors import DraftsmithError
 
 
-def run_train(args: argparse.Namespace) -> int:
+def train_recipe(args: argparse.Namespace):
+    """Trains `args.recipe` with `args.overrides` -> (the recipe, the path of the head it saved)."""
     from draftsmith.train.recipe import load_recipe
     from draftsmith.train.trainer import train
 
     recipe = load_recipe(args.recipe, args.overrides)
-    train(recipe, ["draftsmith", "train", args.recipe, *args.overrides])
+    return recipe, Path(train(recipe, ["draftsmith", "train", args.recipe, *args.overrides]))
+
+
+def run_train(args: argparse.Namespace) -> int:
+    train_recipe(args)
     return 0
 
 

@@ -34,12 +34,10 @@ def convert_then_check(args: argparse.Namespace) -> int:
 
 def train_then_check(args: argparse.Namespace) -> int:
     """`draftsmith train`, then the gate on the head it saved, against its training record."""
-    from draftsmith.train.recipe import load_recipe
-    from draftsmith.train.trainer import train
+    from draftsmith.train.cli import train_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
-    head = train(recipe, ["draftsmith", "train", args.recipe, *args.overrides])
+    recipe, head = train_recipe(args)
     if args.no_check:
         return 0
     with tempfile.TemporaryDirectory(prefix="draftsmith-check-") as workdir:
-        return _gate("train", Path(head), Path(recipe.model.target), Path(workdir))
+        return _gate("train", head, Path(recipe.model.target), Path(workdir))

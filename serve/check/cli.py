@@ -75,8 +75,8 @@ def check_head(head_dir: Path, target_dir: Path, target: CausalLM, k: int | None
     head_type = config[HEAD_TYPE_KEY]
     if not servable(head_method(head_type)):
         raise DraftsmithError(f"{head_type} heads are not served by draftsmith, so they cannot be checked here")
-    typed = read_head_config(config)
-    typed.check_target(TargetConfig.from_model_dir(target_dir))
+    typed, target_config = read_head_config(config), TargetConfig.from_model_dir(target_dir)
+    typed.check_target(target_config)
     k = k or min(DEFAULT_K, typed.max_drafts() or DEFAULT_K)
     calibration = calibration_prompts(plain_llm(target_dir, target, prompts), prompts)
 
@@ -88,7 +88,7 @@ def check_head(head_dir: Path, target_dir: Path, target: CausalLM, k: int | None
         measured = measured_at(head_dir)
     except DraftsmithError as exc:  # tensors its config does not name (an LM head it says it has, and lacks)
         load_error = str(exc)
-    examined = doctor.examine(head_dir, config, measured_at) if with_doctor or load_error else []
+    examined = doctor.examine(head_dir, config, measured_at, target_config.rope) if with_doctor or load_error else []
     diagnosis = doctor.diagnosis(measured, examined)
     # a slip can leave a head accepting well, just less than it should: a reading that accepts clearly more
     # fails the gate as surely as a record or the floor does

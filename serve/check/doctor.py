@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.acceptance_record import Acceptance
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import read_head_config
+from draftsmith.models.config import RopeConfig
 from draftsmith.serve.check.gate import FLOOR
 
 # a reading is named when it keeps at least this many times the drafts a step the head keeps as written (and
@@ -75,8 +76,9 @@ def _layer_readings(config: dict) -> list[Reading]:
     return found
 
 
-def readings(config: dict) -> list[Reading]:
-    """The alternative readings of a native head config."""
+def readings(config: dict, target_rope: RopeConfig | None = None) -> list[Reading]:
+    """The alternative readings of a native head config (and, given the target's rope, the head's rope read
+    as the target's, where they differ)."""
     found = _layer_readings(config)
     typed = read_head_config(config)  # its defaults: flags an older config.json leaves out
     for flag, (when_on, when_off) in FLAGS.items():
@@ -90,6 +92,9 @@ def readings(config: dict) -> list[Reading]:
         found.append(Reading(f"the {other}", {"sample_from_anchor": not anchor_first}))
     if getattr(typed, "draft_vocab_size", None) not in (None, getattr(typed, "vocab_size", None)):
         found.append(D2T_ABSOLUTE)  # only a file whose d2t reads as ascending target ids loads under it
+    rope = getattr(typed, "rope", None)
+    if target_rope is not None and isinstance(rope, RopeConfig) and rope != target_rope:
+        found.append(Reading("the target's rope settings (theta and scaling)", {"rope": asdict(target_rope)}))
     order = getattr(typed, "concat_order", None)
     if order in ("embedding_first", "hidden_first"):
         other = "hidden_first" if order == "embedding_first" else "embedding_first"
@@ -108,11 +113,12 @@ def _variant(head_dir: Path, config: dict, reading: Reading, where: Path) -> Pat
     return where
 
 
-def examine(head_dir: Path, config: dict, measure: Callable[[Path], Acceptance]) -> list[tuple[Reading, Acceptance]]:
+def examine(head_dir: Path, config: dict, measure: Callable[[Path], Acceptance],
+            target_rope: RopeConfig | None = None) -> list[tuple[Reading, Acceptance]]:
     """Each reading that loads, measured by `measure(variant_dir)`, best first."""
     results = []
     with tempfile.TemporaryDirectory(prefix="draftsmith-doctor-") as tmp:
-        for index, reading in enumerate(readings(config)):
+        for index, reading in enumerate(readings(config, target_rope)):
             try:
                 results.append((reading, measure(_variant(head_dir, config, reading, Path(tmp) / str(index)))))
             except DraftsmithError:

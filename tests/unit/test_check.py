@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import public_checkpoints as pub
 from draftsmith.acceptance_record import Acceptance, read_record, training_record, write_record
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.config import RopeConfig
 from draftsmith.serve.apps.demo import wait_healthy
 from draftsmith.serve.check import doctor
 from draftsmith.serve.check.gate import FLOOR, judge
@@ -81,6 +83,10 @@ def test_readings_cover_layer_ids_flags_block_layout_and_concatenation_order():
     assert changes("mtp") == [{"concat_order": "embedding_first"}]
     assert {"sample_from_anchor": True} in changes("dflash")
     assert changes("medusa") == [{"own_lm_heads": True}]
+    config = json.loads((ASSETS / "demo-code-7m-eagle3" / "config.json").read_text())
+    target_rope = RopeConfig(theta=500000.0)  # a head whose converter kept a default theta: read as the target's
+    assert {"rope": asdict(target_rope)} in [r.changes for r in doctor.readings(config, target_rope)]
+    assert not any("rope" in r.changes for r in doctor.readings(config, RopeConfig(**config["rope"])))
 
 
 @pytest.mark.slow

@@ -242,8 +242,10 @@ def _add_check(commands: argparse._SubParsersAction) -> None:
         "of the drafts a step of its record (acceptance.json beside its config.json, written by `--record`; 50 "
         "percent of a training record) or, without one, when it accepts its first draft under 10 percent of "
         "the time. The doctor re-reads the head under the conventions converters slip on (fused layer ids 0- "
-        "or 1-based or reordered, norm flags, MTP concatenation order); a reading that accepts clearly more "
-        "fails the gate too, and the line names its config key. Exit status 1 on a failed gate. serve, "
+        "or 1-based or reordered, norm flags, MTP concatenation order, a DFlash block layout, LM heads of its "
+        "own or the target's, an EAGLE-3 d2t of absolute ids, the target's rope); a reading that accepts "
+        "clearly more fails the gate too, and the line names its config key or the rewrite (also for a head "
+        "that does not load as written). Exit status 1 on a failed gate. serve, "
         "convert --target and train run the same gate unless given --no-check.")
     chk.add_argument("head", help="draft head directory: native, or any format `draftsmith convert` reads")
     chk.add_argument("--target", default=None, help="target model directory (default: the head's recorded one)")

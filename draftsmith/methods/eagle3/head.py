@@ -42,8 +42,9 @@ class Eagle3Head(DraftHead):
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = Linear(h, config.draft_vocab_size, bias=False)
+        # until `set_vocab`, the identity maps: draft id i is target id i
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
 
     def set_vocab(self, draft_to_target: torch.Tensor) -> None:
         """draft_to_target [draft_vocab] ascending target ids -> the d2t/t2d buffers."""

@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve.client.engine_client import EngineClient
@@ -51,20 +52,26 @@ RESTART_WINDOW_S = 600.0  # restarts counted against max_restarts
 
 
 # ------------------------------------------------------------------------------------------ engine side
-def engine_main(conn, llm_kwargs: dict) -> None:
-    """The engine process: builds the LLM, then runs the engine loop over the pipe until told to stop or the
-    API process goes away (the pipe closes)."""
+def engine_main(conn, llm_kwargs: dict, gate: bool = False) -> None:
+    """The engine process: builds the LLM (with `gate`, then runs `draftsmith check`'s gate on the head it
+    serves, on the target it loaded), then runs the engine loop over the pipe until told to stop or the API
+    process goes away (the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
     from draftsmith.serve.apps.llm import LLM
 
+    passed = None
     try:
         llm = LLM(**llm_kwargs)
-    except Exception as exc:  # a bad model folder or speculative config: the API process reports it
+        if gate:
+            from draftsmith.serve.check.cli import gate_served_head
+
+            passed = gate_served_head(llm.engine.spec_config, Path(llm_kwargs["model"]), llm.model)
+    except Exception as exc:  # a bad model folder or speculative config, a failed gate: the API process reports it
         send(conn, REPORTS, EngineFailed(str(exc) if isinstance(exc, DraftsmithError) else f"{type(exc).__name__}: {exc}"))
         return
     spec = llm.engine.spec_config
     send(conn, REPORTS, EngineReady(spec.num_speculative_tokens if spec else 0, llm.max_model_len, llm.vocab_size,
-                                    llm.max_num_seqs))
+                                    llm.max_num_seqs, passed or ""))
 
     def receive(timeout: float) -> list:
         commands = []
@@ -88,8 +95,9 @@ class ProcessEngine(EngineClient):
     """An `EngineClient` over a supervised engine process."""
 
     def __init__(self, llm_kwargs: dict, max_queue: int = 256, observer=None, max_backlog: int = DEFAULT_MAX_BACKLOG,
-                 max_restarts: int = 3):
+                 max_restarts: int = 3, gate: bool = False):
         super().__init__(max_queue, max_backlog)
+        self._gate = gate  # the first engine process gates the head it serves; a restarted one serves at once
         self.frontend: Frontend | None = None  # once the engine has loaded the model (`wait_ready`)
         self.llm_kwargs = llm_kwargs
         self.observer = observer  # called with (running, waiting, metrics) as the engine reports them
@@ -111,10 +119,11 @@ class ProcessEngine(EngineClient):
     def _spawn(self) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
         self._conn, child = context.Pipe()
-        self.process = context.Process(target=engine_main, args=(child, self.llm_kwargs), name="draftsmith-engine",
-                                       daemon=True)
+        self.process = context.Process(target=engine_main, args=(child, self.llm_kwargs, self._gate),
+                                       name="draftsmith-engine", daemon=True)
         self.process.start()
         child.close()
+        self._gate = False
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Blocks until the engine process has loaded the model; its load error becomes a DraftsmithError."""
@@ -132,6 +141,8 @@ class ProcessEngine(EngineClient):
         if not isinstance(message, EngineReady):
             raise DraftsmithError(f"the engine process said {message.kind!r} before it was ready")
         self.num_speculative_tokens = message.num_speculative_tokens
+        if message.gate:
+            logger.info(message.gate)
         if self.frontend is None:
             self.frontend = Frontend.from_model_dir(self.llm_kwargs["model"], message.max_model_len,
                                                     message.vocab_size, message.max_num_seqs)
@@ -249,10 +260,11 @@ class ProcessEngine(EngineClient):
 
 
 def start_engine_process(llm_kwargs: dict, max_queue: int = 256, observer=None,
-                         max_backlog: int = DEFAULT_MAX_BACKLOG, max_restarts: int = 3) -> ProcessEngine:
-    """Starts the engine process for `LLM(**llm_kwargs)` and waits for its model to load; the API process
-    loads only the tokenizer."""
-    engine = ProcessEngine(llm_kwargs, max_queue, observer, max_backlog, max_restarts)
+                         max_backlog: int = DEFAULT_MAX_BACKLOG, max_restarts: int = 3,
+                         gate: bool = False) -> ProcessEngine:
+    """Starts the engine process for `LLM(**llm_kwargs)` and waits for its model to load (and, with `gate`,
+    for its head to pass the acceptance gate); the API process loads only the tokenizer."""
+    engine = ProcessEngine(llm_kwargs, max_queue, observer, max_backlog, max_restarts, gate)
     try:
         engine.wait_ready()
     except BaseException:

@@ -87,6 +87,7 @@ class EngineReady:
     max_model_len: int
     vocab_size: int
     max_num_seqs: int
+    gate: str = ""  # the acceptance gate's passing line, where the engine process ran it
     kind: Literal["ready"] = "ready"
 
 

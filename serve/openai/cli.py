@@ -18,11 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 import uvicorn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.loader import load_target
 from draftsmith.serve.apps.llm import LLM, engine_kwargs
 from draftsmith.serve.check.cli import gate_served_head
 from draftsmith.serve.client.engine_process import start_engine_process
@@ -47,11 +45,12 @@ def build_server_app(llm: LLM, served_model_name: str, options: ServerOptions | 
 
 
 def build_process_server_app(llm_kwargs: dict, served_model_name: str, options: ServerOptions | None = None,
-                             **overrides):
-    """The app over an engine process running `LLM(**llm_kwargs)` (started here; the model loads there)."""
+                             gate: bool = False, **overrides):
+    """The app over an engine process running `LLM(**llm_kwargs)` (started here; the model loads there, and
+    with `gate` the acceptance gate runs there on it)."""
     options = dataclasses.replace(options or ServerOptions(), **overrides)
     engine = start_engine_process(llm_kwargs, options.max_queue, max_backlog=options.max_stream_backlog,
-                                  max_restarts=options.max_engine_restarts)
+                                  max_restarts=options.max_engine_restarts, gate=gate)
     record = served_record(parse_speculative_config(llm_kwargs.get("speculative_config")))
     metrics = ServerMetrics(served_model_name, engine.num_speculative_tokens, record)
     engine.observer = metrics.observe
@@ -105,10 +104,8 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     options = server_options(args)
     gated = not args.no_check and parse_speculative_config(args.speculative_config) is not None
-    if args.engine_process:
-        if gated:  # on a target loaded here for it: the engine process loads its own
-            _gate(args, load_target(args.model, dtype=args.dtype, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-        app = build_process_server_app(llm_kwargs, name, options)
+    if args.engine_process:  # the gate runs in the engine process, on the one target it loads
+        app = build_process_server_app(llm_kwargs, name, options, gate=gated)
     else:
         llm = LLM(**llm_kwargs)
         if gated:

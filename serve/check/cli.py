@@ -11,7 +11,7 @@ from pathlib import Path
 
 from draftsmith.acceptance_record import RECORD_FILE, Acceptance, carry_record, read_record, write_record
 from draftsmith.errors import DraftsmithError
-from draftsmith.methods import head_method, read_head_config, servable
+from draftsmith.methods import head_method, read_head_config, resolve_method, servable
 from draftsmith.methods.formats import native as native_format
 from draftsmith.methods.formats.checkpoint import SourceCheckpoint, local_directory
 from draftsmith.methods.formats.registry import ReadContext, detect_source, exporter
@@ -24,16 +24,24 @@ from draftsmith.serve.check.calibration import calibration_prompts
 from draftsmith.serve.check.gate import judge, measure, plain_llm
 
 DEFAULT_K = 5
+DRAFT_MODEL = "draft_model"  # the method that serves a whole LM as the draft (PARD's with parallel_drafting)
 
 
 def native_head(head: Path, target_dir: Path | None, workdir: Path) -> Path:
-    """`head` itself when it is a native head, else its native form (any format `convert` reads) in `workdir`."""
+    """`head` itself when it is a native head or a draft model (a whole LM: PARD's, or any small one), else its
+    native form (any format `convert` reads) in `workdir`."""
     config_path = head / "config.json"
     if config_path.is_file() and HEAD_TYPE_KEY in json.loads(config_path.read_text()):
         return head
     checkpoint = SourceCheckpoint(str(head))
     context = ReadContext(TargetConfig.from_model_dir(target_dir), str(target_dir)) if target_dir else ReadContext()
-    normalized = detect_source(checkpoint).read(checkpoint, context)
+    try:
+        source = detect_source(checkpoint)
+    except DraftsmithError:
+        if checkpoint.has("model.embed_tokens.weight") and "model_type" in checkpoint.config:
+            return head  # no head layout: a draft model
+        raise
+    normalized = source.read(checkpoint, context)
     out = workdir / "native"
     native_format.write_atomically(exporter("native", normalized.head_type)(normalized), out, False)
     carry_record(checkpoint.directory, out)
@@ -50,10 +58,13 @@ def _target_dir(args: argparse.Namespace, head_dir: Path, config: dict) -> Path:
     return found
 
 
-def _spec(head_type: str, model: Path, k: int) -> dict:
+def _spec(head_type: str, model: Path, k: int, config: dict) -> dict:
     spec = {"method": head_type, "model": str(model), "num_speculative_tokens": k}
-    if "draft_dtype" in head_method(head_type).section.model_fields:
+    method = resolve_method(head_type) if head_type == DRAFT_MODEL else head_method(head_type)
+    if "draft_dtype" in method.section.model_fields:
         spec["draft_dtype"] = "float32"  # the record's precision: a bfloat16 draft would blur the comparison
+    if head_type == DRAFT_MODEL and "pard_token" in config:
+        spec["parallel_drafting"] = True  # a PARD-adapted draft names its mask token
     return spec
 
 
@@ -72,23 +83,27 @@ def check_head(head_dir: Path, target_dir: Path, target: CausalLM, k: int | None
     `name`, or the directory), "head_type", "k", "acceptance", "record", "failed" (one line, or None),
     "diagnosis", "readings"}."""
     config = json.loads((head_dir / "config.json").read_text())
-    head_type = config[HEAD_TYPE_KEY]
-    if not servable(head_method(head_type)):
-        raise DraftsmithError(f"{head_type} heads are not served by draftsmith, so they cannot be checked here")
-    typed, target_config = read_head_config(config), TargetConfig.from_model_dir(target_dir)
-    typed.check_target(target_config)
-    k = k or min(DEFAULT_K, typed.max_drafts() or DEFAULT_K)
+    head_type, target_config = config.get(HEAD_TYPE_KEY, DRAFT_MODEL), TargetConfig.from_model_dir(target_dir)
+    if head_type == DRAFT_MODEL:  # a whole LM: no head config to hold to the target, no convention to re-read
+        with_doctor, k = False, k or min(DEFAULT_K, config.get("draftsmith_parallel_draft_tokens") or DEFAULT_K)
+    else:
+        if not servable(head_method(head_type)):
+            raise DraftsmithError(f"{head_type} heads are not served by draftsmith, so they cannot be checked here")
+        typed = read_head_config(config)
+        typed.check_target(target_config)
+        k = k or min(DEFAULT_K, typed.max_drafts() or DEFAULT_K)
     calibration = calibration_prompts(plain_llm(target_dir, target, prompts), prompts)
 
     def measured_at(directory: Path) -> Acceptance:
-        return measure(target_dir, target, _spec(head_type, directory, k), calibration, max_tokens)
+        return measure(target_dir, target, _spec(head_type, directory, k, config), calibration, max_tokens)
 
     measured, load_error, record = None, None, read_record(head_dir)
     try:
         measured = measured_at(head_dir)
     except DraftsmithError as exc:  # tensors its config does not name (an LM head it says it has, and lacks)
         load_error = str(exc)
-    examined = doctor.examine(head_dir, config, measured_at, target_config.rope) if with_doctor or load_error else []
+    rereads = with_doctor or (load_error and head_type != DRAFT_MODEL)
+    examined = doctor.examine(head_dir, config, measured_at, target_config.rope) if rereads else []
     diagnosis = doctor.diagnosis(measured, examined)
     # a slip can leave a head accepting well, just less than it should: a reading that accepts clearly more
     # fails the gate as surely as a record or the floor does

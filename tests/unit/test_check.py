@@ -153,6 +153,18 @@ def test_a_d2t_of_absolute_ids_is_named_and_the_rewrite_that_fixes_it(tmp_path, 
 
 
 @pytest.mark.slow
+def test_a_draft_model_and_a_pard_draft_are_checked_as_draft_model_serves_them(capsys):
+    """Whole LMs as drafts (what `draftsmith train` saves for PARD, which its gate checks): measured with the
+    draft_model method, in parallel where the config names a PARD mask token, against the floor; no doctor."""
+    for draft, parallel in ((DEMO_MODEL, False), (ASSETS / "demo-code-7m-pard", True)):
+        assert main(["check", str(draft), "--target", str(DEMO_MODEL), "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert (result["head_type"], result["k"], result["readings"], result["failed"]) == ("draft_model", 5, [], None)
+        first = result["acceptance"]["per_position"][0]
+        assert first == 1.0 if not parallel else 0.3 < first < 1.0  # the target drafting for itself: all of it
+
+
+@pytest.mark.slow
 def test_serve_refuses_a_slipped_head_before_it_listens(tmp_path, capsys):
     slipped = _slipped(tmp_path, "mtp", {"concat_order": "embedding_first"})
     spec = json.dumps({"method": "mtp", "model": str(slipped), "num_speculative_tokens": 2})
@@ -202,6 +214,10 @@ def test_train_gates_the_head_it_saved(tmp_path, monkeypatch, capsys):
     assert main(["train", str(tmp_path / "recipe.yaml")]) == 1
     assert '"aux_layer_ids": [1, 3, 5]' in capsys.readouterr().out
     assert main(["train", str(tmp_path / "recipe.yaml"), "--no-check"]) == 0
+    # what a PARD recipe saves is a whole LM, which the gate measures as draft_model serves it
+    monkeypatch.setattr(trainer, "train", lambda recipe, argv: ASSETS / "demo-code-7m-pard")
+    assert main(["train", str(tmp_path / "recipe.yaml")]) == 0
+    assert "draftsmith train: acceptance gate passed (the floor, no record)" in capsys.readouterr().out
 
 
 @pytest.mark.slow

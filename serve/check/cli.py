@@ -24,6 +24,7 @@ from draftsmith.serve.check.calibration import calibration_prompts
 from draftsmith.serve.check.gate import judge, measure, plain_llm
 
 DEFAULT_K = 5
+NOTED_MORE = 1.05  # a passing head's line names a reading that keeps this many times its drafts a step
 DRAFT_MODEL = "draft_model"  # the method that serves a whole LM as the draft (PARD's with parallel_drafting)
 
 
@@ -120,7 +121,13 @@ def verdict(result: dict) -> str:
     if result["failed"]:
         return (f"FAILED: {result['head']} {result['failed']}"
                 + (f"; {result['diagnosis']}" if result["diagnosis"] else "; no other reading accepts clearly more"))
-    return f"passed ({'against its record' if result['record'] else 'the floor, no record'})"
+    line = f"passed ({'against its record' if result['record'] else 'the floor, no record'})"
+    written = Acceptance(**result["acceptance"]).gain()
+    best = max(result["readings"], key=lambda r: r["drafts_per_step"], default=None)
+    if best and best["drafts_per_step"] > NOTED_MORE * written:  # more, though not clearly: worth a look
+        line += (f"; read with {best['reading']} it accepts {best['drafts_per_step']:.2f} drafts a step against "
+                 f"{written:.2f}, short of clearly more")
+    return line
 
 
 def run(args: argparse.Namespace) -> int:

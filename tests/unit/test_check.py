@@ -72,6 +72,17 @@ def test_the_doctor_names_a_reading_only_when_it_accepts_clearly_more():
     assert doctor.diagnosis(as_written, []) is None
 
 
+def test_a_passing_line_names_a_reading_that_accepts_more_though_not_clearly():
+    from draftsmith.serve.check.cli import verdict
+
+    result = {"failed": None, "record": None, "acceptance": _acceptance(0.6, 0.4, 0.3, 0.2, 0.3).to_json(),
+              "readings": [{"reading": "the target's rope settings", "drafts_per_step": 2.09}]}
+    assert verdict(result) == ("passed (the floor, no record); read with the target's rope settings it accepts 2.09 "
+                               "drafts a step against 1.80, short of clearly more")
+    result["readings"][0]["drafts_per_step"] = 1.85
+    assert verdict(result) == "passed (the floor, no record)"
+
+
 def test_readings_cover_layer_ids_flags_block_layout_and_concatenation_order():
     def changes(head):
         return [r.changes for r in doctor.readings(json.loads((ASSETS / f"demo-code-7m-{head}" / "config.json").read_text()))]

@@ -61,8 +61,7 @@ def _target_dir(args: argparse.Namespace, head_dir: Path, config: dict) -> Path:
 
 def _spec(head_type: str, model: Path, k: int, config: dict) -> dict:
     spec = {"method": head_type, "model": str(model), "num_speculative_tokens": k}
-    method = resolve_method(head_type) if head_type == DRAFT_MODEL else head_method(head_type)
-    if "draft_dtype" in method.section.model_fields:
+    if "draft_dtype" in resolve_method(head_type).section.model_fields:  # a head type is its method's name
         spec["draft_dtype"] = "float32"  # the record's precision: a bfloat16 draft would blur the comparison
     if head_type == DRAFT_MODEL and "pard_token" in config:
         spec["parallel_drafting"] = True  # a PARD-adapted draft names its mask token
@@ -86,7 +85,7 @@ def check_head(head_dir: Path, target_dir: Path, target: CausalLM, k: int | None
     config = json.loads((head_dir / "config.json").read_text())
     head_type, target_config = config.get(HEAD_TYPE_KEY, DRAFT_MODEL), TargetConfig.from_model_dir(target_dir)
     if head_type == DRAFT_MODEL:  # a whole LM: no head config to hold to the target, no convention to re-read
-        with_doctor, k = False, k or min(DEFAULT_K, config.get("draftsmith_parallel_draft_tokens") or DEFAULT_K)
+        k = k or min(DEFAULT_K, config.get("draftsmith_parallel_draft_tokens") or DEFAULT_K)
     else:
         if not servable(head_method(head_type)):
             raise DraftsmithError(f"{head_type} heads are not served by draftsmith, so they cannot be checked here")
@@ -103,7 +102,7 @@ def check_head(head_dir: Path, target_dir: Path, target: CausalLM, k: int | None
         measured = measured_at(head_dir)
     except DraftsmithError as exc:  # tensors its config does not name (an LM head it says it has, and lacks)
         load_error = str(exc)
-    rereads = with_doctor or (load_error and head_type != DRAFT_MODEL)
+    rereads = head_type != DRAFT_MODEL and (with_doctor or load_error)
     examined = doctor.examine(head_dir, config, measured_at, target_config.rope) if rereads else []
     diagnosis = doctor.diagnosis(measured, examined)
     # a slip can leave a head accepting well, just less than it should: a reading that accepts clearly more

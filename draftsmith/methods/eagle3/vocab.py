@@ -22,11 +22,12 @@ def draft_vocab_from_frequencies(ds, vocab_size: int, draft_vocab_size: int) -> 
 def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int) -> None:
     """A one-line DraftsmithError unless d2t maps draft ids to ascending target ids inside the vocabulary
     and t2d marks exactly those."""
-    targets = d2t.cpu() + torch.arange(len(d2t))
+    d2t = d2t.cpu()
+    targets = d2t + torch.arange(len(d2t))
     if len(t2d) != vocab:
         raise DraftsmithError(f"t2d has {len(t2d)} entries but the target vocab size is {vocab}")
     if int(targets.min()) < 0 or int(targets.max()) >= vocab:
-        absolute = bool((d2t.cpu().diff() > 0).all()) and 0 <= int(d2t.min()) and int(d2t.max()) < vocab
+        absolute = bool((d2t.diff() > 0).all()) and 0 <= int(d2t.min()) and int(d2t.max()) < vocab
         hint = (": its values look like absolute target ids, where d2t holds offsets (target id = draft id + d2t)"
                 if absolute else "")
         raise DraftsmithError(f"d2t maps draft ids to target ids {int(targets.min())}..{int(targets.max())}, "

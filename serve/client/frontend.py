@@ -51,8 +51,9 @@ class Frontend:
         return RequestLimits(self.max_model_len, self.vocab_size, self.max_num_seqs)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> CheckedRequest:
-        """The request, checked once here for whichever engine runs it (`engine.checks`)."""
-        return self.limits.check(prompt_token_ids, params, prompt)
+        """The request, checked once here for whichever engine runs it (`engine.checks`), its bad_words
+        tokenized."""
+        return self.limits.check(prompt_token_ids, params.with_bad_words_tokenized(self.tokenizer), prompt)
 
     @functools.cached_property
     def max_text_bytes(self) -> int:

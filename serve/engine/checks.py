@@ -34,12 +34,17 @@ class RequestLimits:
     def check(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> CheckedRequest:
         """The request, checked: its prompt fits the context and vocabulary (else PromptRefused), its n
         samples fit the slots and its stop tokens the vocabulary (else DraftsmithError)."""
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens
+            prompt_token_ids = prompt_token_ids[-(self.max_model_len - 1 if keep == -1 else keep):]
         self.check_prompt(prompt_token_ids)
         if params.n > self.max_num_seqs:
             raise DraftsmithError(f"n={params.n} samples run at once, one cache slot each, but max_num_seqs is "
                                   f"{self.max_num_seqs}")
-        if any(not 0 <= token < self.vocab_size for token in params.stop_token_ids):
-            raise DraftsmithError(f"stop_token_ids must be in [0, {self.vocab_size})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            if any(not 0 <= token < self.vocab_size for token in ids):
+                raise DraftsmithError(f"{name}: token ids must be in [0, {self.vocab_size})")
         return CheckedRequest(list(prompt_token_ids), params, prompt)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -25,6 +25,7 @@ from draftsmith.models.linear import warm_up as warm_up_linears
 from draftsmith.models.llama import CausalLM
 from draftsmith.models.tokenizer import check_same_vocabulary
 from draftsmith.serve.engine.checks import CheckedRequest, RequestLimits
+from draftsmith.serve.engine.logits_processing import SlotLogitsState
 from draftsmith.serve.engine.logprobs import LOGPROBS_MODES, prompt_logprobs
 from draftsmith.serve.engine.outputs import OutputDelta
 from draftsmith.serve.engine.request import Request, RequestGroup, Status
@@ -85,6 +86,7 @@ class LLMEngine(FaultIsolatingSteps):
         self.device = model.model.embed_tokens.weight.device
         self.cache = model.make_cache(config.max_num_seqs, config.max_model_len)
         self.stop_checker = StopChecker(tokenizer, eos_token_ids, config.max_model_len)
+        self.logits_state = SlotLogitsState(config.max_num_seqs, model.config.vocab_size, self.device, eos_token_ids)
         self.free_slots = list(range(config.max_num_seqs))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -142,6 +144,7 @@ class LLMEngine(FaultIsolatingSteps):
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None) -> Request | RequestGroup:
         """Checks a request (`limits`) and queues it (`add`)."""
+        params = params.with_bad_words_tokenized(self.tokenizer)
         return self.add(self.limits.check(prompt_token_ids, params, prompt), request_id)
 
     def add(self, checked: CheckedRequest, request_id: str | None = None) -> Request | RequestGroup:
@@ -421,7 +424,8 @@ class LLMEngine(FaultIsolatingSteps):
 
     def _sampling(self, rows: list[Request]) -> SamplingBatch:
         return SamplingBatch.build([r.params for r in rows], [r.generator for r in rows], self.device,
-                                   seeds=[r.seed for r in rows], positions=[r.num_tokens for r in rows])
+                                   seeds=[r.seed for r in rows], positions=[r.num_tokens for r in rows],
+                                   adjust=self.logits_state.adjust(rows))
 
     def _sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> list[list[int]]:
         """logits [B, V] -> each row's new token, as a one-token list, on the host (the stop checks need it)."""

@@ -7,8 +7,9 @@ speculation (up to float rounding of a wider forward), whatever the draft propos
 rejection sampler's residual distribution still reports the target's logprob, as vLLM does.
 
 `logprobs_mode` follows vLLM: `raw_logprobs` (the default) is log_softmax of the model's logits;
-`processed_logprobs` is the log of the distribution the request samples from, after temperature, top-k and
-top-p (tokens filtered out get -inf; greedy rows use temperature 1 there, as the sampler does).
+`processed_logprobs` is the log of the distribution the request samples from, after its penalties, biases and
+bans (`logits_processing`), temperature, min_p, top-k and top-p (tokens filtered out get -inf; greedy rows
+use temperature 1 there, as the sampler does).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.serve.engine.logits_processing import DraftPrefix
 from draftsmith.serve.engine.sampling import SamplingBatch, logits_to_probs
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -93,6 +95,10 @@ def token_logprobs(rows, new_tokens: list[list[int]], logits: torch.Tensor, samp
         return [None] * len(rows)
     index = [(i, j, token, rows[b].params.logprobs) for i, b in enumerate(wanted) for j, token in enumerate(new_tokens[b])]
     with torch.inference_mode():
+        if mode == "processed_logprobs" and sampling.adjust is not None:  # token j came after tokens 0..j-1
+            width = logits.shape[1]
+            kept = torch.tensor([(tokens + [-1] * width)[:width] for tokens in new_tokens], device=logits.device)
+            logits = sampling.processed(logits, DraftPrefix.chain(kept, width) if width > 1 else None)
         entries = gather_logprobs(position_logprobs(logits, sampling, mode, wanted), *map(list, zip(*index)))
     out: list[list[TokenLogprobs] | None] = [None] * len(rows)
     at = 0

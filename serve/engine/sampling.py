@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.serve.engine.logits_processing import DraftPrefix, LogitsAdjust
 from draftsmith.serve.engine.sampling_params import SamplingParams
 
 
@@ -34,10 +35,13 @@ class SamplingBatch:
     sampled_rows: list[int]  # rows with temperature > 0, host-known
     seeds: list[int] | None = None  # per row: with `positions`, keys the noise by sequence position
     positions: list[int] | None = None  # per row: sequence position of the next token
+    min_p: torch.Tensor | None = None  # [B] fp32, None where no row asks
+    adjust: LogitsAdjust | None = None  # penalties, biases and bans (`logits_processing`), None where no row asks
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator], device,
-              seeds: list[int] | None = None, positions: list[int] | None = None) -> SamplingBatch:
+              seeds: list[int] | None = None, positions: list[int] | None = None,
+              adjust: LogitsAdjust | None = None) -> SamplingBatch:
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device),
@@ -48,6 +52,8 @@ class SamplingBatch:
             sampled_rows=[i for i, p in enumerate(params) if not p.greedy],
             seeds=seeds,
             positions=positions,
+            min_p=torch.tensor([p.min_p for p in params], device=device) if any(p.min_p for p in params) else None,
+            adjust=adjust,
         )
 
     def select(self, rows: list[int]) -> SamplingBatch:
@@ -58,16 +64,28 @@ class SamplingBatch:
                              [self.generators[r] for r in rows], all(greedy), self.needs_filter,
                              [i for i, g in enumerate(greedy) if not g],
                              None if self.seeds is None else [self.seeds[r] for r in rows],
-                             None if self.positions is None else [self.positions[r] for r in rows])
+                             None if self.positions is None else [self.positions[r] for r in rows],
+                             None if self.min_p is None else self.min_p[index],
+                             None if self.adjust is None else self.adjust.select(rows))
+
+    def processed(self, logits: torch.Tensor, prefix: DraftPrefix | None = None) -> torch.Tensor:
+        """logits [B, N, V] after the rows' penalties, biases and bans (`logits_processing`); unchanged where
+        no row asks. `prefix`: the drafts each position follows, when N > 1."""
+        return logits if self.adjust is None else self.adjust.apply(logits, prefix)
 
 
 def logits_to_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [B, N, V] -> probabilities [B, N, V] after temperature, top-k and top-p (per row b).
+    """logits [B, N, V] -> probabilities [B, N, V] after temperature, min_p, top-k and top-p (per row b), in
+    vLLM's order.
 
     Greedy rows get a temperature of 1 here; callers take their argmax instead of sampling.
     """
     temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     logits = logits / temperature[:, None, None]
+    if batch.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        floor = batch.min_p[:, None, None] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if batch.needs_filter:
         logits = _filter_top_k_top_p(logits, batch.top_k, batch.top_p)
     return torch.softmax(logits, dim=-1)
@@ -134,8 +152,9 @@ def _mix(seed: int, position: int) -> int:
 
 
 def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [B, N, V] for N consecutive positions -> the token each row samples there [B, N]: argmax for
-    greedy rows, the exponential race over the filtered p with position-keyed noise otherwise."""
+    """Processed logits [B, N, V] (`SamplingBatch.processed`) for N consecutive positions -> the token each
+    row samples there [B, N]: argmax for greedy rows, the exponential race over the filtered p with
+    position-keyed noise otherwise."""
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
@@ -145,5 +164,6 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]: argmax for greedy rows, a draw from the filtered p otherwise."""
-    return choose_tokens(logits[:, None], batch)[:, 0]
+    """The target's logits [B, V] at each row's next position -> token ids [B]: argmax for greedy rows, a
+    draw from the filtered p otherwise, after the rows' processing."""
+    return choose_tokens(batch.processed(logits[:, None]), batch)[:, 0]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from draftsmith.errors import DraftsmithError
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's top_logprobs bound, vLLM's default)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range, as vLLM's API bounds it
+MAX_REPETITION_PENALTY = 100.0  # past this every seen token is as good as banned; vLLM takes any positive value
 
 
 def wrap_int64(value: int) -> int:
@@ -21,7 +23,9 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     temperature 0 means greedy (argmax). top_k <= 0 and top_p == 1 disable those filters. A seeded request
-    draws from its own generator, so its output does not depend on what else is in the batch.
+    draws from its own generator, so its output does not depend on what else is in the batch. The logits
+    processing fields (penalties, logit_bias, min_tokens, bad_words, allowed_token_ids) and min_p have vLLM's
+    names, ranges and meaning (`serve.engine.logits_processing`); greedy rows see them too, except min_p.
     """
 
     temperature: float = 1.0
@@ -39,6 +43,17 @@ class SamplingParams:
     # the prompt tokens' logprobs (each given the tokens before it; the first has none) and this many top
     # alternatives at each position; None: none
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0  # minus this from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided, negative multiplied
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (after temperature)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until the output holds this many tokens
+    bad_words: list[str] | None = None  # never generated, at the start of the text or after a space
+    allowed_token_ids: list[int] | None = None  # the only tokens that may be generated
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: as many as the context takes)
+    # bad_words as token sequences, from the tokenizer (`with_bad_words_tokenized`)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +70,19 @@ class SamplingParams:
              f"must be None or 0..{MAX_LOGPROBS}"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"must be None or 0..{MAX_LOGPROBS}"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             f"must be in (0, {MAX_REPETITION_PENALTY}]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("logit_bias", all(-100 <= b <= 100 and math.isfinite(b) for b in (self.logit_bias or {}).values()),
+             "values must be in [-100, 100]"),
+            ("min_tokens", self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+             "must be >= 0 and at most max_tokens"),
+            ("allowed_token_ids", self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "must not be empty (None allows every token)"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+             or self.truncate_prompt_tokens >= 1, "must be None, -1 or >= 1"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -63,3 +91,38 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the output (and for repetition_penalty the prompt) changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `logits_processing` has anything to do for this request (min_p lives with the filters)."""
+        return bool(self.penalized or self.logit_bias or self.min_tokens or self.bad_words_token_ids
+                    or self.allowed_token_ids is not None)
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id this request names, for the vocabulary check."""
+        ids = [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
+        return ids + [t for word in self.bad_words_token_ids or [] for t in word]
+
+    def with_bad_words_tokenized(self, tokenizer) -> SamplingParams:
+        """These params with `bad_words_token_ids`: each word as the tokenizer spells it at the start of a text,
+        and with a leading space where that is a different spelling of the same length (vLLM's rule: a word
+        is banned at the start and in the middle of text)."""
+        if not self.bad_words:
+            return self
+        if tokenizer is None:
+            raise DraftsmithError("bad_words need a tokenizer, and this engine has none (skip_tokenizer_init)")
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            bare = tokenizer(word.lstrip(), add_special_tokens=False).input_ids
+            spaced = tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids
+            if not bare:
+                raise DraftsmithError(f"bad_words: {word!r} has no tokens")
+            sequences.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return replace(self, bad_words_token_ids=sequences)

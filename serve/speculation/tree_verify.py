@@ -19,6 +19,7 @@ import torch
 
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
 from draftsmith.models.llama import ForwardOutput
+from draftsmith.serve.engine.logits_processing import DraftPrefix
 from draftsmith.serve.engine.sampling import SamplingBatch, logits_to_probs, position_noise
 
 
@@ -65,7 +66,7 @@ def tree_batch(slots: list[int], starts: list[int], q_lens: list[int], seen: tor
 
 
 def tree_choices(logits: torch.Tensor, depth: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
-    """logits [B, Q, V] at the block's nodes, depth [B, Q] -> the token the target draws at each node [B, Q]:
+    """Processed logits [B, Q, V] at the block's nodes, depth [B, Q] -> the token the target draws at each node [B, Q]:
     the argmax for greedy rows; for sampled ones the exponential race with the noise of the node's sequence
     position, so every node of one depth races with the same noise, as plain decoding would there."""
     greedy = logits.argmax(dim=-1)
@@ -149,7 +150,8 @@ def verify_tree(model, cache: KVCache, ids: torch.Tensor, slots: list[int], star
     batch, positions = tree_batch(slots, starts, q_lens, seen, cache, model.config.sliding_window, device)
     with torch.inference_mode():
         out = model(ids, positions=positions, cache=cache, batch=batch, feature_layers=feature_layers)
-        choice = tree_choices(out.logits, seen.sum(-1) - 1, sampling)
+        processed = sampling.processed(out.logits, DraftPrefix.tree(ids, seen))
+        choice = tree_choices(processed, seen.sum(-1) - 1, sampling)
         path, accepted = accept_path(choice, ids, parent_cols, seen, counts)
         # the path's columns as a chain: its logits and hidden states, so that what follows (features for the
         # drafter, logprobs) reads them as after a chain's verify

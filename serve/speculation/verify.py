@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.methods.proposer_base import DraftBatch
+from draftsmith.serve.engine.logits_processing import DraftPrefix
 from draftsmith.serve.engine.sampling import SamplingBatch, choose_tokens, logits_to_probs, verify_noise
 from draftsmith.serve.speculation.rejection_reference import rejection_sample_reference
 from draftsmith.serve.speculation.rejection_triton import rejection_sample_triton, triton
@@ -80,6 +81,8 @@ def verify(logits: torch.Tensor, drafts: DraftBatch, num_draft: list[int], sampl
         logits = torch.nn.functional.pad(logits, (0, 0, 0, k + 1 - logits.shape[1]))
     draft_tokens = _width(drafts.tokens, k, -1).to(device)
     counts = drafts.counts.to(device)
+    # position j is read only when drafts 0..j-1 were accepted: processed as if they were output
+    logits = sampling.processed(logits, DraftPrefix.chain(draft_tokens, k + 1))
     if drafts.probs is None and synthetic_rate is None:
         return keep_matching(choose_tokens(logits, sampling), draft_tokens, counts)
     target_argmax = logits.argmax(dim=-1)

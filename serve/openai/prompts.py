@@ -51,8 +51,8 @@ def render_chat(frontend: Frontend, messages: list[ChatMessage]) -> tuple[str, l
     max_model_len = frontend.max_model_len
     if len(messages) > max_model_len:
         raise DraftsmithError(f"messages: {len(messages)} messages cannot fit max_model_len {max_model_len}")
-    frontend.check_text("".join(m.content for m in messages), "messages")
-    prompt = frontend.apply_chat_template([m.model_dump() for m in messages])
+    frontend.check_text("".join(m.text() for m in messages), "messages")
+    prompt = frontend.apply_chat_template([m.for_template() for m in messages])
     return prompt, frontend.tokenizer(prompt, add_special_tokens=False).input_ids  # the template wrote them
 
 

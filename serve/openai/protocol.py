@@ -9,6 +9,7 @@ carry a lone UTF-16 surrogate, which no tokenizer or response can encode).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -17,7 +18,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from draftsmith.serve.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from draftsmith.serve.engine.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 logger = logging.getLogger("draftsmith")
 
@@ -86,6 +93,18 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
 
     best_of: int | None = Field(default=None, ge=1, description="only best_of=n is supported")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    logit_bias: Annotated[dict[TokenId, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        default=None, description="token id -> bias added to its logit, -100..100")
+    min_tokens: int = Field(default=0, ge=0, description="EOS and stop_token_ids are held back until this many")
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=2**20)] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64_MAX, description=(
+        "keep the prompt's last N tokens; -1: as many as the context takes"))
 
     @model_validator(mode="after")
     def _best_of_is_n(self):
@@ -97,7 +116,11 @@ class _Sampling(_Body):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_tokens=min(self.max_tokens or default_max_tokens, default_max_tokens), stop=self.stop,
                               stop_token_ids=self.stop_token_ids or [], seed=self.seed, ignore_eos=self.ignore_eos,
-                              logprobs=self.top_alternatives(), n=self.n)
+                              logprobs=self.top_alternatives(), n=self.n, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_p=self.min_p, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+                              bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
+                              truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def top_alternatives(self) -> int | None:
         """How many top alternatives per token the response reports logprobs for (None: no logprobs)."""
@@ -139,9 +162,79 @@ class CompletionRequest(_Sampling):
         return self
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content: text is read; other kinds (images, audio, files) are refused, since
+    the served model reads text only."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"content part type {self.type!r} is not supported: this model reads text parts only")
+        if self.text is None:
+            raise ValueError("a text content part needs its text")
+        return self
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
+    """A chat message as OpenAI's clients send it: content a string, a list of text parts or (an assistant
+    message that calls tools) null; tool results as `tool` messages naming the call they answer."""
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: only an assistant message with tool_calls may have none")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages call tools")
+        return self
+
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM joins them), none as ''."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's convention: tool call arguments as a dict where they
+        are a JSON object)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls]
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_Sampling):

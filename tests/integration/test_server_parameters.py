@@ -1,0 +1,106 @@
+"""What a vLLM client sends, through a speculating server and the official `openai` client: every sampling
+parameter changes the answer as it says and gives the tokens plain decoding gives; chat content parts, tool
+calls and tool messages are read; a bad value is a 400 naming its field."""
+
+import httpx
+import openai
+import pytest
+
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.openai.cli import build_server_app, server_in_thread
+from helpers import DEMO_MODEL, make_speculation_pay
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPT = "import os\n\n\ndef walk(root):\n    for dirpath, dirs, files in os.wa"
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=4, max_model_len=256, speculative_config=SPEC)
+    make_speculation_pay(llm)
+    plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=4, max_model_len=256, target=llm.model)
+    with server_in_thread(build_server_app(llm, "demo", api_key=KEY)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120), url, plain, llm
+
+
+def _completion(client, **fields) -> str:
+    extra = {k: fields.pop(k) for k in list(fields) if k not in ("temperature", "seed", "logit_bias",
+                                                                  "presence_penalty", "frequency_penalty")}
+    return client.completions.create(model="demo", prompt=PROMPT, max_tokens=24, extra_body=extra,
+                                     **{"temperature": 0.0, **fields}).choices[0].text
+
+
+def _plain(plain, **fields) -> str:
+    params = SamplingParams(max_tokens=24, **{"temperature": 0.0, **fields})
+    return plain.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_each_parameter_changes_the_answer_and_speculation_keeps_plain_decodings(served):
+    client, _, plain, llm = served
+    base = _completion(client)
+    first = plain.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids[0]
+    cases = [{"repetition_penalty": 1.3}, {"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+             {"presence_penalty": -2.0}, {"logit_bias": {str(first): -100}},
+             {"min_p": 0.99, "temperature": 1.0, "seed": 5}, {"bad_words": ["dirpath"]},
+             {"allowed_token_ids": list(range(50, 3000))}]
+    before = llm.get_metrics()["num_accepted_tokens"]
+    for fields in cases:
+        text = _completion(client, **fields)
+        assert text != base or "min_p" in fields, fields
+        engine_fields = {**fields, "logit_bias": {int(k): v for k, v in fields["logit_bias"].items()}} \
+            if "logit_bias" in fields else fields
+        assert text == _plain(plain, **engine_fields), fields
+    assert _completion(client, min_p=0.99, temperature=1.0, seed=5) == base  # min_p 0.99 leaves the argmax here
+    assert _completion(client, temperature=1.0, seed=5) != base
+    assert llm.get_metrics()["num_accepted_tokens"] > before
+
+
+def test_chat_content_parts_tool_calls_and_tool_messages_are_read(served):
+    client, url, _, _ = served
+    as_text = client.chat.completions.create(model="demo", max_tokens=8, temperature=0,
+                                             messages=[{"role": "user", "content": "hi\nthere"}])
+    as_parts = client.chat.completions.create(model="demo", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}])
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    call = {"id": "call_1", "type": "function", "function": {"name": "walk", "arguments": "{\"root\": \"/\"}"}}
+    answered = client.chat.completions.create(model="demo", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "walk /"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "['a.py']"}])
+    assert answered.choices[0].finish_reason in ("stop", "length")
+    tokens = httpx.post(f"{url}/tokenize", headers=AUTH, json={"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}).json()["tokens"]
+    assert tokens == httpx.post(f"{url}/tokenize", headers=AUTH, json={"messages": [
+        {"role": "user", "content": "hi"}]}).json()["tokens"]
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"presence_penalty": -5}, "presence_penalty"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"1": 150}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"), ({"min_tokens": 30, "max_tokens": 8}, "min_tokens"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"bad_words": "return"}, "bad_words"),
+])
+def test_bad_values_are_a_400_naming_the_field(served, fields, needle):
+    _, url, _, _ = served
+    response = httpx.post(f"{url}/v1/completions", headers=AUTH,
+                          json={"model": "demo", "prompt": "x", "max_tokens": 8, **fields})
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("message, needle", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}, "image_url"),
+    ({"role": "user", "content": None}, "content"),
+    ({"role": "user", "content": [{"type": "text"}]}, "needs its text"),
+    ({"role": "tool", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "tool_calls"),
+])
+def test_bad_messages_are_a_400_naming_what_is_wrong(served, message, needle):
+    _, url, _, _ = served
+    response = httpx.post(f"{url}/v1/chat/completions", headers=AUTH,
+                          json={"model": "demo", "max_tokens": 4, "messages": [message]})
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]

@@ -53,7 +53,7 @@ class Frontend:
     def check(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> CheckedRequest:
         """The request, checked once here for whichever engine runs it (`engine.checks`), its bad_words
         tokenized."""
-        return self.limits.check(prompt_token_ids, params.with_bad_words_tokenized(self.tokenizer), prompt)
+        return self.limits.check(prompt_token_ids, params.with_tokenizer(self.tokenizer), prompt)
 
     @functools.cached_property
     def max_text_bytes(self) -> int:

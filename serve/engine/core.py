@@ -86,7 +86,8 @@ class LLMEngine(FaultIsolatingSteps):
         self.device = model.model.embed_tokens.weight.device
         self.cache = model.make_cache(config.max_num_seqs, config.max_model_len)
         self.stop_checker = StopChecker(tokenizer, eos_token_ids, config.max_model_len)
-        self.logits_state = SlotLogitsState(config.max_num_seqs, model.config.vocab_size, self.device, eos_token_ids)
+        self.logits_state = SlotLogitsState(config.max_num_seqs, model.config.vocab_size, self.device, eos_token_ids,
+                                            tokenizer)
         self.free_slots = list(range(config.max_num_seqs))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -144,7 +145,7 @@ class LLMEngine(FaultIsolatingSteps):
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None) -> Request | RequestGroup:
         """Checks a request (`limits`) and queues it (`add`)."""
-        params = params.with_bad_words_tokenized(self.tokenizer)
+        params = params.with_tokenizer(self.tokenizer)
         return self.add(self.limits.check(prompt_token_ids, params, prompt), request_id)
 
     def add(self, checked: CheckedRequest, request_id: str | None = None) -> Request | RequestGroup:

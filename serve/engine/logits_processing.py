@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.engine.structured_outputs import GrammarRow
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class LogitsAdjust:
     # per row, the bad words of two or more tokens, and the output's last tokens they must match
     bad_sequences: tuple[tuple[tuple[int, ...], ...], ...]
     tails: tuple[tuple[int, ...], ...]
+    grammars: tuple[GrammarRow | None, ...] = ()  # per row, its structured-output matcher, or None
 
     def select(self, rows: list[int]) -> LogitsAdjust:
         index = torch.tensor(rows, device=self.bias.device)
@@ -89,13 +91,16 @@ class LogitsAdjust:
             "bias", "min_tokens_left", "stop_tokens", "output_counts", "in_prompt", "repetition", "frequency",
             "presence")}
         return replace(self, **tensors, bad_sequences=tuple(self.bad_sequences[r] for r in rows),
-                       tails=tuple(self.tails[r] for r in rows))
+                       tails=tuple(self.tails[r] for r in rows),
+                       grammars=tuple(self.grammars[r] for r in rows) if self.grammars else ())
 
     def apply(self, logits: torch.Tensor, prefix: DraftPrefix | None = None) -> torch.Tensor:
         """logits [B, N, V] of N consecutive positions (position n after the drafts `prefix` says; without
         one, N is 1) -> processed logits, fp32."""
         rows, positions, vocab = logits.shape
         logits = logits.float() + self.bias[:, None]
+        if any(g is not None for g in self.grammars):
+            logits = self._grammar_masks(logits, prefix)
         depth = prefix.depth() if prefix is not None else torch.zeros(rows, positions, dtype=torch.long,
                                                                       device=logits.device)
         if self.bans_stops:
@@ -113,6 +118,16 @@ class LogitsAdjust:
             logits = torch.where(repeated, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
             logits = logits - self.frequency[:, None, None] * counts - self.presence[:, None, None] * seen
         return logits
+
+    def _grammar_masks(self, logits: torch.Tensor, prefix: DraftPrefix | None) -> torch.Tensor:
+        """-inf on the tokens each row's grammar forbids after each position's drafts."""
+        rows, positions, vocab = logits.shape
+        paths = prefix.paths() if prefix is not None else [[[]] for _ in range(rows)]
+        allowed = torch.ones(rows, positions, vocab, dtype=torch.bool)
+        for row, grammar in enumerate(self.grammars):
+            if grammar is not None:
+                allowed[row] = grammar.masks(paths[row][:positions])
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def _ban_sequences(self, logits: torch.Tensor, prefix: DraftPrefix | None) -> torch.Tensor:
         """-inf on a bad word's last token wherever the tokens before the position end with its others."""
@@ -134,10 +149,11 @@ class SlotLogitsState:
     static bias. A slot's row is rebuilt when a new request holds it, and its counts are brought up to date
     with each step's new tokens in one scatter."""
 
-    def __init__(self, slots: int, vocab: int, device, eos_token_ids: set[int]):
-        self.slots, self.vocab, self.device = slots, vocab, device
+    def __init__(self, slots: int, vocab: int, device, eos_token_ids: set[int], tokenizer=None):
+        self.slots, self.vocab, self.device, self.tokenizer = slots, vocab, device, tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
         self.owners: list[object | None] = [None] * slots
+        self.grammars: list[GrammarRow | None] = [None] * slots
         self.counted = [0] * slots  # output tokens of the owner already in `counts`
         self.tensors: dict[str, torch.Tensor] | None = None  # allocated with the first request that needs them
 
@@ -157,6 +173,10 @@ class SlotLogitsState:
             if self.owners[request.slot] is not request:
                 self._take_slot(request)
         self._count_new_tokens(rows)
+        grammars = tuple(self.grammars[r.slot] for r in rows)
+        for request, grammar in zip(rows, grammars):
+            if grammar is not None:
+                grammar.sync(request.output_token_ids)
         slots = torch.tensor([r.slot for r in rows], device=self.device)
         t = self.tensors
 
@@ -174,7 +194,7 @@ class SlotLogitsState:
             presence=column([p.presence_penalty for p in params]),
             penalized=any(p.penalized for p in params),
             bans_stops=any(p.min_tokens > len(r.output_token_ids) for p, r in zip(params, rows)),
-            bad_sequences=tuple(multi),
+            bad_sequences=tuple(multi), grammars=grammars,
             tails=tuple(tuple(r.output_token_ids[max(0, len(r.output_token_ids) - n):]) if n else ()
                         for r, n in zip(rows, longest)))
 
@@ -196,6 +216,8 @@ class SlotLogitsState:
                 bias[word[0]] = float("-inf")
         t["bias"][slot] = bias
         stops = [*self.eos_token_ids, *params.stop_token_ids]
+        self.grammars[slot] = None if params.compiled_grammar is None else GrammarRow(
+            params.compiled_grammar, self.tokenizer, self.vocab, self.eos_token_ids)
         t["stops"][slot].zero_()
         if stops:
             t["stops"][slot, torch.tensor(stops, device=self.device)] = True

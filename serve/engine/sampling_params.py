@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's top_logprobs bound, vLLM's default)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range, as vLLM's API bounds it
@@ -52,8 +53,11 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generated, at the start of the text or after a space
     allowed_token_ids: list[int] | None = None  # the only tokens that may be generated
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: as many as the context takes)
-    # bad_words as token sequences, from the tokenizer (`with_bad_words_tokenized`)
+    # the output held to a JSON schema, regex, choice or grammar (`structured_outputs`)
+    structured_outputs: StructuredOutputsParams | None = None
+    # from the tokenizer (`with_tokenizer`): bad_words as token sequences, structured_outputs as a grammar
     bad_words_token_ids: list[list[int]] | None = None
+    compiled_grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,18 +105,28 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether `logits_processing` has anything to do for this request (min_p lives with the filters)."""
         return bool(self.penalized or self.logit_bias or self.min_tokens or self.bad_words_token_ids
-                    or self.allowed_token_ids is not None)
+                    or self.allowed_token_ids is not None or self.compiled_grammar)
 
     def token_ids_used(self) -> list[int]:
         """Every token id this request names, for the vocabulary check."""
         ids = [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
         return ids + [t for word in self.bad_words_token_ids or [] for t in word]
 
-    def with_bad_words_tokenized(self, tokenizer) -> SamplingParams:
-        """These params with `bad_words_token_ids`: each word as the tokenizer spells it at the start of a text,
-        and with a leading space where that is a different spelling of the same length (vLLM's rule: a word
-        is banned at the start and in the middle of text)."""
-        if not self.bad_words:
+    def with_tokenizer(self, tokenizer) -> SamplingParams:
+        """These params with what needs the tokenizer worked out once: `bad_words_token_ids` and
+        `compiled_grammar` (DraftsmithError where a constraint cannot compile)."""
+        params = self._with_bad_words_tokenized(tokenizer)
+        if params.structured_outputs is not None and params.compiled_grammar is None:
+            from draftsmith.serve.engine.structured_outputs import compile_constraint
+
+            params = replace(params, compiled_grammar=compile_constraint(params.structured_outputs, tokenizer))
+        return params
+
+    def _with_bad_words_tokenized(self, tokenizer) -> SamplingParams:
+        """Each bad word as the tokenizer spells it at the start of a text, and with a leading space where
+        that is a different spelling of the same length (vLLM's rule: a word is banned at the start and in
+        the middle of text)."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
             return self
         if tokenizer is None:
             raise DraftsmithError("bad_words need a tokenizer, and this engine has none (skip_tokenizer_init)")

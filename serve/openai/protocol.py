@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.serve.engine.sampling_params import (
     INT64_MAX,
     INT64_MIN,
@@ -25,6 +26,7 @@ from draftsmith.serve.engine.sampling_params import (
     MAX_REPETITION_PENALTY,
     SamplingParams,
 )
+from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams, response_format_constraint
 
 logger = logging.getLogger("draftsmith")
 
@@ -74,6 +76,36 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema with its schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs json_schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
@@ -105,6 +137,29 @@ class _Sampling(_Body):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=2**20)] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64_MAX, description=(
         "keep the prompt's last N tokens; -1: as many as the context takes"))
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(default=None, description=(
+        "vLLM's: exactly one of json, regex, choice, grammar, json_object"))
+    guided_json: dict | str | None = Field(default=None, description="older spelling of structured_outputs.json")
+    guided_regex: str | None = Field(default=None, description="older spelling of structured_outputs.regex")
+    guided_choice: list[str] | None = Field(default=None, description="older spelling of structured_outputs.choice")
+    guided_grammar: str | None = Field(default=None, description="older spelling of structured_outputs.grammar")
+    guided_whitespace_pattern: str | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The one output constraint the body asks for, whichever spelling (a 400 where it asks for two)."""
+        guided = {kind: getattr(self, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
+        guided = {k: v for k, v in guided.items() if v is not None}
+        asked = [(name, value) for name, value in (
+            ("response_format", response_format_constraint(self.response_format.model_dump(by_alias=True))
+             if self.response_format is not None else None),
+            ("structured_outputs", StructuredOutputsParams(**self.structured_outputs.model_dump(exclude_none=True, by_alias=True))
+             if self.structured_outputs is not None else None),
+            ("guided_*", StructuredOutputsParams(**guided, whitespace_pattern=self.guided_whitespace_pattern)
+             if guided else None)) if value is not None]
+        if len(asked) > 1:
+            raise DraftsmithError(f"{asked[0][0]}, {asked[1][0]}: give one output constraint, not two")
+        return asked[0][1] if asked else None
 
     @model_validator(mode="after")
     def _best_of_is_n(self):
@@ -120,7 +175,8 @@ class _Sampling(_Body):
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_p=self.min_p, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
                               bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
-                              truncate_prompt_tokens=self.truncate_prompt_tokens)
+                              truncate_prompt_tokens=self.truncate_prompt_tokens,
+                              structured_outputs=self.constraint())
 
     def top_alternatives(self) -> int | None:
         """How many top alternatives per token the response reports logprobs for (None: no logprobs)."""

@@ -66,7 +66,7 @@ def test_bad_words_are_never_generated_at_the_start_or_after_a_space(plain):
     params = SamplingParams(temperature=0, max_tokens=40, bad_words=["assert", "is_integer"])
     text = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
     assert "assert" not in text and "is_integer" not in text
-    words = params.with_bad_words_tokenized(plain.tokenizer).bad_words_token_ids
+    words = params.with_tokenizer(plain.tokenizer).bad_words_token_ids
     assert max(len(w) for w in words) > 1  # a word of several tokens: banned by its last, after the others
     assert {plain.tokenizer.decode(w).strip() for w in words} == {"assert", "is_integer"}
 

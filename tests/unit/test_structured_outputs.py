@@ -1,0 +1,120 @@
+"""Structured outputs through llguidance: JSON schemas, json_object, regex, choice and grammars hold the output,
+exactly as plain decoding does under speculation (n-gram, EAGLE-3, DFlash, an EAGLE-3 tree; greedy and seeded
+at temperature 1), and a constraint that cannot compile is one clear error."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.engine.structured_outputs import GrammarRow, StructuredOutputsParams, compile_constraint
+from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config
+
+ASSETS = DEMO_MODEL.parent
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+    "required": ["name", "age", "tags"], "additionalProperties": False}
+CONSTRAINTS = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(json_object=True),
+               StructuredOutputsParams(regex=r"[a-z]{2,6}_\d{2}"),
+               StructuredOutputsParams(choice=["yes", "no", 'say "maybe"']),
+               StructuredOutputsParams(grammar='start: "def " NAME "(" NAME? ")"\nNAME: /[a-z_]{1,12}/')]
+# 50 prompts: the code prompts, numbered, so that no two are alike
+PROMPTS = [f"# task {i}\n{CODE_PROMPTS[i % len(CODE_PROMPTS)]}" for i in range(50)]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=8, max_model_len=256)
+
+
+def _outputs(llm, prompts, params):
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _holds(constraint: StructuredOutputsParams, text: str) -> bool:
+    if constraint.json is not None:
+        jsonschema.validate(json.loads(text), constraint.json)
+        return True
+    if constraint.json_object:
+        return isinstance(json.loads(text), dict)
+    if constraint.regex is not None:
+        return re.fullmatch(constraint.regex, text) is not None
+    if constraint.choice is not None:
+        return text in constraint.choice
+    return re.fullmatch(r"def [a-z_]{1,12}\(([a-z_]{1,12})?\)", text) is not None
+
+
+def test_every_kind_of_constraint_holds_the_output_and_changes_it(plain):
+    free = _outputs(plain, CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=48))
+    for constraint in CONSTRAINTS:
+        outs = _outputs(plain, CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=48, structured_outputs=constraint))
+        for out, unconstrained in zip(outs, free):
+            assert out.finish_reason == "stop" and _holds(constraint, out.text), (constraint, out.text)
+            assert out.text != unconstrained.text
+
+
+@pytest.mark.slow
+def test_json_schema_outputs_validate_on_50_prompts_with_and_without_speculation(plain):
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON))
+    spec = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=8, max_model_len=256, target=plain.model,
+               speculative_config=spec_config("eagle3", ASSETS / "demo-code-7m-eagle3", 4, draft_dtype="float32"))
+    for llm in (plain, spec):
+        for out in _outputs(llm, PROMPTS, params):
+            jsonschema.validate(json.loads(out.text), PERSON)
+    assert spec.get_metrics()["num_accepted_tokens"] > 0
+
+
+SPECULATION = {
+    "ngram": lambda: spec_config("ngram", k=3, prompt_lookup_max=3, prompt_lookup_min=1),
+    "eagle3": lambda: spec_config("eagle3", ASSETS / "demo-code-7m-eagle3", 4, draft_dtype="float32"),
+    "dflash": lambda: spec_config("dflash", ASSETS / "demo-code-7m-dflash", 7, draft_dtype="float32"),
+    "eagle3 tree": lambda: spec_config("eagle3", ASSETS / "demo-code-7m-eagle3", 8, draft_dtype="float32",
+                                       tree_depth=4, tree_top_k=2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(SPECULATION))
+def test_speculation_gives_plain_decodings_tokens_under_every_constraint(plain, method):
+    prompts = [p for p in CODE_PROMPTS[:2] for _ in CONSTRAINTS]
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=8, max_model_len=256, target=plain.model,
+              speculative_config=SPECULATION[method]())
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(temperature=temperature, max_tokens=40, seed=7, structured_outputs=c, presence_penalty=0.5)
+                  for _ in CODE_PROMPTS[:2] for c in CONSTRAINTS]
+        got, want = _outputs(llm, prompts, params), _outputs(plain, prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], temperature
+        assert all(_holds(c, o.text) for c, o in zip(CONSTRAINTS * 2, want) if o.finish_reason == "stop")
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"json": {"type": "bogus"}}, "bogus"), ({"regex": "("}, "unclosed group"), ({"grammar": "start: foo("}, "Expected"),
+    ({"json": "{not json"}, "structured_outputs"), ({}, "exactly one"), ({"regex": "a", "choice": ["b"]}, "exactly one"),
+    ({"choice": []}, "at least one")])
+def test_a_constraint_that_cannot_compile_is_one_clear_error(plain, keys, message):
+    with pytest.raises(DraftsmithError, match=message):
+        compile_constraint(StructuredOutputsParams(**keys), plain.tokenizer)
+
+
+def test_masks_after_drafts_are_the_matchers_after_consuming_them_and_nothing_moves(plain):
+    tokenizer = plain.tokenizer
+    grammar = compile_constraint(StructuredOutputsParams(json=PERSON), tokenizer)
+    row = GrammarRow(grammar, tokenizer, len(tokenizer), [0])
+    text = tokenizer('{"name": "ab", "age": 7', add_special_tokens=False).input_ids
+    masks = row.masks([text[:n] for n in range(len(text) + 1)] + [[tokenizer("}", add_special_tokens=False).input_ids[0]]])
+    for n in range(len(text) + 1):
+        fresh = GrammarRow(grammar, tokenizer, len(tokenizer), [0])
+        fresh.sync(text[:n])
+        assert torch.equal(masks[n], fresh.masks([[]])[0])
+        if n < len(text):
+            assert masks[n][text[n]]  # the text's own next token is allowed
+    assert masks[-1].all()  # "}" first is refused: that prefix cannot be reached, its row is left open
+    assert torch.equal(row.masks([[]])[0], GrammarRow(grammar, tokenizer, len(tokenizer), [0]).masks([[]])[0])
+    forced = row.forced_tokens()  # the schema's first key is required: the grammar writes it alone
+    assert forced == text[: len(forced)] and tokenizer.decode(forced).startswith('{"name"')

@@ -38,11 +38,11 @@ class Frontend:
                                   "pass {\"prompt_token_ids\": [...]}")
         return prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise DraftsmithError(f"the tokenizer in {self.model_dir} has no chat template")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors on malformed messages
             raise DraftsmithError(f"chat template failed on messages {messages!r}: {exc}") from None
 

@@ -25,6 +25,7 @@ from draftsmith.serve.openai.protocol import (
 )
 from draftsmith.serve.openai.state import ServerState
 from draftsmith.serve.openai.streaming import stream_events, usage_chunk_for
+from draftsmith.serve.openai.tools import ToolCallDeltas, finish_reason, tool_calls
 
 
 def chat_router(state: ServerState) -> APIRouter:
@@ -35,17 +36,21 @@ def chat_router(state: ServerState) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         start = time.perf_counter()
         check_model(state, body.model)
-        prompt, ids = await off_loop(render_chat, state.frontend, body.messages, param="messages")
-        [request] = check_prompts(state, body, [(prompt, ids)])
+        prompt, ids = await off_loop(render_chat, state.frontend, body.messages, body.tools, param="messages")
+        [request] = await off_loop(check_prompts, state, body, [(prompt, ids)])  # a grammar compiles here
         params, outputs = request.params, submit(state, request)
         rid = new_id("chatcmpl")
+        calling = body.tool_choice_in_force() not in (None, "none")
         if body.stream:
             return _streamed(state, body, rid, len(ids), params, outputs, start)
         out = await collect(state, raw, outputs, start)
         record_finished(state, out, start)
-        choices = [chat_choice(c.index, c.text, c.finish_reason,
-                               None if c.logprobs is None else _logprobs(state, c.logprobs, params))
-                   for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            logprobs = None if c.logprobs is None else _logprobs(state, c.logprobs, params)
+            calls = tool_calls(c.text, body.tool_choice_in_force()) if calling and c.finish_reason == "stop" else None
+            finish = finish_reason(body.tool_choice_in_force(), c.finish_reason) if calls else c.finish_reason
+            choices.append(chat_choice(c.index, c.text, finish, logprobs, calls))
         return chat_body(rid, state.model_name, choices, len(ids), sum(len(c.token_ids) for c in out.outputs))
 
     return router
@@ -63,9 +68,17 @@ def _streamed(state: ServerState, body: ChatCompletionRequest, rid: str, n_promp
     first = [chat_chunk(rid, state.model_name, {"role": "assistant", "content": ""}, None, None, index)
              for index in range(params.n)]
 
+    choice = body.tool_choice_in_force()
+    calls = [ToolCallDeltas(choice) for _ in range(params.n)] if choice not in (None, "none") else None
+
     def chunk(index: int, delta: str, finish: str | None, entries: list[dict] | None) -> dict:
         logprobs = None if entries is None else _logprobs(state, entries, params)
-        return chat_chunk(rid, state.model_name, {"content": delta} if delta else {}, finish, logprobs, index)
+        if calls is None:
+            return chat_chunk(rid, state.model_name, {"content": delta} if delta else {}, finish, logprobs, index)
+        message = calls[index].delta(delta, finish is not None)
+        if "tool_calls" in message and finish is not None:
+            finish = finish_reason(choice, finish)
+        return chat_chunk(rid, state.model_name, message, finish, logprobs, index)
 
     usage = usage_chunk_for(state, body, rid, "chat.completion.chunk", n_prompt)
     events = stream_events(state, outputs, params, start, chunk, first_chunks=first, usage=usage)

@@ -46,13 +46,15 @@ def encode_prompts(frontend: Frontend, prompts: list[str | list[int]]) -> list[t
     return [frontend.encode(p) if isinstance(p, str) else (None, list(p)) for p in prompts]
 
 
-def render_chat(frontend: Frontend, messages: list[ChatMessage]) -> tuple[str, list[int]]:
-    """The chat template's prompt and its ids; more messages or text than the context holds is refused."""
+def render_chat(frontend: Frontend, messages: list[ChatMessage], tools: list | None = None) -> tuple[str, list[int]]:
+    """The chat template's prompt (with `tools`, pydantic `Tool`s, where given) and its ids; more messages or
+    text than the context holds is refused."""
     max_model_len = frontend.max_model_len
     if len(messages) > max_model_len:
         raise DraftsmithError(f"messages: {len(messages)} messages cannot fit max_model_len {max_model_len}")
     frontend.check_text("".join(m.text() for m in messages), "messages")
-    prompt = frontend.apply_chat_template([m.for_template() for m in messages])
+    prompt = frontend.apply_chat_template([m.for_template() for m in messages],
+                                          [t.model_dump(exclude_none=True) for t in tools] if tools else None)
     return prompt, frontend.tokenizer(prompt, add_special_tokens=False).input_ids  # the template wrote them
 
 

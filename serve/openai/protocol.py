@@ -27,6 +27,7 @@ from draftsmith.serve.engine.sampling_params import (
     SamplingParams,
 )
 from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams, response_format_constraint
+from draftsmith.serve.openai.tools import Tool, ToolChoice, resolve_tool_choice, tool_constraint
 
 logger = logging.getLogger("draftsmith")
 
@@ -298,6 +299,23 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = Field(default=None, description=(
+        "'none', 'required' or a named function; 'auto' needs a tool-call parser this server has not"))
+    parallel_tool_calls: bool | None = Field(default=None, description="false: 'required' makes one call")
+
+    def tool_choice_in_force(self) -> ToolChoice | None:
+        """The tool choice that shapes the answer (None: text); DraftsmithError where it cannot be served."""
+        return resolve_tool_choice(self.tools, self.tool_choice)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        asked = super().constraint()
+        choice = self.tool_choice_in_force()
+        calls = tool_constraint(self.tools, choice, self.parallel_tool_calls is not False) if choice else None
+        if calls is not None and asked is not None:
+            raise DraftsmithError("tool_choice: a tool call is written under its own schema; drop response_format "
+                                  "and structured_outputs, or tool_choice")
+        return calls or asked
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -339,9 +357,11 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None,
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish}
+def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None,
+                calls: list[dict] | None = None) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text} if calls is None else {
+        "role": "assistant", "content": None, "tool_calls": calls}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def chat_body(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -2,7 +2,10 @@
 parameter changes the answer as it says and gives the tokens plain decoding gives; chat content parts, tool
 calls and tool messages are read; a bad value is a 400 naming its field."""
 
+import json
+
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -102,5 +105,75 @@ def test_bad_messages_are_a_400_naming_what_is_wrong(served, message, needle):
     _, url, _, _ = served
     response = httpx.post(f"{url}/v1/chat/completions", headers=AUTH,
                           json={"model": "demo", "max_tokens": 4, "messages": [message]})
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]
+
+
+WALK = {"type": "object", "properties": {"root": {"type": "string", "maxLength": 12}, "depth": {"type": "integer"}},
+        "required": ["root", "depth"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "walk", "description": "walk a folder", "parameters": WALK}},
+         {"type": "function", "function": {"name": "read", "parameters": {
+             "type": "object", "properties": {"path": {"type": "string", "maxLength": 12}}, "required": ["path"],
+             "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "walk the root folder"}]
+
+
+def test_a_tool_call_round_trips_through_the_openai_client(served):
+    client = served[0]
+    named = {"type": "function", "function": {"name": "walk"}}
+    answer = client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice=named,
+                                            max_tokens=60, temperature=0)
+    [call] = answer.choices[0].message.tool_calls
+    assert call.function.name == "walk" and answer.choices[0].message.content is None
+    jsonschema.validate(json.loads(call.function.arguments), WALK)
+    streamed, finish = "", None
+    for chunk in client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice=named,
+                                                max_tokens=60, temperature=0, stream=True):
+        finish = chunk.choices[0].finish_reason or finish
+        for piece in chunk.choices[0].delta.tool_calls or []:
+            assert piece.index == 0 and (piece.function.name in (None, "walk"))
+            streamed += piece.function.arguments or ""
+    assert streamed == call.function.arguments and finish == "stop"
+    reply = client.chat.completions.create(model="demo", max_tokens=8, temperature=0, messages=[
+        *ASK, answer.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "['a.py', 'b.py']"}])
+    assert reply.choices[0].message.content
+
+
+def test_required_tool_calls_name_given_tools_and_finish_as_tool_calls(served):
+    client = served[0]
+    answer = client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=60, temperature=0)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    [call] = answer.choices[0].message.tool_calls
+    tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_response_format_json_schema_through_the_openai_client(served):
+    client = served[0]
+    answer = client.chat.completions.create(model="demo", messages=ASK, max_tokens=60, temperature=0,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "walk", "schema": WALK}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), WALK)
+    free = client.chat.completions.create(model="demo", messages=ASK, max_tokens=60, temperature=0)
+    assert free.choices[0].message.content != answer.choices[0].message.content
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"tools": TOOLS}, "'auto'"), ({"tools": TOOLS, "tool_choice": "auto"}, "'auto'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "no tool is named"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "one output constraint"),
+    ({"structured_outputs": {"json": {"type": "bogus"}}}, "bogus"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+    ({"structured_outputs": {"jsonn": {}}}, "jsonn"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema"),
+])
+def test_bad_tool_and_format_requests_are_a_400_naming_what_is_wrong(served, fields, needle):
+    _, url, _, _ = served
+    response = httpx.post(f"{url}/v1/chat/completions", headers=AUTH,
+                          json={"model": "demo", "max_tokens": 4, "messages": ASK, **fields})
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]

@@ -24,6 +24,7 @@ from draftsmith.serve.apps.demo import wait_healthy
 from draftsmith.serve.client.engine_client import QueueFullError
 from draftsmith.serve.client.output_streams import BacklogFull
 from draftsmith.serve.client.thread_engine import ThreadEngine
+from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams
 from draftsmith.serve.openai.cli import (
     build_process_server_app,
     build_server_app,
@@ -360,3 +361,20 @@ def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done(t
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_penalties_biases_and_a_schema_cross_to_the_engine_and_give_plain_decodings_answer(server):
+    """The new request fields survive the engine process's frames: the answer is plain decoding's with them."""
+    url, _ = server
+    schema = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 12}}, "required": ["path"],
+              "additionalProperties": False}
+    fields = {"presence_penalty": 1.0, "logit_bias": {"7": 3.0}, "bad_words": ["root"], "min_tokens": 2,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+    response = _post(url, "/v1/completions", _completion(prompt=CANARY, max_tokens=40, temperature=0, **fields))
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["text"]
+    plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=40, presence_penalty=1.0, logit_bias={7: 3.0}, bad_words=["root"],
+                            min_tokens=2, structured_outputs=StructuredOutputsParams(json=schema))
+    assert text == plain.generate([CANARY], params, use_tqdm=False)[0].outputs[0].text
+    assert set(json.loads(text)) == {"path"}

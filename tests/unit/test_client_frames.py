@@ -27,6 +27,7 @@ from draftsmith.serve.client.frames import (
 from draftsmith.serve.engine.logprobs import Logprob
 from draftsmith.serve.engine.outputs import OutputDelta, RequestHeader, SampleDelta
 from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams
 
 DELTA = OutputDelta(
     "req-1", False,
@@ -37,6 +38,10 @@ DELTA = OutputDelta(
 
 MESSAGES = [
     (COMMANDS, AddRequest("req-1", [1, 2, 3], SamplingParams(temperature=0.7, stop="x", n=2, seed=-5, logprobs=3), "hi")),
+    (COMMANDS, AddRequest("req-3", [1], SamplingParams(
+        logit_bias={5: -3.0}, bad_words=["x"], bad_words_token_ids=[[1, 2]], allowed_token_ids=[1, 2, 5],
+        repetition_penalty=1.2, min_tokens=2, structured_outputs=StructuredOutputsParams(json={"type": "object"}),
+        compiled_grammar="{}"))),
     (COMMANDS, AbortRequest("req-1")),
     (COMMANDS, StopEngine(2.5)),
     (REPORTS, StepReport([DELTA], EngineStats(1, 2, {"num_drafts": 3, "accepted_per_position": [2, 1]}))),

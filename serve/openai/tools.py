@@ -1,0 +1,129 @@
+"""Tool calling: `tools` and `tool_choice` on /v1/chat/completions, the call written under a structured-output
+constraint and returned in OpenAI's `tool_calls` shape, whole or streamed.
+
+- a named function: the output is that function's arguments, held to its parameters schema; finish "stop"
+  (as OpenAI and vLLM answer a forced call);
+- "required": the output is a JSON array of one or more {"name", "parameters"} calls of the given tools;
+  finish "tool_calls";
+- "none": the tools go to the chat template and the answer is text;
+- "auto" (OpenAI's default when tools are given) needs a parser for the model's own call format, which is
+  model-specific; draftsmith has none, so it is a 400 saying which choices work, as vLLM answers without
+  --tool-call-parser.
+The chat template decides how the tools and earlier calls render.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams
+
+ANY_OBJECT = {"type": "object"}
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def resolve_tool_choice(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolChoice | None:
+    """The choice in force, checked: None where no tools are given (and none is asked)."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise DraftsmithError("tool_choice: needs tools")
+        return None
+    choice = choice if choice is not None else "auto"
+    if choice == "auto":
+        raise DraftsmithError("tool_choice: 'auto' (the default with tools) needs a parser for this model's own "
+                              "tool-call format, and draftsmith has none; send tool_choice 'required' or name a "
+                              "function, and the call is written under a JSON schema")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+        raise DraftsmithError(f"tool_choice: no tool is named {choice.function.name!r}")
+    return choice
+
+
+def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool = True) -> StructuredOutputsParams | None:
+    """The constraint a call is written under, or None for 'none'; `parallel` False: 'required' makes one."""
+    if isinstance(choice, NamedToolChoice):
+        tool = next(t for t in tools if t.function.name == choice.function.name)
+        return StructuredOutputsParams(json=tool.function.parameters or ANY_OBJECT)
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                   "parameters": t.function.parameters or ANY_OBJECT},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return StructuredOutputsParams(json=array if parallel else {**array, "maxItems": 1})
+    return None
+
+
+def tool_calls(text: str, choice: ToolChoice) -> list[dict[str, Any]] | None:
+    """The calls in a finished output, in OpenAI's shape; None where the output is not a whole call (it ran
+    out of tokens first): then it is returned as text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(choice, NamedToolChoice):
+        return [_call(choice.function.name, text)]
+    return [_call(call["name"], json.dumps(call["parameters"])) for call in value]
+
+
+def finish_reason(choice: ToolChoice, engine_reason: str | None) -> str | None:
+    """OpenAI's finish reason for a call: 'tool_calls' for required ones, the engine's for a forced one."""
+    return "tool_calls" if choice == "required" and engine_reason == "stop" else engine_reason
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class ToolCallDeltas:
+    """A streamed call: a forced function's arguments go out as they come (the first delta names the call);
+    'required' calls go out whole once the output is complete, each with its index."""
+
+    def __init__(self, choice: ToolChoice):
+        self.choice, self.text, self.opened = choice, "", False
+        self.call = _call(choice.function.name, "") if isinstance(choice, NamedToolChoice) else None
+
+    def delta(self, new_text: str, done: bool) -> dict[str, Any]:
+        self.text += new_text
+        if self.call is not None:
+            if not new_text and self.opened:
+                return {}
+            piece = {"index": 0, "function": {"arguments": new_text}}
+            if not self.opened:
+                self.opened = True
+                piece = {"index": 0, "id": self.call["id"], "type": "function",
+                         "function": {"name": self.call["function"]["name"], "arguments": new_text}}
+            return {"tool_calls": [piece]}
+        if not done:
+            return {}
+        calls = tool_calls(self.text, self.choice)
+        if calls is None:
+            return {"content": self.text}
+        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}

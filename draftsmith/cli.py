@@ -93,6 +93,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
     gen.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same output")
+    gen.add_argument("--sampling-params", default=None, metavar="JSON", help=(
+        "further SamplingParams for every prompt, with vLLM's names, e.g. '{\"presence_penalty\": 1.0, "
+        "\"min_p\": 0.05, \"logit_bias\": {\"13\": -100}, \"structured_outputs\": {\"json\": {...}}}'"))
     gen.add_argument("--metrics-json", default=None, help="write elapsed_s, tokens_per_s and counters here")
     _add_engine_args(gen, method_names(servable))
     gen.set_defaults(handler="draftsmith.serve.apps.generate:run")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve.apps.llm import LLM, engine_kwargs
 from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams
 
 
 def read_prompt_file(path: Path) -> list[dict]:
@@ -42,10 +44,35 @@ def read_prompt_file(path: Path) -> list[dict]:
     return records
 
 
+FLAGGED = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # set by their own flags
+
+
+def further_params(text: str | None) -> dict:
+    """--sampling-params: a JSON object of SamplingParams fields (vLLM's names) beyond the flags'."""
+    if text is None:
+        return {}
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DraftsmithError(f"--sampling-params: not valid JSON ({exc.msg})") from None
+    known = {f.name for f in dataclasses.fields(SamplingParams)} - set(FLAGGED) - {"bad_words_token_ids", "compiled_grammar"}
+    if not isinstance(fields, dict) or set(fields) - known:
+        unknown = sorted(set(fields) - known) if isinstance(fields, dict) else "not an object"
+        raise DraftsmithError(f"--sampling-params: unknown fields {unknown}; known: {', '.join(sorted(known))}")
+    if "logit_bias" in fields:
+        fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
+    if "structured_outputs" in fields:
+        try:
+            fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+        except TypeError as exc:
+            raise DraftsmithError(f"--sampling-params: structured_outputs: {exc}") from None
+    return fields
+
+
 def run(args: argparse.Namespace) -> int:
     records = read_prompt_file(Path(args.prompts))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
+                            max_tokens=args.max_tokens, seed=args.seed, **further_params(args.sampling_params))
     llm = LLM(args.model, **engine_kwargs(args))
     prompts = [r["prompt"] if "prompt" in r else llm.apply_chat_template(r["messages"]) for r in records]
     start = time.perf_counter()

@@ -41,6 +41,17 @@ def test_generate_writes_outputs_in_order_with_metrics(tmp_path):
     assert metrics["elapsed_s"] > 0 and metrics["tokens_per_s"] > 0
 
 
+def test_generate_takes_further_sampling_params(tmp_path, capsys):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    further = json.dumps({"presence_penalty": 1.5, "logit_bias": {"7": -100}, "structured_outputs": {"json": schema}})
+    assert _generate(tmp_path, [{"prompt": "x = "}], "--sampling-params", further) == 0
+    [row] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert set(json.loads(row["text"])) == {"n"} and 7 not in row["token_ids"]
+    assert _generate(tmp_path, [{"prompt": "x"}], "--sampling-params", '{"presense_penalty": 1}') == 2
+    assert "unknown fields ['presense_penalty']" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case,expected", [
     ("missing_model", "model directory '/nonexistent/model' does not exist"),
     ("bad_json", "p.jsonl line 2: not valid JSON"),

@@ -48,13 +48,20 @@ ENDPOINTS = {
     "/tokenize": {"prompt": "def add(a, b):"},
     "/detokenize": {"tokens": [1, 2, 3]},
 }
+# vLLM's sampling and structured-output fields, on both generation endpoints
+SAMPLING = ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
+            "bad_words", "allowed_token_ids", "truncate_prompt_tokens", "response_format", "structured_outputs",
+            "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
 FIELDS = {
     "/v1/completions": ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
                         "seed", "n", "ignore_eos", "stream", "stream_options", "best_of", "logprobs", "echo",
-                        "unknown_field"],
+                        "unknown_field", *SAMPLING],
     "/v1/chat/completions": ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                              "top_k", "stop", "stop_token_ids", "seed", "n", "ignore_eos", "stream",
-                             "stream_options", "logprobs", "top_logprobs", "unknown_field"],
+                             "stream_options", "logprobs", "top_logprobs", "unknown_field", *SAMPLING, "tools",
+                             "tool_choice", "parallel_tool_calls"],
     "/tokenize": ["model", "prompt", "messages", "add_special_tokens", "unknown_field"],
     "/detokenize": ["model", "tokens", "unknown_field"],
 }
@@ -67,6 +74,20 @@ EDGES = {
     "echo": [True], "stream": [True], "stream_options": [{"include_usage": True}], "ignore_eos": [True],
     "prompt": [[0], [8191] * 10, [[1, 2], [3]], ["a", "b"], "x" * 300], "tokens": [[0], list(range(64))],
     "add_special_tokens": [False], "best_of": [1, 2], "model": ["demo", "other"],
+    "presence_penalty": [-2.0, 2.0, 2.1], "frequency_penalty": [-2.0, 2.0], "repetition_penalty": [1e-9, 1.5, 100.0, 101.0],
+    "min_p": [0.0, 1.0, 0.99], "logit_bias": [{"0": 100}, {"8191": -100}, {"8192": 1}, {"x": 1}, {str(i): 1 for i in range(1025)}],
+    "min_tokens": [1, 6, 7, 2**63], "bad_words": [["a"], [""], ["\ud800"], ["x" * 1024] * 64],
+    "allowed_token_ids": [[0], [8191], [8192], list(range(8192))], "truncate_prompt_tokens": [-1, 1, 2**63 - 1],
+    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+                        {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}, {"type": "xml"}],
+    "structured_outputs": [{"regex": "[a-z]+"}, {"regex": "("}, {"choice": ["a", "b"]}, {"choice": []},
+                           {"grammar": 'start: "a"+'}, {"json": SCHEMA, "regex": "a"}, {"json_object": True}],
+    "guided_json": [SCHEMA, "{", {"type": "array", "items": SCHEMA}], "guided_regex": ["\\d{3}", "(" * 1000],
+    "guided_choice": [["x"], [""]], "guided_grammar": ["start: /[0-9]+/", "root ::= [a-z]+", "start: ("],
+    "tools": [[TOOL], [TOOL] * 129, [{"type": "function", "function": {"name": ""}}]],
+    "tool_choice": ["none", "auto", "required", {"type": "function", "function": {"name": "f"}},
+                    {"type": "function", "function": {"name": "g"}}],
+    "parallel_tool_calls": [False, True],
 }
 
 

@@ -34,6 +34,7 @@ from draftsmith.serve.bench.peer import Peer
 from draftsmith.serve.bench.plot import plot_speedups, require_matplotlib
 from draftsmith.serve.engine.outputs import OutputCollector
 from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 NO_SPEC = "none"  # the row every ratio divides by
@@ -197,9 +198,11 @@ def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) ->
 
 
 def _row(model: str, method: str, k: int | None, c: int, speeds: list[float], metrics: dict,
-         equal: bool | None, level: list[dict], whole_run: list[float] | None = None) -> dict:
+         equal: bool | None, level: list[dict], whole_run: list[float] | None = None,
+         grammar_share: float | None = None) -> dict:
     """One JSON row; `level` holds the rows already made at this concurrency, no speculation's first;
-    `speeds` per round at c in flight, `whole_run` per round over the whole run, drain included."""
+    `speeds` per round at c in flight, `whole_run` per round over the whole run, drain included;
+    `grammar_share`: of the last round's engine time, the structured-output matchers' (None: no grammar)."""
     speed = statistics.median(speeds)
     whole = statistics.median(whole_run or speeds)
     return {"model": model, "method": method, "k": k, "concurrency": c, "tokens_per_s": speed,
@@ -209,7 +212,7 @@ def _row(model: str, method: str, k: int | None, c: int, speeds: list[float], me
             "mean_acceptance_length": metrics.get("mean_acceptance_length"), "greedy_equal": equal,
             "spec_k_histogram": metrics.get("spec_k_histogram"),
             "num_steps_without_speculation": metrics.get("num_steps_without_speculation"),
-            "step_profile": metrics.get("step_profile")}
+            "step_profile": metrics.get("step_profile"), "grammar_share": grammar_share}
 
 
 def bench_texts(args, count: int) -> tuple[list[str], str]:
@@ -217,7 +220,7 @@ def bench_texts(args, count: int) -> tuple[list[str], str]:
     the training split lacks (cycled where they give fewer), the code heads are measured on."""
     data = Path(args.shared) / "data"
     validation, train = data / "code-validation.jsonl.xz", data / "code-train.jsonl.xz"
-    needed = [validation, train] if args.prompts == "held-out" and args.workload == "code" else [validation]
+    needed = [validation, train] if args.prompts == "held-out" and args.workload != "edit" else [validation]
     for path in needed:
         if not path.is_file():
             raise DraftsmithError(f"benchmark data {path} not found; pass --shared DIR (the folder holding data/ and "
@@ -228,9 +231,28 @@ def bench_texts(args, count: int) -> tuple[list[str], str]:
         return code_prompts(validation, count), "validation code prompts"
     distinct = held_out_code_prompts(validation, train, count)
     texts = list(itertools.islice(itertools.cycle(distinct), count))
+    if args.workload == "json":
+        texts = [text + JSON_CUE for text in texts]
     return texts, (f"code prompts from validation repositories the training split lacks ({len(distinct)} "
                    "distinct, cycled)" if len(distinct) < count else "code prompts from validation repositories "
                    "the training split lacks")
+
+
+# --workload json: each code prompt is followed by this cue and answered under BENCH_SCHEMA, a record of
+# required keys (stretches the grammar writes alone), enums and bounded strings and lists
+JSON_CUE = "\n\n# what the code above does, as JSON:\nsummary = "
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 32}, "kind": {"enum": ["function", "class", "script", "test"]},
+    "arguments": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
+    "returns": {"type": "string", "maxLength": 24}, "lines": {"type": "integer", "minimum": 0},
+    "pure": {"type": "boolean"}},
+    "required": ["name", "kind", "arguments", "returns", "lines", "pure"], "additionalProperties": False}
+
+
+def bench_params(args) -> SamplingParams:
+    """Greedy, --max-tokens; under BENCH_SCHEMA for --workload json."""
+    constraint = StructuredOutputsParams(json=BENCH_SCHEMA) if args.workload == "json" else None
+    return SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=constraint)
 
 
 def level_batch(args, prompts: list[list[int]], concurrency: int) -> list[list[int]]:
@@ -281,7 +303,7 @@ def _levels(args, name: str, levels: list[int], workload: tuple, llms: dict[str,
     of a level also runs through the peer, right after ours."""
     model_dir = Path(args.shared) / "models" / name
     texts, prompts, tokenizer = workload
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    params = bench_params(args)
     rows, references = [], {}
     for c in levels:
         batch = level_batch(args, prompts, c)
@@ -303,9 +325,11 @@ def _levels(args, name: str, levels: list[int], workload: tuple, llms: dict[str,
             spec = llm.engine.spec_config
             equal = all(run.outputs == runs[NO_SPEC][0].outputs for run in runs[method])  # every round, too
             # metrics are the last round's: greedy acceptance is the same in every round
+            metrics, last = llm.get_metrics(), runs[method][-1]
+            share = metrics["grammar_mask_s"] / last.seconds if metrics.get("grammar_masks") else None
             level.append(_row(name, method, spec and spec.num_speculative_tokens, c,
-                              [run.tokens_per_s for run in runs[method]], llm.get_metrics(), equal, level,
-                              [run.whole_run_tokens_per_s for run in runs[method]]))
+                              [run.tokens_per_s for run in runs[method]], metrics, equal, level,
+                              [run.whole_run_tokens_per_s for run in runs[method]], share))
             _print_row(level[-1], args.profile)
         if c == 1 and not args.no_hf:
             hf = _time_hf(model_dir, tokenizer, texts[: max(1, args.num_prompts)], args.max_tokens)
@@ -330,6 +354,8 @@ def _print_row(row: dict, profile: bool) -> None:
             line += ", k chosen " + " ".join(f"{k}:{n}" for k, n in enumerate(row["spec_k_histogram"]) if n)
         if row["num_steps_without_speculation"] is not None:
             line += f", {row['num_steps_without_speculation']} steps unspeculated"
+    if row.get("grammar_share") is not None:
+        line += f", grammar {row['grammar_share']:.1%} of the time"
     if row["greedy_equal"] is not None:
         line += ", greedy equal" if row["greedy_equal"] else ", GREEDY MISMATCH vs no speculation"
     print(line, flush=True)
@@ -369,6 +395,9 @@ def run(args: argparse.Namespace) -> int:
     levels = parse_concurrency(args.concurrency or "1,4,8,16,32")
     if not args.no_plot:
         require_matplotlib()  # now, not after a run of many minutes
+    if args.peer and args.workload == "json":
+        raise DraftsmithError("--peer runs the code and edit workloads; --workload json is measured against "
+                              "draftsmith's own plain structured decoding")
     peer = Peer(args) if args.peer else None  # its venv checked and the threads bound before anything runs
     texts, source = bench_texts(args, level_prompts(args, levels[-1]))
     print(f"concurrency {','.join(map(str, levels))}: max({args.waves} x c, {args.num_prompts}) {source} per level, "

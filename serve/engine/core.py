@@ -25,6 +25,7 @@ from draftsmith.models.linear import warm_up as warm_up_linears
 from draftsmith.models.llama import CausalLM
 from draftsmith.models.tokenizer import check_same_vocabulary
 from draftsmith.serve.engine.checks import CheckedRequest, RequestLimits
+from draftsmith.serve.engine.forced_tokens import MAX_FORCED, forced_limits, forced_step
 from draftsmith.serve.engine.logits_processing import SlotLogitsState
 from draftsmith.serve.engine.logprobs import LOGPROBS_MODES, prompt_logprobs
 from draftsmith.serve.engine.outputs import OutputDelta
@@ -129,9 +130,11 @@ class LLMEngine(FaultIsolatingSteps):
         warm_up_linears([model, *drafters], min(config.max_num_seqs * (k + 1), WARM_UP_ROWS))
         self.step_mode = resolve_step_mode(config.step_mode, config.enforce_eager, self.device)
         self.steps = make_step_runner(model, self.cache, config.max_num_seqs, self.feature_layers, self.step_mode)
+        # grammar drafts per step at most: with captured steps, only the widths warmed below (chains' verifies)
+        tree = self.proposer is not None and self.proposer.tree is not None
+        self.max_forced = MAX_FORCED if self.steps is None else 0 if tree else k
         if self.steps is not None:
             # decode, and chains' verifies of 1..k drafts (a tree's verify runs eager: tree_verify)
-            tree = self.proposer is not None and self.proposer.tree is not None
             buckets = self.steps.warm_up([1] if tree else list(range(1, k + 2)))
             logger.info("decode and verify steps: %s, %d buckets ready", self.step_mode, buckets)
             # trees draft with steps of their own widths (tree_drafting): no one-token steps to ready
@@ -342,7 +345,11 @@ class LLMEngine(FaultIsolatingSteps):
 
     def _plain_decode(self, rows: list[Request], started: float, sampling: SamplingBatch, draft_s: float = 0.0,
                       drafts: DraftBatch | None = None):
-        """One forward per row of its last token; `draft_s`, `drafts`: drafting this step did for nothing."""
+        """One forward per row of its last token; `draft_s`, `drafts`: drafting this step did for nothing. Rows
+        whose grammar forces tokens verify those in the same forward instead (`forced_tokens`)."""
+        forced = self.logits_state.forced_tokens(rows, forced_limits(rows, self.config.max_model_len, self.max_forced))
+        if forced is not None:
+            return forced_step(self, rows, forced, started, sampling, draft_s)
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
         out, forward_at = self.step_forward(ids, rows, [1] * len(rows))
         sample_at = self.clock()
@@ -360,6 +367,9 @@ class LLMEngine(FaultIsolatingSteps):
         """Draft up to w tokens per row (w chosen by the policy), score [last token, drafts] in one forward,
         keep what verifies (`speculative_step` has the pipeline)."""
         sampling = self._sampling(rows)
+        forced = self.logits_state.forced_tokens(rows, forced_limits(rows, self.config.max_model_len, self.max_forced))
+        if forced is not None:  # the grammar drafts for free what it forces: no drafter runs this step
+            return forced_step(self, rows, forced, started, sampling)
         if self.policy.held(tuple(r.slot for r in rows)):
             # the step's hidden states still go to the proposer (by reference, `observe_later`): a head
             # resuming with a context of a few positions drafts almost nothing right
@@ -434,7 +444,7 @@ class LLMEngine(FaultIsolatingSteps):
             return sample(logits, sampling)[:, None].tolist()
 
     def get_metrics(self) -> dict:
-        metrics = {**self.stats, "step_profile": dict(self.ledger.profile)}
+        metrics = {**self.stats, "step_profile": dict(self.ledger.profile), **self.logits_state.metrics()}
         if self.proposer is not None:
             metrics.update(self.spec_metrics.as_dict())
             metrics.update(self.policy.metrics())
@@ -445,6 +455,7 @@ class LLMEngine(FaultIsolatingSteps):
         """Zeroes the speculation counters, the chosen-k histogram and the step profile (benchmarks call it
         after warming up); what the policy has learned is kept."""
         self.ledger.reset_profile()
+        self.logits_state.reset_metrics()
         if self.proposer is not None:
             self.spec_metrics.reset()
             self.policy.reset_metrics()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from draftsmith.serve.engine.sampling_params import SamplingParams
-from draftsmith.serve.engine.structured_outputs import GrammarRow
+from draftsmith.serve.engine.structured_outputs import GrammarRow, GrammarTime
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,7 @@ class SlotLogitsState:
         self.eos_token_ids = sorted(eos_token_ids)
         self.owners: list[object | None] = [None] * slots
         self.grammars: list[GrammarRow | None] = [None] * slots
+        self.grammar_time = GrammarTime()
         self.counted = [0] * slots  # output tokens of the owner already in `counts`
         self.tensors: dict[str, torch.Tensor] | None = None  # allocated with the first request that needs them
 
@@ -198,6 +199,21 @@ class SlotLogitsState:
             tails=tuple(tuple(r.output_token_ids[max(0, len(r.output_token_ids) - n):]) if n else ()
                         for r, n in zip(rows, longest)))
 
+    def forced_tokens(self, rows: list, limits: list[int]) -> list[list[int]] | None:
+        """Per row, the tokens its grammar allows alone from its output on (up to its limit), or None where no
+        row has any: the grammar drafts of `engine.forced_tokens`. Valid once `adjust` synced the rows."""
+        if not any(self.grammars[r.slot] is not None for r in rows):
+            return None
+        forced = [[] if self.grammars[r.slot] is None or not n else self.grammars[r.slot].forced_tokens()[:n]
+                  for r, n in zip(rows, limits)]
+        return forced if any(forced) else None
+
+    def metrics(self) -> dict:
+        return {"grammar_mask_s": self.grammar_time.seconds, "grammar_masks": self.grammar_time.masks}
+
+    def reset_metrics(self) -> None:
+        self.grammar_time.seconds, self.grammar_time.masks = 0.0, 0
+
     def _take_slot(self, request) -> None:
         """The slot's row rebuilt for `request`: no output counted, its prompt's tokens, its static bias."""
         slot, params, t = request.slot, request.params, self.tensors
@@ -217,7 +233,7 @@ class SlotLogitsState:
         t["bias"][slot] = bias
         stops = [*self.eos_token_ids, *params.stop_token_ids]
         self.grammars[slot] = None if params.compiled_grammar is None else GrammarRow(
-            params.compiled_grammar, self.tokenizer, self.vocab, self.eos_token_ids)
+            params.compiled_grammar, self.tokenizer, self.vocab, self.eos_token_ids, self.grammar_time)
         t["stops"][slot].zero_()
         if stops:
             t["stops"][slot, torch.tensor(stops, device=self.device)] = True

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,28 +99,40 @@ def compile_constraint(spec: StructuredOutputsParams, tokenizer) -> str:
     return grammar
 
 
+@dataclass
+class GrammarTime:
+    """Seconds the engine's matchers spent (consuming, masking, rolling back) and the masks they made."""
+
+    seconds: float = 0.0
+    masks: int = 0
+
+
 class GrammarRow:
     """One request's matcher, kept at its output: `sync` consumes tokens it gained, `masks` gives the allowed
-    tokens after each drafted prefix."""
+    tokens after each drafted prefix; time spent goes to `spent`."""
 
-    def __init__(self, grammar: str, tokenizer, vocab: int, stop_tokens: list[int]):
+    def __init__(self, grammar: str, tokenizer, vocab: int, stop_tokens: list[int], spent: GrammarTime | None = None):
         from llguidance import LLMatcher
 
         self.matcher = LLMatcher(grammar_tokenizer(tokenizer), grammar)
         self.vocab, self.consumed = vocab, 0
+        self.spent = spent if spent is not None else GrammarTime()
         self.fallback = torch.zeros(vocab, dtype=torch.bool)  # nothing allowed (matcher stopped past EOS, or failed)
         self.fallback[stop_tokens] = True
 
     def sync(self, output_token_ids: list[int]) -> None:
         new = output_token_ids[self.consumed:]
         if new:
+            start = time.perf_counter()
             self.matcher.consume_tokens(new)
             self.consumed = len(output_token_ids)
+            self.spent.seconds += time.perf_counter() - start
 
     def masks(self, prefixes: list[list[int]]) -> torch.Tensor:
         """[N, V] bool: the tokens the grammar allows after each prefix of drafts. A prefix the grammar
         refuses, or one through padding (-1: past the row's drafts), cannot be reached (its first refused draft
         is rejected), so its row is left all True."""
+        start = time.perf_counter()
         out = torch.ones(len(prefixes), self.vocab, dtype=torch.bool)
         for n, prefix in enumerate(prefixes):
             if prefix and min(prefix) < 0:
@@ -129,6 +142,8 @@ class GrammarRow:
                 out[n] = self._mask()
             if taken:
                 self.matcher.rollback(taken)
+        self.spent.seconds += time.perf_counter() - start
+        self.spent.masks += len(prefixes)
         return out
 
     def forced_tokens(self) -> list[int]:

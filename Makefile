@@ -74,6 +74,8 @@ bench: $(STAMP)
 		--rounds 3 --no-hf --json build/bench-suffix.json
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m --methods eagle3,eagle3-tree,medusa,medusa-tree \
 		--speculative-config '$(BENCH_TREES)' --concurrency 1,8 --rounds 3 --no-hf --json build/bench-tree.json
+	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --workload json \
+		--concurrency 1,8 --rounds 3 --no-hf --json build/bench-json.json
 	$(VENV)/bin/draftsmith bench-serve --shared $(SHARED)
 
 # vLLM's CPU build beside draftsmith (docs/benchmarks.md#against-vllm-cpu): same prompts, greedy, c = 1 and 8.

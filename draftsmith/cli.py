@@ -294,9 +294,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                        "a drain where fewer than c requests are left, which says little about c in flight "
                        "(default: %(default)s)")
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
-    bench.add_argument("--workload", choices=("code", "edit"), default="code",
+    bench.add_argument("--workload", choices=("code", "edit", "json"), default="code",
                        help="code: validation files cut inside a block, to be continued; edit: a whole file, then "
-                       "a request to rewrite it (the continuation mostly repeats the file) (default: %(default)s)")
+                       "a request to rewrite it (the continuation mostly repeats the file); json: the code prompts, "
+                       "answered under a JSON schema (structured outputs), against plain structured decoding "
+                       "(default: %(default)s)")
     bench.add_argument("--prompts", choices=("held-out", "validation"), default="held-out",
                        help="code prompts from: held-out, the validation repositories that the training split lacks "
                        "(heads accept far less on other repositories' code than on the validation split's, which "

@@ -13,5 +13,6 @@ Proposers come from `draftsmith.methods`."""
 from draftsmith.serve.apps.llm import LLM
 from draftsmith.serve.engine.outputs import CompletionOutput, RequestOutput
 from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]

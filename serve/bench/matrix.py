@@ -249,6 +249,9 @@ BENCH_SCHEMA = {"type": "object", "properties": {
     "required": ["name", "kind", "arguments", "returns", "lines", "pure"], "additionalProperties": False}
 
 
+STEPWISE = "none-stepwise"  # --workload json: no speculation and no grammar drafts, one token a forward
+
+
 def bench_params(args) -> SamplingParams:
     """Greedy, --max-tokens; under BENCH_SCHEMA for --workload json."""
     constraint = StructuredOutputsParams(json=BENCH_SCHEMA) if args.workload == "json" else None
@@ -274,7 +277,8 @@ def bench_model(args, name: str, levels: list[int], texts: list[str], peer=None)
     if missing:
         raise DraftsmithError(f"--methods {', '.join(missing)}: not run for {name} (found: {', '.join(found) or 'none'}; "
                               "a method without a shipped head needs --speculative-config)")
-    configs = {NO_SPEC: None, **{m: c for m, c in found.items() if m in wanted}}
+    configs = {NO_SPEC: None, **({STEPWISE: None} if args.workload == "json" else {}),
+               **{m: c for m, c in found.items() if m in wanted}}
     # one engine per method, reused at every level: loading and cost profiling stay out of the timings; all
     # on one copy of the target's weights, so that where each copy sits in memory (worth a few percent of
     # forward speed between otherwise identical engines) favours no method
@@ -283,6 +287,8 @@ def bench_model(args, name: str, levels: list[int], texts: list[str], peer=None)
         llms[method] = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(levels),
                            max_model_len=max(map(len, prompts)) + args.max_tokens + DRAFT_OVERSHOOT,
                            speculative_config=config, target=next(iter(llms.values())).model if llms else None)
+    if STEPWISE in llms:
+        llms[STEPWISE].engine.max_forced = 0  # what plain structured decoding is without grammar drafts
     for llm in llms.values():
         llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     # the peer's engines load now, before anything is timed; each draftsmith round is followed by the peer's

@@ -134,31 +134,42 @@ def test_speculation_gives_plain_decodings_tokens_under_every_parameter(plain, m
     assert llm.get_metrics()["num_accepted_tokens"] > 0
 
 
-def _adjust(rows: int, vocab: int, presence: float, frequency: float, repetition: float) -> LogitsAdjust:
+def _adjust(rows: int, vocab: int, kind: str, target: torch.Tensor) -> LogitsAdjust:
+    """One of three position-dependent processings of `target` [1, N, V], for `rows` identical rows: the
+    penalties; min_tokens with one token left before the stop (position 1's likeliest token) may come; a bad
+    word of two tokens, position 0's likeliest then position 1's."""
     zeros = torch.zeros(rows, vocab)
-    return LogitsAdjust(bias=zeros, min_tokens_left=torch.zeros(rows, dtype=torch.long),
-                        stop_tokens=zeros.bool(), output_counts=zeros.clone(), in_prompt=zeros.bool(),
-                        repetition=torch.full((rows,), repetition), frequency=torch.full((rows,), frequency),
-                        presence=torch.full((rows,), presence), penalized=True, bans_stops=False,
-                        bad_sequences=((),) * rows, tails=((),) * rows)
+    first, second = target[0, 0].argmax().item(), target[0, 1].argsort(descending=True)[:2].tolist()
+    then = second[0] if second[0] != first else second[1]
+    stops = zeros.bool().clone()
+    stops[:, then] = kind == "min_tokens"
+    return LogitsAdjust(
+        bias=zeros, min_tokens_left=torch.full((rows,), 1 if kind == "min_tokens" else 0), stop_tokens=stops,
+        output_counts=zeros.clone(), in_prompt=zeros.bool(),
+        repetition=torch.full((rows,), 1.4 if kind == "penalties" else 1.0),
+        frequency=torch.full((rows,), 0.7 if kind == "penalties" else 0.0),
+        presence=torch.full((rows,), 1.5 if kind == "penalties" else 0.0),
+        penalized=kind == "penalties", bans_stops=kind == "min_tokens",
+        bad_sequences=(((first, then),) if kind == "bad_words" else (),) * rows, tails=((),) * rows)
 
 
-def test_rejection_sampling_keeps_the_processed_distribution_at_each_drafted_position():
-    """Trials as rows of one verify: the first token kept is distributed as the penalized target p0, and
-    where the first draft x0 was accepted the next one as p1( | x0), the penalty at position 1 seeing x0."""
+@pytest.mark.parametrize("kind", ["penalties", "min_tokens", "bad_words"])
+def test_rejection_sampling_keeps_the_processed_distribution_at_each_drafted_position(kind):
+    """Trials as rows of one verify: the first token kept is distributed as the processed target p0, and
+    where the first draft x0 was accepted the next one as p1( | x0), position 1's processing seeing x0."""
     torch.manual_seed(0)
     trials, vocab, k = 8000, 5, 2
     target = torch.randn(1, k + 1, vocab).expand(trials, -1, -1).contiguous()
     q = torch.softmax(torch.randn(k, vocab), -1)
     draft_tokens = torch.stack([torch.multinomial(q[j], trials, replacement=True) for j in range(k)], 1)
-    adjust = _adjust(trials, vocab, presence=1.5, frequency=0.7, repetition=1.4)
     generators = [torch.Generator().manual_seed(i) for i in range(trials)]
-    sampling = SamplingBatch.build([SamplingParams(temperature=1.0)] * trials, generators, "cpu", adjust=adjust)
+    sampling = SamplingBatch.build([SamplingParams(temperature=1.0)] * trials, generators, "cpu",
+                                   adjust=_adjust(trials, vocab, kind, target))
     drafts = DraftBatch(tokens=draft_tokens, counts=torch.full((trials,), k),
                         probs=q[None].expand(trials, -1, -1).contiguous())
     tokens, counts = verify(target, drafts, [k] * trials, sampling, rejection_sample_reference, None)
-    one = _adjust(1, vocab, presence=1.5, frequency=0.7, repetition=1.4)
-    plain = SamplingBatch.build([SamplingParams(temperature=1.0)], [torch.Generator()], "cpu", adjust=one)
+    plain = SamplingBatch.build([SamplingParams(temperature=1.0)], [torch.Generator()], "cpu",
+                                adjust=_adjust(1, vocab, kind, target))
     p0 = logits_to_probs(plain.processed(target[:1, :1]), plain)[0, 0]
     assert (torch.bincount(tokens[:, 0], minlength=vocab) / trials - p0).abs().max() < 0.02
     gaps = []

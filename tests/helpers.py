@@ -274,3 +274,14 @@ def random_dflash_head(target, block_size=5, layers=2, seed=0, sample_from_ancho
     for name, p in head.named_parameters():
         torch.nn.init.normal_(p, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.1)
     return head.attach_target(target).eval()
+
+
+# the speculation every exactness test of request fields runs under (issue #41): a token-matching drafter, a
+# sequential head, a block head and a tree; each a function, so that an import builds nothing
+SPECULATORS = {
+    "ngram": lambda: spec_config("ngram", k=3, prompt_lookup_max=3, prompt_lookup_min=1),
+    "eagle3": lambda: spec_config("eagle3", DEMO_MODEL.parent / "demo-code-7m-eagle3", 4, draft_dtype="float32"),
+    "dflash": lambda: spec_config("dflash", DEMO_MODEL.parent / "demo-code-7m-dflash", 7, draft_dtype="float32"),
+    "eagle3 tree": lambda: spec_config("eagle3", DEMO_MODEL.parent / "demo-code-7m-eagle3", 8, draft_dtype="float32",
+                                       tree_depth=4, tree_top_k=2),
+}

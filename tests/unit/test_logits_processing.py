@@ -13,9 +13,8 @@ from draftsmith.serve.engine.logits_processing import DraftPrefix, LogitsAdjust
 from draftsmith.serve.engine.sampling import SamplingBatch, logits_to_probs
 from draftsmith.serve.speculation.rejection_reference import rejection_sample_reference
 from draftsmith.serve.speculation.verify import verify
-from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config
+from helpers import CODE_PROMPTS, DEMO_MODEL, SPECULATORS
 
-ASSETS = DEMO_MODEL.parent
 PROMPTS = CODE_PROMPTS[:2]
 
 
@@ -112,22 +111,13 @@ def _mixed_params(newline: int, temperature: float) -> list[SamplingParams]:
     return [SamplingParams(temperature=temperature, max_tokens=24, **keys, **seeded) for keys in sets for _ in PROMPTS]
 
 
-SPECULATION = {
-    "ngram": lambda: spec_config("ngram", k=3, prompt_lookup_max=3, prompt_lookup_min=1),
-    "eagle3": lambda: spec_config("eagle3", ASSETS / "demo-code-7m-eagle3", 4, draft_dtype="float32"),
-    "dflash": lambda: spec_config("dflash", ASSETS / "demo-code-7m-dflash", 7, draft_dtype="float32"),
-    "eagle3 tree": lambda: spec_config("eagle3", ASSETS / "demo-code-7m-eagle3", 8, draft_dtype="float32",
-                                       tree_depth=4, tree_top_k=2),
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("method", list(SPECULATION))
+@pytest.mark.parametrize("method", list(SPECULATORS))
 def test_speculation_gives_plain_decodings_tokens_under_every_parameter(plain, method):
     newline = _newline(plain)
     prompts = [p for _ in range(8) for p in PROMPTS]
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=8, max_model_len=256, target=plain.model,
-              speculative_config=SPECULATION[method]())
+              speculative_config=SPECULATORS[method]())
     for temperature in (0.0, 1.0):
         params = _mixed_params(newline, temperature)
         assert _ids(llm, params, prompts) == _ids(plain, params, prompts), temperature

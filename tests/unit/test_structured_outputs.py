@@ -12,9 +12,8 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.engine.structured_outputs import GrammarRow, StructuredOutputsParams, compile_constraint
-from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config
+from helpers import CODE_PROMPTS, DEMO_MODEL, SPECULATORS
 
-ASSETS = DEMO_MODEL.parent
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
@@ -62,28 +61,19 @@ def test_every_kind_of_constraint_holds_the_output_and_changes_it(plain):
 def test_json_schema_outputs_validate_on_50_prompts_with_and_without_speculation(plain):
     params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON))
     spec = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=8, max_model_len=256, target=plain.model,
-               speculative_config=spec_config("eagle3", ASSETS / "demo-code-7m-eagle3", 4, draft_dtype="float32"))
+               speculative_config=SPECULATORS["eagle3"]())
     for llm in (plain, spec):
         for out in _outputs(llm, PROMPTS, params):
             jsonschema.validate(json.loads(out.text), PERSON)
     assert spec.get_metrics()["num_accepted_tokens"] > 0
 
 
-SPECULATION = {
-    "ngram": lambda: spec_config("ngram", k=3, prompt_lookup_max=3, prompt_lookup_min=1),
-    "eagle3": lambda: spec_config("eagle3", ASSETS / "demo-code-7m-eagle3", 4, draft_dtype="float32"),
-    "dflash": lambda: spec_config("dflash", ASSETS / "demo-code-7m-dflash", 7, draft_dtype="float32"),
-    "eagle3 tree": lambda: spec_config("eagle3", ASSETS / "demo-code-7m-eagle3", 8, draft_dtype="float32",
-                                       tree_depth=4, tree_top_k=2),
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("method", list(SPECULATION))
+@pytest.mark.parametrize("method", list(SPECULATORS))
 def test_speculation_gives_plain_decodings_tokens_under_every_constraint(plain, method):
     prompts = [p for p in CODE_PROMPTS[:2] for _ in CONSTRAINTS]
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=8, max_model_len=256, target=plain.model,
-              speculative_config=SPECULATION[method]())
+              speculative_config=SPECULATORS[method]())
     for temperature in (0.0, 1.0):
         params = [SamplingParams(temperature=temperature, max_tokens=40, seed=7, structured_outputs=c, presence_penalty=0.5)
                   for _ in CODE_PROMPTS[:2] for c in CONSTRAINTS]

@@ -301,7 +301,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = Field(default=None, description=(
-        "'none', 'required' or a named function; 'auto' needs a tool-call parser this server has not"))
+        "'auto' (text, or calls in the Hermes format), 'none', 'required' or a named function"))
     parallel_tool_calls: bool | None = Field(default=None, description="false: 'required' makes one call")
 
     def tool_choice_in_force(self) -> ToolChoice | None:

@@ -5,10 +5,12 @@ constraint and returned in OpenAI's `tool_calls` shape, whole or streamed.
   (as OpenAI and vLLM answer a forced call);
 - "required": the output is a JSON array of one or more {"name", "parameters"} calls of the given tools;
   finish "tool_calls";
-- "none": the tools go to the chat template and the answer is text;
-- "auto" (OpenAI's default when tools are given) needs a parser for the model's own call format, which is
-  model-specific; draftsmith has none, so it is a 400 saying which choices work, as vLLM answers without
-  --tool-call-parser.
+- "auto" (OpenAI's default when tools are given): the model answers in text, or calls tools in the Hermes
+  format that Qwen's and Hermes' chat templates teach (vLLM's `hermes` parser): `<tool_call>` + a JSON
+  {"name", "arguments"} of a given tool + `</tool_call>`, one or more, the JSON held to the tool's schema. The
+  grammar lets the answer be either, so a text answer cannot begin with "<"; a model trained on another call
+  format is held to this one. Calls finish "tool_calls";
+- "none": the tools go to the chat template and the answer is text.
 The chat template decides how the tools and earlier calls render.
 """
 
@@ -21,9 +23,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams
+from draftsmith.serve.engine.structured_outputs import JSON_OPTIONS, StructuredOutputsParams
 
 ANY_OBJECT = {"type": "object"}
+CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # the Hermes format, as 'auto' writes calls
 
 
 class FunctionDefinition(BaseModel):
@@ -57,10 +60,6 @@ def resolve_tool_choice(tools: list[Tool] | None, choice: ToolChoice | None) -> 
             raise DraftsmithError("tool_choice: needs tools")
         return None
     choice = choice if choice is not None else "auto"
-    if choice == "auto":
-        raise DraftsmithError("tool_choice: 'auto' (the default with tools) needs a parser for this model's own "
-                              "tool-call format, and draftsmith has none; send tool_choice 'required' or name a "
-                              "function, and the call is written under a JSON schema")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
         raise DraftsmithError(f"tool_choice: no tool is named {choice.function.name!r}")
     return choice
@@ -72,20 +71,35 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool = True
         tool = next(t for t in tools if t.function.name == choice.function.name)
         return StructuredOutputsParams(json=tool.function.parameters or ANY_OBJECT)
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                   "parameters": t.function.parameters or ANY_OBJECT},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": _calls(tools, "parameters")}}
         return StructuredOutputsParams(json=array if parallel else {**array, "maxItems": 1})
+    if choice == "auto":
+        call = {"anyOf": _calls(tools, "arguments"), "x-guidance": JSON_OPTIONS}
+        repeat = "+" if parallel else ""
+        return StructuredOutputsParams(grammar=(
+            f"start: TEXT | calls\nTEXT: /[^<][\\s\\S]*/\n"
+            f"calls: ({json.dumps(CALL_OPEN)} call {json.dumps(CALL_CLOSE)}){repeat}\ncall: %json {json.dumps(call)}\n"))
     return None
 
 
+def _calls(tools: list[Tool], arguments: str) -> list[dict[str, Any]]:
+    """A JSON schema per tool of a call {"name": its name, `arguments`: its parameters}."""
+    return [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                              arguments: t.function.parameters or ANY_OBJECT},
+             "required": ["name", arguments], "additionalProperties": False} for t in tools]
+
+
 def tool_calls(text: str, choice: ToolChoice) -> list[dict[str, Any]] | None:
-    """The calls in a finished output, in OpenAI's shape; None where the output is not a whole call (it ran
-    out of tokens first): then it is returned as text."""
+    """The calls in a finished output, in OpenAI's shape; None where the output holds none (text, under
+    'auto') or no whole call (it ran out of tokens first): then it is returned as text."""
     try:
+        if choice == "auto":
+            if not text.startswith(CALL_OPEN):
+                return None
+            bodies = [part.split(CALL_CLOSE)[0] for part in text.split(CALL_OPEN)[1:]]
+            return [_call(call["name"], json.dumps(call["arguments"])) for call in map(json.loads, bodies)]
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, KeyError, TypeError):
         return None
     if isinstance(choice, NamedToolChoice):
         return [_call(choice.function.name, text)]
@@ -93,8 +107,8 @@ def tool_calls(text: str, choice: ToolChoice) -> list[dict[str, Any]] | None:
 
 
 def finish_reason(choice: ToolChoice, engine_reason: str | None) -> str | None:
-    """OpenAI's finish reason for a call: 'tool_calls' for required ones, the engine's for a forced one."""
-    return "tool_calls" if choice == "required" and engine_reason == "stop" else engine_reason
+    """OpenAI's finish reason for calls: 'tool_calls', but the engine's for a forced call (as OpenAI)."""
+    return engine_reason if isinstance(choice, NamedToolChoice) or engine_reason != "stop" else "tool_calls"
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
@@ -103,8 +117,9 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 
 
 class ToolCallDeltas:
-    """A streamed call: a forced function's arguments go out as they come (the first delta names the call);
-    'required' calls go out whole once the output is complete, each with its index."""
+    """A streamed answer under a tool choice: a forced function's arguments go out as they come (the first
+    delta names the call); 'required' calls, and 'auto' ones, go out whole once the output is complete, each
+    with its index; an 'auto' text answer streams as text."""
 
     def __init__(self, choice: ToolChoice):
         self.choice, self.text, self.opened = choice, "", False
@@ -112,6 +127,8 @@ class ToolCallDeltas:
 
     def delta(self, new_text: str, done: bool) -> dict[str, Any]:
         self.text += new_text
+        if self.choice == "auto" and self.text[:1] not in ("", "<"):  # a text answer: streamed as text
+            return {"content": new_text} if new_text else {}
         if self.call is not None:
             if not new_text and self.opened:
                 return {}

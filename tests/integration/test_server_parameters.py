@@ -150,6 +150,36 @@ def test_required_tool_calls_name_given_tools_and_finish_as_tool_calls(served):
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
+def _streamed_chat(client, **fields) -> tuple[str, dict, str | None]:
+    """(content, {index: (name, arguments)}, finish reason) of a streamed chat answer."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model="demo", stream=True, **fields):
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            name, arguments = calls.get(piece.index, (None, ""))
+            calls[piece.index] = (piece.function.name or name, arguments + (piece.function.arguments or ""))
+    return content, calls, finish
+
+
+def test_auto_tool_choice_answers_in_text_or_calls_in_the_hermes_format(served):
+    client = served[0]
+    asked = {"messages": ASK, "tools": TOOLS, "max_tokens": 60, "temperature": 0}  # tool_choice: auto, the default
+    text = client.chat.completions.create(model="demo", **asked)
+    assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
+    assert not text.choices[0].message.content.startswith("<")
+    assert _streamed_chat(client, **asked)[:2] == (text.choices[0].message.content, {})
+    # pulled towards "<", the model opens a call: the grammar writes it in full, held to the tool's schema
+    opener = served[2].tokenizer("<tool_call>", add_special_tokens=False).input_ids[0]
+    calling = {**asked, "parallel_tool_calls": False, "logit_bias": {str(opener): 100}}
+    answer = client.chat.completions.create(model="demo", **calling)
+    [call] = answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "tool_calls" and answer.choices[0].message.content is None
+    tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert _streamed_chat(client, **calling) == ("", {0: (call.function.name, call.function.arguments)}, "tool_calls")
+
+
 def test_response_format_json_schema_through_the_openai_client(served):
     client = served[0]
     answer = client.chat.completions.create(model="demo", messages=ASK, max_tokens=60, temperature=0,
@@ -161,7 +191,6 @@ def test_response_format_json_schema_through_the_openai_client(served):
 
 
 @pytest.mark.parametrize("fields, needle", [
-    ({"tools": TOOLS}, "'auto'"), ({"tools": TOOLS, "tool_choice": "auto"}, "'auto'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "no tool is named"),
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),

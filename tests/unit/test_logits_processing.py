@@ -124,17 +124,38 @@ def test_speculation_gives_plain_decodings_tokens_under_every_parameter(plain, m
     assert llm.get_metrics()["num_accepted_tokens"] > 0
 
 
+class FirstTokenGrammar:
+    """A stand-in for a structured-output matcher (`GrammarRow.masks`): after `first`, only `then` and `end`
+    may follow; otherwise anything may. The matcher's own masks are tested in test_structured_outputs.py."""
+
+    def __init__(self, vocab: int, first: int, then: int):
+        self.vocab, self.first, self.then = vocab, first, then
+
+    def masks(self, prefixes: list[list[int]]) -> torch.Tensor:
+        out = torch.ones(len(prefixes), self.vocab, dtype=torch.bool)
+        for n, prefix in enumerate(prefixes):
+            if prefix[-1:] == [self.first]:
+                out[n] = False
+                out[n, [self.then, self.vocab - 1]] = True
+        return out
+
+
 def _adjust(rows: int, vocab: int, kind: str, target: torch.Tensor) -> LogitsAdjust:
-    """One of three position-dependent processings of `target` [1, N, V], for `rows` identical rows: the
-    penalties; min_tokens with one token left before the stop (position 1's likeliest token) may come; a bad
-    word of two tokens, position 0's likeliest then position 1's."""
+    """One processing of `target` [1, N, V], for `rows` identical rows. Position-dependent: the penalties;
+    min_tokens with one token left before the stop (position 1's likeliest token) may come; a bad word of two
+    tokens, position 0's likeliest then position 1's; a grammar that narrows what follows position 0's
+    likeliest. The same at every position: a logit bias that also bans a token."""
     zeros = torch.zeros(rows, vocab)
     first, second = target[0, 0].argmax().item(), target[0, 1].argsort(descending=True)[:2].tolist()
     then = second[0] if second[0] != first else second[1]
     stops = zeros.bool().clone()
     stops[:, then] = kind == "min_tokens"
+    bias = zeros.clone()
+    if kind == "bias":
+        bias[:, first], bias[:, then], bias[:, (first + 1) % vocab] = -1.5, float("-inf"), 2.0
+    grammar = FirstTokenGrammar(vocab, first, (then + 1) % vocab) if kind == "grammar" else None
     return LogitsAdjust(
-        bias=zeros, min_tokens_left=torch.full((rows,), 1 if kind == "min_tokens" else 0), stop_tokens=stops,
+        bias=bias, grammars=(grammar,) * rows, min_tokens_left=torch.full((rows,), 1 if kind == "min_tokens" else 0), stop_tokens=stops,
         output_counts=zeros.clone(), in_prompt=zeros.bool(),
         repetition=torch.full((rows,), 1.4 if kind == "penalties" else 1.0),
         frequency=torch.full((rows,), 0.7 if kind == "penalties" else 0.0),
@@ -143,23 +164,23 @@ def _adjust(rows: int, vocab: int, kind: str, target: torch.Tensor) -> LogitsAdj
         bad_sequences=(((first, then),) if kind == "bad_words" else (),) * rows, tails=((),) * rows)
 
 
-@pytest.mark.parametrize("kind", ["penalties", "min_tokens", "bad_words"])
+@pytest.mark.parametrize("kind", ["penalties", "min_tokens", "bad_words", "grammar", "bias", "min_p"])
 def test_rejection_sampling_keeps_the_processed_distribution_at_each_drafted_position(kind):
-    """Trials as rows of one verify: the first token kept is distributed as the processed target p0, and
-    where the first draft x0 was accepted the next one as p1( | x0), position 1's processing seeing x0."""
+    """Trials as rows of one verify (rejection sampling of drafts drawn from q): the first token kept is
+    distributed as the processed target p0, and where the first draft x0 was accepted the next one as
+    p1( | x0), position 1's processing seeing x0."""
     torch.manual_seed(0)
     trials, vocab, k = 8000, 5, 2
     target = torch.randn(1, k + 1, vocab).expand(trials, -1, -1).contiguous()
     q = torch.softmax(torch.randn(k, vocab), -1)
     draft_tokens = torch.stack([torch.multinomial(q[j], trials, replacement=True) for j in range(k)], 1)
     generators = [torch.Generator().manual_seed(i) for i in range(trials)]
-    sampling = SamplingBatch.build([SamplingParams(temperature=1.0)] * trials, generators, "cpu",
-                                   adjust=_adjust(trials, vocab, kind, target))
+    params = SamplingParams(temperature=1.0, min_p=0.3 if kind == "min_p" else 0.0)
+    sampling = SamplingBatch.build([params] * trials, generators, "cpu", adjust=_adjust(trials, vocab, kind, target))
     drafts = DraftBatch(tokens=draft_tokens, counts=torch.full((trials,), k),
                         probs=q[None].expand(trials, -1, -1).contiguous())
     tokens, counts = verify(target, drafts, [k] * trials, sampling, rejection_sample_reference, None)
-    plain = SamplingBatch.build([SamplingParams(temperature=1.0)], [torch.Generator()], "cpu",
-                                adjust=_adjust(1, vocab, kind, target))
+    plain = SamplingBatch.build([params], [torch.Generator()], "cpu", adjust=_adjust(1, vocab, kind, target))
     p0 = logits_to_probs(plain.processed(target[:1, :1]), plain)[0, 0]
     assert (torch.bincount(tokens[:, 0], minlength=vocab) / trials - p0).abs().max() < 0.02
     gaps = []
@@ -171,5 +192,7 @@ def test_rejection_sampling_keeps_the_processed_distribution_at_each_drafted_pos
         seen = torch.bincount(tokens[after, 1], minlength=vocab) / after.sum()
         assert (seen - p1).abs().max() < 0.05, x0
         blind = logits_to_probs(plain.processed(target[:1, 1:2]), plain)[0, 0]  # position 1 not seeing x0
-        gaps.append(float((p1 - blind).abs().max()))
-    assert len(gaps) >= 2 and max(gaps) > 0.15  # seeing x0 matters here, so the test can tell
+        unprocessed = torch.softmax(target[0, 1], -1)
+        gaps.append(float((p1 - (unprocessed if kind in ("bias", "min_p") else blind)).abs().max()))
+    # what is tested matters here (position 1 seeing x0, or the processing at all), so the test can tell
+    assert len(gaps) >= 2 and max(gaps) > 0.15

@@ -69,8 +69,38 @@ class _Body(BaseModel):
     @model_validator(mode="after")
     def _warn_unknown(self):
         if self.model_extra:
+            for name, value in self.model_extra.items():
+                if name in UNSUPPORTED and value not in UNSUPPORTED[name][0]:
+                    raise ValueError(f"{name}: {UNSUPPORTED[name][1]}")
             logger.warning("ignoring unknown request fields: %s", sorted(self.model_extra))
         return self
+
+
+# Fields OpenAI or vLLM define that would change the answer and that draftsmith does not serve: a value other
+# than the harmless ones listed is a 400 naming the field, never a 200 that ignores what was asked.
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1, 1.0), "needs beam search, which is not supported"),
+    "include_stop_str_in_output": ((None, False), "not supported: stop strings are left out of the output"),
+    "skip_special_tokens": ((None, True), "not supported: special tokens are always skipped in text"),
+    "spaces_between_special_tokens": ((None, True), "not supported"),
+    "prompt_logprobs": ((None,), "not supported here: completions' echo with logprobs gives the prompt's"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "return_tokens_as_token_ids": ((None, False), "not supported"),
+    "echo": ((None, False), "chat does not echo the prompt (completions do)"),
+    "add_generation_prompt": ((None, True), "the chat template always gets the generation prompt"),
+    "continue_final_message": ((None, False), "continuing the final message is not supported"),
+    "chat_template": ((None,), "the model's own chat template is used; another is not supported"),
+    "chat_template_kwargs": ((None, {}), "not supported"),
+    "documents": ((None, []), "documents for the chat template are not supported"),
+    "functions": ((None, []), "the legacy function-calling fields are not supported: use tools"),
+    "function_call": ((None, "none"), "the legacy function-calling fields are not supported: use tool_choice"),
+    "suffix": ((None, ""), "insertion (a suffix) is not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "structural_tag": ((None,), "structural tags are not supported: use structured_outputs or tools"),
+}
 
 
 class StreamOptions(BaseModel):

@@ -206,3 +206,21 @@ def test_bad_tool_and_format_requests_are_a_400_naming_what_is_wrong(served, fie
                           json={"model": "demo", "max_tokens": 4, "messages": ASK, **fields})
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, fields, status", [
+    ("/v1/completions", {"use_beam_search": True}, 400), ("/v1/completions", {"use_beam_search": False}, 200),
+    ("/v1/completions", {"include_stop_str_in_output": True}, 400), ("/v1/completions", {"suffix": "x"}, 400),
+    ("/v1/completions", {"logits_processors": ["x"]}, 400), ("/v1/completions", {"skip_special_tokens": True}, 200),
+    ("/v1/chat/completions", {"echo": True}, 400), ("/v1/chat/completions", {"continue_final_message": True}, 400),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, 400), ("/v1/chat/completions", {"user": "me"}, 200),
+    ("/v1/chat/completions", {"response_format": {"type": "structural_tag"}}, 400),
+])
+def test_a_known_field_that_is_not_served_is_a_400_never_a_silent_200(served, path, fields, status):
+    _, url, _, _ = served
+    body = {"model": "demo", "max_tokens": 4, **fields}
+    body |= {"prompt": "x"} if path == "/v1/completions" else {"messages": ASK}
+    response = httpx.post(f"{url}{path}", headers=AUTH, json=body)
+    assert response.status_code == status, response.text
+    if status == 400:
+        assert next(iter(fields)) in response.json()["error"]["message"]

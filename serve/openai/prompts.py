@@ -18,7 +18,8 @@ from draftsmith.serve.client.engine_client import QueueFullError, RequestOutputs
 from draftsmith.serve.client.frontend import Frontend
 from draftsmith.serve.engine.checks import CheckedRequest, PromptRefused
 from draftsmith.serve.openai.http_errors import APIError
-from draftsmith.serve.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from draftsmith.serve.openai.messages import ChatMessage
+from draftsmith.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from draftsmith.serve.openai.state import ServerState
 
 T = TypeVar("T")

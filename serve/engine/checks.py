@@ -42,7 +42,8 @@ class RequestLimits:
             raise DraftsmithError(f"n={params.n} samples run at once, one cache slot each, but max_num_seqs is "
                                   f"{self.max_num_seqs}")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("bad_words", [t for word in params.bad_words_token_ids or [] for t in word])):
             if any(not 0 <= token < self.vocab_size for token in ids):
                 raise DraftsmithError(f"{name}: token ids must be in [0, {self.vocab_size})")
         return CheckedRequest(list(prompt_token_ids), params, prompt)

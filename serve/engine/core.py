@@ -96,7 +96,8 @@ class LLMEngine(FaultIsolatingSteps):
         self.groups: dict[str, RequestGroup] = {}  # n > 1: the samples of one request, by its id
         self._ids = itertools.count()
         self._seed_source = torch.Generator().manual_seed(config.seed)
-        self.stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0, "num_forward_passes": 0}
+        # num_forced_tokens: tokens grammar drafts gave beyond one a forward (`forced_tokens`)
+        self.stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0, "num_forward_passes": 0, "num_forced_tokens": 0}
         self.faults = RowFaults()  # requests a step failed alone (`row_faults` has the rules)
         self.ledger = StepLedger()
         self.spec_config = spec_config
@@ -253,6 +254,7 @@ class LLMEngine(FaultIsolatingSteps):
     def _free_slot(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+            self.logits_state.release(request.slot)
             self.free_slots.append(request.slot)
             self.free_slots.sort()  # low slots first keeps decode batches contiguous (slice, not gather)
         self.requests.pop(request.request_id, None)

@@ -56,7 +56,7 @@ def forced_step(engine, rows: list, forced: list[list[int]], started: float, sam
     engine.take_tokens(rows, new_tokens, out.logits, sampling)
     for request in rows:
         request.num_computed = request.num_tokens - 1
-    engine.stats["num_forced_tokens"] = engine.stats.get("num_forced_tokens", 0) + sum(kept) - len(rows)
+    engine.stats["num_forced_tokens"] += sum(kept) - len(rows)
     # booked as a plain step of longer rows: no drafter ran for these tokens
     engine._account(rows, 0, started, draft_s, verify_at - forward_at, verified_at - verify_at,
                     query_len=sum(q_lens) / len(rows))

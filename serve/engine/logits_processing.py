@@ -55,8 +55,10 @@ class DraftPrefix:
 
     def counts(self, vocab: int) -> torch.Tensor:
         """[B, N, V] float: how often each token occurs among the drafts before each position."""
-        one_hot = torch.nn.functional.one_hot(self.tokens.clamp(min=0), vocab).float()
-        return torch.bmm(self.follows.float(), one_hot)
+        rows, positions, drafts = self.follows.shape
+        counts = torch.zeros(rows, positions, vocab, device=self.tokens.device)
+        index = self.tokens.clamp(min=0)[:, None, :].expand(rows, positions, drafts)
+        return counts.scatter_add_(2, index, self.follows.float())
 
     def paths(self) -> list[list[list[int]]]:
         """Per row and position, the drafted tokens before it in order, on the host (drafts come after their
@@ -117,7 +119,10 @@ class LogitsAdjust:
             penalty = self.repetition[:, None, None]
             logits = torch.where(repeated, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
             logits = logits - self.frequency[:, None, None] * counts - self.presence[:, None, None] * seen
-        return logits
+        # a position where nothing is left (a finished grammar that allows only EOS, under min_tokens) may stop:
+        # its stop tokens come back, rather than an argmax over nothing
+        dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+        return torch.where(dead & self.stop_tokens[:, None], 0.0, logits)
 
     def _grammar_masks(self, logits: torch.Tensor, prefix: DraftPrefix | None) -> torch.Tensor:
         """-inf on the tokens each row's grammar forbids after each position's drafts."""
@@ -202,11 +207,15 @@ class SlotLogitsState:
     def forced_tokens(self, rows: list, limits: list[int]) -> list[list[int]] | None:
         """Per row, the tokens its grammar allows alone from its output on (up to its limit), or None where no
         row has any: the grammar drafts of `engine.forced_tokens`. Valid once `adjust` synced the rows."""
-        if not any(self.grammars[r.slot] is not None for r in rows):
+        grammars = [self.grammars[r.slot] if self.owners[r.slot] is r else None for r in rows]
+        if not any(grammars):
             return None
-        forced = [[] if self.grammars[r.slot] is None or not n else self.grammars[r.slot].forced_tokens()[:n]
-                  for r, n in zip(rows, limits)]
+        forced = [grammar.forced_tokens()[:n] if grammar is not None and n else [] for grammar, n in zip(grammars, limits)]
         return forced if any(forced) else None
+
+    def release(self, slot: int) -> None:
+        """The slot's request left: what was kept for it goes (its matcher above all)."""
+        self.owners[slot], self.grammars[slot] = None, None
 
     def metrics(self) -> dict:
         return {"grammar_mask_s": self.grammar_time.seconds, "grammar_masks": self.grammar_time.masks}
@@ -231,7 +240,7 @@ class SlotLogitsState:
             if len(word) == 1:
                 bias[word[0]] = float("-inf")
         t["bias"][slot] = bias
-        stops = [*self.eos_token_ids, *params.stop_token_ids]
+        stops = [*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids]  # vLLM's stop set
         self.grammars[slot] = None if params.compiled_grammar is None else GrammarRow(
             params.compiled_grammar, self.tokenizer, self.vocab, self.eos_token_ids, self.grammar_time)
         t["stops"][slot].zero_()

@@ -107,11 +107,6 @@ class SamplingParams:
         return bool(self.penalized or self.logit_bias or self.min_tokens or self.bad_words_token_ids
                     or self.allowed_token_ids is not None or self.compiled_grammar)
 
-    def token_ids_used(self) -> list[int]:
-        """Every token id this request names, for the vocabulary check."""
-        ids = [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
-        return ids + [t for word in self.bad_words_token_ids or [] for t in word]
-
     def with_tokenizer(self, tokenizer) -> SamplingParams:
         """These params with what needs the tokenizer worked out once: `bad_words_token_ids` and
         `compiled_grammar` (DraftsmithError where a constraint cannot compile)."""

@@ -24,14 +24,17 @@ class StopChecker:
         params = request.params
         for kept, token in enumerate(tokens, start=1):
             request.output_token_ids.append(token)
-            if token in params.stop_token_ids:
+            # vLLM's min_tokens: no stop token or EOS ends the output before it holds min_tokens tokens, no
+            # stop string before it holds more
+            held = len(request.output_token_ids) < params.min_tokens
+            if token in params.stop_token_ids and not held:
                 request.stop_reason = token
                 request.finish("stop")
                 return kept
-            if token in self.eos_token_ids and not params.ignore_eos:
+            if token in self.eos_token_ids and not params.ignore_eos and not held:
                 request.finish("stop")
                 return kept
-            if params.stop and self._hit_stop_string(request):
+            if params.stop and self._hit_stop_string(request, len(request.output_token_ids) > params.min_tokens):
                 request.finish("stop")
                 return kept
             if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
@@ -42,13 +45,16 @@ class StopChecker:
                 return kept
         return len(tokens)
 
-    def _hit_stop_string(self, request: Request) -> bool:
+    def _hit_stop_string(self, request: Request, search: bool = True) -> bool:
+        """Keeps `request.text` current and, where `search`, looks for a stop string in what is new."""
         decoder = self._decoder(request)
         piece = decoder.extend(request.output_token_ids[decoder.num_tokens :])
         if not piece:
             return False
         previous = len(request.text)
         request.text += piece
+        if not search:
+            return False
         # A stop string may have started up to len - 1 characters before the new piece.
         search_from = max(0, previous - max(len(s) for s in request.params.stop) + 1)
         hits = [(i, s) for s in request.params.stop if (i := request.text.find(s, search_from)) >= 0]

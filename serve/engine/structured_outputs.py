@@ -14,6 +14,7 @@ at a position is the matcher's after that position's drafted prefix: consumed, m
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ import numpy as np
 import torch
 
 from draftsmith.errors import DraftsmithError
+
+logger = logging.getLogger("draftsmith")
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # JSON is written compactly, as json.dumps writes it: a small model given free whitespace may emit it until
@@ -71,16 +74,17 @@ class StructuredOutputsParams:
             raise DraftsmithError(f"structured_outputs: {exc}") from None
 
 
-def grammar_tokenizer(tokenizer):
-    """llguidance's view of `tokenizer` (built once per tokenizer: ~0.1 s)."""
+def grammar_tokenizer(tokenizer, vocab: int | None = None):
+    """llguidance's view of `tokenizer` whose masks cover `vocab` tokens at least (the model's vocabulary may
+    be larger than the tokenizer's: Qwen2's 151936 for 151665), built once per (tokenizer, vocab): ~0.1 s."""
     with _LOCK:
-        cached = getattr(tokenizer, "_draftsmith_llguidance", None)
-        if cached is None:
+        cached = tokenizer.__dict__.setdefault("_draftsmith_llguidance", {})
+        size = max(vocab or 0, len(tokenizer))
+        if size not in cached:
             import llguidance.hf
 
-            cached = llguidance.hf.from_tokenizer(tokenizer)
-            tokenizer._draftsmith_llguidance = cached
-        return cached
+            cached[size] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size)
+        return cached[size]
 
 
 _LOCK = threading.Lock()
@@ -114,8 +118,8 @@ class GrammarRow:
     def __init__(self, grammar: str, tokenizer, vocab: int, stop_tokens: list[int], spent: GrammarTime | None = None):
         from llguidance import LLMatcher
 
-        self.matcher = LLMatcher(grammar_tokenizer(tokenizer), grammar)
-        self.vocab, self.consumed = vocab, 0
+        self.matcher = LLMatcher(grammar_tokenizer(tokenizer, vocab), grammar)
+        self.vocab, self.consumed, self.failed = vocab, 0, False
         self.spent = spent if spent is not None else GrammarTime()
         self.fallback = torch.zeros(vocab, dtype=torch.bool)  # nothing allowed (matcher stopped past EOS, or failed)
         self.fallback[stop_tokens] = True
@@ -124,7 +128,11 @@ class GrammarRow:
         new = output_token_ids[self.consumed:]
         if new:
             start = time.perf_counter()
-            self.matcher.consume_tokens(new)
+            stopped = self.matcher.is_stopped()  # past its end only EOS may follow (min_tokens can ask for more)
+            if not self.matcher.consume_tokens(new) and not stopped and not self.failed:
+                # a token the masks allowed was refused: the matcher is stuck; from here its fallback holds
+                self.failed = True
+                logger.warning("structured output matcher refused tokens %s: %s", new, self.matcher.get_error())
             self.consumed = len(output_token_ids)
             self.spent.seconds += time.perf_counter() - start
 
@@ -138,10 +146,12 @@ class GrammarRow:
             if prefix and min(prefix) < 0:
                 continue
             taken = self.matcher.try_consume_tokens(prefix) if prefix else 0
-            if taken == len(prefix):
-                out[n] = self._mask()
-            if taken:
-                self.matcher.rollback(taken)
+            try:
+                if taken == len(prefix):
+                    out[n] = self._mask()
+            finally:  # the matcher stays at the output whatever happens here
+                if taken:
+                    self.matcher.rollback(taken)
         self.spent.seconds += time.perf_counter() - start
         self.spent.masks += len(prefixes)
         return out
@@ -154,8 +164,9 @@ class GrammarRow:
         if self.matcher.is_error():
             return self.fallback
         words = torch.from_numpy(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32).astype(np.int64))
-        bits = (words[:, None] >> torch.arange(32)) & 1
-        allowed = bits.reshape(-1)[: self.vocab].bool()
+        bits = ((words[:, None] >> torch.arange(32)) & 1).reshape(-1).bool()
+        allowed = torch.zeros(self.vocab, dtype=torch.bool)  # tokens past the mask's end: never allowed
+        allowed[: min(len(bits), self.vocab)] = bits[: self.vocab]
         return allowed if allowed.any() else self.fallback
 
 

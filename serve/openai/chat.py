@@ -38,6 +38,7 @@ def chat_router(state: ServerState) -> APIRouter:
         check_model(state, body.model)
         prompt, ids = await off_loop(render_chat, state.frontend, body.messages, body.tools, param="messages")
         [request] = await off_loop(check_prompts, state, body, [(prompt, ids)])  # a grammar compiles here
+        ids = request.prompt_token_ids  # truncate_prompt_tokens may have cut it
         params, outputs = request.params, submit(state, request)
         rid = new_id("chatcmpl")
         calling = body.tool_choice_in_force() not in (None, "none")

@@ -46,7 +46,11 @@ def completions_router(state: ServerState) -> APIRouter:
         start = time.perf_counter()
         check_model(state, body.model)
         encoded = await off_loop(encode_prompts, state.frontend, body.prompts())
-        submitted = _submit_all(state, check_prompts(state, body, encoded))
+        checked = await off_loop(check_prompts, state, body, encoded)  # a grammar compiles here
+        # what the engine reads: truncate_prompt_tokens may have cut a prompt (then its text is its ids')
+        encoded = [(text if len(request.prompt_token_ids) == len(ids) else None, request.prompt_token_ids)
+                   for (text, ids), request in zip(encoded, checked)]
+        submitted = _submit_all(state, checked)
         rid = new_id("cmpl")
         if body.stream:  # one prompt (the body's validation)
             return _streamed(state, body, rid, encoded[0], submitted[0], start)

@@ -71,10 +71,12 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool = True
         tool = next(t for t in tools if t.function.name == choice.function.name)
         return StructuredOutputsParams(json=tool.function.parameters or ANY_OBJECT)
     if choice == "required":
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": _calls(tools, "parameters")}}
+        calls, shared = _calls(tools, "parameters")
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **shared}
         return StructuredOutputsParams(json=array if parallel else {**array, "maxItems": 1})
     if choice == "auto":
-        call = {"anyOf": _calls(tools, "arguments"), "x-guidance": JSON_OPTIONS}
+        calls, shared = _calls(tools, "arguments")
+        call = {"anyOf": calls, **shared, "x-guidance": JSON_OPTIONS}
         repeat = "+" if parallel else ""
         return StructuredOutputsParams(grammar=(
             f"start: TEXT | calls\nTEXT: /[^<][\\s\\S]*/\n"
@@ -82,11 +84,24 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool = True
     return None
 
 
-def _calls(tools: list[Tool], arguments: str) -> list[dict[str, Any]]:
-    """A JSON schema per tool of a call {"name": its name, `arguments`: its parameters}."""
-    return [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                              arguments: t.function.parameters or ANY_OBJECT},
-             "required": ["name", arguments], "additionalProperties": False} for t in tools]
+DEFINITIONS = ("$defs", "definitions")  # where schemas keep what their "#/$defs/..." pointers name
+
+
+def _calls(tools: list[Tool], arguments: str) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+    """A JSON schema per tool of a call {"name": its name, `arguments`: its parameters}, and the tools'
+    definitions, which go to the root of the schema that holds the calls: a parameters schema's root pointers
+    ("#/$defs/Loc", as pydantic writes them) must resolve there (vLLM's tool schemas do the same)."""
+    calls, shared = [], {key: {} for key in DEFINITIONS}
+    for tool in tools:
+        parameters = dict(tool.function.parameters or ANY_OBJECT)
+        for key in DEFINITIONS:
+            for name, definition in (parameters.pop(key, None) or {}).items():
+                if shared[key].setdefault(name, definition) != definition:
+                    raise DraftsmithError(f"tools: two tools define {key}.{name} differently; one schema holds "
+                                          "every call, so give them different names")
+        calls.append({"type": "object", "properties": {"name": {"const": tool.function.name}, arguments: parameters},
+                      "required": ["name", arguments], "additionalProperties": False})
+    return calls, {key: found for key, found in shared.items() if found}
 
 
 def tool_calls(text: str, choice: ToolChoice) -> list[dict[str, Any]] | None:

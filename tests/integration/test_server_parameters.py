@@ -224,3 +224,30 @@ def test_a_known_field_that_is_not_served_is_a_400_never_a_silent_200(served, pa
     assert response.status_code == status, response.text
     if status == 400:
         assert next(iter(fields)) in response.json()["error"]["message"]
+
+
+def test_tool_schemas_with_definitions_are_served_under_required_and_auto(served):
+    """Parameters as pydantic writes them, pointing into their own $defs: the pointers still resolve once the
+    calls of several tools share one schema."""
+    client = served[0]
+    point = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Point"}}, "required": ["at"],
+             "additionalProperties": False,
+             "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                                 "additionalProperties": False}}}
+    tools = [{"type": "function", "function": {"name": name, "parameters": point}} for name in ("go", "look")]
+    answer = client.chat.completions.create(model="demo", messages=ASK, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=60, temperature=0)
+    [call] = answer.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), point)
+    text = client.chat.completions.create(model="demo", messages=ASK, tools=tools, max_tokens=8, temperature=0)
+    assert text.choices[0].finish_reason in ("stop", "length")
+
+
+def test_usage_counts_the_prompt_as_truncated(served):
+    client = served[0]
+    answer = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, temperature=0,
+                                       extra_body={"truncate_prompt_tokens": 5})
+    assert answer.usage.prompt_tokens == 5
+    chat = client.chat.completions.create(model="demo", messages=ASK, max_tokens=4, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3

@@ -25,7 +25,8 @@ CASES = [{"repetition_penalty": 1.3}, {"presence_penalty": 1.5}, {"frequency_pen
          {"presence_penalty": -1.0, "frequency_penalty": 0.5},
          {"bad_words": ["return", "self.assert", " os.path"]},
          {"allowed_token_ids": list(range(50, 4000))},
-         {"repetition_penalty": 1.1, "presence_penalty": 0.3, "bad_words": ["import"], "min_tokens": 8}]
+         {"repetition_penalty": 1.1, "presence_penalty": 0.3, "bad_words": ["import"], "min_tokens": 8},
+         {"min_tokens": 12, "stop": ["\n"]}]  # stop strings wait for min_tokens too
 
 
 def _vllm_outputs(prompts: list[list[int]], cases: list[dict]) -> list[list[list[int]]]:

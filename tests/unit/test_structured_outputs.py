@@ -128,3 +128,31 @@ def test_grammar_drafts_give_one_token_decodings_output_in_fewer_forwards(plain,
     assert with_drafts == one_by_one
     assert used["num_forced_tokens"] > 10
     assert used["num_forward_passes"] < spent["num_forward_passes"] - 10
+
+
+def test_a_model_vocabulary_past_the_tokenizers_is_masked_whole(plain):
+    """Qwen2's config counts 151936 tokens for a tokenizer of 151665: the mask covers the model's vocabulary,
+    and the ids past the tokenizer's are never allowed."""
+    grammar = compile_constraint(StructuredOutputsParams(regex="[a-z]+"), plain.tokenizer)
+    small, large = (GrammarRow(grammar, plain.tokenizer, vocab, [0]).masks([[]])[0] for vocab in (8192, 8256))
+    assert large.shape == (8256,) and torch.equal(large[:8192], small) and not large[8192:].any()
+
+
+def test_a_grammar_does_not_outlive_its_request_in_a_reused_slot(plain):
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256, target=plain.model)
+    regex = SamplingParams(temperature=0, max_tokens=3, structured_outputs=StructuredOutputsParams(regex="[a-z]{12}"))
+    _outputs(llm, ["x = "], regex)  # ends at max_tokens, inside its regex
+    forced = llm.get_metrics()["num_forced_tokens"]
+    _outputs(llm, CODE_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12))
+    assert llm.get_metrics()["num_forced_tokens"] == forced and llm.engine.logits_state.grammars == [None]
+
+
+def test_a_finished_grammar_under_min_tokens_ends_with_eos_not_an_arbitrary_token(plain):
+    """The grammar allows only EOS once "yes" is written, and min_tokens bans EOS: nothing would be left, so
+    EOS comes back (the output runs on to min_tokens with it, as vLLM does) instead of an argmax over nothing."""
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=4,
+                            structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    [out] = _outputs(plain, CODE_PROMPTS[:1], params)
+    eos = plain.tokenizer.eos_token_id
+    assert out.text == "yes" and out.finish_reason == "stop" and len(out.token_ids) == 4
+    assert out.token_ids[-2:] == [eos, eos]

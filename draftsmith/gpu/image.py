@@ -10,8 +10,10 @@ from __future__ import annotations
 import re
 
 PYTHON = "3.12"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64")
+# the image's glibc takes manylinux wheels up to 2_39 (the device library's README); pip matches each tag
+# exactly, so the ones wheels use are listed (llguidance ships manylinux_2_31 only)
+PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
+             "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 
 KNOWN_VERSIONS = {
     "accelerate": "1.15.0", "huggingface-hub": "1.33.0", "numpy": "2.5.2", "safetensors": "0.8.0",

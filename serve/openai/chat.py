@@ -49,7 +49,7 @@ def chat_router(state: ServerState) -> APIRouter:
         choices = []
         for c in out.outputs:
             logprobs = None if c.logprobs is None else _logprobs(state, c.logprobs, params)
-            calls = tool_calls(c.text, body.tool_choice_in_force()) if calling and c.finish_reason == "stop" else None
+            calls = tool_calls(c.text, body.tool_choice_in_force()) if calling else None
             finish = finish_reason(body.tool_choice_in_force(), c.finish_reason) if calls else c.finish_reason
             choices.append(chat_choice(c.index, c.text, finish, logprobs, calls))
         return chat_body(rid, state.model_name, choices, len(ids), sum(len(c.token_ids) for c in out.outputs))

@@ -105,8 +105,12 @@ def _calls(tools: list[Tool], arguments: str) -> tuple[list[dict[str, Any]], dic
 
 
 def tool_calls(text: str, choice: ToolChoice) -> list[dict[str, Any]] | None:
-    """The calls in a finished output, in OpenAI's shape; None where the output holds none (text, under
-    'auto') or no whole call (it ran out of tokens first): then it is returned as text."""
+    """The calls in a finished output, in OpenAI's shape; None where it holds none (text, under 'auto') or no
+    whole call of a list (it ran out of tokens first): then it is returned as text. A forced call is a call
+    whatever its end, its arguments cut short where the output was (as OpenAI answers at max_tokens, and as it
+    streamed)."""
+    if isinstance(choice, NamedToolChoice):
+        return [_call(choice.function.name, text)]
     try:
         if choice == "auto":
             if not text.startswith(CALL_OPEN):
@@ -116,8 +120,6 @@ def tool_calls(text: str, choice: ToolChoice) -> list[dict[str, Any]] | None:
         value = json.loads(text)
     except (ValueError, KeyError, TypeError):
         return None
-    if isinstance(choice, NamedToolChoice):
-        return [_call(choice.function.name, text)]
     return [_call(call["name"], json.dumps(call["parameters"])) for call in value]
 
 

@@ -251,3 +251,15 @@ def test_usage_counts_the_prompt_as_truncated(served):
     chat = client.chat.completions.create(model="demo", messages=ASK, max_tokens=4, temperature=0,
                                           extra_body={"truncate_prompt_tokens": 3})
     assert chat.usage.prompt_tokens == 3
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_call_streamed_or_not(served):
+    """As OpenAI answers at max_tokens: the call with its arguments cut short, finish 'length'."""
+    client = served[0]
+    asked = {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "walk"}},
+             "max_tokens": 4, "temperature": 0}
+    answer = client.chat.completions.create(model="demo", **asked)
+    [call] = answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "length" and call.function.name == "walk"
+    assert '{"root": "'.startswith(call.function.arguments[:3]) and not call.function.arguments.endswith("}")
+    assert _streamed_chat(client, **asked) == ("", {0: ("walk", call.function.arguments)}, "length")

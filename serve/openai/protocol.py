@@ -179,18 +179,22 @@ class _Sampling(_Body):
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The one output constraint the body asks for, whichever spelling (a 400 where it asks for two)."""
-        guided = {kind: getattr(self, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
-        guided = {k: v for k, v in guided.items() if v is not None}
-        asked = [(name, value) for name, value in (
-            ("response_format", response_format_constraint(self.response_format.model_dump(by_alias=True))
-             if self.response_format is not None else None),
-            ("structured_outputs", StructuredOutputsParams(**self.structured_outputs.model_dump(exclude_none=True, by_alias=True))
-             if self.structured_outputs is not None else None),
-            ("guided_*", StructuredOutputsParams(**guided, whitespace_pattern=self.guided_whitespace_pattern)
-             if guided else None)) if value is not None]
+        asked = {name: spec for name, spec in self._spelled_constraints() if spec is not None}
         if len(asked) > 1:
-            raise DraftsmithError(f"{asked[0][0]}, {asked[1][0]}: give one output constraint, not two")
-        return asked[0][1] if asked else None
+            raise DraftsmithError(f"{', '.join(asked)}: give one output constraint, not two")
+        return next(iter(asked.values()), None)
+
+    def _spelled_constraints(self):
+        """(spelling, the constraint it asks for or None) for each way a body can ask for one."""
+        if self.response_format is not None:
+            yield "response_format", response_format_constraint(self.response_format.model_dump(by_alias=True))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+            yield "structured_outputs", StructuredOutputsParams(**fields)
+        guided = {kind: getattr(self, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
+        guided = {kind: value for kind, value in guided.items() if value is not None}
+        if guided:
+            yield "guided_*", StructuredOutputsParams(**guided, whitespace_pattern=self.guided_whitespace_pattern)
 
     @model_validator(mode="after")
     def _best_of_is_n(self):

@@ -338,20 +338,22 @@ class LLMEngine(FaultIsolatingSteps):
             follower.num_computed += chunks[i]
 
     def _decode(self, rows: list[Request]) -> list[Request]:
+        """One decode step: grammar drafts where a row's grammar forces tokens (`forced_tokens`: free drafts,
+        so no drafter runs that step), else a speculative step, else a plain one."""
         started = self.clock()
-        if self.proposer is not None:
-            self._speculative_decode(rows, started)
+        sampling = self._sampling(rows)
+        forced = self.logits_state.forced_tokens(rows, forced_limits(rows, self.config.max_model_len, self.max_forced))
+        if forced is not None:
+            forced_step(self, rows, forced, started, sampling)
+        elif self.proposer is not None:
+            self._speculative_decode(rows, started, sampling)
         else:
-            self._plain_decode(rows, started, self._sampling(rows))
+            self._plain_decode(rows, started, sampling)
         return rows
 
     def _plain_decode(self, rows: list[Request], started: float, sampling: SamplingBatch, draft_s: float = 0.0,
                       drafts: DraftBatch | None = None):
-        """One forward per row of its last token; `draft_s`, `drafts`: drafting this step did for nothing. Rows
-        whose grammar forces tokens verify those in the same forward instead (`forced_tokens`)."""
-        forced = self.logits_state.forced_tokens(rows, forced_limits(rows, self.config.max_model_len, self.max_forced))
-        if forced is not None:
-            return forced_step(self, rows, forced, started, sampling, draft_s)
+        """One forward per row of its last token; `draft_s`, `drafts`: drafting this step did for nothing."""
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
         out, forward_at = self.step_forward(ids, rows, [1] * len(rows))
         sample_at = self.clock()
@@ -365,13 +367,9 @@ class LLMEngine(FaultIsolatingSteps):
         self.take_tokens(rows, tokens, out.logits[:, -1:], sampling)
         self._account(rows, 0, started, draft_s, sample_at - forward_at, sampled_at - sample_at, drafts)
 
-    def _speculative_decode(self, rows: list[Request], started: float) -> None:
+    def _speculative_decode(self, rows: list[Request], started: float, sampling: SamplingBatch) -> None:
         """Draft up to w tokens per row (w chosen by the policy), score [last token, drafts] in one forward,
         keep what verifies (`speculative_step` has the pipeline)."""
-        sampling = self._sampling(rows)
-        forced = self.logits_state.forced_tokens(rows, forced_limits(rows, self.config.max_model_len, self.max_forced))
-        if forced is not None:  # the grammar drafts for free what it forces: no drafter runs this step
-            return forced_step(self, rows, forced, started, sampling)
         if self.policy.held(tuple(r.slot for r in rows)):
             # the step's hidden states still go to the proposer (by reference, `observe_later`): a head
             # resuming with a context of a few positions drafts almost nothing right

@@ -112,8 +112,11 @@ def build_head(recipe: Recipe, target, train_ds):
 
 def prepare_datasets(recipe: Recipe, tokenizer, feature_layers):
     d = recipe.data
-    if d.hidden_states_dir:
+    if d.hidden_states_dir:  # eval_files, when given, are scored with features the target computes then
         full = CapturedDataset(d.hidden_states_dir, feature_layers)
+        if d.eval_files:
+            return full, tokenize_dataset(load_records(d.eval_files, d.max_eval_samples), tokenizer, d.max_length,
+                                          d.format, d.mask_prompt)
         n_eval = max(1, int(len(full) * d.eval_fraction)) if d.eval_fraction else 0
         n_eval = min(n_eval, d.max_eval_samples or n_eval)
         train = torch.utils.data.Subset(full, range(n_eval, len(full)))

@@ -95,6 +95,28 @@ def test_online_and_offline_give_the_same_loss(workspace, tmp_path):
     torch.testing.assert_close(loss_online, loss_offline, atol=1e-5, rtol=1e-5)
 
 
+def test_offline_training_scores_its_eval_files_online(workspace, tmp_path):
+    """Captured features train the head, and `data.eval_files` (code the capture never saw, such as other
+    repositories') are what its evals score, their features computed by the target then: none of the
+    captured records is held back for eval."""
+    from draftsmith.train.trainer import prepare_datasets
+
+    root, target_dir, data = workspace
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(line + "\n" for line in data.read_text().splitlines()[:3]))
+    raw = tiny_recipe(target_dir, data, tmp_path / "run", epochs=1)
+    tokenizer = load_tokenizer(target_dir)
+    tokenized = tokenize_dataset(load_records([str(data)]), tokenizer, 64)
+    capture(load_target(target_dir), (1, 2, 3), tokenized, tmp_path / "hs", samples_per_shard=8)
+    raw["data"].update(hidden_states_dir=str(tmp_path / "hs"), eval_files=[str(held_out)])
+    recipe = validate_recipe(raw)
+    train_ds, eval_ds = prepare_datasets(recipe, tokenizer, (1, 2, 3))
+    assert len(train_ds) == len(tokenized) and len(eval_ds) == 3 and "features" not in eval_ds[0]
+    train(recipe, ["test"])
+    report = json.loads((tmp_path / "run" / "eval_epoch1.json").read_text())
+    assert report["sim_mean_acceptance_length_k1"] >= 1.0
+
+
 def test_capture_resumes_after_an_interruption(workspace, tmp_path, capsys):
     _, target_dir, data = workspace
     target = load_target(target_dir)

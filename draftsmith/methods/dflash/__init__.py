@@ -69,22 +69,28 @@ class DFlashMethod(SpecMethod):
         return tuple(sorted({round(1 + i * (num_layers - 2) / 2) for i in range(3)}))
 
     @classmethod
+    def head_fields(cls, section: DFlashRecipe) -> dict:
+        """Config fields of a head built on DFlash's that its own recipe keys set (none here)."""
+        return {}
+
+    @classmethod
     def build_head(cls, section: DFlashRecipe, target, feature_layers, token_records):
         from draftsmith.methods.heads import default_mask_token
 
         t = target.config
         mask = section.mask_token_id if section.mask_token_id is not None else \
             default_mask_token(section.target, "model.mask_token_id")
-        config = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=section.intermediate_size or t.intermediate_size,
+        config = cls.head_config(hidden_size=t.hidden_size, intermediate_size=section.intermediate_size or t.intermediate_size,
                               num_hidden_layers=section.num_draft_layers, num_attention_heads=t.num_attention_heads,
                               num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
                               target_hidden_size=t.hidden_size, target_num_layers=t.num_hidden_layers,
                               aux_layer_ids=tuple(feature_layers), block_size=section.block_size, mask_token_id=mask,
                               sample_from_anchor=section.sample_from_anchor,
                               rms_norm_eps=t.rms_norm_eps, rope=t.rope, max_position_embeddings=t.max_position_embeddings,
-                              attention_bias=t.qkv_bias, target_model=section.target)
+                              attention_bias=t.qkv_bias, target_model=section.target,
+                              **cls.head_fields(section))
         config.check_target(t)
-        head = DFlashHead(config).attach_target(target)
+        head = cls.head_module(config).attach_target(target)
         if section.intermediate_size in (None, t.intermediate_size) and section.num_draft_layers <= t.num_hidden_layers:
             _start_from_last_layers(head, target)
         return head

@@ -61,7 +61,10 @@ def _layer_count(names: list[str], where: str) -> int:
 
 def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], feature_layers: list[int], block_size,
                mask_token_id, num_target_layers, target_name: str, where: str, ignorable=(),
-               sample_from_anchor=False) -> NormalizedHead:
+               sample_from_anchor=False, head: tuple[type, list[str], dict[str, Any]] = (DFlashConfig, [], {})
+               ) -> NormalizedHead:
+    """`head`: the config class of a head built on DFlash's, the tensors it adds and its config fields."""
+    config_class, head_names, head_fields = head
     if not isinstance(sample_from_anchor, bool):
         raise DraftsmithError(f"{where}: sample_from_anchor {sample_from_anchor!r} must be true or false")
     if mask_token_id is None:
@@ -71,8 +74,8 @@ def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], featu
     layers = _layer_count(checkpoint.names, where)
     biased = bool(layer_config.get("attention_bias"))
     names = [f"layers.{i}.{k}" for i in range(layers) for k in LAYER_KEYS + (BIAS_KEYS if biased else ())]
-    dropped = reject_unknown(checkpoint, set(names) | set(HEAD_KEYS), "DFlash", ignorable)
-    tensors = take(checkpoint, names + list(HEAD_KEYS))
+    dropped = reject_unknown(checkpoint, set(names) | set(HEAD_KEYS) | set(head_names), config_class.head_type, ignorable)
+    tensors = take(checkpoint, names + list(HEAD_KEYS) + head_names)
     fields = layer_fields(layer_config, where)
     fc_in = tensors["fc.weight"].shape[1]
     if fc_in % len(feature_layers):
@@ -84,7 +87,7 @@ def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], featu
     except (TypeError, ValueError) as exc:
         raise DraftsmithError(f"{where}: vocab_size, the target's layer count and mask_token_id must be integers "
                               f"({exc})") from None
-    config = DFlashConfig(**fields, num_hidden_layers=layers, vocab_size=vocab,
+    config = config_class(**fields, **head_fields, num_hidden_layers=layers, vocab_size=vocab,
                           target_hidden_size=fc_in // len(feature_layers), target_num_layers=target_layers,
                           aux_layer_ids=tuple(feature_layers), block_size=block_size, mask_token_id=mask,
                           sample_from_anchor=sample_from_anchor, attention_bias=biased, target_model=target_name)

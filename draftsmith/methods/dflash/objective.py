@@ -82,12 +82,14 @@ def dflash_objective(head, target, batch, features, cfg):
 
 
 @torch.no_grad()
-def simulated_acceptance(head, target, batch, features, max_k: int):
+def simulated_acceptance(head, target, batch, features, max_k: int, chains=None):
     """(accepted chains per depth [max_k], chain starts, served tokens, served blocks). Draft j of a block is
     accepted if drafts 1..j all equal the target's greedy choices given the text (given the text, not the
     drafts: exact where the text is the target's greedy continuation, as regenerated data is). The per-depth
     counts take a block from every EVAL_STRIDE-th anchor choice; the served pair walks each row as a server
-    drafts it (`served_walk`): blocks drafted and the tokens they yield."""
+    drafts it (`served_walk`): blocks drafted and the tokens they yield. `chains`: how a block's accepted
+    chains are counted (`block_chains`, the default; a head built on DFlash passes its own)."""
+    chains = chains or block_chains
     ids = batch["input_ids"]
     counts, starts = torch.zeros(max_k, dtype=torch.long), 0  # depths past the block stay 0: never drafted
     served_tokens = served_blocks = 0
@@ -100,7 +102,7 @@ def simulated_acceptance(head, target, batch, features, max_k: int):
             continue
         row = {key: batch[key][b : b + 1] for key in ("input_ids", "loss_mask", "lengths")}
         feats = {key: value[b : b + 1] for key, value in features.items()}
-        chain = torch.cat([block_chains(head, target, row, feats, anchors[None], max_k)[0]
+        chain = torch.cat([chains(head, target, row, feats, anchors[None], max_k)[0]
                            for anchors in anchor_list.split(EVAL_BLOCKS)])
         counts[:max_k] += chain[::EVAL_STRIDE].sum(0).cpu()
         starts += len(chain[::EVAL_STRIDE])

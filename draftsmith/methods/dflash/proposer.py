@@ -173,18 +173,27 @@ class DFlashProposer(Proposer):
                             device=self.device)
         hidden = self.head.block_forward(self.head.embed_block(last[:, None]), batch.positions, attend,
                                          outputs=self.head.config.draft_slots(width))
-        logits = self.head.readout(hidden)  # [rows, width, V]: one block forward drafts them all
         if self.tree is not None:
-            return self._tree(logits, active, limits, n)
+            return self._tree(self.head.readout(hidden), active, limits, n)
         temperature, generators = None, {}
         if sampled:
             temperature = sampling.temperature.to(self.device)[torch.tensor(active, device=self.device)]
             temps = sampling.temperature.tolist()
             generators = {j: sampling.generators[b] for j, b in enumerate(active) if temps[b] > 0}
         rows_t = torch.tensor(active, device=self.device)
-        choose_block(logits, limits, rows_t, temperature, generators, tokens_out, probs_out)
         counts_out[rows_t] = torch.tensor(limits, device=self.device)
-        return DraftBatch(tokens_out, counts_out, probs_out, forwards=1)
+        confidence = self._chain(hidden, last, limits, rows_t, temperature, generators, tokens_out, probs_out)
+        return DraftBatch(tokens_out, counts_out, probs_out, confidence=confidence, forwards=1)
+
+    def _chain(self, hidden: torch.Tensor, last: torch.Tensor, limits: list[int], rows: torch.Tensor,
+               temperature: torch.Tensor | None, generators: dict[int, torch.Generator], tokens_out: torch.Tensor,
+               probs_out: torch.Tensor | None) -> torch.Tensor | None:
+        """Drafts the chains of the drafting rows from their blocks' final hidden states [A, width, H] (`last`
+        [A]: each row's token before the block) into `rows` of the outputs -> the chance each draft survives
+        verification [n, k], or None where the head does not say (DFlash's does not)."""
+        logits = self.head.readout(hidden)  # [rows, width, V]: one block forward drafts them all
+        choose_block(logits, limits, rows, temperature, generators, tokens_out, probs_out)
+        return None
 
     def _tree(self, logits: torch.Tensor, active: list[int], limits: list[int], n: int) -> DraftBatch:
         """The active rows' trees from their blocks' logits [A, depth, V], each cut to its row's limit (its

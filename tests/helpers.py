@@ -258,19 +258,23 @@ def recorded_draft_forwards(llm) -> list[int]:
     return seen
 
 
-def random_dflash_head(target, block_size=5, layers=2, seed=0, sample_from_anchor=False):
-    """A DFlash head on `target` with weights drawn around 0 (norms around 1), fused layer ids 1, 3, 5."""
+def random_dflash_head(target, block_size=5, layers=2, seed=0, sample_from_anchor=False, dspark: dict | None = None):
+    """A DFlash head on `target` with weights drawn around 0 (norms around 1), fused layer ids 1, 3, 5; with
+    `dspark` (DSparkConfig's own fields), a DSpark head (anchor-first) of those layers."""
     from draftsmith.methods.dflash.head import DFlashConfig, DFlashHead
+    from draftsmith.methods.dspark.head import DSparkConfig, DSparkHead
 
     t = target.config
-    config = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=128, num_hidden_layers=layers,
+    config_class, head_class = (DFlashConfig, DFlashHead) if dspark is None else (DSparkConfig, DSparkHead)
+    extra = {} if dspark is None else {**dspark, "sample_from_anchor": True}
+    config = config_class(**extra, hidden_size=t.hidden_size, intermediate_size=128, num_hidden_layers=layers,
                           num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
                           head_dim=t.head_dim, vocab_size=t.vocab_size, target_hidden_size=t.hidden_size,
                           target_num_layers=t.num_hidden_layers, aux_layer_ids=(1, 3, 5), block_size=block_size,
                           mask_token_id=3, rms_norm_eps=t.rms_norm_eps, rope=t.rope,
-                          sample_from_anchor=sample_from_anchor)
+                          **({"sample_from_anchor": sample_from_anchor} if dspark is None else {}))
     torch.manual_seed(seed)
-    head = DFlashHead(config)
+    head = head_class(config)
     for name, p in head.named_parameters():
         torch.nn.init.normal_(p, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.1)
     return head.attach_target(target).eval()

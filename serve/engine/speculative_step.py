@@ -21,6 +21,7 @@ from draftsmith.serve.engine.sampling import SamplingBatch
 from draftsmith.serve.speculation.plan import StepPlan
 from draftsmith.serve.speculation.tree_verify import size_trees, verify_tree
 from draftsmith.serve.speculation.verify import verify
+from draftsmith.serve.speculation.verify_length import size_chains
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
     drafts = engine.propose(rows, widths, draft_sampling, plan.stop_below)
     draft_s = clock() - draft_at
     if drafts is not None and drafts.confidence is not None and policy.cost is not None:
-        size_trees(drafts, len(rows), policy.cost, draft_s)
+        size = size_trees if drafts.parents is not None else size_chains
+        size(drafts, len(rows), policy.cost, draft_s)
     return Drafted(plan, drafts, limits, draft_s, catch_up)
 
 

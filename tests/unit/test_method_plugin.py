@@ -225,10 +225,10 @@ def test_unregistered_toy_is_gone_everywhere(toy_head):
 
     unregister_method("toy_bigram")
     try:
-        with pytest.raises(DraftsmithError, match="'toy_bigram' is unknown; available: dflash, draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix"):
+        with pytest.raises(DraftsmithError, match="'toy_bigram' is unknown; available: dflash, draft_model, dspark, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix"):
             parse_speculative_config({"method": "toy_bigram", "model": "x", "num_speculative_tokens": 2})
         with pytest.raises(DraftsmithError,
-                           match="'toy_bigram' is unknown; available: dflash, draft_model, eagle, eagle3, medusa, mlp_speculator, mtp$"):
+                           match="'toy_bigram' is unknown; available: dflash, draft_model, dspark, eagle, eagle3, medusa, mlp_speculator, mtp$"):
             validate_recipe(_recipe("toy_bigram"))
         with pytest.raises(DraftsmithError, match="draftsmith_head_type 'toy_bigram' is not one of"):
             load_head(toy_head)

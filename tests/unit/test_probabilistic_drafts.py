@@ -18,10 +18,18 @@ from draftsmith.serve.engine.sampling import SamplingBatch
 from draftsmith.serve.speculation.config import parse_speculative_config
 from draftsmith.serve.speculation.rejection_reference import rejection_sample_reference
 from draftsmith.serve.speculation.verify import verify
-from helpers import DEMO_MODEL, REPO, Row, flattened_demo_copy, random_mlp_speculator, spec_config
+from helpers import (
+    DEMO_MODEL,
+    REPO,
+    Row,
+    flattened_demo_copy,
+    random_dflash_head,
+    random_mlp_speculator,
+    spec_config,
+)
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
-SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "dflash"]
+SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "dflash", "dspark"]
 # A context where the demo model is unsure (top probabilities about 0.41, 0.22, 0.15, 0.06) and where the
 # shipped EAGLE-3 head disagrees with it (total variation about 0.7): emitting the drafts as they are would
 # be far off, so only a correct use of q passes.
@@ -50,6 +58,9 @@ def sampled_step(request, tmp_path_factory):
     model = REPO / "assets" / f"demo-code-7m-{method}"
     if method == "mlp_speculator":  # none ships: a random one drafts from a distribution all the same
         model = random_mlp_speculator(tmp_path_factory.mktemp("mlp_speculator"))
+    if method == "dspark" and not model.is_dir():  # until a head ships: a random one
+        model = tmp_path_factory.mktemp("dspark") / "head"
+        random_dflash_head(target, block_size=3, dspark={"markov_rank": 16}).save_pretrained(model)
     if method == "draft_model":  # the demo model with a flattened readout: a draft that disagrees with it
         model = flattened_demo_copy(tmp_path_factory.mktemp("draft"), pard_token=3 if parallel else None)
     config = parse_speculative_config({"method": method, "model": str(model), "num_speculative_tokens": 2,
@@ -147,7 +158,7 @@ def test_draft_sampling_config():
     strict = parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,
                                        "rejection_sample_method": "strict"})
     assert (strict.rejection_sample_method, strict.draft_sample_method) == ("standard", "greedy")
-    with pytest.raises(DraftsmithError, match=r"'ngram' drafts deterministically.*methods that do: dflash, draft_model, eagle, eagle3, medusa, mlp_speculator, mtp\)"):
+    with pytest.raises(DraftsmithError, match=r"'ngram' drafts deterministically.*methods that do: dflash, draft_model, dspark, eagle, eagle3, medusa, mlp_speculator, mtp\)"):
         parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})
     with pytest.raises(DraftsmithError, match="contradicts"):
         parse_speculative_config({"method": "eagle3", "model": "h", "num_speculative_tokens": 2,

@@ -16,7 +16,7 @@ LAUNCH_CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipe_validates(path):
-    assert re.fullmatch(r"(eagle|eagle3|medusa|mlp|mtp|dflash|pard)-[a-z0-9.]+(-[a-z0-9.]+)*\.yaml", path.name)
+    assert re.fullmatch(r"(eagle|eagle3|medusa|mlp|mtp|dflash|dspark|pard)-[a-z0-9.]+(-[a-z0-9.]+)*\.yaml", path.name)
     recipe = load_recipe(path)
     assert recipe.model.head_type == {"mlp": "mlp_speculator", "pard": "draft_model"}.get(*[path.name.split("-")[0]] * 2)
 
@@ -58,10 +58,10 @@ def test_method_keys_are_valid_only_for_their_method():
         load_recipe(eagle3, ["training.noise_std=0.1"])
     with pytest.raises(DraftsmithError, match="model.draft_vocab_size: Extra inputs are not permitted"):
         load_recipe(eagle, ["model.draft_vocab_size=512"])
-    with pytest.raises(DraftsmithError, match="'ngram' trains no head; trainable: dflash, draft_model, eagle, eagle3, "
+    with pytest.raises(DraftsmithError, match="'ngram' trains no head; trainable: dflash, draft_model, dspark, eagle, eagle3, "
                                               "medusa, mlp_speculator, mtp$"):
         load_recipe(eagle, ["model.head_type=ngram"])
-    with pytest.raises(DraftsmithError, match="'suffix' trains no head; trainable: dflash, draft_model, eagle, eagle3, "
+    with pytest.raises(DraftsmithError, match="'suffix' trains no head; trainable: dflash, draft_model, dspark, eagle, eagle3, "
                                               "medusa, mlp_speculator, mtp$"):
         load_recipe(eagle, ["model.head_type=suffix"])
     with pytest.raises(DraftsmithError, match="an MTP layer is shaped like a layer of the target"):

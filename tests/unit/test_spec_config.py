@@ -22,7 +22,7 @@ def test_vllm_prompt_lookup_defaults_and_mirroring():
     ({"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}, "bogus.*valid keys: method"),
     ({"method": "dflash", "num_speculative_tokens": 3}, "needs \"model\""),
     ({"method": "lookahead", "num_speculative_tokens": 3},
-     "'lookahead' is unknown; available: dflash, draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix"),
+     "'lookahead' is unknown; available: dflash, draft_model, dspark, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "greater than"),

@@ -1,0 +1,89 @@
+"""DSpark training, DeepSpec's objective: blocks from random anchors as DFlash trains them (anchor-first),
+each block position's logits with the Markov term of the true token before it (teacher forcing: the drafts a
+served block accepts are those tokens), and per position, weighted exp(-(j - 1) / gamma) over the valid prefix
+of the block:
+
+    ce_weight * CE(draft, target's greedy token) + tv_weight * ||p_draft - p_target||_1
+        + confidence_weight * BCE(confidence logit, label)
+
+The label is the chance the position is accepted given the ones before it: `match` (the default), 1 where the
+draft's argmax is the target's, what greedy verification accepts; `tv`, DeepSpec's 1 - TV(p_draft, p_target),
+what rejection sampling at temperature 1 accepts. Both are taken from the Markov-corrected draft."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods.dflash.objective import _block_targets, sample_anchors
+from draftsmith.methods.dflash.objective import simulated_acceptance as dflash_simulated_acceptance
+
+
+def block_outputs(head, target, batch, features, anchors, drafts: int):
+    """Teacher-forced blocks from `anchors` [B, A]: (draft logits with the Markov term [B, A, n, V], final
+    hidden states [B, A, n, H], Markov embeddings of the tokens before each position or None, the target's
+    logits [B, A, n, V], the positions predicted [B, A, n] and whether each is a real token)."""
+    ids = batch["input_ids"]
+    rows, length = ids.shape
+    hidden = head.training_forward(features["features"], ids, anchors, drafts).view(rows, anchors.shape[1], drafts, -1)
+    predicted, real, target_logits = _block_targets(target, batch, features, anchors, drafts)
+    previous = ids.gather(1, (predicted - 1).clamp(max=length - 1).view(rows, -1)).view(predicted.shape)
+    embedded, bias = head.markov(previous)
+    return head.readout(hidden) + bias, hidden, embedded, target_logits, predicted, real
+
+
+def dspark_objective(head, target, batch, features, cfg):
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    rows, length = ids.shape
+    most = head.config.max_drafts()
+    learned = cfg.loss_positions or most
+    if learned > most:
+        raise DraftsmithError(f"training.loss_positions {learned}: the head's block_size {head.config.block_size} "
+                              f"drafts {most} positions; set loss_positions <= {most}")
+    anchors, valid = sample_anchors(loss_mask, batch["lengths"].tolist(), cfg.num_anchors, ids.device)
+    logits, hidden, embedded, target_logits, predicted, real = block_outputs(head, target, batch, features, anchors,
+                                                                              learned)
+    learnable = real & valid[:, :, None] & loss_mask.gather(1, predicted.clamp(max=length - 1).view(rows, -1)).view(
+        predicted.shape).bool()
+    trained = learnable.long().cumprod(-1).bool()  # a block's valid prefix: a position past a gap is never verified
+    decay = torch.exp(-torch.arange(learned, device=ids.device, dtype=torch.float32) / cfg.loss_decay_gamma)
+    weights = trained.float() * decay
+    total = weights.sum().clamp(min=1e-6)
+    p_target = torch.softmax(target_logits, -1)
+    greedy = target_logits.argmax(-1)
+    p_draft = torch.softmax(logits, -1)
+    l1 = (p_draft - p_target).abs().sum(-1)
+    ce = F.cross_entropy(logits.flatten(0, 2), greedy.flatten(), reduction="none").view(greedy.shape)
+    loss = cfg.ce_weight * (ce * weights).sum() / total + cfg.tv_weight * (l1 * weights).sum() / total
+    hits = logits.argmax(-1) == greedy
+    logs = {}
+    if head.confidence_head is not None:
+        label = hits.float() if cfg.confidence_label == "match" else (1 - l1 / 2).clamp(0, 1)
+        confidence = head.confidence_logits(hidden, embedded)
+        bce = F.binary_cross_entropy_with_logits(confidence, label.detach(), reduction="none")
+        loss = loss + cfg.confidence_weight * (bce * weights).sum() / total
+        with torch.no_grad():
+            where = trained[:, :, 0]
+            if where.any():
+                logs["conf_pos1"] = torch.sigmoid(confidence[:, :, 0][where]).mean().item()
+    with torch.no_grad():
+        for j in range(min(learned, 4)):
+            where = trained[:, :, j]
+            if where.any():
+                logs[f"acc_pos{j + 1}"] = hits[:, :, j][where].float().mean().item()
+    return loss, logs
+
+
+def block_chains(head, target, batch, features, anchors, max_k: int) -> torch.Tensor:
+    """[B, A, max_k]: 1 where the block from each anchor has drafts 1..j all equal to the target's greedy
+    choices given the text. The Markov term reads the text's tokens: along an accepted prefix those are the
+    drafts, so the count is what a served block drafting greedily would accept."""
+    logits, _, _, target_logits, _, _ = block_outputs(head, target, batch, features, anchors, max_k)
+    return (logits.argmax(-1) == target_logits.argmax(-1)).long().cumprod(-1)
+
+
+@torch.no_grad()
+def simulated_acceptance(head, target, batch, features, max_k: int):
+    """DFlash's simulated acceptance (`methods.dflash.objective.simulated_acceptance`) of DSpark blocks."""
+    return dflash_simulated_acceptance(head, target, batch, features, max_k, chains=block_chains)

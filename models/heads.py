@@ -54,6 +54,10 @@ class DraftHeadConfig(HeadConfig):
     norm_output: bool = False  # the final norm's output is what the LM head reads and what is fed back (3.1)
     qk_norm: bool = False  # Qwen3-style draft layer: per-head RMSNorm of queries and keys before RoPE
     sliding_window: int | None = None  # the draft layer attends over the newest this many positions
+    # P-EAGLE (EAGLE-3 only): drafts 2..k come from the same forward as draft 1, each a slot of token
+    # `ptd_token_id` whose hidden input is the learned `mask_hidden` (a fused-feature vector, before fc)
+    parallel_drafting: bool = False
+    ptd_token_id: int | None = None
 
     VARIANTS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "qk_norm", "sliding_window")
 
@@ -63,6 +67,9 @@ class DraftHeadConfig(HeadConfig):
                                   "exclude each other: set one")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise DraftsmithError(f"sliding_window must be a positive number of positions, not {self.sliding_window}")
+        if self.parallel_drafting and (self.head_type != "eagle3" or self.ptd_token_id is None):
+            raise DraftsmithError("parallel_drafting (P-EAGLE) is an EAGLE-3 head's, with the ptd_token_id its draft "
+                                  "slots are filled with")
 
     def variants(self) -> list[str]:
         """The variant flags this config turns on."""
@@ -219,9 +226,13 @@ class RecurrentHead(AttachedHead):
 
     @staticmethod
     def _at(out: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor:
+        """out [B, T, H] at each row's `logits_at` [B] -> [B, 1, H], or at several [B, n] -> [B, n, H]."""
         if logits_at is None:
             return out
-        return out[torch.arange(out.shape[0], device=out.device), logits_at][:, None]
+        rows = torch.arange(out.shape[0], device=out.device)
+        if logits_at.dim() == 2:
+            return out[rows[:, None], logits_at]
+        return out[rows, logits_at][:, None]
 
 
 class DraftHead(RecurrentHead):

@@ -110,6 +110,12 @@ class SpecMethod:
         raise DraftsmithError(f"method {cls.name!r} does not train a head")
 
     @classmethod
+    def continue_head(cls, head, section: RecipeModelSection):
+        """The head `model.init_from` loaded, as the recipe continues it (most: as it is; EAGLE-3 made
+        parallel by `parallel_drafting`)."""
+        return head
+
+    @classmethod
     def record_training(cls, head, training: RecipeTrainingSection) -> None:
         """Notes on `head`, before training, what its saved checkpoint must know of how it was trained (PARD:
         how many tokens one forward learned to draft). Most heads carry all of it in their architecture."""

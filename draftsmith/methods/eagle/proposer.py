@@ -113,9 +113,22 @@ class EagleFamilyProposer(Proposer):
         self._later: deque = deque(maxlen=self.observe_window)
         self._later_total = 0
         self._generation = [0] * max_num_seqs
+        # P-EAGLE: drafts 2..k from k - 1 slots appended to the catch-up forward (`parallel_inputs`)
+        self.parallel_slots = self._parallel_slots(config)
+        if self.parallel_slots is not None:
+            self.per_token_drafts = False  # one forward drafts any width
 
     def draft_models(self) -> list[torch.nn.Module]:
         return [self.head]
+
+    def _parallel_slots(self, config) -> int | None:
+        """k - 1 under `parallel_drafting`, for a head trained for it; None otherwise."""
+        if not getattr(config, "parallel_drafting", False):
+            return None
+        if not self.head.config.parallel_drafting:
+            raise DraftsmithError(f"parallel_drafting: {config.model} is a sequential EAGLE-3 head (no mask_hidden, "
+                                  "no ptd_token_id): train one with model.parallel_drafting, or drop the key")
+        return self.k - 1
 
     def features(self, hidden_states):
         return self.head.features(hidden_states).to(self.dtype)  # kept pending in the head's dtype
@@ -218,6 +231,8 @@ class EagleFamilyProposer(Proposer):
         return self.head.to_target_ids(drawn), p, probs
 
     def use_static_steps(self, make_runner):
+        if self.parallel_slots is not None:  # no one-token steps after the first forward
+            return None
         self.draft_steps = make_runner(self.head, self.cache)
         return self.draft_steps
 
@@ -277,8 +292,13 @@ class EagleFamilyProposer(Proposer):
             tree = self._draft_tree(state, logits, slots, base, host_active, max_drafts, n_rows, stop_below)
             return replace(tree, steady=steady)
         q_out = torch.zeros(len(active), self.k, len(self.draft_to_target), device=self.device) if sampled else None
-        drafted, confidence, forwards = self._draft(state, logits, slots, base, [max_drafts[i] for i in host_active],
-                                                    temperature, draws, q_out, n_rows, stop_below)
+        limits = [max_drafts[i] for i in host_active]
+        if self.parallel_slots is not None:
+            drafted, confidence = self._draft_parallel(logits, limits, temperature, draws, q_out)
+            forwards = 1  # the catch-up's (a mixed catch-up's second forward is not steady: priced apart)
+        else:
+            drafted, confidence, forwards = self._draft(state, logits, slots, base, limits, temperature, draws,
+                                                        q_out, n_rows, stop_below)
         tokens_out[act_dev] = drafted
         counts_out[act_dev] = (drafted >= 0).sum(-1)
         self.last_confidence[act_dev] = confidence
@@ -335,6 +355,8 @@ class EagleFamilyProposer(Proposer):
         return state, logits, steady
 
     def _catch_up_rows(self, rows: list[RowState], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (head output [A, H] and logits [A, Vd] at each row's last pending position; under P-EAGLE the
+        logits [A, k, Vd] of that position and of the k - 1 draft slots after it, from the same forward)."""
         first = [self.pending_start[s] for s in slots]
         held = [self.pending_len[s] for s in slots]
         width = max(held)
@@ -342,10 +364,45 @@ class EagleFamilyProposer(Proposer):
         ring = (torch.tensor(first)[:, None] + torch.arange(width)[None, :]) % self.pending_width
         hidden = self.pending[torch.tensor(slots)[:, None].to(self.device), ring.to(self.device)]
         last = torch.tensor(held, device=self.device) - 1
-        out, logits = self._head_batch(slots, first, held, tokens, hidden, last)
+        q_lens, read_at = held, last
+        if self.parallel_slots:
+            tokens, hidden, q_lens, read_at = self._with_parallel_slots(tokens.to(self.device), hidden, held)
+        out, logits = self._head_batch(slots, first, q_lens, tokens, hidden, read_at)
         for slot, begin, n in zip(slots, first, held):
             self.pending_start[slot], self.pending_len[slot] = begin + n, 0
-        return out[torch.arange(len(rows), device=self.device), last], logits[:, 0]
+        state = out[torch.arange(len(rows), device=self.device), last]
+        return state, (logits if self.parallel_slots is not None else logits[:, 0])
+
+    def _with_parallel_slots(self, tokens: torch.Tensor, hidden: torch.Tensor, held: list[int]):
+        """Appends P-EAGLE's k - 1 draft slots after each row's pending positions -> (tokens, features, query
+        lengths, the k positions each row's drafts are read from)."""
+        extra, rows = self.parallel_slots, len(held)
+        slot_tokens, slot_hidden = self.head.parallel_inputs(rows, extra, self.device)
+        tokens = torch.cat([tokens, slot_tokens], 1)
+        hidden = torch.cat([hidden, slot_hidden.to(hidden.dtype)], 1)
+        held_t = torch.tensor(held, device=self.device)
+        cols = held_t[:, None] + torch.arange(extra, device=self.device)  # each row's slots, after its own
+        at_end = torch.arange(max(held), max(held) + extra, device=self.device).expand(rows, -1)
+        index = torch.arange(rows, device=self.device)[:, None]
+        tokens[index, cols], hidden[index, cols] = tokens[index, at_end], hidden[index, at_end]
+        read_at = held_t[:, None] - 1 + torch.arange(extra + 1, device=self.device)
+        return tokens, hidden, [n + extra for n in held], read_at
+
+    def _draft_parallel(self, logits: torch.Tensor, host_limits: list[int], temperature, draws, q_out):
+        """P-EAGLE's drafts from one forward's logits [A, k, Vd]: position s gives draft s + 1, chosen on its
+        own (no draft feeds another) -> (target ids [A, k], -1 past each row's limit; running products of
+        their probabilities [A, k])."""
+        rows = len(host_limits)
+        drafted = torch.full((rows, self.k), -1, dtype=torch.long, device=self.device)
+        probs = torch.zeros(rows, self.k, device=self.device)
+        for s in range(max(host_limits)):
+            # a row past its limit draws no more: its generator advances by its own drafts only
+            ids, probs[:, s], q = self._choose(logits[:, s], temperature, [(j, g) for j, g in draws if host_limits[j] > s])
+            drafted[:, s] = ids
+            if q is not None:
+                q_out[:, s] = q
+        keep = torch.arange(self.k, device=self.device)[None, :] < torch.tensor(host_limits, device=self.device)[:, None]
+        return drafted.masked_fill_(~keep, -1), probs.cumprod(1).masked_fill_(~keep, 0.0)
 
     def _draft(self, state, logits, slots, base, host_limits: list[int], temperature, draws, q_out, batch_rows: int,
                stop_below: float):

@@ -22,14 +22,21 @@ def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
 
 
 def unroll(head: RecurrentHead, input_ids: torch.Tensor, features: torch.Tensor, steps: int):
-    """Yields (step, head logits [B, T-1, Vd]) for TTT steps 0..steps-1 over positions t = 0..T-2."""
+    """Yields (step, head logits [B, T-1, Vd]) for TTT steps 0..steps-1 over positions t = 0..T-2. Step s at
+    position t drafts token t+2+s, attending to steps 0..s-1 of the same t (and step 0 before it). A P-EAGLE
+    head (`parallel_drafting`) reads at steps s >= 1 not its own output and token t+1+s but the slot token and
+    `mask_hidden`: what its parallel slots hold when it serves."""
     width = input_ids.shape[1] - 1
     hidden = features[:, :width].to(next(head.parameters()).dtype)
     positions = torch.arange(width, device=input_ids.device).expand(input_ids.shape[0], width)
+    parallel = getattr(head.config, "parallel_drafting", False)
     history: list = []
     for s in range(steps):
-        tokens = shift(input_ids[:, 1:], s)
-        hidden, logits = head.step(tokens, hidden, positions + s, from_target=(s == 0), ttt_history=history)
+        tokens, from_target = shift(input_ids[:, 1:], s), s == 0
+        if parallel and s:
+            tokens, hidden = head.parallel_inputs(input_ids.shape[0], width, input_ids.device)
+            from_target = True
+        hidden, logits = head.step(tokens, hidden, positions + s, from_target=from_target, ttt_history=history)
         yield s, logits
 
 

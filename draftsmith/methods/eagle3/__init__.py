@@ -3,8 +3,10 @@ chosen by token frequency, trained with training-time test (its own outputs fed 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
+import torch
 from pydantic import Field, model_validator
 
 from draftsmith.errors import DraftsmithError
@@ -16,7 +18,18 @@ from draftsmith.models.heads import DraftHeadConfig
 
 
 class Eagle3Config(EagleTreeConfig):
+    """`parallel_drafting` (vLLM's key): P-EAGLE, all num_speculative_tokens drafts from one head forward,
+    for a head trained to (its `mask_hidden`); a chain, not a tree."""
+
     method: Literal["eagle3"]
+    parallel_drafting: bool = False
+
+    @model_validator(mode="after")
+    def _parallel_chains(self):
+        if self.parallel_drafting and (self.speculative_token_tree is not None or self.tree_depth is not None):
+            raise ValueError("parallel_drafting drafts a chain in one forward: it takes no speculative_token_tree, "
+                             "tree_depth or tree_top_k")
+        return self
 
 
 class Eagle3Recipe(RecipeModelSection):
@@ -29,6 +42,11 @@ class Eagle3Recipe(RecipeModelSection):
     norm_output: bool = Field(default=False, description="feed the final norm's output back (EAGLE 3.1)")
     qk_norm: bool = Field(default=False, description="Qwen3-style draft layer: RMSNorm of queries and keys")
     sliding_window: int | None = Field(default=None, gt=0, description="draft attention window, in positions")
+    parallel_drafting: bool = Field(default=False, description=(
+        "P-EAGLE: train drafts 2..ttt_length to come from slots of mask_token_id with a learned shared hidden "
+        "input (mask_hidden), so that serving drafts them all in one forward"))
+    ptd_token_id: int | None = Field(default=None, description="P-EAGLE's slot token (vLLM's key); default: "
+                                     "the target tokenizer's pad token")
 
     @model_validator(mode="after")
     def _one_fc_norm(self):
@@ -79,6 +97,12 @@ class Eagle3Method(EagleFamilyMethod):
         overrides = {name: getattr(section, name) for name in DraftHeadConfig.VARIANTS}
         if section.draft_vocab_size:
             overrides["draft_vocab_size"] = section.draft_vocab_size
+        if section.parallel_drafting:
+            from draftsmith.methods.heads import default_mask_token
+
+            mask = section.ptd_token_id if section.ptd_token_id is not None else \
+                default_mask_token(section.target, "model.ptd_token_id")
+            overrides.update(parallel_drafting=True, ptd_token_id=mask)
         return overrides
 
     @classmethod
@@ -88,4 +112,21 @@ class Eagle3Method(EagleFamilyMethod):
         head = super().build_head(section, target, feature_layers, token_records)
         c = head.config
         head.init_draft_vocab(draft_vocab_from_frequencies(token_records, c.vocab_size, c.draft_vocab_size))
+        if c.parallel_drafting:  # speculators' start: a random shared hidden input
+            torch.nn.init.normal_(head.mask_hidden)
         return head
+
+    @classmethod
+    def continue_head(cls, head, section: Eagle3Recipe):
+        """`init_from` a sequential EAGLE-3 head under `parallel_drafting`: the same head made P-EAGLE, its
+        `mask_hidden` random (what parallel slots read is all it has not learned)."""
+        if not section.parallel_drafting or head.config.parallel_drafting:
+            return head
+        fields = cls.head_config_overrides(section)
+        parallel = type(head)(replace(head.config, parallel_drafting=True, ptd_token_id=fields["ptd_token_id"]))
+        missing, unexpected = parallel.load_state_dict(head.state_dict(), strict=False)
+        if missing != ["mask_hidden"] or unexpected:
+            raise DraftsmithError(f"model.init_from: the saved head does not fit a P-EAGLE one (missing {missing}, "
+                                  f"unexpected {unexpected})")
+        torch.nn.init.normal_(parallel.mask_hidden)
+        return parallel

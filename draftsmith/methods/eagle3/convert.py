@@ -44,7 +44,9 @@ QK_NORMS = ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]  # Qwen3-style
 HEAD_KEYS = ["fc.weight", "norm.weight", "lm_head.weight"]
 MAX_AUX = 16  # fc_norm.i names accepted, at most (EAGLE-3 fuses 3 target layers)
 FC_NORMS = [f"fc_norm.{i}.weight" for i in range(MAX_AUX)]
-OPTIONAL = ["fc.bias", "d2t", "t2d", "embed_tokens.weight", "input_norm.weight", *FC_NORMS]
+OPTIONAL = ["fc.bias", "d2t", "t2d", "embed_tokens.weight", "input_norm.weight", "mask_hidden", *FC_NORMS]
+# where vLLM looks for a parallel drafter's slot token (llm_base_proposer._init_parallel_drafting_params)
+SLOT_TOKEN_KEYS = ("ptd_token_id", "pard_token", "mask_token_id")
 # Flags of EAGLE-3 variants trainers write that draftsmith does not compute: read as plain EAGLE-3, these heads
 # would draft as another model (SpecForge configs, e.g. configs/gemma3-27b-eagle3.json)
 UNSUPPORTED_FLAGS = {"reuse_target_lm_head": "the target's LM head instead of the head's own",
@@ -217,11 +219,30 @@ def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: R
         raise DraftsmithError(f"fc reads {n_aux} target layers but {len(aux)} fused layer ids are given ({list(aux)})")
     notes.append(f"fused target layers hs{list(aux)} ({source})")
     attention_bias = all(MID + k in tensors for k in MID_BIAS)
+    parallel = _parallel_fields(tensors, config, fc_in, where)
+    if parallel:
+        notes.append(f"P-EAGLE: mask_hidden and slot token {parallel['ptd_token_id']} (serve with "
+                     '"parallel_drafting": true)')
     native = native_config("eagle3", layer, vocab_size=vocab, draft_vocab_size=draft_vocab,
                            target_hidden_size=target_hidden, target_num_layers=layers, aux_layer_ids=aux,
                            target_model=target_name, fc_bias="fc.bias" in tensors, attention_bias=attention_bias,
-                           own_embedding=own_embedding, **variants)
+                           own_embedding=own_embedding, **variants, **parallel)
     return NormalizedHead(native, tensors, notes + variant_notes)
+
+
+def _parallel_fields(tensors: dict[str, torch.Tensor], config: dict, fc_in: int, where: str) -> dict:
+    """A P-EAGLE head's config fields ({} for a sequential head): its `mask_hidden` (reshaped to the native
+    [1, 1, F]) and the slot token under any name vLLM reads."""
+    if "mask_hidden" not in tensors:
+        return {}
+    if tensors["mask_hidden"].numel() != fc_in:
+        raise DraftsmithError(f"{where}: mask_hidden has {tensors['mask_hidden'].numel()} values; fc reads {fc_in}")
+    token = next((config[k] for k in SLOT_TOKEN_KEYS if isinstance(config.get(k), int)), None)
+    if token is None:
+        raise DraftsmithError(f"{where}: a P-EAGLE head (mask_hidden) needs its slot token: one of "
+                              f"{', '.join(SLOT_TOKEN_KEYS)}")
+    tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, fc_in)
+    return {"parallel_drafting": True, "ptd_token_id": token}
 
 
 @register_source("eagle3", "EAGLE-3 head with yuhuili key names (midlayer.*, d2t/t2d): yuhuili, SpecForge, "
@@ -290,12 +311,18 @@ def to_vllm(head: NormalizedHead) -> Exported:
     # speculators path defaults a missing flag to true.
     config.update(eagle_aux_hidden_state_layer_ids=list(head.config["aux_layer_ids"]), norm_before_residual=False)
     config.update(flags)
+    if head.config.get("parallel_drafting"):  # P-EAGLE: vLLM reads the slot token, mask_hidden by its name
+        config["ptd_token_id"] = head.config["ptd_token_id"]
+        notes.append('P-EAGLE: serve with {"method": "eagle3", "parallel_drafting": true}')
     config.update(provenance(head))
     return Exported(config, dict(head.tensors), notes=notes)
 
 
 @register_exporter("sglang", "eagle3")
 def to_sglang(head: NormalizedHead) -> Exported:
+    if head.config.get("parallel_drafting"):
+        raise DraftsmithError("a P-EAGLE head drafts its slots in parallel, which SGLang's EAGLE-3 worker does not "
+                              "(it would draft them one by one from its own outputs): --to vllm or speculators")
     aux = list(head.config["aux_layer_ids"])
     if min(aux) < 1:
         raise DraftsmithError(f"fused layer hs[0] (the embeddings) cannot be written in SGLang's output-of-layer ids {aux}")

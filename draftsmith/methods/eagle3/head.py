@@ -42,6 +42,8 @@ class Eagle3Head(DraftHead):
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = Linear(h, config.draft_vocab_size, bias=False)
+        if config.parallel_drafting:  # P-EAGLE: the fused feature every draft slot after the first reads
+            self.mask_hidden = nn.Parameter(torch.zeros(1, 1, n_aux * config.target_hidden_size))
         # until `set_vocab`, the identity maps: draft id i is target id i
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
@@ -86,6 +88,12 @@ class Eagle3Head(DraftHead):
             out = self.norm(out)
             return out, self.lm_head(self._at(out, logits_at))
         return out, self.lm_head(self.norm(self._at(out, logits_at)))
+
+    def parallel_inputs(self, rows: int, slots: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE's draft slots after the first: (token ids [rows, slots], all `ptd_token_id`, and their fused
+        features [rows, slots, F], all `mask_hidden`), read with from_target as a target feature is."""
+        tokens = torch.full((rows, slots), self.config.ptd_token_id, dtype=torch.long, device=device)
+        return tokens, self.mask_hidden.expand(rows, slots, -1)
 
     def _fc_input(self, features: torch.Tensor) -> torch.Tensor:
         if self.config.norm_before_fc:

@@ -42,9 +42,10 @@ def _layer_config(config: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _read_eagle3(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str) -> NormalizedHead:
+    """EAGLE-3, and P-EAGLE (`peagle`: the same with `mask_hidden` and `mask_token_id`)."""
     config = checkpoint.config
     layer_config = _layer_config(config, where)
-    for key in LAYER_FLAGS:
+    for key in LAYER_FLAGS + ("mask_token_id",):
         if config.get(key) is not None:
             layer_config[key] = config[key]
     dropped = reject_unknown(checkpoint, eagle3.known_names(LAYER), "speculators EAGLE-3", IGNORABLE)
@@ -114,7 +115,7 @@ def _with_verifier(ctx: ReadContext, config: dict, source_dir: Path) -> ReadCont
     return ReadContext(TargetConfig.from_model_dir(found), str(found))
 
 
-_READERS = {"eagle3": _read_eagle3, "eagle": _read_legacy_eagle}
+_READERS = {"eagle3": _read_eagle3, "peagle": _read_eagle3, "eagle": _read_legacy_eagle}
 
 
 def register_speculators_reader(kind: str):
@@ -178,14 +179,17 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
     if window is not None or c["qk_norm"]:  # Qwen3Config slides from a default layer on unless told
         layer.update(layer_types=["sliding_attention" if window else "full_attention"],
                      use_sliding_window=window is not None, sliding_window=window)
-    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-              "speculators_version": f"draftsmith-{__version__}",
-              "speculators_config": _speculators_config(head, "eagle3", 3), "transformer_layer_config": layer,
+    kind = "peagle" if c.get("parallel_drafting") else "eagle3"  # P-EAGLE: speculators' own type
+    config = {"architectures": ["PEagleSpeculator" if kind == "peagle" else "Eagle3Speculator"],
+              "speculators_model_type": kind, "speculators_version": f"draftsmith-{__version__}",
+              "speculators_config": _speculators_config(head, kind, 3), "transformer_layer_config": layer,
               "draft_vocab_size": c["draft_vocab_size"],
               "target_hidden_size": c["target_hidden_size"] if c["target_hidden_size"] != c["hidden_size"] else None,
               "eagle_aux_hidden_state_layer_ids": list(c["aux_layer_ids"]),
               **{flag: bool(c[flag]) for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")},
               "embed_requires_grad": bool(c["own_embedding"]), **provenance(head)}
+    if kind == "peagle":
+        config["mask_token_id"] = c["ptd_token_id"]
     tensors = {LAYER + k.removeprefix(eagle3.MID) if k.startswith(eagle3.MID) else k: v for k, v in head.tensors.items()}
     if c["draft_vocab_size"] == c["vocab_size"]:  # speculators writes the maps only for a reduced vocab
         tensors.pop("d2t"), tensors.pop("t2d")

@@ -1,0 +1,142 @@
+"""P-EAGLE (issue #42): an EAGLE-3 head whose drafts 2..k come from slots of the ptd token with the learned
+`mask_hidden`, in the same forward as draft 1. Served drafts are what training's unroll teaches, decoding
+stays lossless in one draft forward a step, and the export carries what vLLM's parallel drafting reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.methods import resolve_method
+from draftsmith.methods.eagle.training import unroll
+from draftsmith.models import DraftHeadConfig, load_target
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.speculation.config import parse_speculative_config
+from draftsmith.train.objectives import target_features
+from helpers import CODE_PROMPTS, DEMO_MODEL, Row, recorded_draft_forwards, spec_config
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def demo_target():
+    return load_target(DEMO_MODEL, dtype="float32")
+
+
+def _head(target, seed=0, parallel=True):
+    from draftsmith.methods.eagle3.head import Eagle3Head
+
+    extra = {"parallel_drafting": True, "ptd_token_id": 3} if parallel else {}
+    config = DraftHeadConfig.for_target("eagle3", target.config, (1, 3, 5), None, str(DEMO_MODEL), **extra)
+    torch.manual_seed(seed)
+    head = Eagle3Head(config).attach_target(target)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            torch.nn.init.normal_(p, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.1)
+        head.lm_head.weight.copy_(target.lm_head.weight)
+    return head.eval()
+
+
+def _serve(head_dir, k=K, **extra):
+    return LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
+               speculative_config=spec_config("eagle3", head_dir, k, draft_dtype="float32", parallel_drafting=True,
+                                              **extra))
+
+
+def test_served_drafts_are_the_unrolled_steps(demo_target, tmp_path):
+    """One catch-up forward with k - 1 slots appended drafts what training's unroll gives at the last
+    position: step 0 from the context, steps 1.. from the slots."""
+    head = _head(demo_target)
+    head.save_pretrained(tmp_path / "head")
+    config = parse_speculative_config({"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": K,
+                                       "draft_dtype": "float32", "parallel_drafting": True})
+    proposer = resolve_method("eagle3").proposer_class()(config, demo_target, 2, 128)
+    head = proposer.head
+    ids = torch.randint(4, 8000, (1, 21))
+    feats = target_features(demo_target, head.feature_layers, ids, torch.float32)
+    rows = [Row("a", 0, ids[0, :20].tolist(), [int(ids[0, 20])])]
+    proposer.observe(rows, [0], [20], feats["features"][:, :20])
+    drafted = proposer.propose(rows, [K])
+    with torch.no_grad():
+        taught = [logits[0, 19] for _, logits in unroll(head, ids, feats["features"], K)]
+    expected = [int(head.to_target_ids(step.argmax(-1))) for step in taught]
+    assert drafted.tokens[0].tolist() == expected
+    assert drafted.forwards == 1 and proposer.per_token_drafts is False
+
+
+def test_greedy_equality_one_draft_forward_a_step(demo_target, tmp_path, greedy_reference):
+    _head(demo_target, seed=1).save_pretrained(tmp_path / "head")
+    llm = _serve(tmp_path / "head")
+    forwards = recorded_draft_forwards(llm)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_draft_tokens"] > 0 and set(forwards) == {1}
+
+
+def test_parallel_drafting_needs_a_head_trained_for_it(demo_target, tmp_path):
+    _head(demo_target, parallel=False).save_pretrained(tmp_path / "sequential")
+    with pytest.raises(DraftsmithError, match="is a sequential EAGLE-3 head"):
+        _serve(tmp_path / "sequential")
+    with pytest.raises(DraftsmithError, match="parallel_drafting drafts a chain in one forward"):
+        parse_speculative_config({"method": "eagle3", "model": "x", "num_speculative_tokens": 4,
+                                  "parallel_drafting": True, "tree_depth": 2, "tree_top_k": 2})
+
+
+@pytest.mark.parametrize("to", ["vllm", "speculators"])
+def test_round_trips_keep_the_shared_hidden_state(demo_target, tmp_path, to):
+    """The vLLM export carries mask_hidden and ptd_token_id (what its parallel drafting reads); speculators'
+    is its peagle type; both read back to the same head."""
+    import public_checkpoints as pub
+
+    head = _head(demo_target, seed=2)
+    head.save_pretrained(tmp_path / "native")
+    config, tensors = pub.read_native(tmp_path / "native")
+    assert pub.convert(tmp_path / "native", tmp_path / to, "--to", to) == 0
+    exported = json.loads((tmp_path / to / "config.json").read_text())
+    if to == "vllm":
+        assert exported["ptd_token_id"] == 3
+    else:
+        assert exported["speculators_model_type"] == "peagle" and exported["mask_token_id"] == 3
+    assert pub.convert(tmp_path / to, tmp_path / "back", "--target", str(DEMO_MODEL)) == 0
+    config_back, tensors_back = pub.read_native(tmp_path / "back")
+    assert config_back["parallel_drafting"] is True and config_back["ptd_token_id"] == 3
+    assert torch.equal(tensors_back["mask_hidden"], tensors["mask_hidden"])
+
+
+@pytest.mark.slow
+def test_training_teaches_the_slots_and_continues_a_sequential_head(tmp_path):
+    """On the demo target and a regular corpus: the parallel slot's drafts (TTT step 1) agree more with the
+    target as the loss falls, and a sequential EAGLE-3 head continued under parallel_drafting keeps its
+    weights and gains a mask_hidden."""
+    from draftsmith.methods import load_head
+    from draftsmith.train.recipe import validate_recipe
+    from draftsmith.train.trainer import train
+    from helpers import tiny_recipe, write_code_corpus
+
+    data = write_code_corpus(tmp_path / "code.jsonl")
+    raw = tiny_recipe(DEMO_MODEL, data, tmp_path / "seq", "eagle3", epochs=1)
+    raw["model"].update(aux_layer_ids=[1, 3, 5])
+    train(validate_recipe(raw), ["test"])
+    raw = tiny_recipe(DEMO_MODEL, data, tmp_path / "par", "eagle3", epochs=3, learning_rate=3e-3)
+    raw["model"].update(aux_layer_ids=[1, 3, 5], parallel_drafting=True, ptd_token_id=3,
+                        init_from=str(tmp_path / "seq" / "head"))
+    final = train(validate_recipe(raw), ["test"])
+    log = [json.loads(line) for line in (tmp_path / "par" / "train_log.jsonl").read_text().splitlines()]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    assert mean(log[-5:], "loss") < mean(log[:5], "loss")
+    assert mean(log[-5:], "acc_step1") > mean(log[:5], "acc_step1") + 0.1, [r["acc_step1"] for r in log]
+    head = load_head(final)
+    assert head.config.parallel_drafting and head.config.ptd_token_id == 3 and head.mask_hidden.shape == (1, 1, 768)
+    first = json.loads((tmp_path / "par" / "train_log.jsonl").read_text().splitlines()[0])
+    assert first["acc_step0"] > 0.2  # step 0 drafted as the sequential head did from the first batch
+
+
+def test_sglang_export_is_refused_in_one_line(demo_target, tmp_path, capsys):
+    import public_checkpoints as pub
+
+    _head(demo_target).save_pretrained(tmp_path / "native")
+    assert pub.convert(tmp_path / "native", tmp_path / "sglang", "--to", "sglang") != 0
+    assert "SGLang's EAGLE-3 worker does not" in capsys.readouterr().err

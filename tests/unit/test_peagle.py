@@ -96,8 +96,9 @@ def test_round_trips_keep_the_shared_hidden_state(demo_target, tmp_path, to):
     config, tensors = pub.read_native(tmp_path / "native")
     assert pub.convert(tmp_path / "native", tmp_path / to, "--to", to) == 0
     exported = json.loads((tmp_path / to / "config.json").read_text())
-    if to == "vllm":
+    if to == "vllm":  # a full draft vocabulary: no d2t/t2d, which vLLM would have nowhere to load
         assert exported["ptd_token_id"] == 3
+        assert {"d2t", "t2d"}.isdisjoint(pub.source_tensors(tmp_path / to)) and "mask_hidden" in tensors
     else:
         assert exported["speculators_model_type"] == "peagle" and exported["mask_token_id"] == 3
     assert pub.convert(tmp_path / to, tmp_path / "back", "--target", str(DEMO_MODEL)) == 0
@@ -140,3 +141,11 @@ def test_sglang_export_is_refused_in_one_line(demo_target, tmp_path, capsys):
     _head(demo_target).save_pretrained(tmp_path / "native")
     assert pub.convert(tmp_path / "native", tmp_path / "sglang", "--to", "sglang") != 0
     assert "SGLang's EAGLE-3 worker does not" in capsys.readouterr().err
+
+
+def test_bench_rows_name_parallel_drafting():
+    from draftsmith.serve.bench.matrix import row_name
+
+    assert row_name({"method": "eagle3", "parallel_drafting": True}) == "peagle"
+    assert row_name({"method": "draft_model", "parallel_drafting": True}) == "pard"
+    assert row_name({"method": "eagle3"}) == "eagle3"

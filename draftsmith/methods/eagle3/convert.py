@@ -315,7 +315,11 @@ def to_vllm(head: NormalizedHead) -> Exported:
         config["ptd_token_id"] = head.config["ptd_token_id"]
         notes.append('P-EAGLE: serve with {"method": "eagle3", "parallel_drafting": true}')
     config.update(provenance(head))
-    return Exported(config, dict(head.tensors), notes=notes)
+    tensors = dict(head.tensors)
+    if head.config["draft_vocab_size"] == head.config["vocab_size"]:
+        # vLLM builds no draft_id_to_target_id for a full vocabulary and refuses a d2t it has nowhere to load
+        tensors.pop("d2t"), tensors.pop("t2d")
+    return Exported(config, tensors, notes=notes)
 
 
 @register_exporter("sglang", "eagle3")

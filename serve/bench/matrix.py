@@ -72,12 +72,12 @@ def shipped_heads(model_name: str) -> dict[str, Path]:
 
 
 def row_name(config: dict) -> str:
-    """A bench row's method name: the config's method, but `pard` for a draft model drafting in parallel, and
-    `METHOD-tree` for a config drafting trees, so that two ways of drafting with one head or model can be
-    compared in one run."""
+    """A bench row's method name: the config's method, but `pard` for a draft model drafting in parallel,
+    `peagle` for an EAGLE-3 head doing so, and `METHOD-tree` for a config drafting trees, so that two ways of
+    drafting with one head or model can be compared in one run."""
     method = config.get("method", "?")
-    if method == "draft_model" and config.get("parallel_drafting"):
-        return "pard"
+    if config.get("parallel_drafting"):
+        return {"draft_model": "pard", "eagle3": "peagle"}.get(method, f"{method}-parallel")
     return f"{method}-tree" if config.get("tree_depth") or config.get("speculative_token_tree") else method
 
 

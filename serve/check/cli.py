@@ -65,6 +65,8 @@ def _spec(head_type: str, model: Path, k: int, config: dict) -> dict:
         spec["draft_dtype"] = "float32"  # the record's precision: a bfloat16 draft would blur the comparison
     if head_type == DRAFT_MODEL and "pard_token" in config:
         spec["parallel_drafting"] = True  # a PARD-adapted draft names its mask token
+    if config.get("parallel_drafting"):
+        spec["parallel_drafting"] = True  # a head trained to draft in parallel (P-EAGLE) is checked so
     return spec
 
 

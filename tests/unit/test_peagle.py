@@ -149,3 +149,10 @@ def test_bench_rows_name_parallel_drafting():
     assert row_name({"method": "eagle3", "parallel_drafting": True}) == "peagle"
     assert row_name({"method": "draft_model", "parallel_drafting": True}) == "pard"
     assert row_name({"method": "eagle3"}) == "eagle3"
+
+
+def test_check_measures_a_parallel_head_drafting_in_parallel(tmp_path):
+    from draftsmith.serve.check.cli import _spec
+
+    assert _spec("eagle3", tmp_path, 5, {"parallel_drafting": True, "ptd_token_id": 3})["parallel_drafting"] is True
+    assert "parallel_drafting" not in _spec("eagle3", tmp_path, 5, {})

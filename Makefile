@@ -29,6 +29,9 @@ BENCH_TREES := [{"method": "eagle3", "model": "assets/demo-code-7m-eagle3", "num
 	"tree_depth": 5, "tree_top_k": 2}, {"method": "medusa", "model": "assets/demo-code-7m-medusa", \
 	"num_speculative_tokens": 9, \
 	"speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]"}]
+# the parallel drafters beside the ones they come from: P-EAGLE and EAGLE-3 (k = 5), DSpark and DFlash (K = 7)
+BENCH_PARALLEL := [{"method": "eagle3", "model": "assets/demo-code-7m-peagle", "num_speculative_tokens": 5, \
+	"parallel_drafting": true}, {"method": "dflash", "model": "assets/demo-code-7m-dflash", "num_speculative_tokens": 7}]
 
 install: $(STAMP)
 
@@ -74,6 +77,8 @@ bench: $(STAMP)
 		--rounds 3 --no-hf --json build/bench-suffix.json
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m --methods eagle3,eagle3-tree,medusa,medusa-tree \
 		--speculative-config '$(BENCH_TREES)' --concurrency 1,8 --rounds 3 --no-hf --json build/bench-tree.json
+	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m --methods eagle3,peagle,dflash,dspark \
+		--speculative-config '$(BENCH_PARALLEL)' --concurrency 1,8 --rounds 3 --no-hf --json build/bench-parallel.json
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --workload json \
 		--concurrency 1,8 --rounds 3 --no-hf --json build/bench-json.json
 	$(VENV)/bin/draftsmith bench-serve --shared $(SHARED)

@@ -42,6 +42,10 @@ HEADS = {
              "parallel_drafting": True, **FP32},
     "draft_model": {"method": "draft_model", "model": "assets/demo-code-7m", "num_speculative_tokens": 4, **FP32},
     "mtp": {"method": "mtp", "model": "assets/demo-code-7m-mtp", "num_speculative_tokens": 1, **FP32},
+    "dspark": {"method": "dspark", "model": "assets/demo-code-7m-dspark", "num_speculative_tokens": 7,
+               "enable_adaptive_verification": False, **FP32},
+    "peagle": {"method": "eagle3", "model": "assets/demo-code-7m-peagle", "num_speculative_tokens": 5,
+               "parallel_drafting": True, **FP32},
 }
 
 

@@ -38,6 +38,9 @@ from draftsmith.methods.formats.speculators import (
     register_speculators_reader,
 )
 
+# what vLLM's CPU build 0.32 says of the method (tests/integration/test_vllm_oracle.py keeps this true)
+CPU_NOTE = ("vLLM cannot serve this export on its CPU build: 0.32's CPU runner is Model Runner V1, which refuses "
+            "dspark speculative decoding (DSpark runs on vLLM's GPU model runner, which loads this layout)")
 MARKOV_KEYS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 CONFIDENCE_KEYS = ("confidence_head.proj.weight", "confidence_head.proj.bias")
 
@@ -114,7 +117,8 @@ def to_deepspec(head: NormalizedHead) -> Exported:
               "mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.aux_layer_ids],
               "num_target_layers": c.target_num_layers, **_head_keys(c), **provenance(head)}
     adaptive = ', "enable_adaptive_verification": true' if c.enable_confidence_head else ""
-    notes = [f'serve with {{"method": "dspark", "num_speculative_tokens": {c.max_drafts()}{adaptive}}}']
+    notes = [CPU_NOTE, f'serve with {{"method": "dspark", "num_speculative_tokens": {c.max_drafts()}{adaptive}}} on '
+             "vLLM's GPU model runner"]
     return Exported(config, dict(head.tensors), notes=notes + _last_layer_notes(c))
 
 

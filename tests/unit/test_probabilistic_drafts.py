@@ -29,7 +29,7 @@ from helpers import (
 )
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
-SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "dflash", "dspark"]
+SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "dflash", "dspark", "peagle"]
 # A context where the demo model is unsure (top probabilities about 0.41, 0.22, 0.15, 0.06) and where the
 # shipped EAGLE-3 head disagrees with it (total variation about 0.7): emitting the drafts as they are would
 # be far off, so only a correct use of q passes.
@@ -51,11 +51,12 @@ def sampled_step(request, tmp_path_factory):
     """TRIALS identical requests one step after the prompt: the proposer of a shipped head drafts 2 tokens
     each with its own generator; the target scores them; returns what verification needs."""
     method = request.param
-    parallel = method == "pard"  # a draft model drafting both tokens in one forward from a mask token
-    method = "draft_model" if parallel else method
+    parallel = method in ("pard", "peagle")  # both tokens from one forward (a mask token, P-EAGLE's slot)
+    head_dir = method
+    method = {"pard": "draft_model", "peagle": "eagle3"}.get(method, method)
     target = load_target(DEMO_MODEL, dtype="float32")
     tokenizer_ids = load_tokenizer(DEMO_MODEL)(PROMPT, add_special_tokens=False).input_ids
-    model = REPO / "assets" / f"demo-code-7m-{method}"
+    model = REPO / "assets" / f"demo-code-7m-{head_dir}"
     if method == "mlp_speculator":  # none ships: a random one drafts from a distribution all the same
         model = random_mlp_speculator(tmp_path_factory.mktemp("mlp_speculator"))
     if method == "dspark" and not model.is_dir():  # until a head ships: a random one
@@ -81,7 +82,7 @@ def sampled_step(request, tmp_path_factory):
     ids = torch.cat([torch.tensor(tokenizer_ids + [first]).expand(TRIALS, -1), drafts.tokens], dim=1)
     with torch.inference_mode():
         logits = target(ids, logits_index=torch.tensor([length, length + 1, length + 2]).expand(TRIALS, -1)).logits
-    return drafts, logits, sampling, torch.softmax(logits[0, 0], -1), method
+    return drafts, logits, sampling, torch.softmax(logits[0, 0], -1), head_dir
 
 
 @pytest.mark.slow

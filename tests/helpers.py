@@ -289,3 +289,25 @@ SPECULATORS = {
     "eagle3 tree": lambda: spec_config("eagle3", DEMO_MODEL.parent / "demo-code-7m-eagle3", 8, draft_dtype="float32",
                                        tree_depth=4, tree_top_k=2),
 }
+
+
+def peagle_head(directory: Path, seed: int = 0) -> Path:
+    """The shipped EAGLE-3 head made P-EAGLE (`parallel_drafting`, slot token 3) with a random `mask_hidden`,
+    saved in `directory`: its first draft is the trained head's, its slots draft at random."""
+    from dataclasses import replace
+
+    from draftsmith.methods import load_head
+
+    sequential = load_head(DEMO_MODEL.parent / "demo-code-7m-eagle3")
+    head = type(sequential)(replace(sequential.config, parallel_drafting=True, ptd_token_id=3))
+    head.load_state_dict(sequential.state_dict(), strict=False)
+    torch.manual_seed(seed)
+    torch.nn.init.normal_(head.mask_hidden)
+    head.save_pretrained(directory)
+    return directory
+
+
+def dspark_head(target, directory: Path, seed: int = 0) -> Path:
+    """A random DSpark head (block 5, Markov rank 16) on `target`, saved in `directory`."""
+    random_dflash_head(target, seed=seed, dspark={"markov_rank": 16}).save_pretrained(directory)
+    return directory

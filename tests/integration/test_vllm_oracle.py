@@ -54,6 +54,7 @@ def test_an_export_vllm_cannot_serve_says_so(name, tmp_path):
     """DSpark: vLLM 0.32's CPU build runs Model Runner V1, which refuses the method (its V2 runner, which has
     DSpark, needs Triton's CPU backend), so its export is checked here for the refusal and the note only."""
     spec = _mlp_speculator(tmp_path) if name == "mlp_speculator" else oracle.HEADS[name]
+    oracle.built_heads()
     with tempfile.TemporaryDirectory() as workdir:
         theirs = oracle.vllm_acceptance(name, spec, oracle.prompts()[:1], oracle.PEER_PYTHON, Path(workdir))
     assert theirs.refused, f"vLLM now serves the {name} export: drop its 'cannot serve' note and compare it"

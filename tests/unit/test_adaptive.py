@@ -19,7 +19,15 @@ from draftsmith.serve.engine.outputs import OutputCollector
 from draftsmith.serve.speculation.adaptive import THIN_EVIDENCE, AdaptivePolicy
 from draftsmith.serve.speculation.cost_model import CostModel
 from draftsmith.serve.speculation.estimators import AcceptanceStats
-from helpers import DEMO_MODEL, REPO, random_mlp_speculator, spec_config, synthetic_table
+from helpers import (
+    DEMO_MODEL,
+    REPO,
+    dspark_head,
+    peagle_head,
+    random_mlp_speculator,
+    spec_config,
+    synthetic_table,
+)
 
 PROMPTS = [
     "x = 1\ny = 2\nz = 3\nx = 1\ny = ",
@@ -402,7 +410,14 @@ SERVABLE_CONFIGS = {
     "suffix": lambda _: {"method": "suffix"},
     "draft_model": lambda _: {"method": "draft_model", "model": str(DEMO_MODEL)},
     "dflash": lambda _: {"method": "dflash", "model": str(REPO / "assets" / "demo-code-7m-dflash")},
+    "dspark": lambda factory: {"method": "dspark", "model": str(_dspark_head(factory))},
+    "peagle": lambda factory: {"method": "eagle3", "model": str(peagle_head(factory.mktemp("peagle"))),
+                               "parallel_drafting": True},
 }
+
+
+def _dspark_head(tmp_path_factory):
+    return dspark_head(load_target(DEMO_MODEL, dtype="float32"), tmp_path_factory.mktemp("dspark"))
 
 
 def test_every_servable_method_is_covered():

@@ -22,8 +22,9 @@ from helpers import (
     DEMO_MODEL,
     REPO,
     Row,
+    dspark_head,
     flattened_demo_copy,
-    random_dflash_head,
+    peagle_head,
     random_mlp_speculator,
     spec_config,
 )
@@ -59,9 +60,10 @@ def sampled_step(request, tmp_path_factory):
     model = REPO / "assets" / f"demo-code-7m-{head_dir}"
     if method == "mlp_speculator":  # none ships: a random one drafts from a distribution all the same
         model = random_mlp_speculator(tmp_path_factory.mktemp("mlp_speculator"))
-    if method == "dspark" and not model.is_dir():  # until a head ships: a random one
-        model = tmp_path_factory.mktemp("dspark") / "head"
-        random_dflash_head(target, block_size=3, dspark={"markov_rank": 16}).save_pretrained(model)
+    if head_dir == "dspark":  # none ships (the tracked tree's budget): a random one
+        model = dspark_head(target, tmp_path_factory.mktemp("dspark"))
+    if head_dir == "peagle":  # the shipped EAGLE-3 head made parallel: its slots draft at random
+        model = peagle_head(tmp_path_factory.mktemp("peagle"))
     if method == "draft_model":  # the demo model with a flattened readout: a draft that disagrees with it
         model = flattened_demo_copy(tmp_path_factory.mktemp("draft"), pard_token=3 if parallel else None)
     config = parse_speculative_config({"method": method, "model": str(model), "num_speculative_tokens": 2,

@@ -163,9 +163,11 @@ def synthetic_table(query_cost: float, unit: float = 1e-3) -> ForwardCostTable:
 
 
 def make_speculation_pay(llm):
-    """Gives the adaptive policy a forward-cost table where verifying is free, so tests that need drafts to
-    happen (lossless outputs, metrics that move) do not depend on how fast the machine running them is."""
-    llm.engine.policy.cost.table = synthetic_table(0.0)
+    """Gives the adaptive policy a forward-cost table where verifying is free and a forward takes a second, so
+    tests that need drafts to happen (lossless outputs, metrics that move) do not depend on how fast the
+    machine running them is: the host and drafting work it still times live (milliseconds, more on a busy
+    machine) cannot outweigh a second a token."""
+    llm.engine.policy.cost.table = synthetic_table(0.0, unit=1.0)
     llm.engine.policy.cost.live_scaling = False
 
 

@@ -426,6 +426,34 @@ def test_served_blocks_are_the_teacher_forced_blocks_step_after_step(demo_target
     assert accepted == 3
 
 
+def test_kept_plain_steps_are_the_catch_up_the_policy_prices(demo_target):
+    """The plain steps kept for later are what a resuming row owes before it drafts: `catch_up` says how many
+    rows and positions, and the draft that projects them reports itself not steady (the ledger then teaches
+    the cost model a catch-up, not a draft forward); with nothing kept, neither."""
+    from draftsmith.methods.dflash.proposer import DFlashProposer
+    from draftsmith.models.tokenizer import load_tokenizer
+    from draftsmith.serve.speculation.config import parse_speculative_config
+    from helpers import Row
+
+    config = parse_speculative_config({"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8})
+    proposer = DFlashProposer(config, demo_target, 2, 256)
+    prompt = load_tokenizer(DEMO_MODEL)(CODE_PROMPTS[1], add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = demo_target(torch.tensor([prompt]), feature_layers=proposer.feature_layers)
+    cut = len(prompt) - 4
+    row, idle = Row("a", 1, prompt[:cut], [prompt[cut]]), Row("b", 0, prompt[:5], [])
+    proposer.observe([row], [0], [cut], proposer.features(out.hidden_states)[:, :cut])
+    assert proposer.catch_up([row]) == (0, 0)
+    assert proposer.propose([row], [8]).steady
+    for position in range(cut, cut + 3):  # three plain steps, kept by reference
+        row.output_token_ids.append(prompt[position + 1])
+        hidden = {layer: h[:, position : position + 1] for layer, h in out.hidden_states.items()}
+        assert proposer.observe_later([row], [position], hidden)
+    assert proposer.catch_up([row, idle]) == (1, 3)
+    assert not proposer.propose([row], [8]).steady
+    assert proposer.catch_up([row]) == (0, 0)
+
+
 def test_a_request_that_never_drafts_never_projects_its_plain_steps(monkeypatch):
     """Kept plain steps are projected only when drafting needs them: while no step speculates (k = 0 at every
     batch size), the context written is the prompts' alone, though new requests join beside rows with kept

@@ -81,6 +81,13 @@ class DFlashProposer(Proposer):
             self._replay()
         return True
 
+    def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
+        # a verified step's positions are projected as it is observed, so a steady draft projects none; the
+        # plain steps kept since the last replay are the catch-up (each decoding row is in every one of them,
+        # but for rows that joined decoding since, which have fewer)
+        later = [r for r in rows if r.slot in self._later_slots]
+        return len(later), len(self._later) if later else 0
+
     @torch.inference_mode()
     def _replay(self) -> None:
         """Projects the kept plain steps' positions, all rows and steps as one batch of single positions; rows
@@ -137,10 +144,11 @@ class DFlashProposer(Proposer):
         n = len(rows)
         tokens_out, counts_out, probs_out = self.cleared_outputs(n, sampling, self.head.config.vocab_size)
         sampled = probs_out is not None
+        steady = not self._later  # kept plain steps projected first are a catch-up, priced apart
         self._replay()
         active = [b for b in range(n) if max_drafts[b] > 0]
         if not active:
-            return DraftBatch(tokens_out, counts_out, probs_out)
+            return DraftBatch(tokens_out, counts_out, probs_out, steady=steady)
         limits = [min(max_drafts[b], self.k) for b in active]
         # a tree reads every depth it may reach; a chain the longest row's drafts
         width = max(limits) if self.tree is None else self.tree.max_depth
@@ -174,7 +182,7 @@ class DFlashProposer(Proposer):
         hidden = self.head.block_forward(self.head.embed_block(last[:, None]), batch.positions, attend,
                                          outputs=self.head.config.draft_slots(width))
         if self.tree is not None:
-            return self._tree(self.head.readout(hidden), active, limits, n)
+            return dataclasses.replace(self._tree(self.head.readout(hidden), active, limits, n), steady=steady)
         temperature, generators = None, {}
         if sampled:
             temperature = sampling.temperature.to(self.device)[torch.tensor(active, device=self.device)]
@@ -183,7 +191,7 @@ class DFlashProposer(Proposer):
         rows_t = torch.tensor(active, device=self.device)
         counts_out[rows_t] = torch.tensor(limits, device=self.device)
         confidence = self._chain(hidden, last, limits, rows_t, temperature, generators, tokens_out, probs_out)
-        return DraftBatch(tokens_out, counts_out, probs_out, confidence=confidence, forwards=1)
+        return DraftBatch(tokens_out, counts_out, probs_out, confidence=confidence, forwards=1, steady=steady)
 
     def _chain(self, hidden: torch.Tensor, last: torch.Tensor, limits: list[int], rows: torch.Tensor,
                temperature: torch.Tensor | None, generators: dict[int, torch.Generator], tokens_out: torch.Tensor,

@@ -381,10 +381,14 @@ class LLMEngine(FaultIsolatingSteps):
         self.policy.record(drafted.planned_limits, drafted.plan.width)
         num_draft = drafted.num_draft(len(rows))  # sizes the forward
         if max(num_draft) == 0:
-            self.policy.idle([r.slot for r in rows])
+            slots = [r.slot for r in rows]
+            if drafted.offered is not None:  # the confidence cut dropped every draft: none was accepted
+                self.policy.observe(slots, drafted.offered, [0] * len(rows))
+            else:
+                self.policy.idle(slots)
             return self._plain_decode(rows, started, sampling, drafted.draft_s, drafted.drafts)
         checked = verify_drafts(self, rows, drafted.drafts, num_draft, sampling)
-        finish_step(self, rows, num_draft, checked, sampling)
+        finish_step(self, rows, num_draft, checked, sampling, drafted.offered)
         self._account(rows, max(num_draft), started, drafted.draft_s, checked.forward_s, checked.verify_s,
                       drafted.drafts, drafted.catch_up, sum(checked.query_lens) / len(rows))
 

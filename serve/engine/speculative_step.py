@@ -3,7 +3,7 @@
     limits  = draft_limits(rows, k, max_model_len)      the most each row may draft
     drafted = plan_and_propose(engine, rows, limits)    the policy's plan and the proposer's drafts
     checked = verify_drafts(engine, rows, drafted)      one target forward of [last token, drafts]; chain or tree
-    finish_step(engine, rows, drafted, checked)         the proposer and the policy observe, the rows take tokens
+    finish_step(engine, rows, num_draft, checked)       the proposer and the policy observe, the rows take tokens
 
 A step the policy holds, plans at width 0, or where no row has a draft, decodes plainly (`LLMEngine._plain_decode`).
 The engine (`serve.engine.core`) owns the forwards, sampling and the requests; this module only orders them.
@@ -34,6 +34,10 @@ class Drafted:
     planned_limits: list[int] | torch.Tensor
     draft_s: float = 0.0
     catch_up: tuple[int, int] = (0, 0)
+    # drafts per row before the drafter's confidence cut them (`size_chains`; None: no cut). The policy learns
+    # from these, a dropped draft counting as one not accepted: the cut keeps only the confident drafts, so
+    # their acceptance alone would tell the policy that a plan of w drafts yields more than it does.
+    offered: list[int] | None = None
 
     @property
     def failed(self) -> bool:
@@ -95,10 +99,14 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
     widths = limits if proposer.tree is not None else [min(n, plan.width) for n in limits]
     drafts = engine.propose(rows, widths, draft_sampling, plan.stop_below)
     draft_s = clock() - draft_at
+    offered = None
     if drafts is not None and drafts.confidence is not None and policy.cost is not None:
-        size = size_trees if drafts.parents is not None else size_chains
-        size(drafts, len(rows), policy.cost, draft_s)
-    return Drafted(plan, drafts, limits, draft_s, catch_up)
+        if drafts.parents is not None:
+            size_trees(drafts, len(rows), policy.cost, draft_s)
+        else:
+            offered = drafts.counts[: len(rows)].tolist()
+            size_chains(drafts, len(rows), policy.cost, draft_s)
+    return Drafted(plan, drafts, limits, draft_s, catch_up, offered)
 
 
 def verify_drafts(engine, rows: list[Request], drafts: DraftBatch, num_draft: list[int],
@@ -131,13 +139,14 @@ def verify_drafts(engine, rows: list[Request], drafts: DraftBatch, num_draft: li
 
 
 def finish_step(engine, rows: list[Request], num_draft: list[int], checked: Verified,
-                sampling: SamplingBatch) -> None:
-    """The proposer gets the features of the last token and the accepted drafts, the policy the acceptance,
-    the rows their tokens. K/V of the accepted positions are in the cache; rejected ones lie past each row's
-    length and are overwritten: nothing to copy."""
+                sampling: SamplingBatch, offered: list[int] | None = None) -> None:
+    """The proposer gets the features of the last token and the accepted drafts, the policy the acceptance
+    (of the drafts `offered` before a confidence cut, where one ran), the rows their tokens. K/V of the
+    accepted positions are in the cache; rejected ones lie past each row's length and are overwritten:
+    nothing to copy."""
     starts = [r.num_tokens - 1 for r in rows]
     engine.observe_features(rows, starts, checked.counts, checked.out)
-    engine.policy.observe([r.slot for r in rows], num_draft, [n - 1 for n in checked.counts])
+    engine.policy.observe([r.slot for r in rows], offered or num_draft, [n - 1 for n in checked.counts])
     engine.take_tokens(rows, checked.kept, checked.out.logits, sampling)
     for request, n_draft, new_tokens in zip(rows, num_draft, checked.kept):
         engine.spec_metrics.observe(n_draft, len(new_tokens) - 1)

@@ -96,7 +96,9 @@ def test_greedy_equality_alone_and_in_mixed_batches(demo_target, tmp_path, greed
 
 def test_the_confidence_cut_keeps_greedy_equality_and_cuts(demo_target, tmp_path, greedy_reference):
     """Adaptive, with a cost model under which drafting pays: rows verify the prefixes the survival chances
-    and the cost model choose, fewer than drafted, and the output is the target's own."""
+    and the cost model choose, fewer than drafted, and the output is the target's own. The policy learns from
+    every draft drafted, a cut one as not accepted: the cut's confident prefixes alone would tell it that a
+    plan yields more than it does."""
     from helpers import synthetic_table
 
     _head(demo_target, seed=2).save_pretrained(tmp_path / "head")
@@ -114,10 +116,15 @@ def test_the_confidence_cut_keeps_greedy_equality_and_cuts(demo_target, tmp_path
         return drafts
 
     llm.engine.proposer.propose = recorded
+    learned = []  # the drafts the policy learns acceptance from: all that were drafted, the cut ones rejected
+    observe = llm.engine.policy.observe
+    llm.engine.policy.observe = lambda slots, num_draft, accepted: (learned.append(sum(num_draft)),
+                                                                      observe(slots, num_draft, accepted))
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
-    verified = llm.get_metrics()["num_draft_tokens"]
-    assert cuts and verified < sum(int(c.sum()) for c in cuts)  # the cut ran after drafting
+    verified, drafted = llm.get_metrics()["num_draft_tokens"], sum(int(c.sum()) for c in cuts)
+    assert cuts and verified < drafted  # the cut ran after drafting
+    assert sum(learned) == drafted
 
 
 def test_without_adaptive_verification_no_chances_go_back(demo_target, tmp_path):

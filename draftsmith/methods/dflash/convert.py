@@ -125,14 +125,17 @@ class ZLabDFlash:
 
 
 @register_speculators_reader("dflash")
-def read_speculators(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str) -> NormalizedHead:
+def read_speculators(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str, name: str = "DFlash",
+                     head: tuple | None = None) -> NormalizedHead:
+    """A speculators DFlash checkpoint, or with `head` (`_normalize`'s: a head drafting anchor-first, with
+    parts of its own) one of a method built on DFlash's block (DSpark, named `name` in errors)."""
     config = checkpoint.config
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise DraftsmithError(f"{where}: transformer_layer_config must be an object")
     if config.get("draft_vocab_size") not in (None, layer.get("vocab_size")):
         raise DraftsmithError(f"{where}: draft_vocab_size {config['draft_vocab_size']} of {layer.get('vocab_size')}: "
-                              "draftsmith's DFlash head reads out with the target's whole LM head")
+                              f"draftsmith's {name} head reads out with the target's whole LM head")
     ids = config.get("aux_hidden_state_layer_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
         raise DraftsmithError(f"{where}: aux_hidden_state_layer_ids must be a non-empty list of layer ids")
@@ -140,7 +143,8 @@ def read_speculators(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str)
     layers, target = _target_layers(config, ctx, None)
     return _normalize(checkpoint, layer, ids, config.get("block_size"), config.get("mask_token_id"), layers, target,
                       where, ignorable=VERIFIER_COPIES + ("d2t", "t2d", "verifier_"),
-                      sample_from_anchor=config.get("sample_from_anchor", False))
+                      sample_from_anchor=head is not None or config.get("sample_from_anchor", False),
+                      head=head or (DFlashConfig, [], {}))
 
 
 def _qwen3_layer(c: DFlashConfig, dtype: str, architectures: list[str]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from draftsmith.methods.dflash.convert import (
     _qwen3_layer,
     _target_layers,
 )
+from draftsmith.methods.dflash.convert import read_speculators as read_dflash_speculators
 from draftsmith.methods.dspark.head import DSparkConfig
 from draftsmith.methods.eagle.convert import head_dtype
 from draftsmith.methods.formats.checkpoint import SourceCheckpoint, target_embedding
@@ -34,7 +35,6 @@ from draftsmith.methods.formats.registry import (
 )
 from draftsmith.methods.formats.speculators import (
     _speculators_config,
-    _with_verifier,
     register_speculators_reader,
 )
 
@@ -93,21 +93,7 @@ class DeepSpecDSpark:
 
 @register_speculators_reader("dspark")
 def read_speculators(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str) -> NormalizedHead:
-    config = checkpoint.config
-    layer = config.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise DraftsmithError(f"{where}: transformer_layer_config must be an object")
-    if config.get("draft_vocab_size") not in (None, layer.get("vocab_size")):
-        raise DraftsmithError(f"{where}: draft_vocab_size {config['draft_vocab_size']} of {layer.get('vocab_size')}: "
-                              "draftsmith's DSpark head reads out with the target's whole LM head")
-    ids = config.get("aux_hidden_state_layer_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-        raise DraftsmithError(f"{where}: aux_hidden_state_layer_ids must be a non-empty list of layer ids")
-    ctx = _with_verifier(ctx, config, checkpoint.directory)
-    layers, target = _target_layers(config, ctx, None)
-    return _normalize(checkpoint, layer, ids, config.get("block_size"), config.get("mask_token_id"), layers, target,
-                      where, ignorable=VERIFIER_COPIES + ("d2t", "t2d", "verifier_"), sample_from_anchor=True,
-                      head=_head_part(config, where))
+    return read_dflash_speculators(checkpoint, ctx, where, "DSpark", _head_part(checkpoint.config, where))
 
 
 @register_exporter("vllm", "dspark")

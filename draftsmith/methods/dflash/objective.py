@@ -52,33 +52,43 @@ def _block_targets(target, batch, features, anchors, positions: int):
     return predicted, real, target_logits.view(rows, anchors.shape[1], positions, -1)
 
 
-def dflash_objective(head, target, batch, features, cfg):
-    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-    rows, length = ids.shape
+def learned_positions(head, cfg, device) -> tuple[int, torch.Tensor]:
+    """(how many of a block's drafts the loss trains: training.loss_positions, else all the head drafts;
+    their weights exp(-(j - 1) / loss_decay_gamma)). Later drafts weigh little but cost as much LM head as
+    the first ones: they may sit out."""
     most = head.config.max_drafts()
-    # later drafts weigh little (the decay) but cost as much LM head as the first ones: they may sit out
     learned = cfg.loss_positions or most
     if learned > most:
         raise DraftsmithError(f"training.loss_positions {learned}: the head's block_size {head.config.block_size} "
                               f"drafts {most} positions; set loss_positions <= {most}")
+    return learned, torch.exp(-torch.arange(learned, device=device, dtype=torch.float32) / cfg.loss_decay_gamma)
+
+
+def position_accuracy(hits: torch.Tensor, trained: torch.Tensor) -> dict[str, float]:
+    """acc_pos1..4: how often the block's first drafts are the target's greedy tokens, where trained."""
+    logs = {}
+    for j in range(min(hits.shape[-1], 4)):
+        where = trained[:, :, j]
+        if where.any():
+            logs[f"acc_pos{j + 1}"] = hits[:, :, j][where].float().mean().item()
+    return logs
+
+
+def dflash_objective(head, target, batch, features, cfg):
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    rows, length = ids.shape
+    learned, decay = learned_positions(head, cfg, ids.device)
     anchors, valid = sample_anchors(loss_mask, batch["lengths"].tolist(), cfg.num_anchors, ids.device)
     hidden = head.training_forward(features["features"], ids, anchors, learned)
     logits = head.readout(hidden.view(rows, anchors.shape[1], learned, -1))
     predicted, real, target_logits = _block_targets(target, batch, features, anchors, learned)
     trained = real & valid[:, :, None] & loss_mask.gather(1, predicted.clamp(max=length - 1).view(rows, -1)).view(
         predicted.shape).bool()
-    decay = torch.exp(-torch.arange(learned, device=ids.device, dtype=torch.float32) / cfg.loss_decay_gamma)
     weights = trained.float() * decay
     soft_ce = -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     loss = (soft_ce * weights).sum() / weights.sum().clamp(min=1e-6)
-    logs = {}
     with torch.no_grad():
-        hits = logits.argmax(-1) == target_logits.argmax(-1)
-        for j in range(min(learned, 4)):
-            where = trained[:, :, j]
-            if where.any():
-                logs[f"acc_pos{j + 1}"] = hits[:, :, j][where].float().mean().item()
-    return loss, logs
+        return loss, position_accuracy(logits.argmax(-1) == target_logits.argmax(-1), trained)
 
 
 @torch.no_grad()

@@ -15,8 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.methods.dflash.objective import _block_targets, sample_anchors
+from draftsmith.methods.dflash.objective import (
+    _block_targets,
+    learned_positions,
+    position_accuracy,
+    sample_anchors,
+)
 from draftsmith.methods.dflash.objective import simulated_acceptance as dflash_simulated_acceptance
 
 
@@ -36,18 +40,13 @@ def block_outputs(head, target, batch, features, anchors, drafts: int):
 def dspark_objective(head, target, batch, features, cfg):
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     rows, length = ids.shape
-    most = head.config.max_drafts()
-    learned = cfg.loss_positions or most
-    if learned > most:
-        raise DraftsmithError(f"training.loss_positions {learned}: the head's block_size {head.config.block_size} "
-                              f"drafts {most} positions; set loss_positions <= {most}")
+    learned, decay = learned_positions(head, cfg, ids.device)
     anchors, valid = sample_anchors(loss_mask, batch["lengths"].tolist(), cfg.num_anchors, ids.device)
     logits, hidden, embedded, target_logits, predicted, real = block_outputs(head, target, batch, features, anchors,
                                                                               learned)
     learnable = real & valid[:, :, None] & loss_mask.gather(1, predicted.clamp(max=length - 1).view(rows, -1)).view(
         predicted.shape).bool()
     trained = learnable.long().cumprod(-1).bool()  # a block's valid prefix: a position past a gap is never verified
-    decay = torch.exp(-torch.arange(learned, device=ids.device, dtype=torch.float32) / cfg.loss_decay_gamma)
     weights = trained.float() * decay
     total = weights.sum().clamp(min=1e-6)
     p_target = torch.softmax(target_logits, -1)
@@ -57,7 +56,8 @@ def dspark_objective(head, target, batch, features, cfg):
     ce = F.cross_entropy(logits.flatten(0, 2), greedy.flatten(), reduction="none").view(greedy.shape)
     loss = cfg.ce_weight * (ce * weights).sum() / total + cfg.tv_weight * (l1 * weights).sum() / total
     hits = logits.argmax(-1) == greedy
-    logs = {}
+    with torch.no_grad():
+        logs = position_accuracy(hits, trained)
     if head.confidence_head is not None:
         label = hits.float() if cfg.confidence_label == "match" else (1 - l1 / 2).clamp(0, 1)
         confidence = head.confidence_logits(hidden, embedded)
@@ -67,11 +67,6 @@ def dspark_objective(head, target, batch, features, cfg):
             where = trained[:, :, 0]
             if where.any():
                 logs["conf_pos1"] = torch.sigmoid(confidence[:, :, 0][where]).mean().item()
-    with torch.no_grad():
-        for j in range(min(learned, 4)):
-            where = trained[:, :, j]
-            if where.any():
-                logs[f"acc_pos{j + 1}"] = hits[:, :, j][where].float().mean().item()
     return loss, logs
 
 

@@ -132,6 +132,7 @@ def test_adaptive_dflash_keeps_greedy_equality(demo_target, tmp_path, greedy_ref
     make_speculation_pay(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_draft_tokens"] > 0  # the adaptive policy did speculate
 
 
 def test_k_beyond_the_block_is_one_line(demo_target, tmp_path):
@@ -429,7 +430,8 @@ def test_served_blocks_are_the_teacher_forced_blocks_step_after_step(demo_target
 def test_kept_plain_steps_are_the_catch_up_the_policy_prices(demo_target):
     """The plain steps kept for later are what a resuming row owes before it drafts: `catch_up` says how many
     rows and positions, and the draft that projects them reports itself not steady (the ledger then teaches
-    the cost model a catch-up, not a draft forward); with nothing kept, neither."""
+    the cost model a catch-up, not a draft forward); with nothing kept, neither. A finished request's kept
+    steps are owed by no one: not by the next request in its slot."""
     from draftsmith.methods.dflash.proposer import DFlashProposer
     from draftsmith.models.tokenizer import load_tokenizer
     from draftsmith.serve.speculation.config import parse_speculative_config
@@ -440,18 +442,28 @@ def test_kept_plain_steps_are_the_catch_up_the_policy_prices(demo_target):
     prompt = load_tokenizer(DEMO_MODEL)(CODE_PROMPTS[1], add_special_tokens=False).input_ids
     with torch.no_grad():
         out = demo_target(torch.tensor([prompt]), feature_layers=proposer.feature_layers)
-    cut = len(prompt) - 4
+    cut = len(prompt) - 6
     row, idle = Row("a", 1, prompt[:cut], [prompt[cut]]), Row("b", 0, prompt[:5], [])
+
+    def keep_plain_steps(row, count):
+        for position in range(len(row.all_token_ids()) - 1, len(row.all_token_ids()) - 1 + count):
+            row.output_token_ids.append(prompt[position + 1])
+            hidden = {layer: h[:, position : position + 1] for layer, h in out.hidden_states.items()}
+            assert proposer.observe_later([row], [position], hidden)
+
     proposer.observe([row], [0], [cut], proposer.features(out.hidden_states)[:, :cut])
     assert proposer.catch_up([row]) == (0, 0)
     assert proposer.propose([row], [8]).steady
-    for position in range(cut, cut + 3):  # three plain steps, kept by reference
-        row.output_token_ids.append(prompt[position + 1])
-        hidden = {layer: h[:, position : position + 1] for layer, h in out.hidden_states.items()}
-        assert proposer.observe_later([row], [position], hidden)
+    keep_plain_steps(row, 3)
     assert proposer.catch_up([row, idle]) == (1, 3)
     assert not proposer.propose([row], [8]).steady
     assert proposer.catch_up([row]) == (0, 0)
+    keep_plain_steps(row, 2)
+    proposer.release(row)  # it finished; the next request takes its slot
+    successor = Row("c", 1, prompt[:cut], [prompt[cut]])
+    proposer.observe([successor], [0], [cut], proposer.features(out.hidden_states)[:, :cut])
+    assert proposer.catch_up([successor]) == (0, 0)
+    assert proposer.propose([successor], [8]).steady
 
 
 def test_a_request_that_never_drafts_never_projects_its_plain_steps(monkeypatch):

@@ -57,10 +57,10 @@ class DFlashProposer(Proposer):
         if self.tree is not None:
             self.draft_parents = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
             self.confidence = torch.zeros(max_num_seqs, self.k, device=self.device)
-        # plain steps not yet projected: (slots, their generations, positions, hidden states) each, and the slots
-        # with positions among them
+        # plain steps not yet projected: (slots, their generations, positions, hidden states) each, and per slot
+        # how many of them hold a position of its current request
         self._later: list[tuple[list[int], list[int], list[int], dict]] = []
-        self._later_slots: set[int] = set()
+        self._kept = [0] * max_num_seqs
 
     def draft_models(self) -> list[torch.nn.Module]:
         return [self.head]
@@ -76,17 +76,17 @@ class DFlashProposer(Proposer):
         finishes before then never pays for a context it never drafts from."""
         slots = [r.slot for r in rows]
         self._later.append((slots, [self.generation[s] for s in slots], list(starts), hidden_states))
-        self._later_slots.update(slots)
+        for slot in slots:
+            self._kept[slot] += 1
         if len(self._later) >= MAX_LATER:
             self._replay()
         return True
 
     def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
         # a verified step's positions are projected as it is observed, so a steady draft projects none; the
-        # plain steps kept since the last replay are the catch-up (each decoding row is in every one of them,
-        # but for rows that joined decoding since, which have fewer)
-        later = [r for r in rows if r.slot in self._later_slots]
-        return len(later), len(self._later) if later else 0
+        # plain steps kept since the last replay are the catch-up (those of a slot's earlier requests are not)
+        owed = [self._kept[r.slot] for r in rows if self._kept[r.slot]]
+        return len(owed), max(owed, default=0)
 
     @torch.inference_mode()
     def _replay(self) -> None:
@@ -95,7 +95,7 @@ class DFlashProposer(Proposer):
         if not self._later:
             return
         later, self._later = self._later, []
-        self._later_slots.clear()
+        self._kept = [0] * len(self._kept)
         slots, positions, features = [], [], []
         expected = {}
         for step_slots, generations, starts, hidden in later:
@@ -125,12 +125,13 @@ class DFlashProposer(Proposer):
     @torch.inference_mode()
     def observe(self, rows: Sequence[RowState], starts: list[int], counts: list[int], features: torch.Tensor) -> None:
         # kept positions go first where they come before these (a prefill's new requests have none)
-        if any(r.slot in self._later_slots and self.owner[r.slot] == r.request_id for r in rows):
+        if any(self._kept[r.slot] and self.owner[r.slot] == r.request_id for r in rows):
             self._replay()
         for row, start in zip(rows, starts):
             if self.owner[row.slot] != row.request_id:
                 self.owner[row.slot], self.context_len[row.slot] = row.request_id, 0
                 self.generation[row.slot] += 1
+                self._kept[row.slot] = 0
             if start != self.context_len[row.slot]:
                 raise DraftsmithError("observed positions must continue each request's earlier ones")
         slots = [r.slot for r in rows]
@@ -144,7 +145,7 @@ class DFlashProposer(Proposer):
         n = len(rows)
         tokens_out, counts_out, probs_out = self.cleared_outputs(n, sampling, self.head.config.vocab_size)
         sampled = probs_out is not None
-        steady = not self._later  # kept plain steps projected first are a catch-up, priced apart
+        steady = not any(self._kept)  # live kept plain steps projected first are a catch-up, priced apart
         self._replay()
         active = [b for b in range(n) if max_drafts[b] > 0]
         if not active:
@@ -231,3 +232,4 @@ class DFlashProposer(Proposer):
         if request.slot is not None and self.owner[request.slot] == request.request_id:
             self.owner[request.slot] = None
             self.generation[request.slot] += 1
+            self._kept[request.slot] = 0  # its kept steps are stale: skipped at the replay, owed by no one

@@ -144,7 +144,7 @@ def read_speculators(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str,
     return _normalize(checkpoint, layer, ids, config.get("block_size"), config.get("mask_token_id"), layers, target,
                       where, ignorable=VERIFIER_COPIES + ("d2t", "t2d", "verifier_"),
                       sample_from_anchor=head is not None or config.get("sample_from_anchor", False),
-                      head=head or (DFlashConfig, [], {}))
+                      head=head if head is not None else (DFlashConfig, [], {}))
 
 
 def _qwen3_layer(c: DFlashConfig, dtype: str, architectures: list[str]) -> dict[str, Any]:

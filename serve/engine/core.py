@@ -382,7 +382,7 @@ class LLMEngine(FaultIsolatingSteps):
         num_draft = drafted.num_draft(len(rows))  # sizes the forward
         if max(num_draft) == 0:
             slots = [r.slot for r in rows]
-            if drafted.offered is not None:  # the confidence cut dropped every draft: none was accepted
+            if drafted.offered is not None and max(drafted.offered) > 0:  # the cut dropped every draft
                 self.policy.observe(slots, drafted.offered, [0] * len(rows))
             else:
                 self.policy.idle(slots)

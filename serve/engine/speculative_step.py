@@ -1,9 +1,10 @@
 """One speculative decode step, as a pipeline of returned values:
 
-    limits  = draft_limits(rows, k, max_model_len)      the most each row may draft
-    drafted = plan_and_propose(engine, rows, limits)    the policy's plan and the proposer's drafts
-    checked = verify_drafts(engine, rows, drafted)      one target forward of [last token, drafts]; chain or tree
-    finish_step(engine, rows, num_draft, checked)       the proposer and the policy observe, the rows take tokens
+    limits  = draft_limits(rows, k, max_model_len)                the most each row may draft
+    drafted = plan_and_propose(engine, rows, limits, sampling)    the policy's plan and the proposer's drafts
+    checked = verify_drafts(engine, rows, drafts, num_draft, ...) one target forward of [last token, drafts]
+    finish_step(engine, rows, num_draft, checked, ...)            the proposer and the policy observe, the rows
+                                                                  take tokens
 
 A step the policy holds, plans at width 0, or where no row has a draft, decodes plainly (`LLMEngine._plain_decode`).
 The engine (`serve.engine.core`) owns the forwards, sampling and the requests; this module only orders them.
@@ -146,7 +147,8 @@ def finish_step(engine, rows: list[Request], num_draft: list[int], checked: Veri
     nothing to copy."""
     starts = [r.num_tokens - 1 for r in rows]
     engine.observe_features(rows, starts, checked.counts, checked.out)
-    engine.policy.observe([r.slot for r in rows], offered or num_draft, [n - 1 for n in checked.counts])
+    learned_from = offered if offered is not None else num_draft
+    engine.policy.observe([r.slot for r in rows], learned_from, [n - 1 for n in checked.counts])
     engine.take_tokens(rows, checked.kept, checked.out.logits, sampling)
     for request, n_draft, new_tokens in zip(rows, num_draft, checked.kept):
         engine.spec_metrics.observe(n_draft, len(new_tokens) - 1)

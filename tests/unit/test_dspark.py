@@ -292,6 +292,22 @@ def test_round_trips_are_lossless(demo_target, tmp_path, to):
     assert all(torch.equal(tensors[k], tensors_back[k]) for k in tensors)
 
 
+def test_a_speculators_checkpoint_with_a_smaller_draft_vocabulary_is_one_line(demo_target, tmp_path, capsys):
+    """DFlash's speculators reader reads DSpark's too, and says which head it refused."""
+    import public_checkpoints as pub
+
+    head = _head(demo_target, seed=3)
+    head.config.target_model = str(DEMO_MODEL)
+    head.save_pretrained(tmp_path / "native")
+    assert pub.convert(tmp_path / "native", tmp_path / "speculators", "--to", "speculators") == 0
+    config_path = tmp_path / "speculators" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "draft_vocab_size": 4096}))
+    capsys.readouterr()
+    assert pub.convert(tmp_path / "speculators", tmp_path / "back") != 0
+    assert "draft_vocab_size 4096 of 8192: draftsmith's DSpark head reads out" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("change, message", [
     ({"markov_head_type": "gated"}, "markov_head_type 'gated'"),
     ({"sample_from_anchor": False}, "sample_from_anchor false: a DSpark head drafts anchor-first"),

@@ -65,7 +65,8 @@ def learned_positions(head, cfg, device) -> tuple[int, torch.Tensor]:
 
 
 def position_accuracy(hits: torch.Tensor, trained: torch.Tensor) -> dict[str, float]:
-    """acc_pos1..4: how often the block's first drafts are the target's greedy tokens, where trained."""
+    """acc_pos1..4: how often the block's first drafts are the target's greedy tokens, where trained. `hits`
+    and `trained`: bool [rows, anchors, positions]."""
     logs = {}
     for j in range(min(hits.shape[-1], 4)):
         where = trained[:, :, j]

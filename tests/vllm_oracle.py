@@ -55,7 +55,8 @@ def built_heads() -> None:
     """Writes the heads of HEADS that no asset holds, where their configs name them."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    if str(Path(__file__).parent) not in sys.path:
+        sys.path.insert(0, str(Path(__file__).parent))
     from draftsmith.models import load_target
     from helpers import dspark_head, peagle_head
 

@@ -63,10 +63,9 @@ def _spec(head_type: str, model: Path, k: int, config: dict) -> dict:
     spec = {"method": head_type, "model": str(model), "num_speculative_tokens": k}
     if "draft_dtype" in resolve_method(head_type).section.model_fields:  # a head type is its method's name
         spec["draft_dtype"] = "float32"  # the record's precision: a bfloat16 draft would blur the comparison
-    if head_type == DRAFT_MODEL and "pard_token" in config:
-        spec["parallel_drafting"] = True  # a PARD-adapted draft names its mask token
-    if config.get("parallel_drafting"):
-        spec["parallel_drafting"] = True  # a head trained to draft in parallel (P-EAGLE) is checked so
+    # a head trained to draft in parallel (P-EAGLE) is checked so, and a PARD-adapted draft names its mask token
+    if config.get("parallel_drafting") or (head_type == DRAFT_MODEL and "pard_token" in config):
+        spec["parallel_drafting"] = True
     return spec
 
 

@@ -77,6 +77,11 @@ def batch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kernel where the batch was built for it (`ForwardBatch.slot_rows`: on CUDA), reading the slots in place;
     elsewhere the rows' keys read out and `cached_attention` over the batch's mask."""
     rows = batch.slot_rows
+    if batch.causal and rows is None and q.shape[2] > GROUPED_UP_TO:
+        # prompts from position 0 (first chunks): SDPA's causal kernel skips the keys past each query block
+        # and reads no mask; a row's keys past its length are only seen by its padding queries
+        return F.scaled_dot_product_attention(q, batch.read(k_cache), batch.read(v_cache), is_causal=True,
+                                              enable_gqa=True)
     if rows is not None:
         from draftsmith.models.slot_attention_triton import slot_attention
 

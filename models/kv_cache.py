@@ -106,6 +106,9 @@ class ForwardBatch:
     memo: dict = field(init=False, default_factory=dict, repr=False, compare=False)
     # set where attention runs as the Triton slot kernel (`models.attention.batch_attention`)
     slot_rows: SlotRows | None = None
+    # every row starts at position 0 and sees every earlier key of its own (no window, no key_starts): the
+    # mask is plain causal over [0, kv_len), which attention can apply without reading it
+    causal: bool = False
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], q_lens: list[int], cache: KVCache,
@@ -159,6 +162,7 @@ class ForwardBatch:
                                  kv_len)
         return cls(
             slot_rows=slot_rows,
+            causal=not any(starts) and sliding_window is None and key_starts is None,
             positions=positions.to(device),
             read_slots=read_slots.to(device),
             write_slots=write_slots.to(device),

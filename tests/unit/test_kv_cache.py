@@ -101,3 +101,25 @@ def test_rows_far_apart_read_their_own_windows():
     edge_full = ForwardBatch.build([2, 0], [61, 8], [3, 2], cache)
     edge_full.mask &= (torch.arange(64) >= torch.tensor([45, 2])[:, None])[:, None, None, :]
     torch.testing.assert_close(attend(edge)[0], attend(edge_full)[0])
+
+
+def test_prompts_from_position_zero_attend_causally_without_a_mask():
+    """Rows that all start at position 0 (first prompt chunks) attend with SDPA's causal kernel instead of
+    reading the [B, Q, K] mask: the same result for every real query; any other start, a sliding window or
+    a draft head's key_starts keeps the mask."""
+    from draftsmith.models.attention import batch_attention, cached_attention
+
+    cache = KVCache(1, 3, 64, 2, 16, torch.float32, "cpu")
+    cache.k[0].normal_(), cache.v[0].normal_()
+    q_lens = [40, 23]
+    batch = ForwardBatch.build([2, 0], [0, 0], q_lens, cache)
+    assert batch.causal
+    q = torch.randn(2, 4, 40, 16)
+    got = batch_attention(q, cache.k[0], cache.v[0], batch)
+    expected = cached_attention(q, batch.read(cache.k[0]), batch.read(cache.v[0]), batch.mask)
+    for row, n in enumerate(q_lens):
+        torch.testing.assert_close(got[row, :, :n], expected[row, :, :n])
+    assert not ForwardBatch.build([2, 0], [0, 5], q_lens, cache).causal
+    assert not ForwardBatch.build([2, 0], [0, 0], q_lens, cache, sliding_window=8).causal
+    assert not ForwardBatch.build([2, 0], [0, 0], q_lens, cache, key_starts=[0, 0]).causal
+

@@ -123,3 +123,16 @@ def test_prompts_from_position_zero_attend_causally_without_a_mask():
     assert not ForwardBatch.build([2, 0], [0, 0], q_lens, cache, sliding_window=8).causal
     assert not ForwardBatch.build([2, 0], [0, 0], q_lens, cache, key_starts=[0, 0]).causal
 
+
+def test_long_rows_pack_at_any_padding_and_short_rows_past_a_fifth():
+    """Prompt chunks (rows of ROW_ATTENTION_FROM queries or more) attend one by one, so any padding is
+    per-token work for nothing and they pack; short rows (verifies) pack once padding passes a fifth."""
+    from draftsmith.models.kv_cache import ROW_ATTENTION_FROM
+
+    cache = KVCache(1, 2, 256, 2, 16, torch.float32, "cpu")
+    long = ROW_ATTENTION_FROM * 4
+    assert ForwardBatch.build([0, 1], [0, 0], [long, long - 1], cache, pack=True).row_spans is not None
+    assert ForwardBatch.build([0, 1], [0, 0], [long, long], cache, pack=True).tokens is None  # nothing to drop
+    assert ForwardBatch.build([0, 1], [9, 9], [4, 3], cache, pack=True).tokens is None  # 7 of 8: padded
+    short = ForwardBatch.build([0, 1], [9, 9], [4, 2], cache, pack=True)
+    assert short.tokens is not None and short.row_spans is None

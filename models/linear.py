@@ -20,6 +20,17 @@ The fast path applies on CPU without autograd (training keeps aten's linear and 
 and for bf16 where oneDNN supports it, with input and weight of one dtype. The reordered copy costs one
 more copy of the weights in memory; it is rebuilt when the weight changes (in-place updates bump its
 version, load_state_dict copies into it). `DRAFTSMITH_CPU_LINEAR=aten` turns the path off, for comparisons.
+
+Small fp32 weights (up to MM_UP_TO_BYTES) take MKL's GEMM on a transposed copy instead (`torch.mm`): torch's
+oneDNN call spends about 20 us a call around a kernel of 10 (one thread, Sapphire Rapids), and MKL reads a
+small weight faster from memory. On the dev VM (2026-11-28, one thread, caches flushed between calls), 8
+rows through 256 x 256 took 60 us against oneDNN's 133, 512 x 256 91 against 160, 768 x 256 119 against
+188; from about 1.5 MB of weight on (a 1536 x 256 gate/up, an LM head), MKL was level or slower in the
+engine. MKL is batch-invariant only from two rows up (one row takes its GEMV path) and, with several
+threads, only for some shapes (512 x 1536 at two threads splits its sums from 17 rows on): so a weight takes
+this path only once MKL computes every row alike at every row count up to MM_CHECKED_ROWS, checked once per
+shape and thread count (`_mm_rows_agree`), and a one-row call runs as two. `DRAFTSMITH_CPU_LINEAR=onednn`
+keeps every weight on oneDNN.
 """
 
 from __future__ import annotations
@@ -41,6 +52,10 @@ REORDER_ROWS = 16  # the row count oneDNN lays the weight out for (any of 8-64 s
 EXACT_ROWS = 16
 MIN_STEP = 8
 _usable: dict[torch.dtype, bool] = {}  # dtype -> whether the oneDNN path works in this torch build
+MM_UP_TO_BYTES = 1 << 20  # fp32 weights up to this size take MKL's GEMM where it is batch-invariant
+MM_CHECKED_ROWS = 4096  # row counts checked for that (prompt chunks included); larger calls take oneDNN
+# (out_features, in_features, bias, threads) -> whether MKL computes every row alike at every row count
+_mm_agrees: dict[tuple[int, int, bool, int], bool] = {}
 
 
 def onednn_linear_available(dtype: torch.dtype) -> bool:
@@ -123,16 +138,66 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and onednn_linear_available(weight.dtype))
 
 
+def _checked_rows() -> list[int]:
+    """Every row count up to 64 (decode, verify, draft steps), every eighth to 256, then a quarter apart."""
+    rows = list(range(2, 65)) + list(range(72, 257, 8))
+    while rows[-1] < MM_CHECKED_ROWS:
+        rows.append(min(rows[-1] * 5 // 4, MM_CHECKED_ROWS))
+    return rows
+
+
+def _mm_rows_agree(out_features: int, in_features: int, bias: bool) -> bool:
+    """Whether MKL's GEMM on a transposed weight of this shape gives each row the same result at every
+    checked row count as at the largest, and as at two rows (random values: a different order of sums shows)."""
+    generator = torch.Generator().manual_seed(0)
+    transposed = torch.randn(in_features, out_features, generator=generator)
+    offsets = torch.randn(out_features, generator=generator) if bias else None
+    rows = _checked_rows()
+    x = torch.randn(rows[-1], in_features, generator=generator)
+    with torch.inference_mode():
+        whole = _mm(x, transposed, offsets)
+        return torch.equal(_mm(x[:2], transposed, offsets), whole[:2]) and all(
+            torch.equal(_mm(x[:n], transposed, offsets), whole[:n]) for n in rows[:-1])
+
+
+def _mm(x: torch.Tensor, transposed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, transposed) if bias is None else torch.addmm(bias, x, transposed)
+
+
+def _takes_mm(out_features: int, in_features: int, layers: tuple[Linear, ...], rows: int) -> bool:
+    weight = layers[0].weight
+    if (weight.dtype != torch.float32 or out_features * in_features * 4 > MM_UP_TO_BYTES or rows > MM_CHECKED_ROWS
+            or os.environ.get("DRAFTSMITH_CPU_LINEAR", "").lower() == "onednn"):
+        return False
+    key = (out_features, in_features, layers[0].bias is not None, torch.get_num_threads())
+    agrees = _mm_agrees.get(key)
+    if agrees is None:
+        agrees = _mm_agrees[key] = _mm_rows_agree(*key[:3])
+    return agrees
+
+
+def _project(layers: tuple[Linear, ...], x: torch.Tensor) -> torch.Tensor:
+    """The layers' outputs side by side (one layer, or a fused group's stacked weights) on the fast path."""
+    in_features = x.shape[-1]
+    rows = x.numel() // in_features if in_features else 0
+    if _takes_mm(sum(layer.out_features for layer in layers), in_features, layers, rows):
+        transposed, bias = _cached_weight(layers, "mm")
+        flat = x.reshape(rows, in_features)
+        out = _mm(F.pad(flat, (0, 0, 0, 1)) if rows == 1 else flat, transposed, bias)[:rows]
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return _run(x, *_cached_weight(layers, "onednn"))
+
+
 def _weight_key(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), weight.dtype, 0 if weight.is_inference() else weight._version
 
 
-def _reordered(layers: tuple[Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layers' weights stacked and reordered for oneDNN, and their bias: cached on the first layer (a
-    layer alone and a group apart) and rebuilt when any weight or bias changes (in-place updates bump its
-    version, load_state_dict copies into it)."""
+def _cached_weight(layers: tuple[Linear, ...], form: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layers' weights stacked, in `form` ("onednn": reordered for oneDNN; "mm": transposed for MKL), and
+    their bias: cached on the first layer (a layer alone and a group apart) and rebuilt when any weight or
+    bias changes (in-place updates bump its version, load_state_dict copies into it)."""
     first = layers[0]
-    attr = "_onednn_weight" if len(layers) == 1 else "_fused_weight"
+    attr = f"_{form}_{'weight' if len(layers) == 1 else 'fused'}"
     key = tuple(_weight_key(t) for layer in layers for t in (layer.weight, layer.bias) if t is not None)
     cached = first.__dict__.get(attr)
     if cached is None or cached[0] != key:
@@ -142,7 +207,10 @@ def _reordered(layers: tuple[Linear, ...]) -> tuple[torch.Tensor, torch.Tensor |
             else:
                 weight = torch.cat([layer.weight.detach() for layer in layers])
                 bias = None if first.bias is None else torch.cat([layer.bias.detach() for layer in layers])
-            cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), REORDER_ROWS), bias)
+            if form == "mm":
+                cached = (key, weight.t().contiguous(), bias)
+            else:
+                cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), REORDER_ROWS), bias)
         first.__dict__[attr] = cached
     return cached[1], cached[2]
 
@@ -162,7 +230,7 @@ def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> to
 
 def fused(layers: tuple[Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`layer(x) for layer in layers` (same input size and dtype; q/k/v, gate/up), in one oneDNN call on
-    their weights stacked (`_reordered`). oneDNN spends about 15 us a call whatever its size at one to a
+    their weights stacked (`_cached_weight`). oneDNN spends about 15 us a call whatever its size at one to a
     few rows: a one-row decode of the demo target runs 43 projections of a few hundred columns each, and 18
     of them were such calls more than needed. The outputs are views into one [.., sum of out_features]
     result. Off the fast path (autograd, GPU, another dtype): each layer on its own."""
@@ -171,7 +239,7 @@ def fused(layers: tuple[Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ..
             layer.weight.dtype != first.weight.dtype or (layer.bias is None) != (first.bias is None)
             for layer in layers):
         return tuple(layer(x) for layer in layers)
-    return _run(x, *_reordered(layers)).split([layer.out_features for layer in layers], dim=-1)
+    return _project(layers, x).split([layer.out_features for layer in layers], dim=-1)
 
 
 class Linear(nn.Linear):
@@ -180,11 +248,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _fast_path(x, self.weight):
             return F.linear(x, self.weight, self.bias)
-        return _run(x, *_reordered((self,)))
+        return _project((self,), x)
 
     def __getstate__(self):
         # the reordered copies are caches (opaque tensors that do not pickle): copies rebuild their own
         state = self.__dict__.copy()
-        state.pop("_onednn_weight", None)
-        state.pop("_fused_weight", None)
+        for form in ("onednn", "mm"):
+            state.pop(f"_{form}_weight", None)
+            state.pop(f"_{form}_fused", None)
         return state

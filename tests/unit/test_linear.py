@@ -1,5 +1,6 @@
-"""models/linear.py: the oneDNN inference path computes what nn.Linear does, row by row the same at any batch size,
-and follows weight updates; training keeps aten's linear and its gradients."""
+"""models/linear.py: the oneDNN inference path (and MKL's, for small weights where its rows agree) computes what
+nn.Linear does, row by row the same at any batch size, and follows weight updates; training keeps aten's linear
+and its gradients."""
 
 import copy
 import io
@@ -137,8 +138,8 @@ def test_fused_layers_compute_each_layer(dtype, bias):
         for layer, out in zip(layers, outputs):
             torch.testing.assert_close(out.float(), F.linear(batch, layer.weight, layer.bias).float(),
                                        atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    if onednn_linear_available(dtype):
-        assert "_fused_weight" in layers[0].__dict__  # the fused path ran
+    if onednn_linear_available(dtype):  # the fused path ran, in one of its two forms
+        assert {"_onednn_fused", "_mm_fused"} & set(layers[0].__dict__)
     updates = [lambda: layers[1].weight.mul_(2)] + ([lambda: layers[2].bias.add_(1)] if bias else [])
     for update in updates:  # a weight changing rebuilds the stacked copy, and so does a bias alone
         with torch.no_grad():
@@ -166,3 +167,47 @@ def test_warm_up_covers_fused_groups():
     buckets = len({linear_module.row_bucket(rows) for rows in range(1, 41)})
     calls = linear_module.warm_up([Block(), Block()], 40)  # a, b and (a, b): three shapes, twice each
     assert calls == (3 * buckets if onednn_linear_available(torch.float32) else 0)
+
+
+@needs_onednn
+def test_small_weights_take_mm_where_every_row_count_agrees():
+    """A small fp32 weight runs MKL's GEMM on a transposed copy once the check finds its rows equal at every
+    row count: one row (run as two) and any batch then give each row the same result."""
+    layer = Linear(256, 192)
+    x = torch.randn(40, 256)
+    with torch.inference_mode():
+        whole = layer(x)
+        assert all(torch.equal(layer(x[:rows]), whole[:rows]) for rows in (1, 2, 5, 8, 33))
+    torch.testing.assert_close(whole, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    key = (192, 256, True, torch.get_num_threads())
+    assert ("_mm_weight" in layer.__dict__) == linear_module._mm_agrees[key]
+    assert ("_onednn_weight" in layer.__dict__) != linear_module._mm_agrees[key]
+
+
+@needs_onednn
+def test_rows_that_disagree_keep_onednn(monkeypatch):
+    """MKL summing a row differently at another row count (as 512 x 1536 does at two threads from 17 rows),
+    the weight stays on oneDNN; so it does with DRAFTSMITH_CPU_LINEAR=onednn, and for calls of more rows
+    than the check covers."""
+    real_mm = linear_module._mm
+    monkeypatch.setattr(linear_module, "_mm_agrees", {})
+    monkeypatch.setattr(linear_module, "_mm", lambda x, t, b: real_mm(x, t, b) + (len(x) > 16) * 1e-3)
+    layer = Linear(64, 32)
+    with torch.inference_mode():
+        layer(torch.randn(3, 64))
+    assert "_onednn_weight" in layer.__dict__ and "_mm_weight" not in layer.__dict__
+
+    monkeypatch.setattr(linear_module, "_mm", real_mm)
+    monkeypatch.setattr(linear_module, "_mm_agrees", {})
+    monkeypatch.setattr(linear_module, "MM_CHECKED_ROWS", 8)
+    monkeypatch.setenv("DRAFTSMITH_CPU_LINEAR", "onednn")
+    for rows, form in ((3, "_onednn_weight"), (12, "_onednn_weight")):
+        layer = Linear(64, 32)
+        with torch.inference_mode():
+            layer(torch.randn(rows, 64))
+        assert form in layer.__dict__ and "_mm_weight" not in layer.__dict__
+    monkeypatch.delenv("DRAFTSMITH_CPU_LINEAR")
+    layer = Linear(64, 32)
+    with torch.inference_mode():
+        layer(torch.randn(12, 64))  # past the checked rows: oneDNN
+    assert "_onednn_weight" in layer.__dict__ and "_mm_weight" not in layer.__dict__

@@ -184,7 +184,7 @@ def _add_datagen(commands: argparse._SubParsersAction) -> None:
     dg = commands.add_parser(
         "datagen", help="regenerate training data with the target (self-distillation)",
         description="Replay chat records turn by turn, or continue text records, with the target "
-        "through draftsmith's engine, and write JSONL for training.")
+        "through draftsmith's engine (or vLLM's, --engine vllm), and write JSONL for training.")
     dg.add_argument("--model", required=True)
     dg.add_argument("--input", required=True, help="JSONL (.xz ok) of chat or text records")
     dg.add_argument("--output", required=True)
@@ -201,6 +201,14 @@ def _add_datagen(commands: argparse._SubParsersAction) -> None:
     dg.add_argument("--top-p", type=float, default=1.0)
     dg.add_argument("--seed", type=int, default=None)
     _add_engine_args(dg, method_names(servable))
+    big = dg.add_argument_group("generating with vLLM (when one machine is not enough: docs/training.md)")
+    big.add_argument("--engine", choices=["draftsmith", "vllm"], default="draftsmith",
+                     help="which engine generates: draftsmith's, or vLLM's offline LLM in its own venv (prompts "
+                     "templated and tokenized here either way, so both see the same token ids)")
+    big.add_argument("--vllm-python", default=None,
+                     help="the vLLM venv's python (default: build/peer-vllm/bin/python, made by `make peer-vllm`)")
+    big.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="vLLM's, passed through")
+    big.add_argument("--data-parallel-size", type=_positive_int, default=1, help="vLLM's, passed through")
     dg.set_defaults(handler="draftsmith.serve.apps.datagen:run")
 
 

@@ -144,12 +144,15 @@ class PeerWorker:
     """One worker process (`vllm_peer_worker.py`) with vLLM's CPU settings: `reply` reads its next protocol
     line; what else it prints goes to its log, which every error names."""
 
-    def __init__(self, python: Path, job: dict, bind: str, threads: int, workdir: Path, worker: Path = WORKER):
+    def __init__(self, python: Path, job: dict, bind: str | None, threads: int, workdir: Path, worker: Path = WORKER):
+        """`bind`: vLLM's CPU settings, its OpenMP threads bound to these cores (VLLM_CPU_OMP_THREADS_BIND) and
+        the engine core in this process; None: vLLM picks its device and processes itself (GPUs)."""
         job_path, self.log_path = workdir / "job.json", workdir / "worker.log"
         job_path.write_text(json.dumps(job))
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(threads),
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        if bind is not None:
+            env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind,
+                        "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen([str(python), str(worker), str(job_path)], env=env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -182,8 +185,12 @@ class PeerWorker:
             self.log.write(line)
 
     def round(self, concurrency: int) -> dict:
+        return self.send({"concurrency": concurrency})
+
+    def send(self, command: dict) -> dict:
+        """One command line to the worker -> its answer."""
         try:
-            self.process.stdin.write(json.dumps({"concurrency": concurrency}) + "\n")
+            self.process.stdin.write(json.dumps(command) + "\n")
             self.process.stdin.flush()
         except BrokenPipeError:
             pass  # it is gone: `reply` says how, naming its log

@@ -1,0 +1,80 @@
+"""vLLM's side of `draftsmith datagen --engine vllm`: the target loaded once in vLLM's offline `LLM`, then one
+batch of prompts generated per command.
+
+It runs with the vLLM venv's python, by file path: that venv has vLLM and no draftsmith, so this file imports
+only vLLM (inside `main`) and the standard library. Usage:
+
+    build/peer-vllm/bin/python vllm_datagen_worker.py JOB.json
+
+The job (written by `serve/apps/vllm_generator.py`): model, dtype, max_model_len, max_num_seqs, seed,
+tensor_parallel_size, data_parallel_size, enforce_eager. Prompts arrive as token ids, templated and tokenized by draftsmith,
+so both engines see the same ids. The worker speaks in lines on stdout that begin with PREFIX (anything else
+there is vLLM's own output): first {"ready": {"vllm_version", "startup_s"}} or {"refused": reason}; then,
+for each line {"prompts": [[ids]], "sampling": {temperature, top_p, max_tokens, seed}} on stdin,
+{"outputs": [{"text", "token_ids"}]} in prompt order, or {"failed": reason}. Reasons are one line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+PREFIX = "DRAFTSMITH-PEER "  # the protocol lines' start (serve.bench.peer.PREFIX: PeerWorker reads them)
+
+
+def say(message: dict) -> None:
+    """One protocol line on stdout, on a line of its own (vLLM's progress bars may leave one unfinished)."""
+    print("\n" + PREFIX + json.dumps(message), flush=True)
+
+
+def one_line(exc: BaseException) -> str:
+    message = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {message[0] if message else 'no message'}"[:300]
+
+
+def load(job: dict):
+    from vllm import LLM
+
+    return LLM(job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
+               tensor_parallel_size=job["tensor_parallel_size"], data_parallel_size=job["data_parallel_size"],
+               enforce_eager=job["enforce_eager"], enable_prefix_caching=False, seed=job["seed"])
+
+
+def generate(llm, command: dict) -> list[dict]:
+    from vllm import SamplingParams
+
+    sampling = command["sampling"]
+    # every request with the same settings, seed included, as datagen hands draftsmith's engine one
+    # SamplingParams for all of them
+    params = SamplingParams(temperature=sampling["temperature"], top_p=sampling["top_p"],
+                            max_tokens=sampling["max_tokens"], seed=sampling.get("seed"))
+    prompts = [{"prompt_token_ids": ids} for ids in command["prompts"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [{"text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids)} for out in outputs]
+
+
+def main(argv: list[str]) -> int:
+    job = json.loads(open(argv[0]).read())
+    start = time.perf_counter()
+    try:
+        llm = load(job)
+    except Exception as exc:  # vLLM refuses models and settings with a wide range of exception types
+        traceback.print_exc()
+        say({"refused": one_line(exc)})
+        return 0
+    import vllm
+
+    say({"ready": {"vllm_version": vllm.__version__, "startup_s": time.perf_counter() - start}})
+    for line in sys.stdin:
+        try:
+            say({"outputs": generate(llm, json.loads(line))})
+        except Exception as exc:
+            traceback.print_exc()
+            say({"failed": one_line(exc)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

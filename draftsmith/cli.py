@@ -356,6 +356,9 @@ def _add_bench_peer_args(bench: argparse.ArgumentParser) -> None:
     peer.add_argument("--peer-threads", type=_positive_int, default=None,
                       help="compute threads for each engine: draftsmith's torch threads, vLLM's OpenMP threads bound "
                       "to cores 0..N-1 (default: torch's thread count)")
+    peer.add_argument("--peer-compile", action="store_true",
+                      help="let vLLM compile its forward at start (its default; tens of seconds a method here): "
+                      "without it, vLLM runs eager (enforce_eager), as draftsmith does on CPU")
 
 
 def _add_bench_shape_args(bench: argparse.ArgumentParser) -> None:

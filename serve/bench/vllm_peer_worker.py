@@ -7,7 +7,7 @@ file imports only vLLM (inside `main`) and the standard library. Usage:
     VLLM_TARGET_DEVICE=cpu build/peer-vllm/bin/python vllm_peer_worker.py JOB.json
 
 The job (written by `serve/bench/peer.py`): model, max_model_len, max_num_seqs, max_tokens, speculative_config
-(vLLM's dict, or null) and levels, a list of {concurrency, prompts: [[token ids]]}. The worker speaks in
+(vLLM's dict, or null), enforce_eager (false: vLLM compiles, its default) and levels, a list of {concurrency, prompts: [[token ids]]}. The worker speaks in
 lines on stdout that begin with PREFIX (anything else there is vLLM's own output): first {"ready":
 {"vllm_version", "torch_threads", "startup_s"}}, or {"refused": reason} where vLLM would not load the model
 with that config. Then, for each line {"concurrency": c} on stdin, one round of that level: {"round":
@@ -152,7 +152,7 @@ def load(job: dict):
 
     spec = job.get("speculative_config")
     # stats only where they are read: the spec-decode counters need them
-    return LLM(job["model"], dtype="float32", enforce_eager=True, max_model_len=job["max_model_len"],
+    return LLM(job["model"], dtype="float32", enforce_eager=job.get("enforce_eager", True), max_model_len=job["max_model_len"],
                enable_prefix_caching=False, max_num_seqs=job["max_num_seqs"], speculative_config=spec,
                disable_log_stats=spec is None, seed=0)
 

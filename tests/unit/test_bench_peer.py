@@ -155,6 +155,7 @@ def _session(fake_worker, configs, bind="0", threads=1) -> peer.PeerSession:
 def test_a_job_goes_to_the_worker_and_each_round_comes_back(tmp_path, fake_worker):
     job = peer.make_job(REPO / "assets" / "demo-code-7m", BATCHES, 2, None)
     assert job["max_model_len"] == peer.PEER_MAX_MODEL_LEN and job["max_num_seqs"] == 2
+    assert job["enforce_eager"] and not peer.make_job(REPO, BATCHES, 2, None, compiled=True)["enforce_eager"]
     assert [lv["prompts"] for lv in job["levels"]] == [BATCHES[1], BATCHES[2]]
     session = _session(fake_worker, {"none": None, "mlp_speculator": {"method": "mlp_speculator"}})
     try:
@@ -276,3 +277,18 @@ def test_both_engines_get_the_same_threads():
             peer.bind_threads(4096)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_peer_compile_reaches_the_workers_job(fake_worker):
+    """--peer-compile lets vLLM compile (its default); without it the peer runs eager, as draftsmith on CPU."""
+    from draftsmith.cli import build_parser
+
+    session = peer.PeerSession(Path(sys.executable), REPO / "assets" / "demo-code-7m", {"none": None}, BATCHES, 2, 1,
+                               "0", worker=fake_worker, compiled=True)
+    try:
+        job = json.loads((Path(session.tmp.name) / "none" / "job.json").read_text())
+    finally:
+        session.close()
+    assert job["enforce_eager"] is False
+    assert build_parser().parse_args(["bench", "--peer", "vllm", "--peer-compile"]).peer_compile
+    assert not build_parser().parse_args(["bench", "--peer", "vllm"]).peer_compile

@@ -54,7 +54,7 @@ def tree_batch(slots: list[int], starts: list[int], q_lens: list[int], seen: tor
     positions = (start[:, None] + depth).clamp(max=cache.max_len - 1)
     if batch.slot_rows is not None:  # the Triton kernel takes the tree mask as it is
         rows = replace(batch.slot_rows, tree_mask=seen, block_starts=start, positions=positions)
-        return replace(batch, slot_rows=rows), positions
+        return replace(batch, slot_rows=rows, causal=False), positions
     keys = torch.arange(batch.kv_start, batch.kv_len, device=device)[None, None, :]
     offset = keys - start[:, None, None]
     in_block = (offset >= 0) & (offset < width)
@@ -62,7 +62,7 @@ def tree_batch(slots: list[int], starts: list[int], q_lens: list[int], seen: tor
     mask = torch.where(in_block, tree, offset < 0)
     if sliding_window is not None:
         mask &= keys > positions[:, :, None] - sliding_window
-    return replace(batch, mask=mask[:, None]), positions
+    return replace(batch, mask=mask[:, None], causal=False), positions  # the tree's mask, read
 
 
 def tree_choices(logits: torch.Tensor, depth: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:

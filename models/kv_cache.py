@@ -18,12 +18,14 @@ import torch
 from draftsmith.models.kernel_backend import slot_kernel_wanted
 
 # A packed forward gathers and scatters each layer's activations (a few small ops per layer): worth it once
-# padding is a fifth of the batch (rows verifying unequal numbers of drafts) ...
+# padding is a fifth of the batch (prompts of unequal length, rows verifying unequal numbers of drafts).
 PACK_BELOW = 0.8
-# ... or, for rows this long (prefill chunks), at any padding: prompts of unequal length padded to the
-# longest make attention, quadratic in length, pay for the padding squared, so they attend one by one in a
-# packed forward, and the per-token work is then the only padding left.
+# Prompts of unequal length padded to the longest make attention, quadratic in length, pay for the padding
+# squared: rows this long (prefill chunks, a wide verify) attend one by one in a packed forward ...
 ROW_ATTENTION_FROM = 16
+# ... and rows this long (prompt chunks) pack at any padding: attended one by one, their padding would only
+# be per-token work for nothing
+PACK_ALWAYS_FROM = 64
 # A draft head reads only its rows' own context windows (`key_starts`), gathered per row, once the keys
 # between the batch's first context start and last position are this many times the widest window, rather
 # than copying and masking keys that no query of theirs sees.
@@ -151,9 +153,9 @@ class ForwardBatch:
                 mask &= keys[None, None, :] >= torch.tensor(key_starts, dtype=torch.long)[:, None, None]
         contiguous = slots == list(range(slots[0], slots[0] + num_rows))
         tokens = row_spans = None
+        real_share = sum(q_lens) / (num_rows * width)
         by_rows = width >= ROW_ATTENTION_FROM and key_starts is None
-        # long rows attended one by one pack at any padding: no padded attention is left to pay for gathering
-        if pack and sum(q_lens) < num_rows * width and (by_rows or sum(q_lens) <= PACK_BELOW * num_rows * width):
+        if pack and real_share < 1 and (real_share <= PACK_BELOW or by_rows and width >= PACK_ALWAYS_FROM):
             tokens = real.view(-1).nonzero()[:, 0].to(device)
             if by_rows:
                 row_spans = tuple((slot, s, n, s == 0 and sliding_window is None)

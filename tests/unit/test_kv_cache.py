@@ -115,8 +115,9 @@ def test_prompts_from_position_zero_attend_causally_without_a_mask():
     batch = ForwardBatch.build([2, 0], [0, 0], q_lens, cache)
     assert batch.causal
     q = torch.randn(2, 4, 40, 16)
-    got = batch_attention(q, cache.k[0], cache.v[0], batch)
     expected = cached_attention(q, batch.read(cache.k[0]), batch.read(cache.v[0]), batch.mask)
+    batch.mask = None  # the causal path reads no mask: with none to read, only it can answer
+    got = batch_attention(q, cache.k[0], cache.v[0], batch)
     for row, n in enumerate(q_lens):
         torch.testing.assert_close(got[row, :, :n], expected[row, :, :n])
     assert not ForwardBatch.build([2, 0], [0, 5], q_lens, cache).causal
@@ -125,14 +126,16 @@ def test_prompts_from_position_zero_attend_causally_without_a_mask():
 
 
 def test_long_rows_pack_at_any_padding_and_short_rows_past_a_fifth():
-    """Prompt chunks (rows of ROW_ATTENTION_FROM queries or more) attend one by one, so any padding is
-    per-token work for nothing and they pack; short rows (verifies) pack once padding passes a fifth."""
-    from draftsmith.models.kv_cache import ROW_ATTENTION_FROM
+    """Prompt chunks (rows of PACK_ALWAYS_FROM queries or more) attend one by one, so any padding is
+    per-token work for nothing and they pack; shorter rows (verifies) pack once padding passes a fifth."""
+    from draftsmith.models.kv_cache import PACK_ALWAYS_FROM, ROW_ATTENTION_FROM
 
     cache = KVCache(1, 2, 256, 2, 16, torch.float32, "cpu")
-    long = ROW_ATTENTION_FROM * 4
+    long = PACK_ALWAYS_FROM
     assert ForwardBatch.build([0, 1], [0, 0], [long, long - 1], cache, pack=True).row_spans is not None
     assert ForwardBatch.build([0, 1], [0, 0], [long, long], cache, pack=True).tokens is None  # nothing to drop
+    wide = ROW_ATTENTION_FROM  # a wide verify, 15 of 16 real: stays padded
+    assert ForwardBatch.build([0, 1], [9, 9], [wide, wide - 1], cache, pack=True).tokens is None
     assert ForwardBatch.build([0, 1], [9, 9], [4, 3], cache, pack=True).tokens is None  # 7 of 8: padded
     short = ForwardBatch.build([0, 1], [9, 9], [4, 2], cache, pack=True)
     assert short.tokens is not None and short.row_spans is None

@@ -21,16 +21,14 @@ and for bf16 where oneDNN supports it, with input and weight of one dtype. The r
 more copy of the weights in memory; it is rebuilt when the weight changes (in-place updates bump its
 version, load_state_dict copies into it). `DRAFTSMITH_CPU_LINEAR=aten` turns the path off, for comparisons.
 
-Small fp32 weights (up to MM_UP_TO_BYTES) take MKL's GEMM on a transposed copy instead (`torch.mm`): torch's
-oneDNN call spends about 20 us a call around a kernel of 10 (one thread, Sapphire Rapids), and MKL reads a
-small weight faster from memory. On the dev VM (2026-11-28, one thread, caches flushed between calls), 8
-rows through 256 x 256 took 60 us against oneDNN's 133, 512 x 256 91 against 160, 768 x 256 119 against
-188; from about 1.5 MB of weight on (a 1536 x 256 gate/up, an LM head), MKL was level or slower in the
-engine. MKL is batch-invariant only from two rows up (one row takes its GEMV path) and, with several
-threads, only for some shapes (512 x 1536 at two threads splits its sums from 17 rows on): so a weight takes
-this path only once MKL computes every row alike at every row count up to MM_CHECKED_ROWS, checked once per
-shape and thread count (`_mm_rows_agree`), and a one-row call runs as two. `DRAFTSMITH_CPU_LINEAR=onednn`
-keeps every weight on oneDNN.
+Small fp32 weights (up to MM_UP_TO_BYTES) take MKL's GEMM on a transposed copy instead (`torch.mm`): around
+a small kernel, torch's oneDNN call costs more than the kernel, and MKL reads a small weight faster from
+memory; from about 1.5 MB of weight on it is level or slower (measurements: docs/decisions/cpu-kernels.md).
+MKL is batch-invariant only from two rows up (one row takes its GEMV path) and, with several threads, only
+for some shapes: so a weight takes this path only once MKL computes every row alike at each row count of a
+dense grid up to MM_CHECKED_ROWS (`_checked_rows`), checked once per shape, bias and thread count
+(`_mm_rows_agree`); a one-row call runs as two, and a call of more rows runs in pieces of at most
+MM_CHECKED_ROWS. `DRAFTSMITH_CPU_LINEAR=onednn` keeps every weight on oneDNN.
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ EXACT_ROWS = 16
 MIN_STEP = 8
 _usable: dict[torch.dtype, bool] = {}  # dtype -> whether the oneDNN path works in this torch build
 MM_UP_TO_BYTES = 1 << 20  # fp32 weights up to this size take MKL's GEMM where it is batch-invariant
-MM_CHECKED_ROWS = 4096  # row counts checked for that (prompt chunks included); larger calls take oneDNN
+MM_CHECKED_ROWS = 4096  # row counts checked up to (prompt chunks included); larger calls run in pieces
 # (out_features, in_features, bias, threads) -> whether MKL computes every row alike at every row count
 _mm_agrees: dict[tuple[int, int, bool, int], bool] = {}
 
@@ -107,8 +105,9 @@ def row_bucket(rows: int) -> int:
 def warm_up(modules: Iterable[nn.Module], max_rows: int) -> int:
     """Compiles oneDNN's kernels for every row bucket up to `max_rows` and every distinct shape of the
     modules' `Linear` layers (and of their fused groups, `fused_linears`) now, not at the first step that
-    needs each: on a 2-core VM each costs about 0.35 ms, several a first forward at a new row count, and
-    those first steps, timed slow, had taught the adaptive policy that verifying was dearer than it is.
+    needs each (a shape on MKL's path runs its batch-invariance check here instead): on a 2-core VM each
+    costs about 0.35 ms, several a first forward at a new row count, and those first steps, timed slow, had
+    taught the adaptive policy that verifying was dearer than it is.
     Kernels are per shape, not per weight, so one layer (or group) per shape is run. -> the calls run."""
     seen, calls = set(), 0
     buckets = sorted({row_bucket(rows) for rows in range(1, max_rows + 1)})
@@ -139,16 +138,17 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _checked_rows() -> list[int]:
-    """Every row count up to 64 (decode, verify, draft steps), every eighth to 256, then a quarter apart."""
-    rows = list(range(2, 65)) + list(range(72, 257, 8))
-    while rows[-1] < MM_CHECKED_ROWS:
-        rows.append(min(rows[-1] * 5 // 4, MM_CHECKED_ROWS))
-    return rows
+    """The row counts `_mm_rows_agree` compares: every count to 160 (decode, verifies of up to 16 rows of 10
+    tokens, draft steps), every fourth to 512, then an eighth apart up to MM_CHECKED_ROWS."""
+    rows = [n for n in [*range(2, 161), *range(164, 513, 4)] if n < MM_CHECKED_ROWS]
+    while max(rows[-1] + 1, rows[-1] * 9 // 8) < MM_CHECKED_ROWS:
+        rows.append(max(rows[-1] + 1, rows[-1] * 9 // 8))
+    return rows + [MM_CHECKED_ROWS]
 
 
 def _mm_rows_agree(out_features: int, in_features: int, bias: bool) -> bool:
     """Whether MKL's GEMM on a transposed weight of this shape gives each row the same result at every
-    checked row count as at the largest, and as at two rows (random values: a different order of sums shows)."""
+    checked row count as at the largest (random values: a different order of sums shows)."""
     generator = torch.Generator().manual_seed(0)
     transposed = torch.randn(in_features, out_features, generator=generator)
     offsets = torch.randn(out_features, generator=generator) if bias else None
@@ -156,20 +156,19 @@ def _mm_rows_agree(out_features: int, in_features: int, bias: bool) -> bool:
     x = torch.randn(rows[-1], in_features, generator=generator)
     with torch.inference_mode():
         whole = _mm(x, transposed, offsets)
-        return torch.equal(_mm(x[:2], transposed, offsets), whole[:2]) and all(
-            torch.equal(_mm(x[:n], transposed, offsets), whole[:n]) for n in rows[:-1])
+        return all(torch.equal(_mm(x[:n], transposed, offsets), whole[:n]) for n in rows[:-1])
 
 
 def _mm(x: torch.Tensor, transposed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.mm(x, transposed) if bias is None else torch.addmm(bias, x, transposed)
 
 
-def _takes_mm(out_features: int, in_features: int, layers: tuple[Linear, ...], rows: int) -> bool:
-    weight = layers[0].weight
-    if (weight.dtype != torch.float32 or out_features * in_features * 4 > MM_UP_TO_BYTES or rows > MM_CHECKED_ROWS
+def _takes_mm(out_features: int, layers: tuple[Linear, ...]) -> bool:
+    first = layers[0]
+    if (first.weight.dtype != torch.float32 or out_features * first.in_features * 4 > MM_UP_TO_BYTES
             or os.environ.get("DRAFTSMITH_CPU_LINEAR", "").lower() == "onednn"):
         return False
-    key = (out_features, in_features, layers[0].bias is not None, torch.get_num_threads())
+    key = (out_features, first.in_features, first.bias is not None, torch.get_num_threads())
     agrees = _mm_agrees.get(key)
     if agrees is None:
         agrees = _mm_agrees[key] = _mm_rows_agree(*key[:3])
@@ -178,14 +177,22 @@ def _takes_mm(out_features: int, in_features: int, layers: tuple[Linear, ...], r
 
 def _project(layers: tuple[Linear, ...], x: torch.Tensor) -> torch.Tensor:
     """The layers' outputs side by side (one layer, or a fused group's stacked weights) on the fast path."""
+    if not _takes_mm(sum(layer.out_features for layer in layers), layers):
+        return _run(x, *_cached_weight(layers, "onednn"))
+    transposed, bias = _cached_weight(layers, "mm")
     in_features = x.shape[-1]
     rows = x.numel() // in_features if in_features else 0
-    if _takes_mm(sum(layer.out_features for layer in layers), in_features, layers, rows):
-        transposed, bias = _cached_weight(layers, "mm")
-        flat = x.reshape(rows, in_features)
-        out = _mm(F.pad(flat, (0, 0, 0, 1)) if rows == 1 else flat, transposed, bias)[:rows]
-        return out.view(*x.shape[:-1], out.shape[-1])
-    return _run(x, *_cached_weight(layers, "onednn"))
+    flat = x.reshape(rows, in_features).contiguous()
+    if rows == 1:
+        out = _mm(F.pad(flat, (0, 0, 0, 1)), transposed, bias)[:1]
+    elif rows <= MM_CHECKED_ROWS:
+        out = _mm(flat, transposed, bias)
+    else:  # in pieces of checked sizes: MM_CHECKED_ROWS - 2 rows each, the last 3 to MM_CHECKED_ROWS
+        step = MM_CHECKED_ROWS - 2
+        starts = range(0, rows - 2, step)
+        ends = [*starts[1:], rows]
+        out = torch.cat([_mm(flat[start:end], transposed, bias) for start, end in zip(starts, ends)])
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _weight_key(weight: torch.Tensor) -> tuple:

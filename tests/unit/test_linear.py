@@ -187,8 +187,7 @@ def test_small_weights_take_mm_where_every_row_count_agrees():
 @needs_onednn
 def test_rows_that_disagree_keep_onednn(monkeypatch):
     """MKL summing a row differently at another row count (as 512 x 1536 does at two threads from 17 rows),
-    the weight stays on oneDNN; so it does with DRAFTSMITH_CPU_LINEAR=onednn, and for calls of more rows
-    than the check covers."""
+    the weight stays on oneDNN; so does every weight with DRAFTSMITH_CPU_LINEAR=onednn."""
     real_mm = linear_module._mm
     monkeypatch.setattr(linear_module, "_mm_agrees", {})
     monkeypatch.setattr(linear_module, "_mm", lambda x, t, b: real_mm(x, t, b) + (len(x) > 16) * 1e-3)
@@ -199,15 +198,27 @@ def test_rows_that_disagree_keep_onednn(monkeypatch):
 
     monkeypatch.setattr(linear_module, "_mm", real_mm)
     monkeypatch.setattr(linear_module, "_mm_agrees", {})
-    monkeypatch.setattr(linear_module, "MM_CHECKED_ROWS", 8)
     monkeypatch.setenv("DRAFTSMITH_CPU_LINEAR", "onednn")
-    for rows, form in ((3, "_onednn_weight"), (12, "_onednn_weight")):
-        layer = Linear(64, 32)
-        with torch.inference_mode():
-            layer(torch.randn(rows, 64))
-        assert form in layer.__dict__ and "_mm_weight" not in layer.__dict__
-    monkeypatch.delenv("DRAFTSMITH_CPU_LINEAR")
     layer = Linear(64, 32)
     with torch.inference_mode():
-        layer(torch.randn(12, 64))  # past the checked rows: oneDNN
+        layer(torch.randn(3, 64))
     assert "_onednn_weight" in layer.__dict__ and "_mm_weight" not in layer.__dict__
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_mkl_path_computes_the_linear_for_one_row_batches_and_more_rows_than_checked(monkeypatch, bias):
+    """On MKL's path (forced here, whatever this machine's check says): one row (run as two), 3-D and
+    non-contiguous inputs, and a call of more rows than the check covered (run in pieces) all compute the
+    linear; where the check passes, each row equals itself at any batch size."""
+    monkeypatch.setattr(linear_module, "MM_CHECKED_ROWS", 8)
+    monkeypatch.setattr(linear_module, "_takes_mm", lambda *args: True)
+    layer = Linear(64, 32, bias=bias)
+    x = torch.randn(3, 7, 64)
+    with torch.inference_mode():
+        for batch in (x, x[:, ::2], x[0, :1], x.reshape(21, 64), x.reshape(21, 64)[:9]):
+            torch.testing.assert_close(layer(batch), F.linear(batch, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert "_mm_weight" in layer.__dict__ and "_onednn_weight" not in layer.__dict__
+        if linear_module._mm_rows_agree(32, 64, bias):  # rows 2..8 checked: pieces of 6, then 3
+            whole = layer(x.reshape(21, 64))
+            assert all(torch.equal(layer(x.reshape(21, 64)[:n]), whole[:n]) for n in (1, 2, 6, 8, 15))

@@ -7,7 +7,7 @@ only vLLM (inside `main`) and the standard library. Usage:
     build/peer-vllm/bin/python vllm_datagen_worker.py JOB.json
 
 The job (written by `serve/apps/vllm_generator.py`): model, dtype, max_model_len, max_num_seqs, seed,
-tensor_parallel_size, data_parallel_size, enforce_eager. Prompts arrive as token ids, templated and tokenized by draftsmith,
+tensor_parallel_size, enforce_eager. Prompts arrive as token ids, templated and tokenized by draftsmith,
 so both engines see the same ids. The worker speaks in lines on stdout that begin with PREFIX (anything else
 there is vLLM's own output): first {"ready": {"vllm_version", "startup_s"}} or {"refused": reason}; then,
 for each line {"prompts": [[ids]], "sampling": {temperature, top_p, max_tokens, seed}} on stdin,
@@ -38,7 +38,7 @@ def load(job: dict):
     from vllm import LLM
 
     return LLM(job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
-               tensor_parallel_size=job["tensor_parallel_size"], data_parallel_size=job["data_parallel_size"],
+               tensor_parallel_size=job["tensor_parallel_size"],
                enforce_eager=job["enforce_eager"], enable_prefix_caching=False, seed=job["seed"])
 
 

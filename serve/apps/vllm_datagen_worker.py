@@ -8,8 +8,8 @@ only vLLM (inside `main`) and the standard library. Usage:
 
 The job (written by `serve/apps/vllm_generator.py`): model, dtype, max_model_len, max_num_seqs, seed,
 tensor_parallel_size, enforce_eager. Prompts arrive as token ids, templated and tokenized by draftsmith,
-so both engines see the same ids. The worker speaks in lines on stdout that begin with PREFIX (anything else
-there is vLLM's own output): first {"ready": {"vllm_version", "startup_s"}} or {"refused": reason}; then,
+so both engines see the same ids. The worker speaks in lines on stdout that begin with the peer's PREFIX (anything else
+there is vLLM's own output; `vllm_peer_worker.say` writes them): first {"ready": {"vllm_version", "startup_s"}} or {"refused": reason}; then,
 for each line {"prompts": [[ids]], "sampling": {temperature, top_p, max_tokens, seed}} on stdin,
 {"outputs": [{"text", "token_ids"}]} in prompt order, or {"failed": reason}. Reasons are one line.
 """
@@ -20,18 +20,12 @@ import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
-PREFIX = "DRAFTSMITH-PEER "  # the protocol lines' start (serve.bench.peer.PREFIX: PeerWorker reads them)
-
-
-def say(message: dict) -> None:
-    """One protocol line on stdout, on a line of its own (vLLM's progress bars may leave one unfinished)."""
-    print("\n" + PREFIX + json.dumps(message), flush=True)
-
-
-def one_line(exc: BaseException) -> str:
-    message = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {message[0] if message else 'no message'}"[:300]
+# the bench's peer worker speaks the same protocol and, like this file, imports only the standard library
+# until vLLM is loaded: its line writer and error summary serve both (run by path: its folder goes on the path)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from vllm_peer_worker import one_line, say  # noqa: E402
 
 
 def load(job: dict):

@@ -390,15 +390,16 @@ class LLMEngine(FaultIsolatingSteps):
         checked = verify_drafts(self, rows, drafted.drafts, num_draft, sampling)
         finish_step(self, rows, num_draft, checked, sampling, drafted.offered)
         self._account(rows, max(num_draft), started, drafted.draft_s, checked.forward_s, checked.verify_s,
-                      drafted.drafts, drafted.catch_up, sum(checked.query_lens) / len(rows))
+                      drafted.drafts, drafted.catch_up, sum(checked.query_lens) / len(rows), sum(checked.counts))
 
     def _account(self, rows: list[Request], width: int, started: float, draft_s: float, forward_s: float,
                  verify_s: float, drafts: DraftBatch | None = None, catch_up: tuple[int, int] = (0, 0),
-                 query_len: float = 1.0) -> None:
-        """Books one decode step (`StepLedger.book`); `query_len`: the forward's mean real tokens per row."""
+                 query_len: float = 1.0, tokens: int = 0) -> None:
+        """Books one decode step (`StepLedger.book`); `query_len`: the forward's mean real tokens per row;
+        `tokens`: what a speculative step gave."""
         cost = self.policy.cost if self.proposer is not None else None
         self.ledger.book(len(rows), width, self.clock() - started, draft_s, forward_s, verify_s, cost, drafts,
-                         catch_up, query_len)
+                         catch_up, query_len, tokens)
 
     def step_forward(self, ids: torch.Tensor, rows: list[Request], q_lens: list[int]):
         """A decode or verify forward of ids [B, W] (row b's first q_lens[b] real) -> (its output, when it

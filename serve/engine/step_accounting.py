@@ -33,11 +33,12 @@ class StepLedger:
         self.profile = _fresh_profile()
 
     def book(self, rows: int, width: int, total: float, draft_s: float, forward_s: float, verify_s: float,
-             cost, drafts=None, catch_up: tuple[int, int] = (0, 0), query_len: float = 1.0) -> None:
+             cost, drafts=None, catch_up: tuple[int, int] = (0, 0), query_len: float = 1.0,
+             tokens: int = 0) -> None:
         """One decode step of `rows` rows verifying up to `width` drafts (0: plain) that took `total` seconds;
         `cost`: the policy's cost model (None: nothing learns); `drafts`: the step's DraftBatch, whose
         `forwards` and `steady` say what drafting ran (None: it drafted nothing); `query_len`: the forward's
-        mean real tokens per row (packed, that is what it costs)."""
+        mean real tokens per row (packed, that is what it costs); `tokens`: what a speculative step gave."""
         host = max(total - draft_s - forward_s, 0.0)
         profile = self.profile
         profile["decode_steps"] += 1
@@ -60,6 +61,7 @@ class StepLedger:
         if kind == "speculative":
             # drafting done before the plan is sunk when it is made, and so is not in its prediction
             cost.observe_step(rows, width, total - (draft_s if cost.drafts_before_plan else 0.0), query_len)
+            cost.observe_yield(rows, tokens, total)
         if draft_s and forwards:
             if kind == "speculative":
                 cost.observe_draft(rows, forwards, draft_s)

@@ -91,9 +91,10 @@ class AdaptivePolicy:
         found that speculation did not pay, and plain steps bring no new acceptance evidence, so the answer
         holds for PLAIN_HOLD steps (CLOSE_HOLD after a close call, up to MAX_PLAIN_HOLD after clear losses in a
         row) while the batch has about as many rows (HOLD_SHRINK) or more (requests finishing and new ones
-        taking their slots do not reopen it; a smaller batch, where verifying is cheaper, does). A held step is booked here; the
-        engine decodes it plainly with no speculative bookkeeping, so that a batch too large to speculate
-        pays almost nothing for the question. A batch of more than `disable_by_batch_size` rows is held too."""
+        taking their slots do not reopen it; a smaller batch, where verifying is cheaper, does). A held step is
+        booked here; the engine decodes it plainly with no speculative bookkeeping, so that a batch too large
+        to speculate pays almost nothing for the question. A batch of more than `disable_by_batch_size` rows
+        is held too."""
         if not self.may_draft(len(slots)):
             self._book_plain(slots)
             return True
@@ -126,6 +127,11 @@ class AdaptivePolicy:
         seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up)
         rates = self.acceptance.rates(slots)
         gain, best, speculative, plain = self._choose(rates, drafts, seconds)
+        # steady speculative steps at this batch size ran slower than plain decoding lately, whatever the
+        # plans predicted (`realized`): plain, held as a clear loss, and probed as usual
+        losing = self.cost.realized.loses(rows)
+        if losing:
+            best = plain
         probe, thin = speculative, self.acceptance.evidence() < THIN_EVIDENCE
         if not best.width and thin and (self._probing or self._probe_due()):
             # too little evidence to trust a pessimistic estimate (see THIN_EVIDENCE): a probe is judged at
@@ -141,15 +147,18 @@ class AdaptivePolicy:
             best.stop_below = FLOOR_MARGIN * step * best.expected_tokens / best.expected_seconds / rows
         if best.width == 0:
             ratio = speculative.tokens_per_s / plain.tokens_per_s if speculative is not None else 0.0
-            if self.cost.drafts_before_plan:
+            if losing:  # a measured loss, never a close call
+                ratio = min(ratio, self.cost.realized.ratio(rows))
+            elif self.cost.drafts_before_plan:
                 # a step whose rows found few drafts says little about the next one's: hold by what a typical
                 # step would do
                 ratio = self._typical_ratio(gain, plain)
                 if ratio >= 1.0:
                     self._hold = self._clear_losses = 0
                     return best
-            self._clear_losses = self._clear_losses + 1 if ratio < CLOSE_CALL else 0
-            if ratio >= CLOSE_CALL:
+            clear_loss = losing or ratio < CLOSE_CALL
+            self._clear_losses = self._clear_losses + 1 if clear_loss else 0
+            if not clear_loss:
                 hold = CLOSE_HOLD if rows <= CLOSE_CALL_ROWS else PLAIN_HOLD
             else:
                 hold = min(PLAIN_HOLD << (self._clear_losses - 1), MAX_PLAIN_HOLD)

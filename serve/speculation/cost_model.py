@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from draftsmith.serve.speculation.cost_profile import ForwardCostTable
 from draftsmith.serve.speculation.estimators import DecayedLine, ScaleByBatch
+from draftsmith.serve.speculation.realized import RealizedSpeed
 
 DRAFT_STEP_GUESS = 1 / 3  # draft forward / target decode forward, until drafts are timed
 OUTLIER = 3.0  # a draft timing above this many times the prediction counts as this many
@@ -80,6 +81,8 @@ class CostModel:
     spec_corrections: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
     host_plain: DecayedLine = field(default_factory=DecayedLine)  # step seconds outside forward + drafting
     host_spec: DecayedLine = field(default_factory=DecayedLine)
+    # what steady speculative steps really yielded next to plain decoding's price: the check on the plans
+    realized: RealizedSpeed = field(default_factory=RealizedSpeed)
 
     def __post_init__(self) -> None:
         if self.draft_guess is None:
@@ -122,6 +125,7 @@ class CostModel:
         self.spec_corrections.fade(fading)
         self.verify_scales.fade(fading, self.forward_scales)  # toward the decode scale of the same batch size
         self.host_spec.fade(fading)  # once faded out (n < 0.5), speculative steps are priced at plain's host work
+        self.realized.idle(steps)
 
     def catch_up(self, rows: int, positions: int) -> float:
         """Seconds of a catch-up's own draft forward: `rows` rows of up to 1 + `positions` queries."""
@@ -221,6 +225,11 @@ class CostModel:
             return
         ratio = seconds / max(self._spec_parts(rows, width, query_len), 1e-9)
         self.spec_corrections.observe(rows, ratio)
+
+    def observe_yield(self, rows: int, tokens: int, seconds: float) -> None:
+        """A steady speculative step gave `tokens` tokens in `seconds` in all (drafting included, sunk or not:
+        a held step skips it): judged against the price of a plain step of as many rows (`realized`)."""
+        self.realized.observe(rows, tokens, seconds, self.step_seconds(rows, 0))
 
     def observe_forward(self, rows: int, query_len: float, seconds: float) -> None:
         if not self.live_scaling:

@@ -1,0 +1,111 @@
+"""Speculation is judged by what its steady steps yielded, not only by what the plans predicted
+(`serve.speculation.realized`): where the cost model prices speculative steps wrong and nothing in it
+corrects that, the policy still ends up decoding plainly instead of losing on every step it drafts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.speculation.adaptive import AdaptivePolicy
+from draftsmith.serve.speculation.cost_model import CostModel
+from draftsmith.serve.speculation.realized import RealizedSpeed
+from helpers import DEMO_MODEL, make_speculation_pay, synthetic_table
+
+K = 4
+CURVE = np.array([0.7, 0.8, 0.8, 0.8])  # conditional acceptance by draft position
+
+
+def _steps_at(speed: float, steps: int, rng, realized: RealizedSpeed | None = None) -> RealizedSpeed:
+    """`steps` one-row steps whose tokens/s average `speed` x a plain step's (1 s a token), noisily."""
+    realized = realized or RealizedSpeed()
+    for _ in range(steps):
+        tokens = int(rng.integers(1, 4))
+        realized.observe(1, tokens, tokens / (speed * rng.uniform(0.8, 1.2)), 1.0)
+    return realized
+
+
+def test_a_clear_loss_is_a_verdict_and_a_clear_win_is_not():
+    rng = np.random.default_rng(0)
+    assert not RealizedSpeed().loses(1)  # nothing seen: no verdict
+    assert not _steps_at(0.7, 2, rng).loses(1)  # too few steps
+    losing = _steps_at(0.7, 20, rng)
+    assert losing.loses(1) and losing.ratio(1) == pytest.approx(0.7, abs=0.1)
+    assert not losing.loses(8)  # another batch size has its own evidence
+    assert not _steps_at(1.3, 40, rng).loses(1)
+
+
+def test_a_verdict_lifts_as_its_evidence_fades_and_returns_with_new_losses():
+    rng = np.random.default_rng(1)
+    realized = _steps_at(0.8, 30, rng)
+    assert realized.loses(1)
+    realized.idle(20)
+    assert realized.loses(1)  # a few plain steps are no news
+    realized.idle(400)
+    assert not realized.loses(1)  # a few hundred: tried again
+    _steps_at(0.8, 4, rng, realized)
+    assert realized.loses(1)  # the faded mean is kept: a few more losing steps renew the verdict
+
+
+def _run(table, true_query_cost: float, rows: int, steps: int = 400, seed: int = 0) -> list[float]:
+    """Steps driven as the engine drives them, the policy's cost model priced by `table` (live scaling off,
+    so only the realized check can see that verifying really costs `true_query_cost` of a decode per
+    further token), each speculative step's tokens and true seconds booked as the step ledger books them.
+    -> each step's tokens/s over plain decoding's."""
+    cost = CostModel(table, per_token_drafts=True, drafts_before_plan=False)
+    cost.live_scaling = False
+    policy = AdaptivePolicy(K, rows, cost)
+    policy.confidence_floor = False
+    rng = np.random.default_rng(seed)
+    slots, limits, speeds = tuple(range(rows)), [K] * rows, []
+    decode = table.estimate(rows, 1)
+    for _ in range(steps):
+        width = 0 if policy.held(slots) else policy.plan(slots, limits).width
+        if not width:
+            policy.idle(slots)
+            speeds.append(1.0)
+            continue
+        policy.record(limits, width)
+        accepted = (rng.random((rows, width)) < CURVE[:width]).cumprod(1).sum(1)
+        policy.observe(list(slots), [width] * rows, accepted.tolist())
+        drafting = decode * 0.3 * width
+        cost.observe_draft(rows, width, drafting)
+        seconds = decode * (1 + true_query_cost * width) + drafting
+        tokens = int(rows + accepted.sum())
+        cost.observe_yield(rows, tokens, seconds)
+        speeds.append(tokens / seconds * decode / rows)
+    return speeds
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_speculation_that_loses_against_its_prices_ends_up_plain(rows, monkeypatch):
+    """The table says a further verified token costs 0.05 of a decode; it costs 1.0, so every width loses
+    (one draft: 1.7 tokens in 2.3 decodes' seconds; 0.5-0.74x plain decoding's speed at every width)."""
+    speeds = _run(synthetic_table(0.05), true_query_cost=1.0, rows=rows)
+    assert np.mean(speeds[200:]) >= 0.94  # plain but for probes, a few of which lose
+    # the premise: the plans alone never see it
+    monkeypatch.setattr(RealizedSpeed, "loses", lambda self, rows: False)
+    assert np.mean(_run(synthetic_table(0.05), true_query_cost=1.0, rows=rows)[200:]) < 0.7
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_speculation_that_pays_is_not_stopped(rows):
+    """Priced right (a further verified token 0.1 of a decode), the best width pays 1.26x plain decoding."""
+    speeds = _run(synthetic_table(0.1), true_query_cost=0.1, rows=rows)
+    assert np.mean(speeds[200:]) >= 1.15
+    assert all(speed != 1.0 for speed in speeds[200:])  # not one plain step
+
+
+def test_the_engine_books_each_speculative_steps_tokens_and_seconds():
+    """The step ledger hands the check what each steady speculative step gave: against plain steps priced
+    at a second a token, steps of milliseconds judge speculation thousands of times as fast."""
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256, speculative_config=config)
+    make_speculation_pay(llm)
+    realized = llm.engine.policy.cost.realized
+    assert realized.ratio(1) is None
+    llm.generate(["x = 1\ny = 2\nz = 3\nx = 1\ny = 2\nz = "], SamplingParams(temperature=0, max_tokens=48),
+                 use_tqdm=False)
+    assert llm.get_metrics()["num_drafts"] > 0
+    assert realized.ratio(1) > 100 and not realized.loses(1)

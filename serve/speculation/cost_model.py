@@ -228,7 +228,10 @@ class CostModel:
 
     def observe_yield(self, rows: int, tokens: int, seconds: float) -> None:
         """A steady speculative step gave `tokens` tokens in `seconds` in all (drafting included, sunk or not:
-        a held step skips it): judged against the price of a plain step of as many rows (`realized`)."""
+        a held step skips it): judged against the price of a plain step of as many rows (`realized`), once
+        plain steps of that batch size have set it (the profile alone was taken at another context and load)."""
+        if self.live_scaling and not (self.forward_scales.measured(rows) and self.host_plain.seen):
+            return
         self.realized.observe(rows, tokens, seconds, self.step_seconds(rows, 0))
 
     def observe_forward(self, rows: int, query_len: float, seconds: float) -> None:

@@ -80,6 +80,10 @@ class ScaleByBatch:
     def bucket(rows: int) -> int:
         return max(rows, 1).bit_length()
 
+    def measured(self, rows: int) -> bool:
+        """Whether this batch size has evidence of its own (not borrowed from a neighbour's)."""
+        return self.count.get(self.bucket(rows), 0.0) > 0
+
     def get(self, rows: int, default: float = 1.0) -> float:
         return math.exp(self._log_at(self.bucket(rows), math.log(default))) if self.log else default
 

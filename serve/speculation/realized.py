@@ -4,18 +4,18 @@ check on the plans by what steady speculative steps yielded (`RealizedSpeed`).
 The planner picks the width its model predicts fastest, and its predictions lean optimistic exactly where
 speculation is rare: a plan is made when its estimate came out high (the best of noisy estimates), the
 acceptance rates are read OPTIMISM standard errors high, and what speculative steps were found to cost
-fades over plain steps toward the model's parts. A head that loses a little on every step it drafts (the
-demo EAGLE head at one request in flight: 1.57 tokens predicted per step, 1.47 got; 8.9 ms, 9.1 got) then
-speculates on about a third of its steps, each about 0.9x as fast as a plain one.
+fades over plain steps toward the model's parts (docs/decisions/adaptive-speculation.md has the
+measurements).
 
-So each steady speculative step is also judged by its result: its tokens over its seconds, against what a
-plain step of as many rows is priced at now (the cost model's plain price, learned from plain steps and
-checked against them). Per batch size (powers of two, as the cost model's scales), the decayed mean of
-those speeds and its standard error give a verdict: speculating loses where the mean is below 1 by more than
-ARM_Z standard errors. A losing verdict holds every plan plain (probes still run, and their steady steps are
-judged too) until the evidence has faded to where the mean is no longer LIFT_Z standard errors below 1:
-fading keeps the mean and only widens its error, so a verdict lifts after some hundred plain steps and is
-renewed by the next few losing steps, not re-learned from scratch.
+So each steady speculative step is also judged by its result: its tokens per second over what plain
+decoding is priced at now for as many rows (the cost model's plain price, learned from plain steps). Per
+batch size (powers of two, as the cost model's scales), the decayed mean of those speeds and its standard
+error give a verdict: speculating loses where the mean is below 1 by more than ARM_Z standard errors, on at
+least MIN_STEPS steps. A step's speed is bounded below by 0, so one stalled step moves the mean by at most
+1/n. A losing verdict holds every plan plain (probes still run, and their steady steps are judged too) for
+as long as the mean stays LIFT_Z standard errors below 1. Plain steps fade the evidence's weight, not its
+mean, so the error widens until the verdict lifts (the weight down to a quarter of what gave it), and the
+next few losing steps renew it.
 """
 
 from __future__ import annotations
@@ -24,42 +24,38 @@ import math
 from dataclasses import dataclass
 
 # A losing verdict needs the mean speed ARM_Z standard errors under plain decoding's, and lasts while it is
-# LIFT_Z under: the evidence must fade to a quarter before a verdict lifts (about 140 plain steps)
-ARM_Z, LIFT_Z = 1.0, 0.5
-MIN_STEPS = 4.0  # no verdict on fewer (decayed) steady speculative steps
+# LIFT_Z under: at a steady mean, until the evidence has faded to (LIFT_Z / ARM_Z)^2 of its weight
+ARM_Z, LIFT_Z = 2.0, 1.0
+MIN_STEPS = 4.0  # no verdict is given on fewer (decayed) steady speculative steps
 STEP_DECAY = 0.97  # per step observed at the batch size: the last 30-odd steps count
 IDLE_DECAY = 0.99  # per plain step, the evidence's weight (not its mean) fades
 
 
 @dataclass
 class _Speeds:
-    """Decayed sums over the steady speculative steps of one batch size."""
+    """Decayed sums over the steady speculative steps of one batch size: each step's speed is its tokens/s over
+    plain decoding's."""
 
     n: float = 0.0  # weight of the steps behind the sums
-    plain_seconds: float = 0.0  # what plain decoding would have taken for their tokens
-    seconds: float = 0.0  # what they took
-    speed: float = 0.0  # sum of each step's speed over plain decoding's
-    speed_sq: float = 0.0
+    speed_sum: float = 0.0
+    speed_sq_sum: float = 0.0
     losing: bool = False
 
-    def add(self, plain_seconds: float, seconds: float) -> None:
-        speed = plain_seconds / seconds
-        d = STEP_DECAY
-        self.n, self.plain_seconds, self.seconds = d * self.n + 1, d * self.plain_seconds + plain_seconds, \
-            d * self.seconds + seconds
-        self.speed, self.speed_sq = d * self.speed + speed, d * self.speed_sq + speed * speed
+    def add(self, speed: float) -> None:
+        self.n = STEP_DECAY * self.n + 1
+        self.speed_sum = STEP_DECAY * self.speed_sum + speed
+        self.speed_sq_sum = STEP_DECAY * self.speed_sq_sum + speed * speed
 
     def fade(self, factor: float) -> None:
-        self.n, self.plain_seconds, self.seconds = factor * self.n, factor * self.plain_seconds, factor * self.seconds
-        self.speed, self.speed_sq = factor * self.speed, factor * self.speed_sq
+        self.n, self.speed_sum, self.speed_sq_sum = factor * self.n, factor * self.speed_sum, factor * self.speed_sq_sum
 
-    def ratio(self) -> float:
-        """Tokens/s of the steps over plain decoding's for the same tokens."""
-        return self.plain_seconds / self.seconds
+    def mean(self) -> float:
+        return self.speed_sum / self.n
 
     def standard_error(self) -> float:
-        mean = self.speed / self.n
-        variance = max(self.speed_sq / self.n - mean * mean, 0.0)
+        """Of the mean, with the sample variance's n - 1 (at least one step's worth of weight)."""
+        mean = self.mean()
+        variance = max(self.speed_sq_sum - self.n * mean * mean, 0.0) / max(self.n - 1, 1.0)
         return math.sqrt(variance / self.n)
 
 
@@ -79,7 +75,7 @@ class RealizedSpeed:
         if seconds <= 0 or plain_step_seconds <= 0 or tokens <= 0:
             return
         speeds = self._by_rows.setdefault(self.bucket(rows), _Speeds())
-        speeds.add(tokens / rows * plain_step_seconds, seconds)
+        speeds.add(tokens / rows * plain_step_seconds / seconds)
 
     def idle(self, steps: int = 1) -> None:
         """`steps` plain steps went by: the evidence weighs less (IDLE_DECAY), its mean is kept."""
@@ -88,18 +84,18 @@ class RealizedSpeed:
             speeds.fade(factor)
 
     def ratio(self, rows: int) -> float | None:
-        """Speculative steps' tokens/s over plain decoding's at this batch size lately; None: none seen."""
+        """The mean speed of speculative steps at this batch size lately, over plain decoding's; None: none
+        seen, or their weight faded to nothing."""
         speeds = self._by_rows.get(self.bucket(rows))
-        return speeds.ratio() if speeds is not None and speeds.n > 0 else None
+        return speeds.mean() if speeds is not None and speeds.n > 1e-9 else None
 
     def loses(self, rows: int) -> bool:
-        """Whether speculating at this batch size has lately run slower than plain decoding, by the evidence
-        (ARM_Z to give the verdict, LIFT_Z to keep it)."""
+        """Whether speculating at this batch size has lately run slower than plain decoding, by the evidence:
+        given at ARM_Z standard errors on MIN_STEPS steps or more, kept while LIFT_Z holds (this call updates
+        the verdict)."""
         speeds = self._by_rows.get(self.bucket(rows))
-        if speeds is None or speeds.n < MIN_STEPS:
-            if speeds is not None:
-                speeds.losing = False
+        if speeds is None or speeds.n <= 1e-9 or (not speeds.losing and speeds.n < MIN_STEPS):
             return False
         z = LIFT_Z if speeds.losing else ARM_Z
-        speeds.losing = speeds.ratio() + z * speeds.standard_error() < 1.0
+        speeds.losing = speeds.mean() + z * speeds.standard_error() < 1.0
         return speeds.losing

@@ -18,8 +18,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.serve.bench.peer import DEFAULT_PYTHON as PEER_PYTHON
 from draftsmith.serve.bench.peer import WORKER as BENCH_WORKER
+from draftsmith.vllm_process import DEFAULT_PYTHON as PEER_PYTHON
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("vllm_oracle_worker.py")
@@ -105,7 +105,8 @@ def vllm_acceptance(name: str, spec: dict, prompt_ids: list[list[int]], python: 
     import contextlib
     import io
 
-    from draftsmith.serve.bench.peer import PeerWorker, make_job, vllm_config
+    from draftsmith.serve.bench.peer import make_job, vllm_config
+    from draftsmith.vllm_process import PeerWorker
 
     said = io.StringIO()
     with contextlib.redirect_stdout(said):  # the converter's report; its notes are kept

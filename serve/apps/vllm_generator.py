@@ -1,7 +1,7 @@
 """`draftsmith datagen --engine vllm`: the target's generations from vLLM's offline `LLM`, in a venv of its own.
 
 vLLM pins a transformers apart from ours, so it runs as a subprocess of that venv's python
-(`vllm_datagen_worker.py`, started like the bench's peer: `serve.bench.peer.PeerWorker`). draftsmith keeps
+(`vllm_datagen_worker.py`, started like the bench's peer: `draftsmith.vllm_process.PeerWorker`). draftsmith keeps
 the parts that decide what the data is: the chat template and the tokenizer turn every conversation and text
 opening into token ids here, and vLLM gets those ids, so both engines see exactly the same prompts. On CPU
 vLLM's OpenMP threads are bound to cores 0..N-1 (N: torch's thread count); on CUDA vLLM picks its devices,
@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.tokenizer import load_tokenizer
-from draftsmith.serve.bench.peer import DEFAULT_PYTHON, PeerWorker, bind_threads
 from draftsmith.serve.engine.sampling_params import SamplingParams
+from draftsmith.vllm_process import DEFAULT_PYTHON, PeerWorker, bind_threads
 
 WORKER = Path(__file__).with_name("vllm_datagen_worker.py")
 BATCH = 256  # prompts per command, so that the progress bar moves

@@ -17,29 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import queue
 import statistics
-import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import resolve_method
+from draftsmith.vllm_process import DEFAULT_PYTHON, PeerWorker, bind_threads
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_PYTHON = ROOT / "build" / "peer-vllm" / "bin" / "python"
 WORKER = Path(__file__).with_name("vllm_peer_worker.py")
 PEERS = ("vllm",)
 PEER_MAX_MODEL_LEN = 2048  # what ../shared/docs/peers-2026-11.md runs vLLM's CPU build with
 # dropped from vLLM's config: vLLM drafts a fixed k (the row still names draftsmith's), in the model's dtype
 DRAFTSMITH_ONLY_KEYS = ("adaptive", "draft_dtype")
 NOT_IN_VLLM = ("tree_depth", "tree_top_k")  # draftsmith's dynamic trees: no vLLM counterpart to compare with
-WORKER_TIMEOUT_S = 1800  # the most a worker may take to load, or to run one round
-PREFIX = "DRAFTSMITH-PEER "  # the worker's protocol lines (vllm_peer_worker.PREFIX; that file imports no draftsmith)
 
 
 class PeerLevel(BaseModel):
@@ -86,22 +79,6 @@ def peer_python(args: argparse.Namespace) -> Path:
     return python
 
 
-def bind_threads(threads: int | None) -> tuple[int, str]:
-    """Runs this process's torch on `threads` threads (default: torch's count now) and returns (threads,
-    vLLM's VLLM_CPU_OMP_THREADS_BIND: cores 0..threads-1). Only vLLM is pinned: setting this process's
-    affinity, even to every core it already had, cost draftsmith's house model a quarter to half of its
-    tokens/s at one in flight (78 -> 57 and 35 tok/s, one measurement each, 2 threads on a 2-core machine)."""
-    import torch
-
-    threads = threads or torch.get_num_threads()
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    if not set(range(threads)) <= allowed:
-        raise DraftsmithError(f"--peer-threads {threads}: cores 0-{threads - 1} are not all available to this "
-                              f"process (allowed: {','.join(map(str, sorted(allowed)))})")
-    torch.set_num_threads(threads)
-    return threads, "0" if threads == 1 else f"0-{threads - 1}"
-
-
 def vllm_config(name: str, config: dict | None, target: Path, workdir: Path) -> dict | str | None:
     """vLLM's speculative_config for a bench row's draftsmith config (None: no speculation), or the one-line
     reason it has none. A head is exported with draftsmith's converter (`--to vllm`) into `workdir`."""
@@ -140,76 +117,6 @@ def make_job(model_dir: Path, batches: dict[int, list[list[int]]], max_tokens: i
             "max_model_len": max(PEER_MAX_MODEL_LEN, longest + max_tokens), "max_num_seqs": max(batches),
             "speculative_config": spec, "enforce_eager": not compiled,
             "levels": [{"concurrency": c, "prompts": batch} for c, batch in batches.items()]}
-
-
-class PeerWorker:
-    """One worker process (`vllm_peer_worker.py`) with vLLM's CPU settings: `reply` reads its next protocol
-    line; what else it prints goes to its log, which every error names."""
-
-    def __init__(self, python: Path, job: dict, bind: str | None, threads: int, workdir: Path, worker: Path = WORKER):
-        """`bind`: vLLM's CPU settings, its OpenMP threads bound to these cores (VLLM_CPU_OMP_THREADS_BIND) and
-        the engine core in this process; None: vLLM picks its device and processes itself (GPUs)."""
-        job_path, self.log_path = workdir / "job.json", workdir / "worker.log"
-        job_path.write_text(json.dumps(job))
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        if bind is not None:
-            env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind,
-                        "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-        self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen([str(python), str(worker), str(job_path)], env=env, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def reply(self) -> dict:
-        while True:
-            try:
-                line = self.lines.get(timeout=WORKER_TIMEOUT_S)
-            except queue.Empty:
-                self.close()
-                raise DraftsmithError(f"the vLLM peer gave no answer in {WORKER_TIMEOUT_S} s; its log: "
-                                      f"{self.log_path}") from None
-            if line is None:
-                self.lines.put(None)  # every later call ends here too
-                status = self.process.wait()
-                self.log.close()
-                tail = self.log_path.read_text().strip().splitlines()[-1:] or ["no output"]
-                raise DraftsmithError(f"the vLLM peer exited with status {status} and no result ({tail[0][:200]}); "
-                                      f"its log: {self.log_path}")
-            if line.startswith(PREFIX):
-                self.log.flush()  # the log is whole up to this answer
-                return json.loads(line[len(PREFIX):])
-            self.log.write(line)
-
-    def round(self, concurrency: int) -> dict:
-        return self.send({"concurrency": concurrency})
-
-    def send(self, command: dict) -> dict:
-        """One command line to the worker -> its answer."""
-        try:
-            self.process.stdin.write(json.dumps(command) + "\n")
-            self.process.stdin.flush()
-        except BrokenPipeError:
-            pass  # it is gone: `reply` says how, naming its log
-        return self.reply()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.close()  # the worker's loop ends at end of input
-            except BrokenPipeError:
-                pass
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
 
 
 class PeerSession:
@@ -320,7 +227,7 @@ class Peer:
     def __init__(self, args: argparse.Namespace):
         self.name = args.peer
         self.python = peer_python(args)
-        self.threads, self.bind = bind_threads(args.peer_threads)
+        self.threads, self.bind = bind_threads(args.peer_threads, "--peer-threads")
         self.compiled = bool(getattr(args, "peer_compile", False))
         self.version: str | None = None
 

@@ -274,7 +274,7 @@ def test_both_engines_get_the_same_threads():
         if {0, 1} <= affinity:
             assert peer.bind_threads(2) == (2, "0-1") and torch.get_num_threads() == 2
         with pytest.raises(DraftsmithError, match="--peer-threads 4096: cores 0-4095 are not all available"):
-            peer.bind_threads(4096)
+            peer.bind_threads(4096, "--peer-threads")  # as the bench calls it
     finally:
         torch.set_num_threads(threads)
 

@@ -1,0 +1,113 @@
+"""A script of vLLM's venv run as a worker process (`PeerWorker`): the bench's peer (`serve/bench`), datagen's
+generator (`serve/apps`) and capture's hidden states (`train`) all start one.
+
+vLLM lives in a venv of its own (`make peer-vllm`: it pins a transformers apart from ours), so its python runs
+a worker script that imports no draftsmith: it answers in lines on stdout that begin with PREFIX
+(`serve/bench/vllm_peer_worker.say` writes them), one per command line on its stdin. On CPU, vLLM's OpenMP
+threads are bound to cores 0..N-1 (`bind_threads`) and its engine core runs in the worker's own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import threading
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PYTHON = ROOT / "build" / "peer-vllm" / "bin" / "python"
+WORKER_TIMEOUT_S = 1800  # the most a worker may take to load, or to answer one command
+PREFIX = "DRAFTSMITH-PEER "  # the workers' protocol lines (vllm_peer_worker.PREFIX; that file imports no draftsmith)
+
+
+def bind_threads(threads: int | None, option: str = "threads") -> tuple[int, str]:
+    """Runs this process's torch on `threads` threads (default: torch's count now) and returns (threads,
+    vLLM's VLLM_CPU_OMP_THREADS_BIND: cores 0..threads-1); `option`: what errors call the count. Only vLLM is
+    pinned: setting this process's affinity, even to every core it already had, cost draftsmith's house model a
+    quarter to half of its tokens/s at one in flight (78 -> 57 and 35 tok/s, one measurement each, 2 threads on
+    a 2-core machine)."""
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    if not set(range(threads)) <= allowed:
+        raise DraftsmithError(f"{option} {threads}: cores 0-{threads - 1} are not all available to this "
+                              f"process (allowed: {','.join(map(str, sorted(allowed)))})")
+    torch.set_num_threads(threads)
+    return threads, "0" if threads == 1 else f"0-{threads - 1}"
+
+
+
+class PeerWorker:
+    """One worker process (a script of the vLLM venv: the bench's peer, datagen's or capture's worker) with
+    vLLM's CPU settings: `reply` reads its next protocol line; what else it prints goes to its log, which
+    every error names."""
+
+    def __init__(self, python: Path, job: dict, bind: str | None, threads: int, workdir: Path, worker: Path):
+        """`bind`: vLLM's CPU settings, its OpenMP threads bound to these cores (VLLM_CPU_OMP_THREADS_BIND) and
+        the engine core in this process; None: vLLM picks its device and processes itself (GPUs)."""
+        job_path, self.log_path = workdir / "job.json", workdir / "worker.log"
+        job_path.write_text(json.dumps(job))
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        if bind is not None:
+            env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind,
+                        "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen([str(python), str(worker), str(job_path)], env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def reply(self) -> dict:
+        while True:
+            try:
+                line = self.lines.get(timeout=WORKER_TIMEOUT_S)
+            except queue.Empty:
+                self.close()
+                raise DraftsmithError(f"the vLLM worker gave no answer in {WORKER_TIMEOUT_S} s; its log: "
+                                      f"{self.log_path}") from None
+            if line is None:
+                self.lines.put(None)  # every later call ends here too
+                status = self.process.wait()
+                self.log.close()
+                tail = self.log_path.read_text().strip().splitlines()[-1:] or ["no output"]
+                raise DraftsmithError(f"the vLLM worker exited with status {status} and no result ({tail[0][:200]}); "
+                                      f"its log: {self.log_path}")
+            if line.startswith(PREFIX):
+                self.log.flush()  # the log is whole up to this answer
+                return json.loads(line[len(PREFIX):])
+            self.log.write(line)
+
+    def round(self, concurrency: int) -> dict:
+        return self.send({"concurrency": concurrency})
+
+    def send(self, command: dict) -> dict:
+        """One command line to the worker -> its answer."""
+        try:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it is gone: `reply` says how, naming its log
+        return self.reply()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.close()  # the worker's loop ends at end of input
+            except BrokenPipeError:
+                pass
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()

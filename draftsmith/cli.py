@@ -174,6 +174,18 @@ def _add_capture(commands: argparse._SubParsersAction) -> None:
     cap.add_argument("--output", default=None, help="default: data.hidden_states_dir of the recipe")
     cap.add_argument("--samples-per-shard", type=_positive_int, default=64)
     cap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    big = cap.add_argument_group("capturing with vLLM (when one machine is not enough: docs/training.md)")
+    big.add_argument("--engine", choices=["draftsmith", "vllm"], default="draftsmith",
+                     help="whose forward gives the hidden states: draftsmith's target, or vLLM's offline LLM in its "
+                     "own venv through its extract_hidden_states method (samples tokenized here either way; the "
+                     "shards are the same format)")
+    big.add_argument("--vllm-python", default=None,
+                     help="the vLLM venv's python (default: build/peer-vllm/bin/python, made by `make peer-vllm`)")
+    big.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                     help="vLLM's, passed through (for data parallelism, one capture per shard of the records)")
+    big.add_argument("--max-num-seqs", type=_positive_int, default=64, help="vLLM's: samples in flight at once")
+    big.add_argument("--enforce-eager", action="store_true",
+                     help="vLLM's: run its forward eager (no compile at start: slower, starts sooner)")
     cap.set_defaults(handler="draftsmith.train.cli:run_capture")
 
 

@@ -4,6 +4,9 @@ Each shard holds a run of samples concatenated along tokens: `input_ids`, `loss_
 boundaries), `features` (the head's feature layers) and `last` (final normed hidden; omitted when it equals
 `features`, as for EAGLE). A shard is written to a temporary name and renamed when complete, and the
 manifest lists finished shards, so a killed capture resumes at the first missing shard.
+
+The features come from a `FeatureSource`: draftsmith's own target (`TargetFeatures`), or vLLM's
+(`train.vllm_capture.VllmFeatures`), read back and stored alike.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -29,13 +33,43 @@ def bytes_needed(num_tokens: int, feature_dim: int, hidden: int, store_last: boo
     return num_tokens * per_token
 
 
-def capture(target, feature_layers: tuple[int, ...], tokenized, out_dir: str | Path, dtype: str = "bfloat16",
-            samples_per_shard: int = 64, meta: dict | None = None) -> Path:
-    """Runs the target over `tokenized` (input_ids, loss_mask records) and writes shards to out_dir."""
+class FeatureSource(Protocol):
+    """What a capture reads features from: the target's shape, and each sample's features."""
+
+    hidden_size: int
+    num_hidden_layers: int
+
+    def features(self, samples: list[list[int]], feature_layers: tuple[int, ...],
+                 dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+        """Each sample's {features [tokens, len(feature_layers) * hidden], last [tokens, hidden]} on the CPU, as
+        `dtype`: its feature layers (HF hidden_states indices) concatenated, and its final normed hidden."""
+
+
+class TargetFeatures:
+    """draftsmith's own target as a capture's feature source: one sample per forward (captured values must not
+    depend on what was batched beside them)."""
+
+    def __init__(self, target):
+        self.target = target
+        self.hidden_size, self.num_hidden_layers = target.config.hidden_size, target.config.num_hidden_layers
+
+    def features(self, samples: list[list[int]], feature_layers: tuple[int, ...],
+                 dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+        device = self.target.model.embed_tokens.weight.device
+        out = []
+        for ids in samples:
+            feats = target_features(self.target, tuple(feature_layers), torch.tensor(ids, device=device)[None], dtype)
+            out.append({"features": feats["features"][0].cpu(), "last": feats["last"][0].cpu()})
+        return out
+
+
+def capture(source: FeatureSource, feature_layers: tuple[int, ...], tokenized, out_dir: str | Path,
+            dtype: str = "bfloat16", samples_per_shard: int = 64, meta: dict | None = None) -> Path:
+    """Reads `source`'s features for `tokenized` (input_ids, loss_mask records) and writes shards to out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / "manifest.json"
-    store_last = tuple(feature_layers) != (target.config.num_hidden_layers,)
+    store_last = tuple(feature_layers) != (source.num_hidden_layers,)
     config = {"aux_layer_ids": list(feature_layers), "dtype": dtype, "num_samples": len(tokenized),
               "samples_per_shard": samples_per_shard, "store_last": store_last, **(meta or {})}
     manifest = {"config": config, "shards": []}
@@ -46,29 +80,24 @@ def capture(target, feature_layers: tuple[int, ...], tokenized, out_dir: str | P
         manifest = previous
     done = {s["file"] for s in manifest["shards"]}
     total_tokens = sum(len(r) for r in tokenized["input_ids"])
-    feature_dim = len(feature_layers) * target.config.hidden_size
-    need = bytes_needed(total_tokens, feature_dim, target.config.hidden_size, store_last, dtype)
+    feature_dim = len(feature_layers) * source.hidden_size
+    need = bytes_needed(total_tokens, feature_dim, source.hidden_size, store_last, dtype)
     print(f"capture: {len(tokenized)} samples, {total_tokens} tokens -> about {need / 2**20:.1f} MiB in {out_dir}"
           + (f" ({len(done)} shards already done)" if done else ""), flush=True)
-    device = target.model.embed_tokens.weight.device
     shard_starts = range(0, len(tokenized), samples_per_shard)
     for shard_index, first in enumerate(tqdm(shard_starts, desc="capture", unit="shard")):
         name = f"shard_{shard_index:05d}.safetensors"
         if name in done:
             continue
         records = tokenized.select(range(first, min(first + samples_per_shard, len(tokenized))))
-        pieces = {"input_ids": [], "loss_mask": [], "features": [], "last": []}
-        for record in records:
-            # one sample per forward: captured values must not depend on what was batched beside them
-            ids = torch.tensor(record["input_ids"], device=device)[None]
-            feats = target_features(target, tuple(feature_layers), ids, DTYPES[dtype])
-            pieces["input_ids"].append(ids[0].to(torch.int32).cpu())
-            pieces["loss_mask"].append(torch.tensor(record["loss_mask"], dtype=torch.uint8))
-            pieces["features"].append(feats["features"][0].cpu())
-            pieces["last"].append(feats["last"][0].cpu())
-        lengths = torch.tensor([0] + [len(x) for x in pieces["input_ids"]])
-        tensors = {k: torch.cat(v) for k, v in pieces.items() if k != "last" or store_last}
-        tensors["offsets"] = lengths.cumsum(0)
+        feats = source.features([list(r["input_ids"]) for r in records], tuple(feature_layers), DTYPES[dtype])
+        ids = [torch.tensor(r["input_ids"], dtype=torch.int32) for r in records]
+        tensors = {"input_ids": torch.cat(ids),
+                   "loss_mask": torch.cat([torch.tensor(r["loss_mask"], dtype=torch.uint8) for r in records]),
+                   "features": torch.cat([f["features"] for f in feats]),
+                   "offsets": torch.tensor([0] + [len(x) for x in ids]).cumsum(0)}
+        if store_last:
+            tensors["last"] = torch.cat([f["last"] for f in feats])
         tmp = out_dir / (name + ".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, out_dir / name)

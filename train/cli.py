@@ -50,24 +50,42 @@ def _leave(status: int) -> int:
 
 def run_capture(args: argparse.Namespace) -> int:
     from draftsmith.corpus import load_records
+    from draftsmith.models.config import TargetConfig
     from draftsmith.models.loader import load_target
     from draftsmith.models.tokenizer import load_tokenizer
-    from draftsmith.train.capture import capture
+    from draftsmith.train.capture import TargetFeatures, capture
     from draftsmith.train.data import tokenize_dataset
     from draftsmith.train.recipe import load_recipe
     from draftsmith.train.trainer import feature_layers_of
 
+    if args.engine != "vllm":
+        given = [flag for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size != 1),
+                                          ("--enforce-eager", args.enforce_eager), ("--vllm-python", args.vllm_python))
+                 if value]
+        if given:
+            raise DraftsmithError(f"{', '.join(given)}: vLLM's, for --engine vllm")
     recipe = load_recipe(args.recipe, args.overrides)
     out = args.output or recipe.data.hidden_states_dir
     if not out:
         raise DraftsmithError("say where to write: --output DIR or data.hidden_states_dir in the recipe")
-    target = load_target(recipe.model.target, dtype="float32", device=args.device)
     tokenizer = load_tokenizer(Path(recipe.model.target))
     d = recipe.data
     tokenized = tokenize_dataset(load_records(d.train_files, d.max_train_samples), tokenizer, d.max_length, d.format,
                                  d.mask_prompt)
-    aux = feature_layers_of(recipe, target.config.num_hidden_layers)
-    capture(target, aux, tokenized, out, d.hidden_states_dtype, args.samples_per_shard,
-            meta={"target": recipe.model.target, "train_files": d.train_files, "max_length": d.max_length})
+    aux = feature_layers_of(recipe, TargetConfig.from_model_dir(recipe.model.target).num_hidden_layers)
+    if args.engine == "vllm":
+        from draftsmith.train.vllm_capture import VllmFeatures
+
+        longest = max((len(ids) for ids in tokenized["input_ids"]), default=1)
+        source = VllmFeatures(recipe.model.target, aux, args.vllm_python, args.device, longest + 1, args.max_num_seqs,
+                              args.tensor_parallel_size, args.enforce_eager)
+    else:
+        source = TargetFeatures(load_target(recipe.model.target, dtype="float32", device=args.device))
+    try:
+        capture(source, aux, tokenized, out, d.hidden_states_dtype, args.samples_per_shard,
+                meta={"target": recipe.model.target, "train_files": d.train_files, "max_length": d.max_length})
+    finally:
+        if args.engine == "vllm":
+            source.close()
     print(f"captured hidden states in {out}")
     return 0

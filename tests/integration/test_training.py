@@ -19,7 +19,7 @@ from draftsmith.corpus import load_records
 from draftsmith.methods import load_head, resolve_method
 from draftsmith.models import load_target
 from draftsmith.models.tokenizer import load_tokenizer
-from draftsmith.train.capture import CapturedDataset, capture
+from draftsmith.train.capture import CapturedDataset, TargetFeatures, capture
 from draftsmith.train.data import collate, tokenize_dataset
 from draftsmith.train.recipe import validate_recipe
 from draftsmith.train.trainer import HeadWithObjective, build_head, train
@@ -83,7 +83,7 @@ def test_online_and_offline_give_the_same_loss(workspace, tmp_path):
     tokenized = tokenize_dataset(load_records([str(data)], 8), tokenizer, 64)
     head = build_head(recipe, target, tokenized)
     aux = head.config.aux_layer_ids
-    capture(target, aux, tokenized, tmp_path / "hs", samples_per_shard=3)
+    capture(TargetFeatures(target), aux, tokenized, tmp_path / "hs", samples_per_shard=3)
     captured = CapturedDataset(tmp_path / "hs", aux)
     trainee = HeadWithObjective(head, target, resolve_method("eagle3").objective(), recipe.training, torch.bfloat16)
     shuffled = [5, 0, 7, 2]  # across shards, out of order: as a shuffled epoch reads them
@@ -107,7 +107,7 @@ def test_offline_training_scores_its_eval_files_online(workspace, tmp_path):
     raw = tiny_recipe(target_dir, data, tmp_path / "run", epochs=1)
     tokenizer = load_tokenizer(target_dir)
     tokenized = tokenize_dataset(load_records([str(data)]), tokenizer, 64)
-    capture(load_target(target_dir), (1, 2, 3), tokenized, tmp_path / "hs", samples_per_shard=8)
+    capture(TargetFeatures(load_target(target_dir)), (1, 2, 3), tokenized, tmp_path / "hs", samples_per_shard=8)
     raw["data"].update(hidden_states_dir=str(tmp_path / "hs"), eval_files=[str(held_out)])
     recipe = validate_recipe(raw)
     train_ds, eval_ds = prepare_datasets(recipe, tokenizer, (1, 2, 3))
@@ -121,7 +121,7 @@ def test_capture_resumes_after_an_interruption(workspace, tmp_path, capsys):
     _, target_dir, data = workspace
     target = load_target(target_dir)
     tokenized = tokenize_dataset(load_records([str(data)], 10), load_tokenizer(target_dir), 64)
-    out = capture(target, (1, 2, 3), tokenized, tmp_path / "hs", samples_per_shard=4)
+    out = capture(TargetFeatures(target), (1, 2, 3), tokenized, tmp_path / "hs", samples_per_shard=4)
     assert "MiB" in capsys.readouterr().out  # the disk estimate comes first
     first = load_file(str(out / "shard_00001.safetensors"))
     manifest = json.loads((out / "manifest.json").read_text())
@@ -130,7 +130,7 @@ def test_capture_resumes_after_an_interruption(workspace, tmp_path, capsys):
     (out / "shard_00001.safetensors").unlink()
     with pytest.raises(Exception, match="incomplete"):
         CapturedDataset(out, (1, 2, 3))
-    capture(target, (1, 2, 3), tokenized, out, samples_per_shard=4)
+    capture(TargetFeatures(target), (1, 2, 3), tokenized, out, samples_per_shard=4)
     assert "1 shards already done" in capsys.readouterr().out
     again = load_file(str(out / "shard_00001.safetensors"))
     assert all(torch.equal(first[k], again[k]) for k in first)

@@ -183,7 +183,8 @@ def _add_capture(commands: argparse._SubParsersAction) -> None:
                      help="the vLLM venv's python (default: build/peer-vllm/bin/python, made by `make peer-vllm`)")
     big.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                      help="vLLM's, passed through (for data parallelism, one capture per shard of the records)")
-    big.add_argument("--max-num-seqs", type=_positive_int, default=64, help="vLLM's: samples in flight at once")
+    big.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                     help="vLLM's: samples in flight at once (default 64)")
     big.add_argument("--enforce-eager", action="store_true",
                      help="vLLM's: run its forward eager (no compile at start: slower, starts sooner)")
     cap.set_defaults(handler="draftsmith.train.cli:run_capture")

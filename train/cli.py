@@ -60,7 +60,8 @@ def run_capture(args: argparse.Namespace) -> int:
 
     if args.engine != "vllm":
         given = [flag for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size != 1),
-                                          ("--enforce-eager", args.enforce_eager), ("--vllm-python", args.vllm_python))
+                                          ("--enforce-eager", args.enforce_eager), ("--vllm-python", args.vllm_python),
+                                          ("--max-num-seqs", args.max_num_seqs))
                  if value]
         if given:
             raise DraftsmithError(f"{', '.join(given)}: vLLM's, for --engine vllm")
@@ -77,8 +78,8 @@ def run_capture(args: argparse.Namespace) -> int:
         from draftsmith.train.vllm_capture import VllmFeatures
 
         longest = max((len(ids) for ids in tokenized["input_ids"]), default=1)
-        source = VllmFeatures(recipe.model.target, aux, args.vllm_python, args.device, longest + 1, args.max_num_seqs,
-                              args.tensor_parallel_size, args.enforce_eager)
+        source = VllmFeatures(recipe.model.target, aux, args.vllm_python, args.device, longest + 1,
+                              args.max_num_seqs, args.tensor_parallel_size, args.enforce_eager)
     else:
         source = TargetFeatures(load_target(recipe.model.target, dtype="float32", device=args.device))
     try:

@@ -33,6 +33,7 @@ from draftsmith.vllm_process import DEFAULT_PYTHON, PeerWorker, bind_threads
 
 WORKER = Path(__file__).with_name("vllm_capture_worker.py")
 FINAL_NORM = "model.norm.weight"
+MAX_NUM_SEQS = 64  # samples in flight in vLLM, unless told
 
 
 def final_norm_weight(model_dir: Path) -> torch.Tensor:
@@ -59,7 +60,7 @@ class VllmFeatures:
     """A capture's feature source (`train.capture.FeatureSource`) run by vLLM."""
 
     def __init__(self, model_dir: str | Path, feature_layers: tuple[int, ...], python: str | Path | None = None,
-                 device: str = "cpu", max_model_len: int = 2048, max_num_seqs: int = 64,
+                 device: str = "cpu", max_model_len: int = 2048, max_num_seqs: int | None = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False):
         python = Path(python) if python else DEFAULT_PYTHON
         if not python.is_file():
@@ -78,7 +79,7 @@ class VllmFeatures:
         threads, bind = bind_threads(None) if device == "cpu" else (0, None)
         self.workdir = Path(tempfile.mkdtemp(prefix="draftsmith-capture-vllm-"))
         job = {"model": str(self.model_dir.resolve()), "dtype": "float32" if device == "cpu" else "auto",
-               "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+               "max_model_len": max_model_len, "max_num_seqs": max_num_seqs or MAX_NUM_SEQS,
                "tensor_parallel_size": tensor_parallel_size, "enforce_eager": enforce_eager,
                "layers": self.layers, "storage": str(self.workdir / "hidden_states")}
         started = time.perf_counter()

@@ -64,7 +64,7 @@ def test_vllm_hidden_states_read_as_draftsmiths_within_bf16(tmp_path, restore_th
 def test_vllm_flags_need_vllm_and_vllm_needs_its_venv(tmp_path, capsys):
     recipe = _recipe(tmp_path)
     common = ["capture", recipe, "--output", str(tmp_path / "out")]
-    assert main([*common, "--tensor-parallel-size", "2", "--enforce-eager"]) == 2
-    assert "--tensor-parallel-size, --enforce-eager: vLLM's, for --engine vllm" in capsys.readouterr().err
+    assert main([*common, "--tensor-parallel-size", "2", "--enforce-eager", "--max-num-seqs", "8"]) == 2
+    assert "--tensor-parallel-size, --enforce-eager, --max-num-seqs: vLLM's, for --engine vllm" in capsys.readouterr().err
     assert main([*common, "--engine", "vllm", "--vllm-python", str(tmp_path / "none" / "python")]) == 2
     assert "make peer-vllm" in capsys.readouterr().err

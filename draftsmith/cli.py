@@ -172,8 +172,10 @@ def _add_capture(commands: argparse._SubParsersAction) -> None:
     cap.add_argument("recipe")
     cap.add_argument("overrides", nargs="*")
     cap.add_argument("--output", default=None, help="default: data.hidden_states_dir of the recipe")
-    cap.add_argument("--samples-per-shard", type=_positive_int, default=64)
-    cap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    cap.add_argument("--samples-per-shard", type=_positive_int, default=64,
+                     help="samples a shard holds (with --engine vllm, also the samples sent to vLLM at once)")
+    cap.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                     help="default: cpu for draftsmith's engine; for vLLM's, cuda where there is one")
     big = cap.add_argument_group("capturing with vLLM (when one machine is not enough: docs/training.md)")
     big.add_argument("--engine", choices=["draftsmith", "vllm"], default="draftsmith",
                      help="whose forward gives the hidden states: draftsmith's target, or vLLM's offline LLM in its "
@@ -184,7 +186,8 @@ def _add_capture(commands: argparse._SubParsersAction) -> None:
     big.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                      help="vLLM's, passed through (for data parallelism, one capture per shard of the records)")
     big.add_argument("--max-num-seqs", type=_positive_int, default=None,
-                     help="vLLM's: samples in flight at once (default 64)")
+                     help="vLLM's: samples in flight at once (default 64; no more than --samples-per-shard, as a "
+                     "shard's samples go to vLLM as one batch)")
     big.add_argument("--enforce-eager", action="store_true",
                      help="vLLM's: run its forward eager (no compile at start: slower, starts sooner)")
     cap.set_defaults(handler="draftsmith.train.cli:run_capture")

@@ -41,7 +41,6 @@ def bind_threads(threads: int | None, option: str = "threads") -> tuple[int, str
     return threads, "0" if threads == 1 else f"0-{threads - 1}"
 
 
-
 class PeerWorker:
     """One worker process (a script of the vLLM venv: the bench's peer, datagen's or capture's worker) with
     vLLM's CPU settings: `reply` reads its next protocol line; what else it prints goes to its log, which

@@ -44,6 +44,9 @@ class FeatureSource(Protocol):
         """Each sample's {features [tokens, len(feature_layers) * hidden], last [tokens, hidden]} on the CPU, as
         `dtype`: its feature layers (HF hidden_states indices) concatenated, and its final normed hidden."""
 
+    def close(self, keep_log: bool = False) -> None:
+        """Releases what the source started; `keep_log`: a failure's log stays for the user to read."""
+
 
 class TargetFeatures:
     """draftsmith's own target as a capture's feature source: one sample per forward (captured values must not
@@ -61,6 +64,9 @@ class TargetFeatures:
             feats = target_features(self.target, tuple(feature_layers), torch.tensor(ids, device=device)[None], dtype)
             out.append({"features": feats["features"][0].cpu(), "last": feats["last"][0].cpu()})
         return out
+
+    def close(self, keep_log: bool = False) -> None:
+        pass  # nothing started, nothing logged
 
 
 def capture(source: FeatureSource, feature_layers: tuple[int, ...], tokenized, out_dir: str | Path,

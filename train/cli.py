@@ -75,18 +75,23 @@ def run_capture(args: argparse.Namespace) -> int:
                                  d.mask_prompt)
     aux = feature_layers_of(recipe, TargetConfig.from_model_dir(recipe.model.target).num_hidden_layers)
     if args.engine == "vllm":
+        import torch
+
         from draftsmith.train.vllm_capture import VllmFeatures
 
+        # vLLM on the GPU where there is one (its CPU settings bind threads and turn its processes off)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         longest = max((len(ids) for ids in tokenized["input_ids"]), default=1)
-        source = VllmFeatures(recipe.model.target, aux, args.vllm_python, args.device, longest + 1,
+        source = VllmFeatures(recipe.model.target, aux, args.vllm_python, device, longest + 1,
                               args.max_num_seqs, args.tensor_parallel_size, args.enforce_eager)
     else:
-        source = TargetFeatures(load_target(recipe.model.target, dtype="float32", device=args.device))
+        source = TargetFeatures(load_target(recipe.model.target, dtype="float32", device=args.device or "cpu"))
+    failed = True
     try:
         capture(source, aux, tokenized, out, d.hidden_states_dtype, args.samples_per_shard,
                 meta={"target": recipe.model.target, "train_files": d.train_files, "max_length": d.max_length})
+        failed = False
     finally:
-        if args.engine == "vllm":
-            source.close()
+        source.close(keep_log=failed)  # an error names vLLM's log: it stays
     print(f"captured hidden states in {out}")
     return 0

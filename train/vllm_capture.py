@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import safetensors
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -29,7 +30,7 @@ from safetensors.torch import load_file
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.loader import safetensors_files
-from draftsmith.vllm_process import DEFAULT_PYTHON, PeerWorker, bind_threads
+from draftsmith.vllm_process import DEFAULT_PYTHON, WORKER_TIMEOUT_S, PeerWorker, bind_threads
 
 WORKER = Path(__file__).with_name("vllm_capture_worker.py")
 FINAL_NORM = "model.norm.weight"
@@ -45,15 +46,25 @@ def final_norm_weight(model_dir: Path) -> torch.Tensor:
     raise DraftsmithError(f"{model_dir} has no {FINAL_NORM}: capture --engine vllm reads a Llama-style checkpoint")
 
 
-def read_written(path: Path) -> dict[str, torch.Tensor]:
-    """A file the connector wrote, once whole: its writer holds `path.lock` until then."""
+def read_written(path: Path, timeout_s: float = WORKER_TIMEOUT_S) -> dict[str, torch.Tensor]:
+    """A file the connector wrote, once whole: its writer holds `path.lock` until then (waited on for at most
+    `timeout_s`)."""
     lock = path.with_name(path.name + ".lock")
     if lock.is_file():
+        deadline = time.monotonic() + timeout_s
         with open(lock) as held:
-            fcntl.flock(held, fcntl.LOCK_SH)
-    if not path.is_file():
-        raise DraftsmithError(f"vLLM wrote no hidden states to {path}")
-    return load_file(str(path))
+            while True:
+                try:
+                    fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise DraftsmithError(f"vLLM did not finish writing {path} in {timeout_s:.0f} s") from None
+                    time.sleep(0.01)
+    try:
+        return load_file(str(path))
+    except (OSError, safetensors.SafetensorError) as exc:
+        raise DraftsmithError(f"vLLM's hidden states in {path} cannot be read ({exc})") from None
 
 
 class VllmFeatures:
@@ -98,7 +109,10 @@ class VllmFeatures:
         reply = self.worker.send({"prompts": samples})
         if "paths" not in reply:
             raise DraftsmithError(f"vLLM failed a batch: {reply.get('failed', reply)}; its log: {self.worker.log_path}")
-        return [self._sample(ids, Path(path), feature_layers, dtype) for ids, path in zip(samples, reply["paths"])]
+        try:
+            return [self._sample(ids, Path(path), feature_layers, dtype) for ids, path in zip(samples, reply["paths"])]
+        except DraftsmithError as exc:
+            raise DraftsmithError(f"{exc}; vLLM's log: {self.worker.log_path}") from None
 
     def _sample(self, ids: list[int], path: Path, feature_layers: tuple[int, ...],
                 dtype: torch.dtype) -> dict[str, torch.Tensor]:

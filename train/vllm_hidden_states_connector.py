@@ -5,7 +5,8 @@ asked for (`eagle_aux_hidden_state_layer_ids`) in a cache of their own, and its 
 (`ExampleHiddenStatesConnector`) writes a finished request's to a safetensors file: `hidden_states`
 [tokens, layers, hidden] and `token_ids`. That connector copies through CUDA streams and events. Here, where
 the cache is on the CPU, the copy and the write are done at once instead, and the request is reported done
-at the next poll; on CUDA the example's own asynchronous path runs unchanged.
+by the same poll (`get_finished`); on CUDA the example's own asynchronous path runs unchanged. It reads the
+example's private fields (vLLM 0.32's): a vLLM without them is refused at load, in one line.
 
 Imported by vLLM, by module name (`kv_connector_module_path`), in the vLLM venv: it imports vLLM and is not
 part of draftsmith's own import graph.
@@ -21,6 +22,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     ExampleHiddenStatesConnector,
     extract_from_kv_cache,
 )
+
+if not all(hasattr(ExampleHiddenStatesConnector, name) for name in ("_submit_async_write", "get_finished")):
+    raise ImportError("this vLLM's ExampleHiddenStatesConnector is not 0.32's: capture --engine vllm needs vLLM 0.32")
 
 
 class _Written:
@@ -43,5 +47,5 @@ class DraftsmithHiddenStatesConnector(ExampleHiddenStatesConnector):
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is not None:
             os.close(lock_fd)  # readers waiting on the file's lock may read it now
-        # reported as sent at the next poll (`get_finished`), so the scheduler frees the request's blocks
+        # reported as sent by the poll that called this (`get_finished`), so the scheduler frees its blocks
         self._req_copy_events[pending.req_id] = _Written()

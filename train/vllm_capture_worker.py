@@ -17,19 +17,16 @@ held until the file is whole), or {"failed": reason}. Reasons are one line.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # the bench's peer worker speaks the same protocol and, like this file, imports only the standard library
-# until vLLM is loaded (run by path: its folder goes on the path); the connector sits beside this file
+# until vLLM is loaded: its command loop serves both (run by path: its folder goes on the path). The connector
+# sits beside this file, whose folder is first on the path when it runs by path
 sys.path.insert(0, str(HERE.parent / "serve" / "bench"))
-sys.path.insert(0, str(HERE))
-from vllm_peer_worker import one_line, say  # noqa: E402
+from vllm_peer_worker import answer_commands  # noqa: E402
 
 CONNECTOR_MODULE = "vllm_hidden_states_connector"
 
@@ -62,24 +59,7 @@ def capture(llm, command: dict) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    job = json.loads(open(argv[0]).read())
-    start = time.perf_counter()
-    try:
-        llm = load(job)
-    except Exception as exc:  # vLLM refuses models and settings with a wide range of exception types
-        traceback.print_exc()
-        say({"refused": one_line(exc)})
-        return 0
-    import vllm
-
-    say({"ready": {"vllm_version": vllm.__version__, "startup_s": time.perf_counter() - start}})
-    for line in sys.stdin:
-        try:
-            say({"paths": capture(llm, json.loads(line))})
-        except Exception as exc:
-            traceback.print_exc()
-            say({"failed": one_line(exc)})
-    return 0
+    return answer_commands(argv, load, capture, "paths")
 
 
 if __name__ == "__main__":

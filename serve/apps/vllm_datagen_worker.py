@@ -16,16 +16,13 @@ for each line {"prompts": [[ids]], "sampling": {temperature, top_p, max_tokens, 
 
 from __future__ import annotations
 
-import json
 import sys
-import time
-import traceback
 from pathlib import Path
 
 # the bench's peer worker speaks the same protocol and, like this file, imports only the standard library
-# until vLLM is loaded: its line writer and error summary serve both (run by path: its folder goes on the path)
+# until vLLM is loaded: its command loop serves both (run by path: its folder goes on the path)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from vllm_peer_worker import one_line, say  # noqa: E402
+from vllm_peer_worker import answer_commands  # noqa: E402
 
 
 def load(job: dict):
@@ -50,24 +47,7 @@ def generate(llm, command: dict) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    job = json.loads(open(argv[0]).read())
-    start = time.perf_counter()
-    try:
-        llm = load(job)
-    except Exception as exc:  # vLLM refuses models and settings with a wide range of exception types
-        traceback.print_exc()
-        say({"refused": one_line(exc)})
-        return 0
-    import vllm
-
-    say({"ready": {"vllm_version": vllm.__version__, "startup_s": time.perf_counter() - start}})
-    for line in sys.stdin:
-        try:
-            say({"outputs": generate(llm, json.loads(line))})
-        except Exception as exc:
-            traceback.print_exc()
-            say({"failed": one_line(exc)})
-    return 0
+    return answer_commands(argv, load, generate, "outputs")
 
 
 if __name__ == "__main__":

@@ -147,6 +147,29 @@ def say(message: dict) -> None:
     print("\n" + PREFIX + json.dumps(message), flush=True)
 
 
+def answer_commands(argv: list[str], load, answer, key: str) -> int:
+    """A worker's whole life (datagen's and capture's): the job file argv[0] loaded by `load` -> {"ready"} or
+    {"refused": reason}; then, per command line on stdin, {key: answer(llm, command)} or {"failed": reason}."""
+    job = json.loads(open(argv[0]).read())
+    start = time.perf_counter()
+    try:
+        llm = load(job)
+    except Exception as exc:  # vLLM refuses models and settings with a wide range of exception types
+        traceback.print_exc()
+        say({"refused": one_line(exc)})
+        return 0
+    import vllm
+
+    say({"ready": {"vllm_version": vllm.__version__, "startup_s": time.perf_counter() - start}})
+    for line in sys.stdin:
+        try:
+            say({key: answer(llm, json.loads(line))})
+        except Exception as exc:
+            traceback.print_exc()
+            say({"failed": one_line(exc)})
+    return 0
+
+
 def load(job: dict):
     from vllm import LLM
 

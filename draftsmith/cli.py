@@ -167,7 +167,8 @@ def _add_capture(commands: argparse._SubParsersAction) -> None:
     cap = commands.add_parser(
         "capture", help="write the target's hidden states for a recipe's data (offline mode)",
         description="Run the target over the recipe's training data and store the features its "
-        "head reads as bf16 safetensors shards plus a manifest. Prints the disk it needs first; "
+        "head reads as safetensors shards plus a manifest, as data.hidden_states_dtype says (bfloat16 by "
+        "default; fp8: E4M3 with a scale per token and layer, half the bytes). Prints the disk it needs first; "
         "rerun to resume. Train on it with data.hidden_states_dir=DIR.")
     cap.add_argument("recipe")
     cap.add_argument("overrides", nargs="*")

@@ -2,7 +2,8 @@
 
 Each shard holds a run of samples concatenated along tokens: `input_ids`, `loss_mask`, `offsets` (sample
 boundaries), `features` (the head's feature layers) and `last` (final normed hidden; omitted when it equals
-`features`, as for EAGLE). A shard is written to a temporary name and renamed when complete, and the
+`features`, as for EAGLE), both as `data.hidden_states_dtype` says (`train.feature_storage`: FP8 adds
+`features_scale` and `last_scale`). A shard is written to a temporary name and renamed when complete, and the
 manifest lists finished shards, so a killed capture resumes at the first missing shard.
 
 The features come from a `FeatureSource`: draftsmith's own target (`TargetFeatures`), or vLLM's
@@ -23,13 +24,16 @@ from tqdm.auto import tqdm
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.dtypes import DTYPES
+from draftsmith.train.feature_storage import SCALE_SUFFIX, bytes_per_token, compute_dtype, decode, encode
 from draftsmith.train.objectives import target_features
 
 MAX_OPEN_SHARDS = 256  # shard files a dataset keeps open (memory-mapped), well under the usual 1024 descriptors
 
 
-def bytes_needed(num_tokens: int, feature_dim: int, hidden: int, store_last: bool, dtype: str) -> int:
-    per_token = (feature_dim + (hidden if store_last else 0)) * DTYPES[dtype].itemsize + 5  # + ids, mask
+def bytes_needed(num_tokens: int, feature_layers: int, hidden: int, store_last: bool, storage: str) -> int:
+    per_token = bytes_per_token(feature_layers * hidden, feature_layers, storage) + 5  # + ids, mask
+    if store_last:
+        per_token += bytes_per_token(hidden, 1, storage)
     return num_tokens * per_token
 
 
@@ -59,9 +63,11 @@ class TargetFeatures:
     def features(self, samples: list[list[int]], feature_layers: tuple[int, ...],
                  dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
         device = self.target.model.embed_tokens.weight.device
+        storage = next(name for name, value in DTYPES.items() if value == dtype)
         out = []
         for ids in samples:
-            feats = target_features(self.target, tuple(feature_layers), torch.tensor(ids, device=device)[None], dtype)
+            feats = target_features(self.target, tuple(feature_layers), torch.tensor(ids, device=device)[None],
+                                    storage)
             out.append({"features": feats["features"][0].cpu(), "last": feats["last"][0].cpu()})
         return out
 
@@ -86,8 +92,7 @@ def capture(source: FeatureSource, feature_layers: tuple[int, ...], tokenized, o
         manifest = previous
     done = {s["file"] for s in manifest["shards"]}
     total_tokens = sum(len(r) for r in tokenized["input_ids"])
-    feature_dim = len(feature_layers) * source.hidden_size
-    need = bytes_needed(total_tokens, feature_dim, source.hidden_size, store_last, dtype)
+    need = bytes_needed(total_tokens, len(feature_layers), source.hidden_size, store_last, dtype)
     print(f"capture: {len(tokenized)} samples, {total_tokens} tokens -> about {need / 2**20:.1f} MiB in {out_dir}"
           + (f" ({len(done)} shards already done)" if done else ""), flush=True)
     shard_starts = range(0, len(tokenized), samples_per_shard)
@@ -96,14 +101,16 @@ def capture(source: FeatureSource, feature_layers: tuple[int, ...], tokenized, o
         if name in done:
             continue
         records = tokenized.select(range(first, min(first + samples_per_shard, len(tokenized))))
-        feats = source.features([list(r["input_ids"]) for r in records], tuple(feature_layers), DTYPES[dtype])
+        read_as = torch.float32 if dtype == "fp8" else DTYPES[dtype]  # FP8 scales from unrounded values
+        feats = source.features([list(r["input_ids"]) for r in records], tuple(feature_layers), read_as)
         ids = [torch.tensor(r["input_ids"], dtype=torch.int32) for r in records]
         tensors = {"input_ids": torch.cat(ids),
                    "loss_mask": torch.cat([torch.tensor(r["loss_mask"], dtype=torch.uint8) for r in records]),
-                   "features": torch.cat([f["features"] for f in feats]),
                    "offsets": torch.tensor([0] + [len(x) for x in ids]).cumsum(0)}
-        if store_last:
-            tensors["last"] = torch.cat([f["last"] for f in feats])
+        stored = {"features": len(feature_layers), "last": 1} if store_last else {"features": len(feature_layers)}
+        for key, layers in stored.items():
+            for suffix, values in encode(torch.cat([f[key] for f in feats]), layers, dtype).items():
+                tensors[key + suffix] = values
         tmp = out_dir / (name + ".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, out_dir / name)
@@ -115,7 +122,8 @@ def capture(source: FeatureSource, feature_layers: tuple[int, ...], tokenized, o
 
 
 class CapturedDataset(torch.utils.data.Dataset):
-    """Reads `capture` output back as {input_ids, loss_mask, features, last} per sample."""
+    """Reads `capture` output back as {input_ids, loss_mask, features, last} per sample: features as stored,
+    or from FP8 decoded to bf16 (`train.feature_storage.compute_dtype`)."""
 
     def __init__(self, directory: str | Path, feature_layers: tuple[int, ...]):
         directory = Path(directory)
@@ -132,6 +140,7 @@ class CapturedDataset(torch.utils.data.Dataset):
             raise DraftsmithError(f"{directory} is incomplete ({covered}/{config['num_samples']} samples): "
                                   "rerun `draftsmith capture` to resume it")
         self.store_last = config["store_last"]
+        self.fp8 = config["dtype"] == "fp8"
         self.index = []  # sample -> (file, position in shard)
         for shard in sorted(manifest["shards"], key=lambda s: s["first_sample"]):
             self.index += [(directory / shard["file"], i) for i in range(shard["num_samples"])]
@@ -160,9 +169,11 @@ class CapturedDataset(torch.utils.data.Dataset):
         path, j = self.index[i]
         handle, offsets = self._shard(path)
         lo, hi = offsets[j], offsets[j + 1]
-        stored = ("input_ids", "loss_mask", "features") + (("last",) if self.store_last else ())
+        features = ("features", "last") if self.store_last else ("features",)
+        stored = ("input_ids", "loss_mask") + features + (tuple(k + SCALE_SUFFIX for k in features) if self.fp8 else ())
         rows = {key: handle.get_slice(key)[lo:hi] for key in stored}
-        item = {"input_ids": rows["input_ids"].long().tolist(), "loss_mask": rows["loss_mask"].long().tolist(),
-                "features": rows["features"]}
-        item["last"] = rows["last"] if self.store_last else item["features"]
+        item = {"input_ids": rows["input_ids"].long().tolist(), "loss_mask": rows["loss_mask"].long().tolist()}
+        for key in features:
+            item[key] = decode(rows[key], rows[key + SCALE_SUFFIX], compute_dtype("fp8")) if self.fp8 else rows[key]
+        item["last"] = item["last"] if self.store_last else item["features"]
         return item

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.train.feature_storage import round_trip
+
 
 def target_features(target, feature_layers: tuple[int, ...], input_ids: torch.Tensor,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The frozen target's features (its feature layers, concatenated) and final normed hidden, stored as `dtype`."""
+                    storage: str) -> dict[str, torch.Tensor]:
+    """The frozen target's features (its feature layers, concatenated) and final normed hidden, as a capture
+    stores them as `storage` (train.feature_storage) and reads them back."""
     last_id = target.config.num_hidden_layers
     with torch.no_grad():
         out = target(input_ids, feature_layers=set(feature_layers) | {last_id}, compute_logits=False)
-    # Rounding to the storage dtype here makes online batches equal to offline (captured) ones.
-    features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1).to(dtype)
-    return {"features": features, "last": out.hidden_states[last_id].to(dtype)}
+    # Rounding through the storage format here makes online batches equal to offline (captured) ones.
+    features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
+    return {"features": round_trip(features, len(feature_layers), storage),
+            "last": round_trip(out.hidden_states[last_id], 1, storage)}
 
 
 def acceptance_report(counts: torch.Tensor, starts: int, served: tuple[int, int] | None = None) -> dict[str, float]:

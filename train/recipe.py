@@ -32,7 +32,9 @@ class DataSection(_Section):
     max_eval_samples: int | None = Field(default=200, gt=0)
     eval_fraction: float = Field(default=0.02, ge=0, lt=1, description="held back when eval_files is unset")
     hidden_states_dir: str | None = Field(default=None, description="offline mode: read `draftsmith capture` output")
-    hidden_states_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    hidden_states_dtype: Literal["bfloat16", "float32", "fp8"] = Field(
+        default="bfloat16", description="how features are stored (`draftsmith capture`) and rounded online: fp8 is "
+        "E4M3 with a scale per token and layer, half bf16's bytes; training computes in bf16 from it")
 
 
 class Recipe(_Section):

@@ -62,14 +62,14 @@ class HeadWithObjective(nn.Module):
     eval's simulated-acceptance (counts [k], chain starts) instead. Both go through the wrapper's forward,
     the only place where FSDP and ZeRO-3 have gathered the sharded head parameters."""
 
-    def __init__(self, head, target, objective, cfg, feature_dtype, acceptance_eval=None):
+    def __init__(self, head, target, objective, cfg, feature_storage: str, acceptance_eval=None):
         super().__init__()
         self.head = head
         self.objective = objective
         self.acceptance_eval = acceptance_eval
         self._target = [target]  # frozen, not a submodule
         self.cfg = cfg
-        self.feature_dtype = feature_dtype
+        self.feature_storage = feature_storage  # train.feature_storage's name: online features round through it
 
     def target_outputs(self, batch) -> dict:
         """What the objective reads of the target for `batch`: captured on disk (offline) or run now."""
@@ -77,7 +77,7 @@ class HeadWithObjective(nn.Module):
             return {"features": batch["features"], "last": batch["last"]}
         if not self.head.feature_layers:  # a draft LM trained on text alone (PARD)
             return {}
-        return target_features(self._target[0], self.head.feature_layers, batch["input_ids"], self.feature_dtype)
+        return target_features(self._target[0], self.head.feature_layers, batch["input_ids"], self.feature_storage)
 
     def forward(self, batch, acceptance_depth: int = 0):
         feats = self.target_outputs(batch)
@@ -288,7 +288,7 @@ def _build_trainee(accelerator, recipe: Recipe):
     method = resolve_method(recipe.model.head_type)
     method.record_training(head, recipe.training)
     trainee = HeadWithObjective(head, target, method.objective(), recipe.training,
-                                DTYPES[recipe.data.hidden_states_dtype], method.acceptance_eval())
+                                recipe.data.hidden_states_dtype, method.acceptance_eval())
     return trainee, train_ds, eval_ds, tokenizer.pad_token_id or 0
 
 

@@ -75,7 +75,10 @@ def test_loss_falls_and_head_is_saved(workspace, head_type, variants):
     assert record.per_position == [report[f"sim_accept_pos{i}"] for i in range(1, 5)]
 
 
-def test_online_and_offline_give_the_same_loss(workspace, tmp_path):
+@pytest.mark.parametrize("storage", ["bfloat16", "fp8"])
+def test_online_and_offline_give_the_same_loss(workspace, tmp_path, storage):
+    """Online batches round their features through the capture's storage (FP8 with its scales too), so a
+    head sees the same values either way."""
     root, target_dir, data = workspace
     recipe = validate_recipe(tiny_recipe(target_dir, data, tmp_path / "o"))
     target = load_target(target_dir)
@@ -83,13 +86,18 @@ def test_online_and_offline_give_the_same_loss(workspace, tmp_path):
     tokenized = tokenize_dataset(load_records([str(data)], 8), tokenizer, 64)
     head = build_head(recipe, target, tokenized)
     aux = head.config.aux_layer_ids
-    capture(TargetFeatures(target), aux, tokenized, tmp_path / "hs", samples_per_shard=3)
+    capture(TargetFeatures(target), aux, tokenized, tmp_path / "hs", storage, samples_per_shard=3)
     captured = CapturedDataset(tmp_path / "hs", aux)
-    trainee = HeadWithObjective(head, target, resolve_method("eagle3").objective(), recipe.training, torch.bfloat16)
+    assert captured[0]["features"].dtype == torch.bfloat16
+    trainee = HeadWithObjective(head, target, resolve_method("eagle3").objective(), recipe.training, storage)
     shuffled = [5, 0, 7, 2]  # across shards, out of order: as a shuffled epoch reads them
     online = collate([tokenized[i] for i in shuffled])
     offline = collate([captured[i] for i in shuffled])
     assert torch.equal(online["input_ids"], offline["input_ids"]) and torch.equal(online["loss_mask"], offline["loss_mask"])
+    computed, stored = trainee.target_outputs(online), trainee.target_outputs(offline)
+    for row, length in enumerate(online["lengths"].tolist()):
+        for key in ("features", "last"):
+            assert torch.equal(computed[key][row, :length], stored[key][row, :length])
     loss_online, _ = trainee(online)
     loss_offline, _ = trainee(offline)
     torch.testing.assert_close(loss_online, loss_offline, atol=1e-5, rtol=1e-5)

@@ -168,7 +168,7 @@ def test_save_head_refuses_a_shard(tmp_path):
     recipe = validate_recipe(tiny_recipe(target_dir, write_code_corpus(tmp_path / "c.jsonl", 4), tmp_path / "o"))
     target = load_target(target_dir)
     head = build_head(recipe, target, [{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}])
-    module = HeadWithObjective(head, target, resolve_method("eagle3").objective(), recipe.training, torch.float32)
+    module = HeadWithObjective(head, target, resolve_method("eagle3").objective(), recipe.training, "float32")
 
     class Rank0:
         is_main_process = True

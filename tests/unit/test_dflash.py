@@ -204,7 +204,7 @@ def test_loss_positions_learn_the_first_drafts_alone(demo_target, anchor_first):
     head = random_dflash_head(demo_target, block_size=5, sample_from_anchor=anchor_first)
     first = 0 if anchor_first else 1
     ids = torch.randint(4, 8000, (2, 24))
-    features = target_features(demo_target, head.feature_layers, ids, torch.float32)
+    features = target_features(demo_target, head.feature_layers, ids, "float32")
     with torch.no_grad():
         anchors = torch.tensor([[5, 13, 17], [2, 9, 19]])
         whole = head.training_forward(features["features"], ids, anchors).view(2, 3, 5, -1)
@@ -263,7 +263,7 @@ def test_the_served_walk_is_what_the_engine_drafts(demo_target):
     anchors = torch.arange(len(prompt), ids.shape[1] - 8)[None]
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([ids.shape[1]])}
     with torch.no_grad():
-        features = target_features(demo_target, head.feature_layers, ids, torch.float32)
+        features = target_features(demo_target, head.feature_layers, ids, "float32")
         chains = block_chains(head, demo_target, batch, features, anchors, 8).sum(-1)[0]
     walk = served_walk(dict(zip(anchors[0].tolist(), chains.tolist())), len(prompt))
     full = [accepted for drafted, accepted in steps if drafted == 8][: len(walk)]

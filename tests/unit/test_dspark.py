@@ -75,7 +75,7 @@ def test_served_drafts_are_the_taught_block_with_the_markov_term_along_it(demo_t
     text = torch.cat([ids, torch.tensor([drafts])], 1)
     batch = {"input_ids": text, "lengths": torch.tensor([25]), "loss_mask": torch.ones_like(text)}
     with torch.no_grad():
-        feats = target_features(demo_target, head.feature_layers, text, torch.float32)
+        feats = target_features(demo_target, head.feature_layers, text, "float32")
         logits, hidden, embedded, _, _, _ = block_outputs(head, demo_target, batch, feats, torch.tensor([[19]]), 5)
         chances = torch.sigmoid(head.confidence_logits(hidden, embedded))[0, 0]
     assert drafts == logits.argmax(-1)[0, 0].tolist()

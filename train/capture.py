@@ -165,6 +165,13 @@ class CapturedDataset(torch.utils.data.Dataset):
             self._files[path] = (handle, handle.get_tensor("offsets").tolist())
         return self._files[path]
 
+    def tokens(self, i: int) -> dict[str, list[int]]:
+        """Sample i's input_ids and loss_mask alone."""
+        path, j = self.index[i]
+        handle, offsets = self._shard(path)
+        return {key: handle.get_slice(key)[offsets[j]:offsets[j + 1]].long().tolist()
+                for key in ("input_ids", "loss_mask")}
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         path, j = self.index[i]
         handle, offsets = self._shard(path)

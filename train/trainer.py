@@ -45,8 +45,10 @@ from draftsmith.train.checkpoint_files import (
     write_progress,
 )
 from draftsmith.train.data import check_tokenizer, collate, tokenize_dataset
+from draftsmith.train.feature_storage import compute_dtype
 from draftsmith.train.objectives import acceptance_report, target_features
 from draftsmith.train.recipe import Recipe, dump_recipe
+from draftsmith.train.speculators_dataset import SpeculatorsDataset, is_speculators_dataset
 
 
 def feature_layers_of(recipe: Recipe, num_layers: int) -> tuple[int, ...]:
@@ -114,7 +116,9 @@ def build_head(recipe: Recipe, target, train_ds):
 def prepare_datasets(recipe: Recipe, tokenizer, feature_layers):
     d = recipe.data
     if d.hidden_states_dir:  # eval_files, when given, are scored with features the target computes then
-        full = CapturedDataset(d.hidden_states_dir, feature_layers)
+        full = (SpeculatorsDataset(d.hidden_states_dir, feature_layers, recipe.model.target,
+                                   compute_dtype(d.hidden_states_dtype))
+                if is_speculators_dataset(d.hidden_states_dir) else CapturedDataset(d.hidden_states_dir, feature_layers))
         if d.eval_files:
             return full, tokenize_dataset(load_records(d.eval_files, d.max_eval_samples), tokenizer, d.max_length,
                                           d.format, d.mask_prompt)
@@ -425,12 +429,12 @@ def _report(accelerator, output: Path, name: str, report: dict[str, float], step
 
 
 def _token_view(ds):
-    """Captured datasets expose tokens for the draft-vocabulary count without loading features."""
+    """A captured dataset's tokens (for the draft-vocabulary count), read without its features."""
+    source, indices = (ds.dataset, ds.indices) if isinstance(ds, torch.utils.data.Subset) else (ds, range(len(ds)))
+
     class View:
         def __iter__(self):
-            for i in range(len(ds)):
-                item = ds[i]
-                yield {"input_ids": item["input_ids"], "loss_mask": item["loss_mask"]}
+            return (source.tokens(i) for i in indices)
     return View()
 
 

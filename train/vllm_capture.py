@@ -67,6 +67,17 @@ def read_written(path: Path, timeout_s: float = WORKER_TIMEOUT_S) -> dict[str, t
         raise DraftsmithError(f"vLLM's hidden states in {path} cannot be read ({exc})") from None
 
 
+def features_of_layers(stacked: torch.Tensor, layers: list[int], feature_layers: tuple[int, ...],
+                       norm_weight: torch.Tensor, eps: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """vLLM's hidden states [tokens, len(layers), hidden] at `layers` (the last of them the final layer,
+    unnormed) -> {features: `feature_layers` concatenated, last: the final normed hidden}, as `dtype`."""
+    by_layer = {layer: stacked[:, j].float() for j, layer in enumerate(layers)}
+    last = layers[-1]
+    by_layer[last] = F.rms_norm(by_layer[last], (stacked.shape[-1],), norm_weight, eps)
+    return {"features": torch.cat([by_layer[i] for i in feature_layers], dim=-1).to(dtype),
+            "last": by_layer[last].to(dtype)}
+
+
 class VllmFeatures:
     """A capture's feature source (`train.capture.FeatureSource`) run by vLLM."""
 
@@ -119,14 +130,10 @@ class VllmFeatures:
         written = read_written(path)
         if written["token_ids"].tolist() != list(ids):
             raise DraftsmithError(f"vLLM's hidden states in {path} are for other tokens than the sample's")
-        stacked = written["hidden_states"].float()  # [tokens, len(self.layers), hidden]
-        by_layer = {layer: stacked[:, j] for j, layer in enumerate(self.layers)}
-        last = self.num_hidden_layers
-        by_layer[last] = F.rms_norm(by_layer[last], (self.hidden_size,), self.norm_weight, self.eps)
         path.unlink()
         path.with_name(path.name + ".lock").unlink(missing_ok=True)
-        return {"features": torch.cat([by_layer[i] for i in feature_layers], dim=-1).to(dtype),
-                "last": by_layer[last].to(dtype)}
+        return features_of_layers(written["hidden_states"], self.layers, feature_layers, self.norm_weight, self.eps,
+                                  dtype)
 
     def close(self, keep_log: bool = False) -> None:
         """Stops vLLM; its folder (job, log, leftover files) is removed unless `keep_log`."""

@@ -201,10 +201,13 @@ def _add_datagen(commands: argparse._SubParsersAction) -> None:
     dg = commands.add_parser(
         "datagen", help="regenerate training data with the target (self-distillation)",
         description="Replay chat records turn by turn, or continue text records, with the target "
-        "through draftsmith's engine (or vLLM's, --engine vllm), and write JSONL for training.")
-    dg.add_argument("--model", required=True)
-    dg.add_argument("--input", required=True, help="JSONL (.xz ok) of chat or text records")
-    dg.add_argument("--output", required=True)
+        "through draftsmith's engine (or vLLM's, --engine vllm), and write JSONL for training. With --recipe, "
+        "run the recipe's `datagen` list instead: each entry these flags as keys, with model.target as --model; "
+        "flags given here apply to every run, and a run whose output exists is skipped.")
+    dg.add_argument("--recipe", default=None, help="a training recipe whose `datagen` runs to carry out")
+    dg.add_argument("--model", default=None, help="required without --recipe")
+    dg.add_argument("--input", default=None, help="JSONL (.xz ok) of chat or text records; required without --recipe")
+    dg.add_argument("--output", default=None, help="required without --recipe")
     dg.add_argument("--num-samples", type=_positive_int, default=None)
     dg.add_argument("--skip-samples", type=_non_negative_int, default=0,
                     help="input records to skip first: another run's --num-samples, for records of other files")

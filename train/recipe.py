@@ -43,6 +43,9 @@ class Recipe(_Section):
     model: SerializeAsAny[RecipeModelSection]
     data: DataSection
     training: SerializeAsAny[RecipeTrainingSection]
+    datagen: list[dict[str, Any]] | None = Field(
+        default=None, description="runs of `draftsmith datagen --recipe` that regenerate this recipe's data with "
+        "model.target: each `draftsmith datagen` flags as keys (num_samples: 4800, engine: vllm, ...)")
 
 
 _schemas: dict[str, tuple[type, type[Recipe]]] = {}

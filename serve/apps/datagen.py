@@ -12,8 +12,12 @@ are the prompt. Text rows are `{"text": prompt + continuation, "prompt": prompt}
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -23,10 +27,67 @@ from draftsmith.serve.apps.llm import LLM, engine_kwargs
 from draftsmith.serve.apps.vllm_generator import VllmGenerator
 from draftsmith.serve.engine.sampling_params import SamplingParams
 
+# what --recipe stands for: the recipe names the model and each run's input and output
+RECIPE_NAMES = ("model", "input", "output")
+
 
 def run(args: argparse.Namespace) -> int:
-    regenerate(args)
+    if args.recipe is None:
+        missing = [f"--{name}" for name in RECIPE_NAMES if getattr(args, name) is None]
+        if missing:
+            raise DraftsmithError(f"{', '.join(missing)} required (or --recipe RECIPE, to run its datagen list)")
+        regenerate(args)
+        return 0
+    for run_args in recipe_runs(args):
+        if Path(run_args.output).exists():
+            print(f"{run_args.output} exists: skipped (delete it to regenerate)")
+            continue
+        regenerate(run_args)
     return 0
+
+
+def recipe_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The recipe's `datagen` runs as `draftsmith datagen` arguments, every one checked before any runs: each
+    entry's keys as flags, model.target as --model, and the flags given with --recipe on top."""
+    from draftsmith.cli import build_parser
+    from draftsmith.train.recipe import load_recipe
+
+    given = [f"--{name}" for name in RECIPE_NAMES if getattr(args, name) is not None]
+    if given:
+        raise DraftsmithError(f"{', '.join(given)}: --recipe names them (model.target, each run's input and output)")
+    recipe = load_recipe(args.recipe)
+    if not recipe.datagen:
+        raise DraftsmithError(f"recipe {args.recipe} has no datagen list to run")
+    parser = build_parser()
+    defaults = vars(parser.parse_args(["datagen", "--recipe", args.recipe]))
+    on_top = {key: value for key, value in vars(args).items() if value != defaults.get(key)}
+    runs = []
+    for number, entry in enumerate(recipe.datagen, 1):
+        argv = ["datagen", "--model", recipe.model.target, *_flags(entry)]
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors):
+                parsed = parser.parse_args(argv)
+        except SystemExit:
+            reason = re.sub(r"^[\w ]+: error: ", "", errors.getvalue().strip()).removesuffix(" (see --help)")
+            raise DraftsmithError(f"recipe {args.recipe}, datagen run {number}: {reason}") from None
+        missing = [name for name in ("input", "output") if getattr(parsed, name) is None]
+        if missing:
+            raise DraftsmithError(f"recipe {args.recipe}, datagen run {number}: say its {' and '.join(missing)}")
+        runs.append(argparse.Namespace(**{**vars(parsed), **on_top, "recipe": None}))
+    return runs
+
+
+def _flags(entry: dict) -> list[str]:
+    """{"num_samples": 4800, "enforce_eager": true} -> ["--num-samples", "4800", "--enforce-eager"]."""
+    flags = []
+    for key, value in entry.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not None and value is not False:
+            flags += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return flags
 
 
 def regenerate(args: argparse.Namespace) -> Path:
@@ -52,9 +113,11 @@ def regenerate(args: argparse.Namespace) -> Path:
           f"({len(rows) / max(seconds, 1e-9):.2f} samples/s)")
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open("w", encoding="utf-8") as f:
+    partial = output.with_name(output.name + ".tmp")  # whole or absent: a recipe's run skips existing outputs
+    with partial.open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+    os.replace(partial, output)
     print(f"wrote {len(rows)} regenerated records to {output}")
     return output
 

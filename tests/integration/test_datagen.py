@@ -72,3 +72,50 @@ def test_skip_samples_regenerates_the_records_after_another_runs(tmp_path, capsy
     assert [p[:6] for p in prompts] == ["def f2", "def f3"]
     assert main([*args, "--skip-samples", "5"]) == 2
     assert "holds 5 records: none left after skipping 5" in capsys.readouterr().err
+
+
+def _recipe_with_datagen(tmp_path, runs) -> str:
+    import yaml
+
+    recipe = {"model": {"target": str(DEMO_MODEL), "head_type": "eagle3"},
+              "data": {"train_files": [run.get("output", "x") for run in runs or [{}]], "format": "text"},
+              "training": {"output_dir": str(tmp_path / "run")}, "datagen": runs}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def test_a_recipes_datagen_runs_as_its_flags_would(tmp_path, capsys):
+    source = tmp_path / "code.jsonl"
+    body = "".join(f"def f{i}(x):\n    return x * {i} + {i}\n\n\n" for i in range(6))
+    source.write_text("".join(json.dumps({"text": body.replace("x", v)}) + "\n" for v in ("a", "b", "c")))
+    runs = [{"input": str(source), "output": str(tmp_path / "top.jsonl"), "num_samples": 2, "prompt_tokens": 8,
+             "max_tokens": 6, "temperature": 0},
+            {"input": str(source), "output": str(tmp_path / "block.jsonl"), "skip_samples": 1, "cut": "block",
+             "seed": 3, "prompt_tokens": 6, "max_tokens": 6, "temperature": 0, "enforce_eager": True}]
+    recipe = _recipe_with_datagen(tmp_path, runs)
+    assert main(["datagen", "--recipe", recipe, "--max-num-seqs", "2"]) == 0
+    assert main(["datagen", "--model", str(DEMO_MODEL), "--input", str(source), "--output", str(tmp_path / "by-hand.jsonl"),
+                 "--skip-samples", "1", "--cut", "block", "--seed", "3", "--prompt-tokens", "6", "--max-tokens", "6",
+                 "--temperature", "0"]) == 0
+    assert (tmp_path / "block.jsonl").read_text() == (tmp_path / "by-hand.jsonl").read_text()
+    assert len((tmp_path / "top.jsonl").read_text().splitlines()) == 2
+    capsys.readouterr()
+    assert main(["datagen", "--recipe", recipe]) == 0  # a rerun keeps what is there
+    assert capsys.readouterr().out.count("exists: skipped") == 2
+
+
+def test_a_recipes_datagen_mistakes_are_one_line(tmp_path, capsys):
+    good = {"input": "in.jsonl", "output": str(tmp_path / "out.jsonl")}
+    cases = [([good, {**good, "num_sampels": 3}], [], "datagen run 2: unrecognized arguments: --num-sampels 3"),
+             ([{"input": "in.jsonl"}], [], "datagen run 1: say its output"),
+             ([{**good, "cut": "middle"}], [], "datagen run 1: argument --cut: invalid choice"),
+             ([good], ["--model", "m"], "--model: --recipe names them"),
+             (None, [], "has no datagen list")]
+    for runs, extra, message in cases:
+        assert main(["datagen", "--recipe", _recipe_with_datagen(tmp_path, runs), *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out.jsonl").exists()  # nothing ran: every run is checked first
+    assert main(["datagen", "--input", "in.jsonl"]) == 2
+    assert "--model, --output required" in capsys.readouterr().err

@@ -227,9 +227,11 @@ def _add_datagen(commands: argparse._SubParsersAction) -> None:
                      "templated and tokenized here either way, so both see the same token ids)")
     big.add_argument("--vllm-python", default=None,
                      help="the vLLM venv's python (default: build/peer-vllm/bin/python, made by `make peer-vllm`)")
-    big.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
-                     help="vLLM's, passed through (for data parallelism, run one datagen per shard of records: "
-                     "--skip-samples, --num-samples)")
+    big.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="vLLM's, passed through")
+    big.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                     help="vLLM's: this many vLLM processes, each on its own --tensor-parallel-size GPUs (or its own "
+                     "share of the CPU cores), each generating its share of every batch; across machines, run one "
+                     "datagen per shard of the records (--skip-samples, --num-samples)")
     dg.set_defaults(handler="draftsmith.serve.apps.datagen:run")
 
 

@@ -24,6 +24,17 @@ WORKER_TIMEOUT_S = 1800  # the most a worker may take to load, or to answer one 
 PREFIX = "DRAFTSMITH-PEER "  # the workers' protocol lines (vllm_peer_worker.PREFIX; that file imports no draftsmith)
 
 
+def split_cores(bind: str, ranks: int) -> list[str]:
+    """vLLM's core list "0-3" split among `ranks` processes: ["0-1", "2-3"] (each at least one core)."""
+    first, _, last = bind.partition("-")
+    cores = list(range(int(first), int(last or first) + 1))
+    if len(cores) < ranks:
+        raise DraftsmithError(f"{ranks} data-parallel ranks need a core each; {len(cores)} threads given")
+    share = len(cores) // ranks
+    groups = [cores[r * share:(r + 1) * share] for r in range(ranks)]
+    return [str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups]
+
+
 def bind_threads(threads: int | None, option: str = "threads") -> tuple[int, str]:
     """Runs this process's torch on `threads` threads (default: torch's count now) and returns (threads,
     vLLM's VLLM_CPU_OMP_THREADS_BIND: cores 0..threads-1); `option`: what errors call the count. Only vLLM is
@@ -46,12 +57,15 @@ class PeerWorker:
     vLLM's CPU settings: `reply` reads its next protocol line; what else it prints goes to its log, which
     every error names."""
 
-    def __init__(self, python: Path, job: dict, bind: str | None, threads: int, workdir: Path, worker: Path):
+    def __init__(self, python: Path, job: dict, bind: str | None, threads: int, workdir: Path, worker: Path,
+                 env: dict[str, str] | None = None):
         """`bind`: vLLM's CPU settings, its OpenMP threads bound to these cores (VLLM_CPU_OMP_THREADS_BIND) and
-        the engine core in this process; None: vLLM picks its device and processes itself (GPUs)."""
+        the engine core in this process; None: vLLM picks its device and processes itself (GPUs); `env`: more
+        of the worker's environment (CUDA_VISIBLE_DEVICES for a data-parallel rank)."""
+        workdir.mkdir(parents=True, exist_ok=True)
         job_path, self.log_path = workdir / "job.json", workdir / "worker.log"
         job_path.write_text(json.dumps(job))
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         if bind is not None:
             env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind,
                         "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
@@ -91,12 +105,16 @@ class PeerWorker:
 
     def send(self, command: dict) -> dict:
         """One command line to the worker -> its answer."""
+        self.post(command)
+        return self.reply()
+
+    def post(self, command: dict) -> None:
+        """One command line to the worker, its answer left for `reply` (workers posted to in turn run at once)."""
         try:
             self.process.stdin.write(json.dumps(command) + "\n")
             self.process.stdin.flush()
         except BrokenPipeError:
             pass  # it is gone: `reply` says how, naming its log
-        return self.reply()
 
     def close(self) -> None:
         if self.process.poll() is None:

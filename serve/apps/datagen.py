@@ -124,16 +124,17 @@ def regenerate(args: argparse.Namespace) -> Path:
 
 def _engine(args: argparse.Namespace):
     """draftsmith's LLM, or vLLM's through `VllmGenerator`; each refuses the other's settings in one line."""
-    tensor_parallel = getattr(args, "tensor_parallel_size", 1)
+    tensor_parallel, data_parallel = getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1)
     if getattr(args, "engine", "draftsmith") == "vllm":
         if args.speculative_config:
             raise DraftsmithError("--speculative-config is for --engine draftsmith: speculation does not change what "
                                   "the target generates, and vLLM's drafts are configured apart")
         return VllmGenerator(args.model, args.vllm_python, args.device, args.dtype, args.max_model_len,
-                             args.max_num_seqs, tensor_parallel, seed=args.seed, enforce_eager=args.enforce_eager)
-    if tensor_parallel != 1:
-        raise DraftsmithError(f"--tensor-parallel-size {tensor_parallel} needs --engine vllm: draftsmith's engine "
-                              "runs on one device")
+                             args.max_num_seqs, tensor_parallel, seed=args.seed, enforce_eager=args.enforce_eager,
+                             data_parallel_size=data_parallel)
+    for flag, size in (("--tensor-parallel-size", tensor_parallel), ("--data-parallel-size", data_parallel)):
+        if size != 1:
+            raise DraftsmithError(f"{flag} {size} needs --engine vllm: draftsmith's engine runs on one device")
     return LLM(args.model, **engine_kwargs(args))
 
 

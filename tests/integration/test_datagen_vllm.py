@@ -48,6 +48,10 @@ def test_vllm_regenerates_what_draftsmith_does(tmp_path, capsys, restore_threads
     assert ours[0]["text"] != ours[0]["prompt"]  # something was generated
     printed = capsys.readouterr().out
     assert "vllm: 3 records in" in printed and "samples/s" in printed
+    # two data-parallel ranks, a core each, each generating its share: the same records in the same order
+    split = _datagen(tmp_path, "code-dp", [{"text": t} for t in CODE], "vllm", "--enforce-eager",
+                     "--data-parallel-size", "2", "--prompt-tokens", "12")
+    assert split == ours and "2 data-parallel ranks" in capsys.readouterr().out
 
 
 def test_parallel_sizes_need_vllm_and_vllm_needs_its_venv(tmp_path, capsys):
@@ -56,6 +60,8 @@ def test_parallel_sizes_need_vllm_and_vllm_needs_its_venv(tmp_path, capsys):
     common = ["datagen", "--model", str(DEMO_MODEL), "--input", str(source), "--output", str(tmp_path / "out.jsonl")]
     assert main([*common, "--tensor-parallel-size", "2"]) == 2
     assert "--tensor-parallel-size 2 needs --engine vllm" in capsys.readouterr().err
+    assert main([*common, "--data-parallel-size", "2"]) == 2
+    assert "--data-parallel-size 2 needs --engine vllm" in capsys.readouterr().err
     assert main([*common, "--engine", "vllm", "--vllm-python", str(tmp_path / "none" / "python")]) == 2
     assert "make peer-vllm" in capsys.readouterr().err
     assert main([*common, "--engine", "vllm", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 2

@@ -33,9 +33,12 @@ def restore_threads():
 def _recipe(tmp_path) -> str:
     data = tmp_path / "code.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in CODE))
-    recipe = {"model": {"target": str(DEMO_MODEL), "head_type": "eagle3", "aux_layer_ids": LAYERS},
-              "data": {"train_files": [str(data)], "format": "text", "max_length": 48},
-              "training": {"output_dir": str(tmp_path / "run")}}
+    recipe = {"model": {"target": str(DEMO_MODEL), "head_type": "eagle3", "aux_layer_ids": LAYERS,
+                        "draft_vocab_size": 512},
+              "data": {"train_files": [str(data)], "format": "text", "max_length": 48, "eval_fraction": 0},
+              "training": {"output_dir": str(tmp_path / "run"), "epochs": 1, "batch_size": 1, "learning_rate": 3e-3,
+                           "warmup_ratio": 0.0, "eval_max_k": 4, "ttt_length": 2, "seed": 0,
+                           "log_every_steps": 1}}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return str(path)
@@ -59,6 +62,19 @@ def test_vllm_hidden_states_read_as_draftsmiths_within_bf16(tmp_path, restore_th
             torch.testing.assert_close(vllm[key].float(), mine[key].float(), rtol=2**-7, atol=1e-3)
     # the last layer is the normed one: unnormed, the demo model's runs to about 20 where the norm keeps it near 1
     assert ours[0]["last"].float().abs().mean() < 2
+    # a head trained one epoch on each capture, with one seed, learns alike: the same losses step by step (to
+    # 1e-3: features within a bf16 step) and the same acceptance on the same eval text
+    losses, reports = {}, {}
+    for engine in ("draftsmith", "vllm"):
+        out = tmp_path / f"run-{engine}"
+        assert main(["train", recipe, f"data.hidden_states_dir={tmp_path / engine}", f"training.output_dir={out}",
+                     f"data.eval_files=[{tmp_path / 'code.jsonl'}]", "--no-check"]) == 0
+        losses[engine] = [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+        reports[engine] = json.loads((out / "eval_epoch1.json").read_text())
+    assert len(losses["vllm"]) == len(CODE)
+    torch.testing.assert_close(losses["vllm"], losses["draftsmith"], rtol=1e-3, atol=0)
+    key = "sim_mean_acceptance_length_k4"
+    assert abs(reports["draftsmith"][key] - reports["vllm"][key]) < 0.05
 
 
 def test_vllm_flags_need_vllm_and_vllm_needs_its_venv(tmp_path, capsys):

@@ -145,6 +145,13 @@ class Proposer:
         keep and observe only once it drafts again; False: it takes them now, through `observe`."""
         return False
 
+    def observe_prompt_later(self, rows: Sequence[RowState], starts: list[int], counts: list[int],
+                             features: torch.Tensor) -> bool:
+        """A prefill chunk's features (as `observe` takes them), handed over while the policy holds plain
+        decoding: the proposer may keep them and feed its head only once it drafts again, so that a request
+        that never drafts never pays for them; False: it takes them now, through `observe`."""
+        return False
+
     def release(self, request: RowState) -> None:
         """The request finished or was aborted: drop whatever was kept for it."""
 

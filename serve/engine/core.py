@@ -294,7 +294,7 @@ class LLMEngine(FaultIsolatingSteps):
         last = chunk_t[:, None] - 1
         logits_index = torch.arange(width)[None, :].minimum(last) if scored else last
         out = self._forward(ids, batch, logits_index, hidden_index)
-        self.observe_features(rows, seen_starts, seen_counts, out)
+        self.observe_features(rows, seen_starts, seen_counts, out, prompt=True)
         self._share_prefill(rows, chunks, seen_starts, seen_counts, out)
         out = out.logits
         if scored:
@@ -333,7 +333,7 @@ class LLMEngine(FaultIsolatingSteps):
                 self.cache.copy_positions(request.slot, [f.slot for f in request.followers], start, start + chunks[i])
         followers = [f for _, f in shared]
         self.observe_features(followers, [seen_starts[i] for i, _ in shared], [seen_counts[i] for i, _ in shared],
-                               out, index=[i for i, _ in shared])
+                               out, index=[i for i, _ in shared], prompt=True)
         for i, follower in shared:
             follower.num_computed += chunks[i]
 
@@ -427,15 +427,19 @@ class LLMEngine(FaultIsolatingSteps):
                               feature_layers=self.feature_layers, hidden_index=hidden_index)
 
     def observe_features(self, rows: list[Request], starts: list[int], counts: list[int], out,
-                          index: list[int] | None = None) -> None:
+                          index: list[int] | None = None, prompt: bool = False) -> None:
         """Hands the proposer the target features of newly verified positions (EAGLE-style heads); `index`:
-        the forward's row each of `rows` reads (samples sharing a prefill read their leader's)."""
+        the forward's row each of `rows` reads (samples sharing a prefill read their leader's); `prompt`: a
+        prefill chunk, which the proposer may keep unfed while the policy holds plain decoding."""
         if not self.feature_layers:
             return
         with torch.inference_mode():
             features = self.proposer.features(out.hidden_states)
             if index is not None:
                 features = features[torch.tensor(index, device=features.device)]
+            if (prompt and self.policy.holding(len(self.running))
+                    and self.proposer.observe_prompt_later(rows, starts, counts, features)):
+                return
             self.proposer.observe(rows, starts, counts, features)
 
     def _sampling(self, rows: list[Request]) -> SamplingBatch:

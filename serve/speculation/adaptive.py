@@ -105,6 +105,13 @@ class AdaptivePolicy:
         self._plain_run += 1
         return True
 
+    def holding(self, rows: int) -> bool:
+        """A hold after clear losses only: a close call holds a few steps, after which a prompt kept unfed
+        would be priced as a catch-up into the next plan (at one in flight that cost DFlash 2-3% of its
+        speed)."""
+        return not self.may_draft(rows) or (self._hold > 0 and self._clear_losses > 0
+                                            and rows >= self._held_rows - self._held_rows // HOLD_SHRINK)
+
     def _book_plain(self, slots: tuple[int, ...]) -> None:
         """A step of these rows decodes plainly without a plan: counted, its idle decay deferred (`idle`)."""
         self._defer_idle(slots)

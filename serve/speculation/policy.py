@@ -42,6 +42,10 @@ class SpeculationPolicy(Protocol):
     def held(self, slots: tuple[int, ...]) -> bool:
         """Whether this step of these rows decodes plainly without a plan (booked as a plain step if so)."""
 
+    def holding(self, rows: int) -> bool:
+        """Whether a step of this many rows would be held now (`held`), asked without taking a step: a proposer
+        may then keep a prompt's features instead of feeding them to its head at once."""
+
     def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0)) -> StepPlan:
         """This step's plan; `catch_up`: the proposer's catch-up before it can draft (`Proposer.catch_up`)."""
 
@@ -90,6 +94,9 @@ class FixedPolicy:
 
     def held(self, slots: tuple[int, ...]) -> bool:
         return False
+
+    def holding(self, rows: int) -> bool:
+        return not self.may_draft(rows)
 
     def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0)) -> StepPlan:
         return StepPlan(min(self.width(len(slots)), int(np.asarray(limits).max())))

@@ -482,3 +482,23 @@ def test_sampled_drafts_with_adaptive_k_follow_the_target_distribution():
     tv = 0.5 * (bucket(seen) - bucket(p)).abs().sum().item()
     # 7-bucket total variation sampling noise at n samples is about 0.6 / sqrt(n)
     assert tv < 2.5 * 0.6 / len(second) ** 0.5 + 0.01, (tv, len(second))
+
+
+def test_holding_says_whether_a_step_would_be_held_without_taking_one():
+    """`holding` (asked at a prefill: may a proposer keep the prompt unfed?) is true during a hold after a
+    clear loss at about the held batch size, false after a close call or for a smaller batch, and taking
+    no step itself."""
+    slots, limits = torch.arange(8), torch.full((8,), 4)
+    lost = _policy(EXPENSIVE)
+    _feed(lost, list(range(8)), accepted_each=0)
+    assert lost.plan(slots, limits).width == 0
+    assert lost.holding(8) and lost.holding(7) and not lost.holding(4)
+    before = lost._hold
+    assert lost.holding(8) and lost._hold == before  # asking books nothing
+    while lost.held(tuple(range(8))):
+        pass
+    assert not lost.holding(8)  # the hold is over: the next step plans
+    close = _policy(CHEAP)
+    _feed(close, [0], accepted_each=4)
+    close._hold, close._held_rows, close._clear_losses = 2, 1, 0  # a close call's short hold at one row
+    assert close.held((0,)) and not close.holding(1)

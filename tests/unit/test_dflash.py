@@ -366,9 +366,9 @@ def test_a_checkpoint_with_odd_layer_ids_is_one_line(demo_target, tmp_path, caps
 
 
 def test_plain_steps_projected_later_draft_as_if_projected_at_once(monkeypatch):
-    """Plain steps' hidden states are kept and projected in one batch when drafting resumes: the shipped
-    head then drafts exactly what it drafts when every plain step projects its own (k = 0 while 2-3 requests
-    run, 8 once one is left; requests of unequal length)."""
+    """Plain steps' hidden states, and the prompts prefilled while the policy held, are kept and projected
+    when drafting resumes: the shipped head then drafts exactly what it drafts when every prompt and plain
+    step projects its own (k = 0 while 2-3 requests run, 8 once one is left; requests of unequal length)."""
     from draftsmith.methods.dflash.proposer import DFlashProposer
 
     def run():
@@ -381,6 +381,7 @@ def test_plain_steps_projected_later_draft_as_if_projected_at_once(monkeypatch):
 
     lazy_tokens, lazy = run()
     monkeypatch.setattr(DFlashProposer, "observe_later", lambda self, rows, starts, hidden: False)
+    monkeypatch.setattr(DFlashProposer, "observe_prompt_later", lambda self, rows, starts, counts, features: False)
     eager_tokens, eager = run()
     assert lazy_tokens == eager_tokens
     assert lazy["num_steps_without_speculation"] > 10 and lazy["num_draft_tokens"] > 0
@@ -466,11 +467,11 @@ def test_kept_plain_steps_are_the_catch_up_the_policy_prices(demo_target):
     assert proposer.propose([successor], [8]).steady
 
 
-def test_a_request_that_never_drafts_never_projects_its_plain_steps(monkeypatch):
-    """Kept plain steps are projected only when drafting needs them: while no step speculates (k = 0 at every
-    batch size), the context written is the prompts' alone, though new requests join beside rows with kept
-    steps (3 requests, 2 slots). Projected at each prefill, the demo model at 8 in flight lost 7% to a head
-    the policy kept off."""
+def test_a_request_that_never_drafts_never_projects_its_context(monkeypatch):
+    """Kept positions are projected only when drafting needs them: while the policy holds every step (k = 0 at
+    every batch size), no context is written, neither the prompts' nor the plain steps', though new requests
+    join beside rows with kept steps (3 requests, 2 slots). Projected at each plain step, the demo model at 8
+    in flight lost 7% to a head the policy kept off; its prompts, projected at prefill, 4% more."""
     from draftsmith.methods.dflash.proposer import DFlashProposer
 
     written = []
@@ -487,7 +488,36 @@ def test_a_request_that_never_drafts_never_projects_its_plain_steps(monkeypatch)
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (8, 24, 16)]
     out = llm.generate(CODE_PROMPTS[:3], params, use_tqdm=False)
     assert llm.get_metrics()["num_steps_without_speculation"] > 20
-    assert sum(written) == sum(len(o.prompt_token_ids) for o in out)
+    assert len(out) == 3 and sum(written) == 0
+
+
+def test_a_prompt_kept_while_held_is_the_catch_up_and_drafts_as_if_fed_at_once(demo_target, monkeypatch):
+    """A prompt kept unprojected (`observe_prompt_later`) is what the row owes before it drafts, and its first
+    drafts are those of a prompt projected at prefill; past the byte budget a prompt is taken at once."""
+    import draftsmith.methods.dflash.proposer as dflash
+    from draftsmith.models.tokenizer import load_tokenizer
+    from draftsmith.serve.speculation.config import parse_speculative_config
+    from helpers import Row
+
+    config = parse_speculative_config({"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8})
+    prompt = load_tokenizer(DEMO_MODEL)(CODE_PROMPTS[1], add_special_tokens=False).input_ids
+    eager, lazy = (dflash.DFlashProposer(config, demo_target, 2, 256) for _ in range(2))
+    with torch.no_grad():
+        out = demo_target(torch.tensor([prompt]), feature_layers=eager.feature_layers)
+    features = eager.features(out.hidden_states)
+    row = Row("a", 1, prompt, [int(out.logits[0, -1].argmax())])
+    eager.observe([row], [0], [len(prompt)], features)
+    cut = len(prompt) // 2  # a prompt in two chunks
+    assert lazy.observe_prompt_later([row], [0], [cut], features[:, :cut])
+    assert lazy.observe_prompt_later([row], [cut], [len(prompt) - cut], features[:, cut:])
+    assert lazy.catch_up([row]) == (1, len(prompt))
+    drafted = lazy.propose([row], [8])
+    assert not drafted.steady and lazy.catch_up([row]) == (0, 0)
+    assert torch.equal(drafted.tokens[0], eager.propose([row], [8]).tokens[0])
+    monkeypatch.setattr(dflash, "MAX_LATER_PROMPT_BYTES", features.numel() * features.element_size() - 1)
+    other = Row("b", 0, prompt, [1])
+    assert not lazy.observe_prompt_later([other], [0], [len(prompt)], features)
+    assert lazy.catch_up([other]) == (0, 0)
 
 
 def test_a_head_config_missing_a_key_is_one_line():

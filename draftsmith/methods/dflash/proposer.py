@@ -23,6 +23,21 @@ from draftsmith.models.kv_cache import ForwardBatch
 
 # plain steps whose hidden states are kept by reference (`observe_later`) before they are projected in one go
 MAX_LATER = 256
+# the most bytes of prompt features kept unprojected while the policy holds (`observe_prompt_later`)
+MAX_LATER_PROMPT_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass
+class _Kept:
+    """Positions observed but not yet projected: a plain step's (one a row, `hidden` its hidden states) or a
+    prefill chunk's (`counts` a row, `features` as `observe` takes them)."""
+
+    slots: list[int]
+    generations: list[int]  # each slot's holder when kept: a later holder's positions are not these
+    starts: list[int]
+    counts: list[int]
+    hidden: dict | None = None
+    features: torch.Tensor | None = None
 
 
 class DFlashProposer(Proposer):
@@ -57,10 +72,11 @@ class DFlashProposer(Proposer):
         if self.tree is not None:
             self.draft_parents = torch.full((max_num_seqs, self.k), -1, dtype=torch.long, device=self.device)
             self.confidence = torch.zeros(max_num_seqs, self.k, device=self.device)
-        # plain steps not yet projected: (slots, their generations, positions, hidden states) each, and per slot
-        # how many of them hold a position of its current request
-        self._later: list[tuple[list[int], list[int], list[int], dict]] = []
+        # positions not yet projected (plain steps' and, while the policy holds, prompts'), and per slot how
+        # many of them are its current request's
+        self._later: list[_Kept] = []
         self._kept = [0] * max_num_seqs
+        self._later_prompt_bytes = 0
 
     def draft_models(self) -> list[torch.nn.Module]:
         return [self.head]
@@ -75,12 +91,52 @@ class DFlashProposer(Proposer):
         a verified step of a row with kept positions, or MAX_LATER kept steps project them: a request that
         finishes before then never pays for a context it never drafts from."""
         slots = [r.slot for r in rows]
-        self._later.append((slots, [self.generation[s] for s in slots], list(starts), hidden_states))
+        self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), [1] * len(slots),
+                                 hidden=hidden_states))
         for slot in slots:
             self._kept[slot] += 1
         if len(self._later) >= MAX_LATER:
             self._replay()
         return True
+
+    def observe_prompt_later(self, rows: Sequence[RowState], starts: list[int], counts: list[int],
+                             features: torch.Tensor) -> bool:
+        """Keeps a prefill chunk's features while the policy holds plain decoding, projected with the next
+        replay: at 8 in flight a held DFlash head had paid 4% of the run projecting prompts it never drafted
+        from. Up to MAX_LATER_PROMPT_BYTES are kept (those of finished requests are dropped first)."""
+        kept = features[:, : max(counts)]
+        size = kept.numel() * kept.element_size()
+        if self._later_prompt_bytes + size > MAX_LATER_PROMPT_BYTES:
+            self._drop_stale()
+            if self._later_prompt_bytes + size > MAX_LATER_PROMPT_BYTES:
+                return False
+        for row, start in zip(rows, starts):
+            self._claim(row)
+            if start != self.context_len[row.slot] + self._kept[row.slot]:
+                raise DraftsmithError("observed positions must continue each request's earlier ones")
+        slots = [r.slot for r in rows]
+        self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), list(counts),
+                                 features=kept))
+        for slot, count in zip(slots, counts):
+            self._kept[slot] += count
+        self._later_prompt_bytes += size
+        return True
+
+    def _claim(self, row: RowState) -> None:
+        """The slot's context becomes `row`'s request's (empty) if it held another's."""
+        if self.owner[row.slot] != row.request_id:
+            self.owner[row.slot], self.context_len[row.slot] = row.request_id, 0
+            self.generation[row.slot] += 1
+            self._kept[row.slot] = 0
+
+    def _live(self, kept: _Kept) -> list[int]:
+        return [i for i, (slot, gen) in enumerate(zip(kept.slots, kept.generations)) if self.generation[slot] == gen]
+
+    def _drop_stale(self) -> None:
+        """Forgets kept prompt chunks of requests that have finished since."""
+        self._later = [k for k in self._later if k.features is None or self._live(k)]
+        self._later_prompt_bytes = sum(k.features.numel() * k.features.element_size()
+                                       for k in self._later if k.features is not None)
 
     def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
         # a verified step's positions are projected as it is observed, so a steady draft projects none; the
@@ -90,29 +146,36 @@ class DFlashProposer(Proposer):
 
     @torch.inference_mode()
     def _replay(self) -> None:
-        """Projects the kept plain steps' positions, all rows and steps as one batch of single positions; rows
-        released since are skipped."""
+        """Projects the kept positions: each prompt chunk as one batch, then the plain steps', all rows and steps
+        as one batch of single positions (a slot's prompt comes before its plain steps); rows released since
+        are skipped."""
         if not self._later:
             return
         later, self._later = self._later, []
         self._kept = [0] * len(self._kept)
+        self._later_prompt_bytes = 0
         slots, positions, features = [], [], []
         expected = {}
-        for step_slots, generations, starts, hidden in later:
-            live = [i for i, (slot, gen) in enumerate(zip(step_slots, generations)) if self.generation[slot] == gen]
+        for kept in later:
+            live = self._live(kept)
             if not live:
                 continue
             for i in live:
-                slot = step_slots[i]
-                if starts[i] != expected.setdefault(slot, self.context_len[slot]):
+                slot = kept.slots[i]
+                if kept.starts[i] != expected.setdefault(slot, self.context_len[slot]):
                     raise DraftsmithError("observed positions must continue each request's earlier ones")
-                expected[slot] += 1
-            slots += [step_slots[i] for i in live]
-            positions += [starts[i] for i in live]
-            features.append(self.features(hidden)[torch.tensor(live, device=self.device)])
-        if not slots:
-            return
-        self._write_context(slots, positions, [1] * len(slots), torch.cat(features))
+                expected[slot] += kept.counts[i]
+            index = torch.tensor(live, device=self.device)
+            if kept.features is not None:
+                counts = [kept.counts[i] for i in live]
+                self._write_context([kept.slots[i] for i in live], [kept.starts[i] for i in live], counts,
+                                    kept.features[index, : max(counts)])
+                continue
+            slots += [kept.slots[i] for i in live]
+            positions += [kept.starts[i] for i in live]
+            features.append(self.features(kept.hidden)[index])
+        if slots:
+            self._write_context(slots, positions, [1] * len(slots), torch.cat(features))
         for slot, end in expected.items():
             self.context_len[slot] = end
 
@@ -128,10 +191,7 @@ class DFlashProposer(Proposer):
         if any(self._kept[r.slot] and self.owner[r.slot] == r.request_id for r in rows):
             self._replay()
         for row, start in zip(rows, starts):
-            if self.owner[row.slot] != row.request_id:
-                self.owner[row.slot], self.context_len[row.slot] = row.request_id, 0
-                self.generation[row.slot] += 1
-                self._kept[row.slot] = 0
+            self._claim(row)
             if start != self.context_len[row.slot]:
                 raise DraftsmithError("observed positions must continue each request's earlier ones")
         slots = [r.slot for r in rows]

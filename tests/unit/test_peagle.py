@@ -56,7 +56,7 @@ def test_served_drafts_are_the_unrolled_steps(demo_target, tmp_path):
     proposer = resolve_method("eagle3").proposer_class()(config, demo_target, 2, 128)
     head = proposer.head
     ids = torch.randint(4, 8000, (1, 21))
-    feats = target_features(demo_target, head.feature_layers, ids, torch.float32)
+    feats = target_features(demo_target, head.feature_layers, ids, "float32")
     rows = [Row("a", 0, ids[0, :20].tolist(), [int(ids[0, 20])])]
     proposer.observe(rows, [0], [20], feats["features"][:, :20])
     drafted = proposer.propose(rows, [K])

@@ -6,10 +6,11 @@ That folder is a HF `datasets` folder (`save_to_disk`) with a record per sample 
 [tokens, layers, hidden] as vLLM's `extract_hidden_states` gives them, bf16, or FP8 with
 `hidden_states_scales` [tokens, 1, 1] (hs_connectors' FP8 connector, one scale per token).
 
-The files do not say which layers they hold. speculators captures an EAGLE-3 head's feature layers, in order,
-and then the final decoder layer's output before the final norm (vLLM's layer i is the output of i decoder
-layers, as HF's hidden_states[i]); this reader takes them so, checks the count, and applies the target's final
-norm to the last, as draftsmith's own capture of vLLM does (`train.vllm_capture`).
+The files do not say which layers they hold. speculators has vLLM capture a head's feature layers and the
+final decoder layer's output before the final norm, and vLLM stacks the layers it keeps in ascending order,
+each once (vLLM's layer i is the output of i decoder layers, as HF's hidden_states[i]); this reader takes them
+so, checks the count and width, and applies the target's final norm to the last, as draftsmith's own capture
+of vLLM does (`train.vllm_capture`). Samples longer than `max_length` are cut to it, as a tokenized record is.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class SpeculatorsDataset(torch.utils.data.Dataset):
     {input_ids, loss_mask, features, last} per sample, the features as `dtype`."""
 
     def __init__(self, directory: str | Path, feature_layers: tuple[int, ...], target_dir: str | Path,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, max_length: int | None = None):
         from datasets import load_from_disk
 
         self.directory = Path(directory)
@@ -49,15 +50,15 @@ class SpeculatorsDataset(torch.utils.data.Dataset):
                                   f"{len(self.records)} samples (first: {self._file(missing[0])}): finish "
                                   "`speculators generate-offline-data` first")
         config = TargetConfig.from_model_dir(Path(target_dir))
-        self.layers = [*feature_layers, config.num_hidden_layers]
-        self.feature_layers, self.dtype = tuple(feature_layers), dtype
+        self.layers = sorted(set(feature_layers) | {config.num_hidden_layers})  # as vLLM stacks them
+        self.feature_layers, self.dtype, self.max_length = tuple(feature_layers), dtype, max_length
         self.norm_weight, self.eps = final_norm_weight(Path(target_dir)), config.rms_norm_eps
         with safe_open(str(self._file(0)), framework="pt") as f:
             shape = f.get_slice(HIDDEN_STATES).get_shape()
         if len(shape) != 3 or shape[1:] != [len(self.layers), config.hidden_size]:
             raise DraftsmithError(f"{self._file(0)} holds hidden states of shape {shape}; the head reads "
-                                  f"[tokens, {len(self.layers)}, {config.hidden_size}]: its {len(feature_layers)} "
-                                  "feature layers and the target's last")
+                                  f"[tokens, {len(self.layers)}, {config.hidden_size}]: layers {self.layers} (its "
+                                  "feature layers and the target's last, in vLLM's order)")
 
     def _file(self, i: int) -> Path:
         return self.directory / HIDDEN_STATES / f"hs_{i}.safetensors"
@@ -71,16 +72,17 @@ class SpeculatorsDataset(torch.utils.data.Dataset):
 
     def tokens(self, i: int) -> dict[str, list[int]]:
         """Sample i's input_ids and loss_mask alone."""
-        record = self.records[i]
-        return {"input_ids": [int(t) for t in record["input_ids"]], "loss_mask": [int(m) for m in record["loss_mask"]]}
+        record, end = self.records[i], self.max_length
+        return {"input_ids": [int(t) for t in record["input_ids"][:end]],
+                "loss_mask": [int(m) for m in record["loss_mask"][:end]]}
 
     def __getitem__(self, i: int) -> dict:
         tokens = self.tokens(i)
         written = load_file(str(self._file(i)))
-        if written["token_ids"].tolist() != tokens["input_ids"]:
+        if written["token_ids"][: self.max_length].tolist() != tokens["input_ids"]:
             raise DraftsmithError(f"{self._file(i)} holds the hidden states of other tokens than record {i}'s")
-        stacked = written[HIDDEN_STATES]
+        stacked = written[HIDDEN_STATES][: self.max_length]
         if SCALES in written:
-            stacked = stacked.float() * written[SCALES].float()
+            stacked = stacked.float() * written[SCALES][: self.max_length].float()
         return {**tokens, **features_of_layers(stacked, self.layers, self.feature_layers, self.norm_weight,
                                                self.eps, self.dtype)}

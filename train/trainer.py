@@ -117,7 +117,7 @@ def prepare_datasets(recipe: Recipe, tokenizer, feature_layers):
     d = recipe.data
     if d.hidden_states_dir:  # eval_files, when given, are scored with features the target computes then
         full = (SpeculatorsDataset(d.hidden_states_dir, feature_layers, recipe.model.target,
-                                   compute_dtype(d.hidden_states_dtype))
+                                   compute_dtype(d.hidden_states_dtype), d.max_length)
                 if is_speculators_dataset(d.hidden_states_dir) else CapturedDataset(d.hidden_states_dir, feature_layers))
         if d.eval_files:
             return full, tokenize_dataset(load_records(d.eval_files, d.max_eval_samples), tokenizer, d.max_length,

@@ -23,12 +23,13 @@ from draftsmith.train.trainer import prepare_datasets, train
 from helpers import DEMO_MODEL, tiny_recipe, write_code_corpus
 from speculators_oracle import INSTALL
 
-LAYERS = (1, 3, 5)  # of the demo model's 6: the head's feature layers; speculators stores the last (6) after them
+LAYERS = (5, 1, 3)  # of the demo model's 6: the head's feature layers, in the recipe's order (vLLM stores them sorted)
+STORED = (1, 3, 5, 6)  # what vLLM stacks: those and the last, ascending
 
 
 def vllm_style_hidden_states(model, ids: list[int]) -> torch.Tensor:
-    """[tokens, 4, hidden]: HF's hidden_states at LAYERS, then the last decoder layer's output before the final
-    norm, as vLLM's extract_hidden_states hands them to speculators."""
+    """[tokens, 4, hidden]: HF's hidden_states at STORED, the last (6) the decoder layers' output before the
+    final norm, as vLLM's extract_hidden_states hands them to speculators."""
     unnormed = []
     hook = model.model.norm.register_forward_pre_hook(lambda _, args: unnormed.append(args[0]))
     try:
@@ -36,7 +37,7 @@ def vllm_style_hidden_states(model, ids: list[int]) -> torch.Tensor:
             out = model(torch.tensor([ids]), output_hidden_states=True)
     finally:
         hook.remove()
-    return torch.stack([*(out.hidden_states[i][0] for i in LAYERS), unnormed[0][0]], dim=1)
+    return torch.stack([*(out.hidden_states[i][0] for i in STORED[:-1]), unnormed[0][0]], dim=1)
 
 
 def fp8_quantizer():
@@ -117,7 +118,10 @@ def test_speculators_own_reader_agrees(corpus, tmp_path):
         theirs_item, ours_item = theirs[i], ours[i]
         assert theirs_item["input_ids"].tolist() == ours_item["input_ids"]
         assert theirs_item["loss_mask"].tolist() == ours_item["loss_mask"]
-        torch.testing.assert_close(theirs_item["hidden_states"], ours_item["features"], rtol=1e-6, atol=0)
+        # theirs: the feature layers as stored (ascending); ours: in the recipe's order
+        stored = theirs_item["hidden_states"].unflatten(-1, (len(LAYERS), -1))
+        in_recipe_order = stored[:, [STORED.index(layer) for layer in LAYERS]].flatten(1)
+        torch.testing.assert_close(in_recipe_order, ours_item["features"], rtol=1e-6, atol=0)
         with torch.no_grad():
             normed = norm(theirs_item["verifier_last_hidden_states"])
         torch.testing.assert_close(normed, ours_item["last"], rtol=1e-5, atol=1e-5)
@@ -126,8 +130,10 @@ def test_speculators_own_reader_agrees(corpus, tmp_path):
 def test_a_folder_of_other_layers_or_missing_files_says_so(corpus, tmp_path):
     _, _, records = corpus
     write_speculators_folder(tmp_path / "data", records[:2], fp8=False)
-    with pytest.raises(DraftsmithError, match=r"shape \[\d+, 4, 256\].*\[tokens, 3, 256\]"):
+    with pytest.raises(DraftsmithError, match=r"shape \[\d+, 4, 256\].*\[tokens, 3, 256\]: layers \[1, 3, 6\]"):
         SpeculatorsDataset(tmp_path / "data", (1, 3), DEMO_MODEL)
+    cut = SpeculatorsDataset(tmp_path / "data", LAYERS, DEMO_MODEL, max_length=5)[0]  # as data.max_length cuts
+    assert len(cut["input_ids"]) == len(cut["loss_mask"]) == len(cut["features"]) == len(cut["last"]) == 5
     (tmp_path / "data" / "hidden_states" / "hs_1.safetensors").unlink()
     with pytest.raises(DraftsmithError, match="lacks the hidden states of 1 of its 2 samples"):
         SpeculatorsDataset(tmp_path / "data", LAYERS, DEMO_MODEL)

@@ -460,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftsmith: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # which flags were given, where a command asks
     if args.command is None:
         parser.print_help()
         return 2

@@ -37,13 +37,42 @@ class DataSection(_Section):
         "E4M3 with a scale per token and layer, half bf16's bytes; training computes in bf16 from it")
 
 
+class DatagenRun(_Section):
+    """One run of `draftsmith datagen --recipe`: its flags as keys (ranges and choices are datagen's own, checked
+    when it runs); `model` defaults to the recipe's model.target."""
+
+    input: str
+    output: str
+    model: str | None = None
+    num_samples: int | None = None
+    skip_samples: int | None = None
+    max_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cut: Literal["start", "block"] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    dtype: str | None = None
+    device: str | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    logprobs_mode: str | None = None
+    enforce_eager: bool | None = None
+    step_mode: str | None = None
+    speculative_config: str | dict[str, Any] | list[dict[str, Any]] | None = None
+    engine: Literal["draftsmith", "vllm"] | None = None
+    vllm_python: str | None = None
+    tensor_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+
+
 class Recipe(_Section):
     # `model` and `training` are the sections of the method that trains the head (`model.head_type`
     # picks it; see `recipe_schema`), so each method's keys are valid exactly in its own recipes.
     model: SerializeAsAny[RecipeModelSection]
     data: DataSection
     training: SerializeAsAny[RecipeTrainingSection]
-    datagen: list[dict[str, Any]] | None = Field(
+    datagen: list[DatagenRun] | None = Field(
         default=None, description="runs of `draftsmith datagen --recipe` that regenerate this recipe's data with "
         "model.target: each `draftsmith datagen` flags as keys (num_samples: 4800, engine: vllm, ...)")
 

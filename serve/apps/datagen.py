@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 def recipe_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The recipe's `datagen` runs as `draftsmith datagen` arguments, every one checked before any runs: each
-    entry's keys as flags, model.target as --model, and the flags given with --recipe on top."""
+    entry's keys as flags, model.target as --model, and the flags given beside --recipe on top."""
     from draftsmith.cli import build_parser
     from draftsmith.train.recipe import load_recipe
 
@@ -59,11 +59,10 @@ def recipe_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
     if not recipe.datagen:
         raise DraftsmithError(f"recipe {args.recipe} has no datagen list to run")
     parser = build_parser()
-    defaults = vars(parser.parse_args(["datagen", "--recipe", args.recipe]))
-    on_top = {key: value for key, value in vars(args).items() if value != defaults.get(key)}
+    on_top = {key: getattr(args, key) for key in _given(getattr(args, "argv", None) or []) if key != "recipe"}
     runs = []
     for number, entry in enumerate(recipe.datagen, 1):
-        argv = ["datagen", "--model", recipe.model.target, *_flags(entry)]
+        argv = ["datagen", "--model", recipe.model.target, *_flags(entry.model_dump(exclude_none=True))]
         errors = io.StringIO()
         try:
             with contextlib.redirect_stderr(errors):
@@ -71,22 +70,32 @@ def recipe_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
         except SystemExit:
             reason = re.sub(r"^[\w ]+: error: ", "", errors.getvalue().strip()).removesuffix(" (see --help)")
             raise DraftsmithError(f"recipe {args.recipe}, datagen run {number}: {reason}") from None
-        missing = [name for name in ("input", "output") if getattr(parsed, name) is None]
-        if missing:
-            raise DraftsmithError(f"recipe {args.recipe}, datagen run {number}: say its {' and '.join(missing)}")
         runs.append(argparse.Namespace(**{**vars(parsed), **on_top, "recipe": None}))
     return runs
 
 
+def _given(argv: list[str]) -> set[str]:
+    """The datagen flags (as argument names) that `argv`, a whole `draftsmith datagen ...` command line, gives."""
+    from draftsmith.cli import build_parser
+
+    parser = build_parser()
+    datagen = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["datagen"]
+    names = {action.dest for action in datagen._actions if action.dest != "help"}
+    for action in datagen._actions:
+        action.default = argparse.SUPPRESS  # what is left after parsing was given
+    return set(vars(parser.parse_args(argv))) & names
+
+
 def _flags(entry: dict) -> list[str]:
-    """{"num_samples": 4800, "enforce_eager": true} -> ["--num-samples", "4800", "--enforce-eager"]."""
+    """{"num_samples": 4800, "enforce_eager": true} -> ["--num-samples=4800", "--enforce-eager"] (a value may
+    begin with a dash)."""
     flags = []
     for key, value in entry.items():
         flag = "--" + str(key).replace("_", "-")
         if value is True:
             flags.append(flag)
-        elif value is not None and value is not False:
-            flags += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+        elif value is not False:
+            flags.append(f"{flag}={json.dumps(value) if isinstance(value, (dict, list)) else value}")
     return flags
 
 

@@ -94,9 +94,10 @@ def test_a_recipes_datagen_runs_as_its_flags_would(tmp_path, capsys):
             {"input": str(source), "output": str(tmp_path / "block.jsonl"), "skip_samples": 1, "cut": "block",
              "seed": 3, "prompt_tokens": 6, "max_tokens": 6, "temperature": 0, "enforce_eager": True}]
     recipe = _recipe_with_datagen(tmp_path, runs)
-    assert main(["datagen", "--recipe", recipe, "--max-num-seqs", "2"]) == 0
+    # flags beside --recipe apply to every run, over the runs' own: even a default's value (--max-num-seqs 16)
+    assert main(["datagen", "--recipe", recipe, "--max-tokens", "3", "--max-num-seqs", "16"]) == 0
     assert main(["datagen", "--model", str(DEMO_MODEL), "--input", str(source), "--output", str(tmp_path / "by-hand.jsonl"),
-                 "--skip-samples", "1", "--cut", "block", "--seed", "3", "--prompt-tokens", "6", "--max-tokens", "6",
+                 "--skip-samples", "1", "--cut", "block", "--seed", "3", "--prompt-tokens", "6", "--max-tokens", "3",
                  "--temperature", "0"]) == 0
     assert (tmp_path / "block.jsonl").read_text() == (tmp_path / "by-hand.jsonl").read_text()
     assert len((tmp_path / "top.jsonl").read_text().splitlines()) == 2
@@ -107,9 +108,10 @@ def test_a_recipes_datagen_runs_as_its_flags_would(tmp_path, capsys):
 
 def test_a_recipes_datagen_mistakes_are_one_line(tmp_path, capsys):
     good = {"input": "in.jsonl", "output": str(tmp_path / "out.jsonl")}
-    cases = [([good, {**good, "num_sampels": 3}], [], "datagen run 2: unrecognized arguments: --num-sampels 3"),
-             ([{"input": "in.jsonl"}], [], "datagen run 1: say its output"),
-             ([{**good, "cut": "middle"}], [], "datagen run 1: argument --cut: invalid choice"),
+    cases = [([good, {**good, "num_sampels": 3}], [], "datagen.1.num_sampels: Extra inputs are not permitted"),
+             ([{"input": "in.jsonl"}], [], "datagen.0.output: Field required"),
+             ([{**good, "cut": "middle"}], [], "datagen.0.cut"),
+             ([{**good, "max_tokens": 0}], [], "datagen run 1: argument --max-tokens: must be >= 1, got 0"),
              ([good], ["--model", "m"], "--model: --recipe names them"),
              (None, [], "has no datagen list")]
     for runs, extra, message in cases:
@@ -119,3 +121,21 @@ def test_a_recipes_datagen_mistakes_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "out.jsonl").exists()  # nothing ran: every run is checked first
     assert main(["datagen", "--input", "in.jsonl"]) == 2
     assert "--model, --output required" in capsys.readouterr().err
+
+
+def test_a_recipes_runs_take_any_datagen_flag_and_values_beginning_with_a_dash(tmp_path):
+    from draftsmith.cli import build_parser
+    from draftsmith.serve.apps.datagen import _given, recipe_runs
+    from draftsmith.train.recipe import DatagenRun
+
+    parser = build_parser()
+    datagen = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["datagen"]
+    assert set(DatagenRun.model_fields) == {a.dest for a in datagen._actions} - {"help", "recipe"}
+    runs = [{"input": "-odd.jsonl", "output": str(tmp_path / "o.jsonl"), "engine": "vllm", "tensor_parallel_size": 8}]
+    argv = ["datagen", "--recipe", _recipe_with_datagen(tmp_path, runs), "--engine", "draftsmith",
+            "--tensor-parallel-size", "1"]
+    assert _given(argv) == {"recipe", "engine", "tensor_parallel_size"}
+    args = parser.parse_args(argv)
+    args.argv = argv  # as `draftsmith.cli.main` hands it over
+    (run,) = recipe_runs(args)
+    assert (run.input, run.engine, run.tensor_parallel_size) == ("-odd.jsonl", "draftsmith", 1)

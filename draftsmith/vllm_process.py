@@ -25,13 +25,13 @@ PREFIX = "DRAFTSMITH-PEER "  # the workers' protocol lines (vllm_peer_worker.PRE
 
 
 def split_cores(bind: str, ranks: int) -> list[str]:
-    """vLLM's core list "0-3" split among `ranks` processes: ["0-1", "2-3"] (each at least one core)."""
+    """vLLM's core list "0-6" split among `ranks` processes, as evenly as it goes: ["0-3", "4-6"]."""
     first, _, last = bind.partition("-")
     cores = list(range(int(first), int(last or first) + 1))
     if len(cores) < ranks:
         raise DraftsmithError(f"{ranks} data-parallel ranks need a core each; {len(cores)} threads given")
-    share = len(cores) // ranks
-    groups = [cores[r * share:(r + 1) * share] for r in range(ranks)]
+    bounds = [len(cores) * r // ranks for r in range(ranks + 1)]
+    groups = [cores[bounds[r]:bounds[r + 1]] for r in range(ranks)]
     return [str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups]
 
 

@@ -65,10 +65,10 @@ class VllmGenerator:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # as draftsmith's engine picks
         ranks = data_parallel_size
         if device == "cpu":
-            threads, bind = bind_threads(None)
-            binds, threads, envs = split_cores(bind, ranks), threads // ranks, [None] * ranks
+            binds = split_cores(bind_threads(None)[1], ranks)
+            threads, envs = [_core_count(b) for b in binds], [None] * ranks
         else:
-            binds, threads, envs = [None] * ranks, 0, _gpu_groups(ranks, tensor_parallel_size)
+            binds, threads, envs = [None] * ranks, [0] * ranks, _gpu_groups(ranks, tensor_parallel_size)
         config = self.model_dir / "config.json"
         if not config.is_file():
             raise DraftsmithError(f"--engine vllm: {config} not found (vLLM loads an HF model folder)")
@@ -80,10 +80,17 @@ class VllmGenerator:
         # kept where vLLM fails, so that the log an error names is still there (`close`)
         self.workdir = Path(tempfile.mkdtemp(prefix="draftsmith-datagen-vllm-"))
         started = time.perf_counter()
-        # each rank its own seed: ranks that shared one would draw the same random numbers for their requests
-        self.workers = [PeerWorker(python, {**job, "seed": (seed or 0) + rank}, binds[rank], threads,
-                                   self.workdir / f"rank{rank}", worker=WORKER, env=envs[rank])
-                        for rank in range(ranks)]
+        # each rank its own engine seed: requests without a seed of their own would otherwise draw alike on
+        # every rank (with --seed every request has that seed, on any rank, as on draftsmith's engine)
+        self.workers = []
+        try:
+            for rank in range(ranks):
+                self.workers.append(PeerWorker(python, {**job, "seed": (seed or 0) + rank}, binds[rank],
+                                               threads[rank], self.workdir / f"rank{rank}", worker=WORKER,
+                                               env=envs[rank]))
+        except BaseException:
+            self.close(keep_log=True)
+            raise
         for worker in self.workers:  # they load at once
             ready = worker.reply()
             if "ready" not in ready:
@@ -167,3 +174,9 @@ def _gpu_groups(ranks: int, tensor_parallel_size: int) -> list[dict[str, str] | 
                               f"{ranks * tensor_parallel_size} GPUs; {len(devices)} visible")
     return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[r * tensor_parallel_size:(r + 1) * tensor_parallel_size])}
             for r in range(ranks)]
+
+
+def _core_count(bind: str) -> int:
+    """Cores in vLLM's "a-b" (or "a") list."""
+    first, _, last = bind.partition("-")
+    return int(last or first) - int(first) + 1

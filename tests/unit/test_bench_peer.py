@@ -279,6 +279,16 @@ def test_both_engines_get_the_same_threads():
         torch.set_num_threads(threads)
 
 
+def test_data_parallel_ranks_split_the_cores_evenly():
+    from draftsmith.vllm_process import split_cores
+
+    assert split_cores("0-1", 2) == ["0", "1"] and split_cores("0-3", 1) == ["0-3"]
+    assert split_cores("0-6", 2) == ["0-2", "3-6"]  # every core used
+    assert split_cores("0-7", 3) == ["0-1", "2-4", "5-7"]
+    with pytest.raises(DraftsmithError, match="3 data-parallel ranks need a core each; 2 threads given"):
+        split_cores("0-1", 3)
+
+
 def test_peer_compile_reaches_the_workers_job(fake_worker):
     """--peer-compile lets vLLM compile (its default); without it the peer runs eager, as draftsmith on CPU."""
     from draftsmith.cli import build_parser

@@ -232,7 +232,8 @@ def _add_datagen(commands: argparse._SubParsersAction) -> None:
                      help="vLLM's: this many vLLM processes, each on its own --tensor-parallel-size GPUs (or its own "
                      "share of the CPU cores), each generating its share of every batch; across machines, run one "
                      "datagen per shard of the records (--skip-samples, --num-samples)")
-    dg.set_defaults(handler="draftsmith.serve.apps.datagen:run")
+    # the parser itself, for --recipe: each recipe run's keys are parsed as these flags
+    dg.set_defaults(handler="draftsmith.serve.apps.datagen:run", datagen_parser=dg)
 
 
 def _add_convert(commands: argparse._SubParsersAction) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import os
@@ -49,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
 def recipe_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The recipe's `datagen` runs as `draftsmith datagen` arguments, every one checked before any runs: each
     entry's keys as flags, model.target as --model, and the flags given beside --recipe on top."""
-    from draftsmith.cli import build_parser
     from draftsmith.train.recipe import load_recipe
 
     given = [f"--{name}" for name in RECIPE_NAMES if getattr(args, name) is not None]
@@ -58,32 +58,30 @@ def recipe_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
     recipe = load_recipe(args.recipe)
     if not recipe.datagen:
         raise DraftsmithError(f"recipe {args.recipe} has no datagen list to run")
-    parser = build_parser()
-    on_top = {key: getattr(args, key) for key in _given(getattr(args, "argv", None) or []) if key != "recipe"}
+    parser = args.datagen_parser
+    on_top = {key: getattr(args, key) for key in _given(parser, args.argv) if key != "recipe"}
     runs = []
     for number, entry in enumerate(recipe.datagen, 1):
-        argv = ["datagen", "--model", recipe.model.target, *_flags(entry.model_dump(exclude_none=True))]
         errors = io.StringIO()
         try:
             with contextlib.redirect_stderr(errors):
-                parsed = parser.parse_args(argv)
+                parsed = parser.parse_args(["--model", recipe.model.target,
+                                            *_flags(entry.model_dump(exclude_none=True))])
         except SystemExit:
             reason = re.sub(r"^[\w ]+: error: ", "", errors.getvalue().strip()).removesuffix(" (see --help)")
             raise DraftsmithError(f"recipe {args.recipe}, datagen run {number}: {reason}") from None
-        runs.append(argparse.Namespace(**{**vars(parsed), **on_top, "recipe": None}))
+        runs.append(argparse.Namespace(**{**vars(args), **vars(parsed), **on_top, "recipe": None}))
     return runs
 
 
-def _given(argv: list[str]) -> set[str]:
-    """The datagen flags (as argument names) that `argv`, a whole `draftsmith datagen ...` command line, gives."""
-    from draftsmith.cli import build_parser
-
-    parser = build_parser()
-    datagen = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["datagen"]
-    names = {action.dest for action in datagen._actions if action.dest != "help"}
-    for action in datagen._actions:
-        action.default = argparse.SUPPRESS  # what is left after parsing was given
-    return set(vars(parser.parse_args(argv))) & names
+def _given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The flags (as argument names) that `argv`, a whole `draftsmith datagen ...` command line, gives:
+    parsed with every default suppressed, what is left was given."""
+    quiet = copy.deepcopy(parser)
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    flags = {action.dest for action in quiet._actions}
+    return set(vars(quiet.parse_args(argv[argv.index("datagen") + 1:]))) & flags
 
 
 def _flags(entry: dict) -> list[str]:

@@ -133,8 +133,8 @@ def test_a_recipes_runs_take_any_datagen_flag_and_values_beginning_with_a_dash(t
     assert set(DatagenRun.model_fields) == {a.dest for a in datagen._actions} - {"help", "recipe"}
     runs = [{"input": "-odd.jsonl", "output": str(tmp_path / "o.jsonl"), "engine": "vllm", "tensor_parallel_size": 8}]
     argv = ["datagen", "--recipe", _recipe_with_datagen(tmp_path, runs), "--engine", "draftsmith",
-            "--tensor-parallel-size", "1"]
-    assert _given(argv) == {"recipe", "engine", "tensor_parallel_size"}
+            "--tensor-parallel", "1"]  # argparse takes a flag's prefix
+    assert _given(datagen, argv) == {"recipe", "engine", "tensor_parallel_size"}
     args = parser.parse_args(argv)
     args.argv = argv  # as `draftsmith.cli.main` hands it over
     (run,) = recipe_runs(args)

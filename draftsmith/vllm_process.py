@@ -24,10 +24,15 @@ WORKER_TIMEOUT_S = 1800  # the most a worker may take to load, or to answer one 
 PREFIX = "DRAFTSMITH-PEER "  # the workers' protocol lines (vllm_peer_worker.PREFIX; that file imports no draftsmith)
 
 
+def cores_of(bind: str) -> list[int]:
+    """vLLM's core list "a-b" (or "a") as core ids."""
+    first, _, last = bind.partition("-")
+    return list(range(int(first), int(last or first) + 1))
+
+
 def split_cores(bind: str, ranks: int) -> list[str]:
     """vLLM's core list "0-6" split among `ranks` processes, as evenly as it goes: ["0-3", "4-6"]."""
-    first, _, last = bind.partition("-")
-    cores = list(range(int(first), int(last or first) + 1))
+    cores = cores_of(bind)
     if len(cores) < ranks:
         raise DraftsmithError(f"{ranks} data-parallel ranks need a core each; {len(cores)} threads given")
     bounds = [len(cores) * r // ranks for r in range(ranks + 1)]

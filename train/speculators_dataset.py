@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.config import TargetConfig
-from draftsmith.train.vllm_capture import features_of_layers, final_norm_weight
+from draftsmith.train.vllm_capture import features_of_layers, final_norm_weight, stacked_layers
 
 HIDDEN_STATES = "hidden_states"
 SCALES = "hidden_states_scales"
@@ -50,7 +50,7 @@ class SpeculatorsDataset(torch.utils.data.Dataset):
                                   f"{len(self.records)} samples (first: {self._file(missing[0])}): finish "
                                   "`speculators generate-offline-data` first")
         config = TargetConfig.from_model_dir(Path(target_dir))
-        self.layers = sorted(set(feature_layers) | {config.num_hidden_layers})  # as vLLM stacks them
+        self.layers = stacked_layers(feature_layers, config.num_hidden_layers)
         self.feature_layers, self.dtype, self.max_length = tuple(feature_layers), dtype, max_length
         self.norm_weight, self.eps = final_norm_weight(Path(target_dir)), config.rms_norm_eps
         with safe_open(str(self._file(0)), framework="pt") as f:

@@ -67,6 +67,12 @@ def read_written(path: Path, timeout_s: float = WORKER_TIMEOUT_S) -> dict[str, t
         raise DraftsmithError(f"vLLM's hidden states in {path} cannot be read ({exc})") from None
 
 
+def stacked_layers(feature_layers: tuple[int, ...], num_hidden_layers: int) -> list[int]:
+    """The layers vLLM keeps for a head, in the order it stacks them: its feature layers and the last,
+    ascending, each once."""
+    return sorted(set(feature_layers) | {num_hidden_layers})
+
+
 def features_of_layers(stacked: torch.Tensor, layers: list[int], feature_layers: tuple[int, ...],
                        norm_weight: torch.Tensor, eps: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """vLLM's hidden states [tokens, len(layers), hidden] at `layers` (the last of them the final layer,
@@ -95,9 +101,8 @@ class VllmFeatures:
             raise DraftsmithError(f"samples of up to {max_model_len - 1} tokens and the one vLLM generates do not fit "
                                   f"{self.model_dir.name}'s context of {config.max_position_embeddings}")
         self.norm_weight, self.eps = final_norm_weight(self.model_dir), config.rms_norm_eps
-        # what vLLM keeps: the head's layers and the last one (the final normed hidden is stored too), sorted as
-        # vLLM stacks them
-        self.layers = sorted(set(feature_layers) | {self.num_hidden_layers})
+        # what vLLM keeps: the head's layers and the last one (the final normed hidden is stored too)
+        self.layers = stacked_layers(feature_layers, self.num_hidden_layers)
         threads, bind = bind_threads(None) if device == "cpu" else (0, None)
         self.workdir = Path(tempfile.mkdtemp(prefix="draftsmith-capture-vllm-"))
         job = {"model": str(self.model_dir.resolve()), "dtype": "float32" if device == "cpu" else "auto",

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.serve.engine.sampling_params import SamplingParams
-from draftsmith.vllm_process import DEFAULT_PYTHON, PeerWorker, bind_threads, split_cores
+from draftsmith.vllm_process import DEFAULT_PYTHON, PeerWorker, bind_threads, cores_of, split_cores
 
 WORKER = Path(__file__).with_name("vllm_datagen_worker.py")
 BATCH = 256  # prompts per command, so that the progress bar moves
@@ -66,7 +66,7 @@ class VllmGenerator:
         ranks = data_parallel_size
         if device == "cpu":
             binds = split_cores(bind_threads(None)[1], ranks)
-            threads, envs = [_core_count(b) for b in binds], [None] * ranks
+            threads, envs = [len(cores_of(b)) for b in binds], [None] * ranks
         else:
             binds, threads, envs = [None] * ranks, [0] * ranks, _gpu_groups(ranks, tensor_parallel_size)
         config = self.model_dir / "config.json"
@@ -174,9 +174,3 @@ def _gpu_groups(ranks: int, tensor_parallel_size: int) -> list[dict[str, str] | 
                               f"{ranks * tensor_parallel_size} GPUs; {len(devices)} visible")
     return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[r * tensor_parallel_size:(r + 1) * tensor_parallel_size])}
             for r in range(ranks)]
-
-
-def _core_count(bind: str) -> int:
-    """Cores in vLLM's "a-b" (or "a") list."""
-    first, _, last = bind.partition("-")
-    return int(last or first) - int(first) + 1

@@ -79,15 +79,17 @@ def _check(dtype: torch.dtype) -> bool:
     weight = torch.randn(24, 40, generator=generator).to(dtype)
     bias = torch.randn(24, generator=generator).to(dtype)
     x = torch.randn(3, 5, 40, generator=generator).to(dtype)
+    # autocast off: a first call inside a bf16 autocast region (training's frozen target) had compared
+    # oneDNN's fp32 result with aten's bf16 one and turned the path off for the whole process
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.autocast("cpu", enabled=False):
             got = ops._linear_pointwise(x, ops._reorder_linear_weight(weight, REORDER_ROWS), bias, "none", [], "")
+            expected = F.linear(x, weight, bias)
     except RuntimeError as exc:
         logger.info("oneDNN linear unavailable for %s (%s): using aten's", dtype, exc)
         return False
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    if got.shape != (3, 5, 24) or not torch.allclose(got.float(), F.linear(x, weight, bias).float(),
-                                                    rtol=tolerance, atol=tolerance):
+    if got.shape != (3, 5, 24) or not torch.allclose(got.float(), expected.float(), rtol=tolerance, atol=tolerance):
         logger.warning("oneDNN linear disagrees with aten's for %s in this torch build: using aten's", dtype)
         return False
     return True
@@ -133,8 +135,10 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # Traced by torch.compile (`serve.engine.step_graphs`), a layer is aten's linear: the reordered weight is an
     # opaque tensor cached by address, which a graph cannot hold, and Inductor's own CPU lowering of a linear
     # is this same oneDNN call.
+    # Under autocast aten's linear computes in the autocast dtype; the fast path would not, so it steps aside.
     return (x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and onednn_linear_available(weight.dtype))
+            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
+            and onednn_linear_available(weight.dtype))
 
 
 def _checked_rows() -> list[int]:

@@ -91,6 +91,26 @@ def test_environment_turns_it_off(monkeypatch):
     assert "_onednn_weight" not in layer.__dict__
 
 
+def test_a_first_call_under_autocast_keeps_the_fast_path(monkeypatch):
+    """The build check compares oneDNN with aten in the dtype asked: autocast around the first call (a
+    training step's frozen target) must not make aten's bf16 result the reference for fp32."""
+    monkeypatch.setattr(linear_module, "_usable", {})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        in_autocast = onednn_linear_available(torch.float32)
+    monkeypatch.setattr(linear_module, "_usable", {})
+    assert in_autocast == onednn_linear_available(torch.float32)
+
+
+def test_autocast_regions_compute_as_aten_does():
+    """Under autocast a layer computes in the autocast dtype, as nn.Linear does, not on the fp32 fast path."""
+    layer = Linear(64, 32)
+    x = torch.randn(3, 64)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expected)
+
+
 def test_row_buckets_bound_the_shapes_compiled():
     """oneDNN compiles a kernel per row count: rows above EXACT_ROWS are padded to buckets, a few per octave
     and at most an eighth more rows, and the padded call returns exactly the unpadded rows' results."""

@@ -13,7 +13,8 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head
-from draftsmith.methods.dspark.objective import block_outputs
+from draftsmith.methods.dflash.objective import sample_anchors
+from draftsmith.methods.dspark.objective import block_outputs, dspark_objective
 from draftsmith.methods.dspark.proposer import DSparkProposer
 from draftsmith.methods.proposer_base import DraftBatch
 from draftsmith.models import load_target
@@ -223,6 +224,36 @@ def test_training_learns_drafts_and_their_chances(tmp_path):
     assert head.head_type == "dspark" and head.config.block_size == 4 and head.config.markov_rank == 32
     report = json.loads((tmp_path / "run" / "eval_epoch4.json").read_text())
     assert report["sim_mean_acceptance_length_k1"] > 1.0 and report["sim_served_acceptance_length"] > 1.0, report
+
+
+def _loss(head, target, batch, feats, **weights):
+    cfg = SimpleNamespace(ce_weight=0.0, tv_weight=0.0, kd_weight=0.0, confidence_weight=0.0,
+                          confidence_label="match", loss_positions=None, loss_decay_gamma=1.5, num_anchors=3)
+    for name, value in weights.items():
+        setattr(cfg, name, value)
+    torch.manual_seed(0)  # the same anchors for every call
+    with torch.no_grad():
+        return dspark_objective(head, target, batch, feats, cfg)[0]
+
+
+def test_each_loss_term_is_what_its_weight_names(demo_target):
+    """The objective is the weighted sum of its terms, and kd_weight's is the cross-entropy against the
+    target's whole distribution at the block positions trained, weighted as the others."""
+    head, ids = _head(demo_target), torch.randint(4, 8000, (1, 24))
+    batch = {"input_ids": ids, "lengths": torch.tensor([24]), "loss_mask": torch.ones_like(ids)}
+    feats = target_features(demo_target, head.feature_layers, ids, "float32")
+    kd, ce, tv = (_loss(head, demo_target, batch, feats, **{name: 1.0}) for name in ("kd_weight", "ce_weight",
+                                                                                     "tv_weight"))
+    mixed = _loss(head, demo_target, batch, feats, kd_weight=0.5, ce_weight=0.1, tv_weight=0.9)
+    torch.testing.assert_close(mixed, 0.5 * kd + 0.1 * ce + 0.9 * tv)
+    torch.manual_seed(0)
+    anchors, _ = sample_anchors(batch["loss_mask"], [24], 3, "cpu")
+    with torch.no_grad():
+        logits, _, _, target_logits, _, real = block_outputs(head, demo_target, batch, feats, anchors, 5)
+    soft = -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    weights = torch.exp(-torch.arange(5.0) / 1.5) * real  # a block's positions past the text are not trained
+    torch.testing.assert_close(kd, (soft * weights).sum() / weights.sum())
+    assert not torch.isclose(kd, ce)  # the whole distribution, not the greedy token's cross-entropy
 
 
 def test_no_drafts_chosen_is_a_plain_step():

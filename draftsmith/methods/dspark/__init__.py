@@ -41,6 +41,8 @@ class DSparkTraining(DFlashTraining):
     ce_weight: float = Field(default=0.1, ge=0, description="cross-entropy against the target's greedy token")
     tv_weight: float = Field(default=0.9, ge=0, description="L1 distance of the draft's and the target's "
                              "distributions (twice their total variation), DeepSpec's")
+    kd_weight: float = Field(default=0.0, ge=0, description="cross-entropy against the target's whole "
+                             "distribution (DFlash's distillation loss; draftsmith's addition, off in DeepSpec's)")
     confidence_weight: float = Field(default=1.0, ge=0, description="BCE of the confidence head")
     confidence_label: Literal["match", "tv"] = Field(default="match", description=(
         "what the confidence head learns: match, whether the draft is the target's greedy token (what greedy "

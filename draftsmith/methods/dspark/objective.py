@@ -4,7 +4,11 @@ served block accepts are those tokens), and per position, weighted exp(-(j - 1) 
 of the block:
 
     ce_weight * CE(draft, target's greedy token) + tv_weight * ||p_draft - p_target||_1
-        + confidence_weight * BCE(confidence logit, label)
+        + kd_weight * CE(draft, p_target) + confidence_weight * BCE(confidence logit, label)
+
+The kd term (draftsmith's, off by default) is DFlash's distillation loss, the cross-entropy against the
+target's whole distribution: its gradient keeps pulling where TV's has flattened out, which is what a head
+trained for minutes rather than epochs needs.
 
 The label is the chance the position is accepted given the ones before it: `match` (the default), 1 where the
 draft's argmax is the target's, what greedy verification accepts; `tv`, DeepSpec's 1 - TV(p_draft, p_target),
@@ -49,12 +53,9 @@ def dspark_objective(head, target, batch, features, cfg):
     trained = learnable.long().cumprod(-1).bool()  # a block's valid prefix: a position past a gap is never verified
     weights = trained.float() * decay
     total = weights.sum().clamp(min=1e-6)
-    p_target = torch.softmax(target_logits, -1)
     greedy = target_logits.argmax(-1)
-    p_draft = torch.softmax(logits, -1)
-    l1 = (p_draft - p_target).abs().sum(-1)
-    ce = F.cross_entropy(logits.flatten(0, 2), greedy.flatten(), reduction="none").view(greedy.shape)
-    loss = cfg.ce_weight * (ce * weights).sum() / total + cfg.tv_weight * (l1 * weights).sum() / total
+    per_position, l1 = _distillation(logits, target_logits, greedy, cfg)
+    loss = (per_position * weights).sum() / total
     hits = logits.argmax(-1) == greedy
     with torch.no_grad():
         logs = position_accuracy(hits, trained)
@@ -68,6 +69,25 @@ def dspark_objective(head, target, batch, features, cfg):
             if where.any():
                 logs["conf_pos1"] = torch.sigmoid(confidence[:, :, 0][where]).mean().item()
     return loss, logs
+
+
+def _distillation(logits, target_logits, greedy, cfg) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(each position's weighted ce + tv + kd terms, and the L1 distance where a term or the label reads it).
+    A term of weight 0 is not computed: each is a few passes over [positions, vocabulary] values, forward and
+    backward, which is most of what a step's loss costs on a CPU."""
+    log_draft = torch.log_softmax(logits, -1)
+    per_position = torch.zeros_like(greedy, dtype=log_draft.dtype)
+    if cfg.ce_weight:
+        per_position = per_position - cfg.ce_weight * log_draft.gather(-1, greedy[..., None])[..., 0]
+    l1 = None
+    if cfg.tv_weight or cfg.kd_weight or cfg.confidence_label == "tv":
+        p_target = torch.softmax(target_logits, -1)
+        if cfg.kd_weight:
+            per_position = per_position - cfg.kd_weight * (p_target * log_draft).sum(-1)
+        if cfg.tv_weight or cfg.confidence_label == "tv":
+            l1 = (log_draft.exp() - p_target).abs().sum(-1)
+            per_position = per_position + cfg.tv_weight * l1
+    return per_position, l1
 
 
 def block_chains(head, target, batch, features, anchors, max_k: int) -> torch.Tensor:

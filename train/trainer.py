@@ -48,6 +48,7 @@ from draftsmith.train.data import check_tokenizer, collate, tokenize_dataset
 from draftsmith.train.feature_storage import compute_dtype
 from draftsmith.train.objectives import acceptance_report, target_features
 from draftsmith.train.recipe import Recipe, dump_recipe
+from draftsmith.train.schedule import TimeBudget, cosine_schedule
 from draftsmith.train.speculators_dataset import SpeculatorsDataset, is_speculators_dataset
 
 
@@ -198,15 +199,10 @@ def evaluate(accelerator, trainee, loader, max_k: int) -> dict[str, float]:
 clock = time.monotonic  # the training loop's time budget reads this clock
 
 
-def out_of_time(accelerator, deadline: float | None) -> bool:
+def out_of_time(accelerator, budget: TimeBudget | None) -> bool:
     """Whether the training loop's wall-clock budget is spent, agreed by every process (the first one past it
-    stops them all, at the same step)."""
-    if deadline is None:
-        return False
-    late = clock() > deadline
-    if accelerator.num_processes == 1:
-        return late
-    return bool(accelerator.reduce(torch.tensor(float(late), device=accelerator.device), reduction="sum") > 0)
+    stops them all, at the same step); the reading is what the LR schedule follows from then on."""
+    return budget is not None and budget.read(accelerator, clock()) > 1
 
 
 def save_head(accelerator, trainee, directory: Path, dtype: torch.dtype) -> None:
@@ -240,6 +236,7 @@ class PreparedRun:
     train_loader: Any
     eval_loader: Any | None  # None when there is no eval data or the method has no acceptance eval
     total_steps: int
+    budget: TimeBudget | None = None  # training.max_minutes, which the LR schedule also follows
 
 
 def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
@@ -297,9 +294,8 @@ def _build_trainee(accelerator, recipe: Recipe):
 
 
 def _prepare(accelerator, t: RecipeTrainingSection, trainee: HeadWithObjective, train_ds, eval_ds, pad: int) -> PreparedRun:
-    """Builds the loaders, the optimizer and the cosine schedule and hands them to `accelerator.prepare`."""
-    from transformers import get_cosine_schedule_with_warmup
-
+    """Builds the loaders, the optimizer and the cosine schedule (`train.schedule`: it ends with the run's
+    steps or its max_minutes, whichever comes first) and hands them to `accelerator.prepare`."""
     train_loader = torch.utils.data.DataLoader(train_ds, batch_size=t.batch_size, shuffle=True,
                                                collate_fn=lambda r: collate(r, pad), num_workers=t.num_workers)
     eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=t.batch_size, collate_fn=lambda r: collate(r, pad)) \
@@ -316,11 +312,12 @@ def _prepare(accelerator, t: RecipeTrainingSection, trainee: HeadWithObjective, 
     total_steps = min(t.epochs * steps_per_epoch, t.max_steps or t.epochs * steps_per_epoch)
     # accelerate steps a prepared scheduler once per process per optimizer step
     scale = accelerator.num_processes
-    scheduler = accelerator.prepare(get_cosine_schedule_with_warmup(
-        optimizer, int(t.warmup_ratio * total_steps) * scale, total_steps * scale))
+    budget = TimeBudget(60 * t.max_minutes) if t.max_minutes else None
+    scheduler = accelerator.prepare(cosine_schedule(optimizer, int(t.warmup_ratio * total_steps) * scale,
+                                                    total_steps * scale, budget))
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    return PreparedRun(trainee, optimizer, scheduler, train_loader, eval_loader, total_steps)
+    return PreparedRun(trainee, optimizer, scheduler, train_loader, eval_loader, total_steps, budget)
 
 
 def _resume(accelerator, output: Path) -> Progress:
@@ -339,8 +336,9 @@ def _train_epochs(accelerator, recipe: Recipe, output: Path, argv: list[str], ru
     at `total_steps` or at the first optimizer step past `max_minutes`, and evaluates at each epoch's end."""
     t = recipe.training
     bar = tqdm(total=run.total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process)
-    deadline = clock() + 60 * t.max_minutes if t.max_minutes else None
-    while progress.epoch < t.epochs and progress.step < run.total_steps and not out_of_time(accelerator, deadline):
+    if run.budget is not None:
+        run.budget.begin(clock())
+    while progress.epoch < t.epochs and progress.step < run.total_steps and not out_of_time(accelerator, run.budget):
         run.train_loader.set_epoch(progress.epoch)
         loader = accelerator.skip_first_batches(run.train_loader, progress.batches_in_epoch) \
             if progress.batches_in_epoch else run.train_loader
@@ -356,7 +354,7 @@ def _train_epochs(accelerator, recipe: Recipe, output: Path, argv: list[str], ru
                                                "lr": run.scheduler.get_last_lr()[0], **logs})
                 if progress.step % t.save_every_steps == 0:
                     _save_checkpoint(accelerator, recipe, output, progress, argv)
-                if progress.step >= run.total_steps or out_of_time(accelerator, deadline):
+                if progress.step >= run.total_steps or out_of_time(accelerator, run.budget):
                     break
         if progress.batches_in_epoch < len(run.train_loader):
             break  # max_steps or max_minutes reached inside the epoch

@@ -61,8 +61,8 @@ class RecipeTrainingSection(BaseModel):
     epochs: int = Field(default=1, gt=0)
     max_steps: int | None = Field(default=None, gt=0, description="optimizer steps; stops early when reached")
     max_minutes: float | None = Field(default=None, gt=0, description="wall-clock budget of the training loop: it "
-                                      "stops at the first optimizer step past it, then evaluates and saves (the LR "
-                                      "schedule still spans epochs or max_steps)")
+                                      "stops at the first optimizer step past it, then evaluates and saves; the LR "
+                                      "cosine ends with it where it ends the run before epochs or max_steps")
     save_dtype: Literal["bfloat16", "float32"] = Field(default="bfloat16", description="floating tensors of the "
                                                        "saved head (public heads ship in bf16)")
     batch_size: int = Field(default=4, gt=0, description="per process")

@@ -1,6 +1,7 @@
 """Training on a tiny random target: loss falls, online == offline, exact resume after a kill, DDP on CPU."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -297,6 +298,11 @@ def test_max_minutes_stops_at_the_first_step_past_the_budget_and_saves(workspace
     recipe = validate_recipe(tiny_recipe(target, data, tmp_path / "run", epochs=3, batch_size=2, max_minutes=0.1))
     final = train(recipe, ["test"])
     assert len(_log(tmp_path / "run", "loss")) == 6  # the budget is read at 0, the loop's start at 1, step n at n + 1
+    # the schedule ends with the budget, not with the 3 epochs' steps: step n's rate follows the share read
+    # after step n - 1, n / 6, and reaches zero with the budget
+    rates = _log(tmp_path / "run", "lr")
+    peak = recipe.training.learning_rate
+    assert rates == pytest.approx([peak * 0.5 * (1 + math.cos(math.pi * n / 6)) for n in range(1, 7)], abs=1e-9)
     assert (tmp_path / "run" / "eval_final.json").is_file()
     saved = load_file(str(final / "model.safetensors"))
     assert {t.dtype for t in saved.values() if t.is_floating_point()} == {torch.bfloat16}

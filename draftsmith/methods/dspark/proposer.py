@@ -9,6 +9,7 @@ where the cost model says the rest does not pay (`serve.speculation.verify_lengt
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from draftsmith.methods.dflash.proposer import DFlashProposer
 from draftsmith.methods.draft_sampling import choose
@@ -19,6 +20,7 @@ class DSparkProposer(DFlashProposer):
         super().__init__(config, target, max_num_seqs, max_model_len)
         self.adaptive_verification = config.enable_adaptive_verification and self.head.confidence_head is not None
         self.survival = torch.zeros(max_num_seqs, self.k, device=self.device)
+        self._w2_t: tuple | None = None  # (the Markov output weight, its fp32 transpose) for `_greedy_chain`
 
     def _chain(self, hidden: torch.Tensor, last: torch.Tensor, limits: list[int], rows: torch.Tensor,
                temperature: torch.Tensor | None, generators: dict[int, torch.Generator], tokens_out: torch.Tensor,
@@ -27,6 +29,44 @@ class DSparkProposer(DFlashProposer):
         width = base.shape[1]
         limit = torch.tensor(limits, device=self.device)
         kept = torch.arange(width, device=self.device) < limit[:, None]
+        greedy = self._greedy_chain(base, last) if temperature is None else None
+        if greedy is not None:
+            drafted, embedded = greedy
+        else:
+            drafted, embedded = self._along_block(base, last, limits, rows, temperature, generators, probs_out)
+        tokens_out[rows, :width] = torch.where(kept, drafted, -1)
+        if not self.adaptive_verification:
+            return None
+        markov = torch.stack(embedded, 1) if embedded[0] is not None else None
+        chances = torch.sigmoid(self.head.confidence_logits(hidden, markov))
+        survival = self.survival[: tokens_out.shape[0]]
+        survival.zero_()
+        survival[rows, :width] = chances.cumprod(-1) * kept
+        return survival
+
+    def _greedy_chain(self, base: torch.Tensor, last: torch.Tensor):
+        """Greedy drafts along the block, each the argmax of the block's logits plus the Markov bias of the
+        draft before it -> (drafts [A, width], Markov embeddings per position): `_along_block`'s choices in
+        fewer ops a position (the bias added inside its GEMV), which at one row are most of a draft's cost."""
+        markov = self.head.markov_head
+        if markov is None:
+            return None
+        w1, w2 = markov.markov_w1.weight, markov.markov_w2.weight
+        if self._w2_t is None or self._w2_t[0] is not w2:
+            self._w2_t = (w2, w2.t().float())
+        w2_t = self._w2_t[1]
+        previous, embedded, drafted = last, [], []
+        for j in range(base.shape[1]):
+            e = F.embedding(previous, w1)  # [A, r]
+            drafted.append(torch.addmm(base[:, j], e.float(), w2_t).argmax(-1))
+            embedded.append(e)
+            previous = drafted[-1]
+        return torch.stack(drafted, 1), embedded
+
+    def _along_block(self, base, last, limits, rows, temperature, generators, probs_out):
+        """Drafts chosen left to right over the whole vocabulary, each position's logits gaining the Markov
+        bias of the draft before it -> (drafts [A, width], Markov embeddings per position)."""
+        width = base.shape[1]
         previous, embedded = last, []
         drafted = torch.full(base.shape[:2], -1, dtype=torch.long, device=self.device)
         for j in range(width):
@@ -44,12 +84,4 @@ class DSparkProposer(DFlashProposer):
                 if probs_out is not None:
                     probs_out[rows[live_t], j] = q
             previous = drafted[:, j].clamp(min=0)  # rows past their limit draft nothing more that is read
-        tokens_out[rows, :width] = torch.where(kept, drafted, -1)
-        if not self.adaptive_verification:
-            return None
-        markov = torch.stack(embedded, 1) if embedded[0] is not None else None
-        chances = torch.sigmoid(self.head.confidence_logits(hidden, markov))
-        survival = self.survival[: tokens_out.shape[0]]
-        survival.zero_()
-        survival[rows, :width] = chances.cumprod(-1) * kept
-        return survival
+        return drafted, embedded

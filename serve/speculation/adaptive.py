@@ -37,6 +37,8 @@ CLOSE_CALL, CLOSE_HOLD, CLOSE_CALL_ROWS = 0.9, 2, 4
 # ... and where speculating lost clearly (below CLOSE_CALL), each plan that says so again doubles the hold, up
 # to MAX_PLAIN_HOLD steps (but not past a due probe): re-planning gives the same answer at a price
 MAX_PLAIN_HOLD = 64
+# plain steps in a row after which a close call's hold also keeps new prompts unfed (`holding`)
+LONG_PLAIN_RUN = 64
 # A hold goes on while the batch keeps all but 1/HOLD_SHRINK of its rows (a request finishing and the next
 # joining do not reopen it)
 HOLD_SHRINK = 8
@@ -106,11 +108,14 @@ class AdaptivePolicy:
         return True
 
     def holding(self, rows: int) -> bool:
-        """A hold after clear losses only: a close call holds a few steps, after which a prompt kept unfed
-        would be priced as a catch-up into the next plan (at one in flight that cost DFlash 2-3% of its
-        speed)."""
-        return not self.may_draft(rows) or (self._hold > 0 and self._clear_losses > 0
-                                            and rows >= self._held_rows - self._held_rows // HOLD_SHRINK)
+        """A hold after clear losses, or after LONG_PLAIN_RUN plain steps in a row: a close call alone holds a
+        few steps, after which a prompt kept unfed would be priced as a catch-up into the next plan (at one in
+        flight that cost DFlash 2-3% of its speed); a batch that has not speculated for that long (8 in flight
+        on a CPU, where verifying rarely pays) would otherwise feed every new prompt for nothing."""
+        if not self.may_draft(rows):
+            return True
+        held = self._hold > 0 and rows >= self._held_rows - self._held_rows // HOLD_SHRINK
+        return held and (self._clear_losses > 0 or self._plain_run >= LONG_PLAIN_RUN)
 
     def _book_plain(self, slots: tuple[int, ...]) -> None:
         """A step of these rows decodes plainly without a plan: counted, its idle decay deferred (`idle`)."""

@@ -502,3 +502,19 @@ def test_holding_says_whether_a_step_would_be_held_without_taking_one():
     _feed(close, [0], accepted_each=4)
     close._hold, close._held_rows, close._clear_losses = 2, 1, 0  # a close call's short hold at one row
     assert close.held((0,)) and not close.holding(1)
+
+
+def test_a_long_run_of_close_calls_keeps_new_prompts_unfed():
+    """After LONG_PLAIN_RUN plain steps in a row, a close call's hold is a hold for prompts too: a batch that
+    has not speculated for that long (8 in flight on a CPU) fed every new prompt to its head for nothing."""
+    from draftsmith.serve.speculation.adaptive import LONG_PLAIN_RUN
+
+    close = _policy(CHEAP)
+    _feed(close, list(range(8)), accepted_each=4)
+    close._hold, close._held_rows, close._clear_losses = 8, 8, 0
+    close._plain_run = LONG_PLAIN_RUN - 1
+    assert not close.holding(8)
+    assert close.held(tuple(range(8)))  # one more plain step
+    assert close.holding(8) and not close.holding(4)  # about the held batch size only
+    close._hold = 0
+    assert not close.holding(8)  # the hold is over: the next step plans

@@ -20,7 +20,6 @@ class DSparkProposer(DFlashProposer):
         super().__init__(config, target, max_num_seqs, max_model_len)
         self.adaptive_verification = config.enable_adaptive_verification and self.head.confidence_head is not None
         self.survival = torch.zeros(max_num_seqs, self.k, device=self.device)
-        self._w2_t: tuple | None = None  # (the Markov output weight, its fp32 transpose) for `_greedy_chain`
 
     def _chain(self, hidden: torch.Tensor, last: torch.Tensor, limits: list[int], rows: torch.Tensor,
                temperature: torch.Tensor | None, generators: dict[int, torch.Generator], tokens_out: torch.Tensor,
@@ -47,18 +46,16 @@ class DSparkProposer(DFlashProposer):
     def _greedy_chain(self, base: torch.Tensor, last: torch.Tensor):
         """Greedy drafts along the block, each the argmax of the block's logits plus the Markov bias of the
         draft before it -> (drafts [A, width], Markov embeddings per position): `_along_block`'s choices in
-        fewer ops a position (the bias added inside its GEMV), which at one row are most of a draft's cost."""
+        fewer ops a position (the bias added inside its GEMV), which at one row are most of a draft's cost; in
+        fp32, where the two round alike but for addmm's fused add (a near-tie may go the other way)."""
         markov = self.head.markov_head
-        if markov is None:
-            return None
-        w1, w2 = markov.markov_w1.weight, markov.markov_w2.weight
-        if self._w2_t is None or self._w2_t[0] is not w2:
-            self._w2_t = (w2, w2.t().float())
-        w2_t = self._w2_t[1]
+        if markov is None or markov.markov_w2.weight.dtype != torch.float32:
+            return None  # a head drafting in bf16 rounds its bias there, as `_along_block` and training do
+        w1, w2_t = markov.markov_w1.weight, markov.markov_w2.weight.t()
         previous, embedded, drafted = last, [], []
         for j in range(base.shape[1]):
             e = F.embedding(previous, w1)  # [A, r]
-            drafted.append(torch.addmm(base[:, j], e.float(), w2_t).argmax(-1))
+            drafted.append(torch.addmm(base[:, j], e, w2_t).argmax(-1))
             embedded.append(e)
             previous = drafted[-1]
         return torch.stack(drafted, 1), embedded

@@ -27,6 +27,7 @@ from draftsmith.train.trainer import train
 from helpers import (
     CODE_PROMPTS,
     DEMO_MODEL,
+    REPO,
     Row,
     random_dflash_head,
     spec_config,
@@ -254,6 +255,15 @@ def test_each_loss_term_is_what_its_weight_names(demo_target):
     weights = torch.exp(-torch.arange(5.0) / 1.5) * real  # a block's positions past the text are not trained
     torch.testing.assert_close(kd, (soft * weights).sum() / weights.sum())
     assert not torch.isclose(kd, ce)  # the whole distribution, not the greedy token's cross-entropy
+
+
+def test_a_recipe_whose_drafts_learn_nothing_is_one_line():
+    from draftsmith.train.recipe import load_recipe
+
+    with pytest.raises(DraftsmithError, match="ce_weight, tv_weight and kd_weight are all 0"):
+        load_recipe(REPO / "recipes/dspark-demo.yaml", ["training.ce_weight=0", "training.tv_weight=0"])
+    assert load_recipe(REPO / "recipes/dspark-demo.yaml", ["training.kd_weight=1", "training.ce_weight=0",
+                                                    "training.tv_weight=0"]).training.kd_weight == 1
 
 
 def test_no_drafts_chosen_is_a_plain_step():

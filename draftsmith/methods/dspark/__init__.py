@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from draftsmith.methods.base import MethodNeeds
 from draftsmith.methods.dflash import DFlashMethod, DFlashRecipe, DFlashTraining
@@ -47,6 +47,12 @@ class DSparkTraining(DFlashTraining):
     confidence_label: Literal["match", "tv"] = Field(default="match", description=(
         "what the confidence head learns: match, whether the draft is the target's greedy token (what greedy "
         "verification accepts); tv, 1 - TV of the two distributions (DeepSpec's: what sampling at T=1 accepts)"))
+
+    @model_validator(mode="after")
+    def _some_distillation(self):
+        if not (self.ce_weight or self.tv_weight or self.kd_weight):
+            raise ValueError("ce_weight, tv_weight and kd_weight are all 0: the drafts would learn nothing")
+        return self
 
 
 @register_method

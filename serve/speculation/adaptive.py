@@ -75,6 +75,7 @@ class AdaptivePolicy:
         self._hold, self._held_rows, self._held_slots, self._idle_steps = 0, 0, (), 0
         self._clear_losses = 0  # plain plans in a row where speculating lost clearly (MAX_PLAIN_HOLD)
         self._plain_run, self._probe_after, self._probing = 0, PROBE_AFTER, 0  # see PROBE_AFTER
+        self._plain_streak = (0, 0)  # (batch size, plain steps in a row at about it): `holding`
         self._draft_share = 1.0  # proposers that draft before the plan: the share of rows with drafts, lately
 
     def may_draft(self, rows: int) -> bool:
@@ -105,6 +106,7 @@ class AdaptivePolicy:
         self._hold -= 1
         self._book_plain(slots)
         self._plain_run += 1
+        self._plain_streak = (len(slots), self._streak_at(len(slots)) + 1)
         return True
 
     def holding(self, rows: int) -> bool:
@@ -115,7 +117,13 @@ class AdaptivePolicy:
         if not self.may_draft(rows):
             return True
         held = self._hold > 0 and rows >= self._held_rows - self._held_rows // HOLD_SHRINK
-        return held and (self._clear_losses > 0 or self._plain_run >= LONG_PLAIN_RUN)
+        return held and (self._clear_losses > 0 or self._streak_at(rows) >= LONG_PLAIN_RUN)
+
+    def _streak_at(self, rows: int) -> int:
+        """Plain steps in a row at about `rows` rows (within a HOLD_SHRINK-th of the streak's batch size): a
+        streak at 8 in flight says nothing about one request left alone."""
+        streak_rows, steps = self._plain_streak
+        return steps if abs(rows - streak_rows) <= streak_rows // HOLD_SHRINK else 0
 
     def _book_plain(self, slots: tuple[int, ...]) -> None:
         """A step of these rows decodes plainly without a plan: counted, its idle decay deferred (`idle`)."""
@@ -150,6 +158,7 @@ class AdaptivePolicy:
             # the first guesses
             probe = self._choose(np.maximum(rates, self.acceptance.initial_rates), drafts, seconds)[2]
         best = self._explore(best, probe, plain, catch_up, thin)
+        self._plain_streak = (rows, 0 if best.width else self._streak_at(rows) + 1)
         if best.width > 0 and self.cost.per_token_drafts and self.confidence_floor:
             # one more draft step costs a draft forward plus a wider verify; it pays while the row's chance
             # of acceptance exceeds that cost times the row's token rate. Draft confidences are not calibrated

@@ -512,9 +512,22 @@ def test_a_long_run_of_close_calls_keeps_new_prompts_unfed():
     close = _policy(CHEAP)
     _feed(close, list(range(8)), accepted_each=4)
     close._hold, close._held_rows, close._clear_losses = 8, 8, 0
-    close._plain_run = LONG_PLAIN_RUN - 1
+    close._plain_streak = (8, LONG_PLAIN_RUN - 1)
     assert not close.holding(8)
     assert close.held(tuple(range(8)))  # one more plain step
     assert close.holding(8) and not close.holding(4)  # about the held batch size only
     close._hold = 0
     assert not close.holding(8)  # the hold is over: the next step plans
+    # a streak at 8 rows does not carry to one request left alone, which holds only a close call's few steps
+    close._hold, close._held_rows = 2, 1
+    assert close.held((0,)) and not close.holding(1)
+    # the streak counts planned plain steps too, and a speculative plan ends it
+    planner = _policy(EXPENSIVE)
+    _feed(planner, list(range(8)), accepted_each=0)
+    planner._plain_streak = (8, LONG_PLAIN_RUN)
+    planner.plan(torch.arange(8), torch.full((8,), 4))
+    assert planner._streak_at(8) == LONG_PLAIN_RUN + 1
+    cheap = _policy(CHEAP)
+    _feed(cheap, list(range(8)), accepted_each=4)
+    cheap._plain_streak = (8, LONG_PLAIN_RUN)
+    assert cheap.plan(torch.arange(8), torch.full((8,), 4)).width > 0 and cheap._streak_at(8) == 0

@@ -79,8 +79,8 @@ def _check(dtype: torch.dtype) -> bool:
     weight = torch.randn(24, 40, generator=generator).to(dtype)
     bias = torch.randn(24, generator=generator).to(dtype)
     x = torch.randn(3, 5, 40, generator=generator).to(dtype)
-    # autocast off: a first call inside a bf16 autocast region (training's frozen target) had compared
-    # oneDNN's fp32 result with aten's bf16 one and turned the path off for the whole process
+    # autocast off: the reference is aten's result in the dtype asked, wherever the first call comes from
+    # (a training step's frozen target runs inside a bf16 autocast region)
     try:
         with torch.inference_mode(), torch.autocast("cpu", enabled=False):
             got = ops._linear_pointwise(x, ops._reorder_linear_weight(weight, REORDER_ROWS), bias, "none", [], "")

@@ -58,6 +58,7 @@ class DraftHeadConfig(HeadConfig):
     # `ptd_token_id` whose hidden input is the learned `mask_hidden` (a fused-feature vector, before fc)
     parallel_drafting: bool = False
     ptd_token_id: int | None = None
+    num_hidden_layers: int = 1  # EAGLE-3 only: decoder layers, the first reading [emb; hidden] (vLLM's key)
 
     VARIANTS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "qk_norm", "sliding_window")
 
@@ -70,6 +71,9 @@ class DraftHeadConfig(HeadConfig):
         if self.parallel_drafting and (self.head_type != "eagle3" or self.ptd_token_id is None):
             raise DraftsmithError("parallel_drafting (P-EAGLE) is an EAGLE-3 head's, with the ptd_token_id its draft "
                                   "slots are filled with")
+        if self.num_hidden_layers < 1 or (self.num_hidden_layers > 1 and self.head_type != "eagle3"):
+            raise DraftsmithError(f"num_hidden_layers {self.num_hidden_layers}: EAGLE-3 heads may stack several "
+                                  "decoder layers, other EAGLE-style heads have one")
 
     def variants(self) -> list[str]:
         """The variant flags this config turns on."""
@@ -190,9 +194,14 @@ class RecurrentHead(AttachedHead):
             self.init_rope(max(self.layer_shape.max_position_embeddings, 4096))
         return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
 
+    @property
+    def cache_layers(self) -> int:
+        """Attention layers the head caches keys and values for, per slot."""
+        return 1
+
     def make_cache(self, num_slots: int, max_len: int) -> KVCache:
         w, shape = next(self.parameters()), self.layer_shape
-        return KVCache(1, num_slots, max_len, shape.num_key_value_heads, shape.head_dim, w.dtype, w.device)
+        return KVCache(self.cache_layers, num_slots, max_len, shape.num_key_value_heads, shape.head_dim, w.dtype, w.device)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids

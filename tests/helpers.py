@@ -293,18 +293,25 @@ SPECULATORS = {
 }
 
 
-def peagle_head(directory: Path, seed: int = 0) -> Path:
+def peagle_head(directory: Path, seed: int = 0, layers: int = 1) -> Path:
     """The shipped EAGLE-3 head made P-EAGLE (`parallel_drafting`, slot token 3) with a random `mask_hidden`,
-    saved in `directory`: its first draft is the trained head's, its slots draft at random."""
+    saved in `directory`: its first draft is the trained head's, its slots draft at random. With `layers` > 1
+    the later layers are random too, small enough that the first draft still mostly stands."""
     from dataclasses import replace
 
     from draftsmith.methods import load_head
 
     sequential = load_head(DEMO_MODEL.parent / "demo-code-7m-eagle3")
-    head = type(sequential)(replace(sequential.config, parallel_drafting=True, ptd_token_id=3))
+    head = type(sequential)(replace(sequential.config, parallel_drafting=True, ptd_token_id=3,
+                                    num_hidden_layers=layers))
     head.load_state_dict(sequential.state_dict(), strict=False)
     torch.manual_seed(seed)
     torch.nn.init.normal_(head.mask_hidden)
+    with torch.no_grad():
+        for name, param in head.layers.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.copy_(torch.randn_like(param) * (0.01 if name.endswith(("o_proj.weight", "down_proj.weight"))
+                                                        else 0.05))
     head.save_pretrained(directory)
     return directory
 

@@ -48,6 +48,9 @@ HEADS = {
                "enable_adaptive_verification": False, **FP32},
     "peagle": {"method": "eagle3", "model": "build/oracle-heads/peagle", "num_speculative_tokens": 5,
                "parallel_drafting": True, **FP32},
+    # the same with a second decoder layer (vLLM's num_hidden_layers), random and small
+    "peagle-2-layers": {"method": "eagle3", "model": "build/oracle-heads/peagle-2-layers",
+                        "num_speculative_tokens": 5, "parallel_drafting": True, **FP32},
 }
 
 
@@ -64,6 +67,8 @@ def built_heads() -> None:
         dspark_head(load_target(TARGET, dtype="float32"), REPO / HEADS["dspark"]["model"])
     if not (REPO / HEADS["peagle"]["model"] / "config.json").is_file():
         peagle_head(REPO / HEADS["peagle"]["model"])
+    if not (REPO / HEADS["peagle-2-layers"]["model"] / "config.json").is_file():
+        peagle_head(REPO / HEADS["peagle-2-layers"]["model"], layers=2)
 
 
 @dataclass

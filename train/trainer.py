@@ -104,8 +104,9 @@ def build_head(recipe: Recipe, target, train_ds):
         # keys the recipe set that shape the head; null asks for the default (a variant's null means "off")
         shaped = [name for name in sorted(set(m.model_fields_set) - {"target", "head_type", "init_from"})
                   if getattr(m, name) is not None or name in DraftHeadConfig.VARIANTS]
-        differing = [f"{name}: {getattr(m, name)} (the head has {_as_recipe(getattr(head.config, name, None))})"
-                     for name in shaped if getattr(m, name) != _as_recipe(getattr(head.config, name, None))]
+        saved = {name: _as_recipe(getattr(head.config, m.CONFIG_NAMES.get(name, name), None)) for name in shaped}
+        differing = [f"{name}: {getattr(m, name)} (the head has {saved[name]})"
+                     for name in shaped if getattr(m, name) != saved[name]]
         if differing:
             raise DraftsmithError(f"the recipe sets {'; '.join(differing)}, but model.init_from continues a saved "
                                   "head as it is: drop those keys or start a new head")

@@ -3,7 +3,7 @@ layers it reads) and its `training:` section. A method's own sections subclass t
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -20,6 +20,8 @@ class RecipeModelSection(BaseModel):
     aux_layer_ids: list[int] | None = None
     intermediate_size: int | None = Field(default=None, gt=0, description="default: the target's")
     init_from: str | None = Field(default=None, description="start from this saved head instead of random")
+    # recipe keys whose head-config field has another name (recipe key -> config field)
+    CONFIG_NAMES: ClassVar[dict[str, str]] = {}
 
     @field_validator("aux_layer_ids")
     @classmethod

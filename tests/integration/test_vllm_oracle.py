@@ -22,7 +22,8 @@ MEAN_TOLERANCE = 0.04  # relative, of the mean acceptance length
 POSITION_TOLERANCE = 0.05  # absolute, of each position's acceptance rate
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3", "dflash", "medusa", "pard", "draft_model", "peagle"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "dflash", "medusa", "pard", "draft_model", "peagle",
+                                  "peagle-2-layers"])
 def test_vllm_accepts_each_export_as_draftsmith_does(name):
     ours, theirs = oracle.compare(name, oracle.PEER_PYTHON)
     assert theirs.refused is None, theirs.refused

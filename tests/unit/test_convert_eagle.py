@@ -266,7 +266,8 @@ def test_unsupported_variants_are_named(tmp_path, capsys):
     config = json.loads((src / "config.json").read_text())
     for changes, message in [({"fc_norm": True}, "fc_norm expects fc_norm.0.weight, fc_norm.1.weight, fc_norm.2.weight"),
                              ({"norm_output": False}, "norm_output=false (SpecForge: no final norm before the LM head)"),
-                             ({"num_hidden_layers": 2}, "multi-layer EAGLE-3 heads (num_hidden_layers=2)"),
+                             ({"num_hidden_layers": 2}, "lacks tensor(s) layers.1.self_attn.q_proj.weight"),
+                             ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, not 0"),
                              ({"reuse_target_lm_head": True}, "reuse_target_lm_head=true (the target's LM head")]:
         (src / "config.json").write_text(json.dumps({**config, **changes}))
         assert convert(src, tmp_path / "out", "--target", DEMO_MODEL) == 2

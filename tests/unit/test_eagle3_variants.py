@@ -186,6 +186,7 @@ ORACLE_CASES = {
                                        "sliding_window": 4},
     "flags off, trained embedding, window 6": {"norm_before_residual": False, "norm_before_fc": False,
                                                "norm_output": False, "embed_requires_grad": True, "sliding_window": 6},
+    "three layers": {"num_layers": 3},  # the first reads [emb; hidden], two Llama layers after it
 }
 
 
@@ -207,7 +208,7 @@ def test_speculators_checkpoints_import_and_draft_as_speculators_does(case, targ
     _serves_losslessly(tmp_path / "ours", greedy_reference)
 
 
-@pytest.mark.parametrize("case", ["defaults", "Qwen3 layer, fc_norm, window 4"])
+@pytest.mark.parametrize("case", ["defaults", "Qwen3 layer, fc_norm, window 4", "three layers"])
 def test_our_exports_load_in_speculators_and_compute_the_same(case, target, tmp_path):
     """A native head exported --to speculators loads with from_pretrained (no key missing or left over) and its
     forward agrees with ours."""

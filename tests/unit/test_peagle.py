@@ -26,11 +26,12 @@ def demo_target():
     return load_target(DEMO_MODEL, dtype="float32")
 
 
-def _head(target, seed=0, parallel=True):
+def _head(target, seed=0, parallel=True, layers=1):
     from draftsmith.methods.eagle3.head import Eagle3Head
 
     extra = {"parallel_drafting": True, "ptd_token_id": 3} if parallel else {}
-    config = DraftHeadConfig.for_target("eagle3", target.config, (1, 3, 5), None, str(DEMO_MODEL), **extra)
+    config = DraftHeadConfig.for_target("eagle3", target.config, (1, 3, 5), None, str(DEMO_MODEL),
+                                        num_hidden_layers=layers, **extra)
     torch.manual_seed(seed)
     head = Eagle3Head(config).attach_target(target)
     with torch.no_grad():
@@ -46,10 +47,12 @@ def _serve(head_dir, k=K, **extra):
                                               **extra))
 
 
-def test_served_drafts_are_the_unrolled_steps(demo_target, tmp_path):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_served_drafts_are_the_unrolled_steps(demo_target, tmp_path, layers):
     """One catch-up forward with k - 1 slots appended drafts what training's unroll gives at the last
-    position: step 0 from the context, steps 1.. from the slots."""
-    head = _head(demo_target)
+    position: step 0 from the context, steps 1.. from the slots; in a stacked head, each layer's cache
+    serves what its training-time-test history taught."""
+    head = _head(demo_target, layers=layers)
     head.save_pretrained(tmp_path / "head")
     config = parse_speculative_config({"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": K,
                                        "draft_dtype": "float32", "parallel_drafting": True})
@@ -67,8 +70,9 @@ def test_served_drafts_are_the_unrolled_steps(demo_target, tmp_path):
     assert drafted.forwards == 1 and proposer.per_token_drafts is False
 
 
-def test_greedy_equality_one_draft_forward_a_step(demo_target, tmp_path, greedy_reference):
-    _head(demo_target, seed=1).save_pretrained(tmp_path / "head")
+@pytest.mark.parametrize("layers", [1, 3])
+def test_greedy_equality_one_draft_forward_a_step(demo_target, tmp_path, greedy_reference, layers):
+    _head(demo_target, seed=1, layers=layers).save_pretrained(tmp_path / "head")
     llm = _serve(tmp_path / "head")
     forwards = recorded_draft_forwards(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
@@ -86,12 +90,13 @@ def test_parallel_drafting_needs_a_head_trained_for_it(demo_target, tmp_path):
 
 
 @pytest.mark.parametrize("to", ["vllm", "speculators"])
-def test_round_trips_keep_the_shared_hidden_state(demo_target, tmp_path, to):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_round_trips_keep_the_shared_hidden_state(demo_target, tmp_path, to, layers):
     """The vLLM export carries mask_hidden and ptd_token_id (what its parallel drafting reads); speculators'
-    is its peagle type; both read back to the same head."""
+    is its peagle type; both read back to the same head, a stacked one with every layer."""
     import public_checkpoints as pub
 
-    head = _head(demo_target, seed=2)
+    head = _head(demo_target, seed=2, layers=layers)
     head.save_pretrained(tmp_path / "native")
     config, tensors = pub.read_native(tmp_path / "native")
     assert pub.convert(tmp_path / "native", tmp_path / to, "--to", to) == 0
@@ -104,14 +109,16 @@ def test_round_trips_keep_the_shared_hidden_state(demo_target, tmp_path, to):
     assert pub.convert(tmp_path / to, tmp_path / "back", "--target", str(DEMO_MODEL)) == 0
     config_back, tensors_back = pub.read_native(tmp_path / "back")
     assert config_back["parallel_drafting"] is True and config_back["ptd_token_id"] == 3
-    assert torch.equal(tensors_back["mask_hidden"], tensors["mask_hidden"])
+    assert config_back["num_hidden_layers"] == layers
+    assert tensors_back.keys() == tensors.keys()
+    assert all(torch.equal(tensors_back[name], tensors[name]) for name in tensors)
 
 
 @pytest.mark.slow
 def test_training_teaches_the_slots_and_continues_a_sequential_head(tmp_path):
     """On the demo target and a regular corpus: the parallel slot's drafts (TTT step 1) agree more with the
-    target as the loss falls, and a sequential EAGLE-3 head continued under parallel_drafting keeps its
-    weights and gains a mask_hidden."""
+    target as the loss falls, and a sequential EAGLE-3 head continued under parallel_drafting with a second
+    layer keeps its weights (the new layer starts as the identity) and gains a mask_hidden."""
     from draftsmith.methods import load_head
     from draftsmith.train.recipe import validate_recipe
     from draftsmith.train.trainer import train
@@ -122,7 +129,7 @@ def test_training_teaches_the_slots_and_continues_a_sequential_head(tmp_path):
     raw["model"].update(aux_layer_ids=[1, 3, 5])
     train(validate_recipe(raw), ["test"])
     raw = tiny_recipe(DEMO_MODEL, data, tmp_path / "par", "eagle3", epochs=3, learning_rate=3e-3)
-    raw["model"].update(aux_layer_ids=[1, 3, 5], parallel_drafting=True, ptd_token_id=3,
+    raw["model"].update(aux_layer_ids=[1, 3, 5], parallel_drafting=True, ptd_token_id=3, num_draft_layers=2,
                         init_from=str(tmp_path / "seq" / "head"))
     final = train(validate_recipe(raw), ["test"])
     log = [json.loads(line) for line in (tmp_path / "par" / "train_log.jsonl").read_text().splitlines()]
@@ -131,6 +138,7 @@ def test_training_teaches_the_slots_and_continues_a_sequential_head(tmp_path):
     assert mean(log[-5:], "acc_step1") > mean(log[:5], "acc_step1") + 0.1, [r["acc_step1"] for r in log]
     head = load_head(final)
     assert head.config.parallel_drafting and head.config.ptd_token_id == 3 and head.mask_hidden.shape == (1, 1, 768)
+    assert head.config.num_hidden_layers == 2 and head.layers["1"].mlp.down_proj.weight.abs().sum() > 0
     first = json.loads((tmp_path / "par" / "train_log.jsonl").read_text().splitlines()[0])
     assert first["acc_step0"] > 0.2  # step 0 drafted as the sequential head did from the first batch
 
@@ -156,3 +164,35 @@ def test_check_measures_a_parallel_head_drafting_in_parallel(tmp_path):
 
     assert _spec("eagle3", tmp_path, 5, {"parallel_drafting": True, "ptd_token_id": 3})["parallel_drafting"] is True
     assert "parallel_drafting" not in _spec("eagle3", tmp_path, 5, {})
+
+
+def test_a_head_grown_by_a_layer_drafts_as_before_until_trained(demo_target):
+    """`init_from` a one-layer head with `num_draft_layers: 2` (and parallel_drafting): the new layer starts as
+    the identity, so every TTT step's logits are the saved head's; a recipe asking for fewer layers than the
+    saved head has is one line."""
+    from draftsmith.methods.eagle3 import Eagle3Method, Eagle3Recipe
+
+    saved = _head(demo_target, seed=3)
+    section = Eagle3Recipe(target=str(DEMO_MODEL), head_type="eagle3", parallel_drafting=True, ptd_token_id=3,
+                           num_draft_layers=2)
+    grown = Eagle3Method.continue_head(saved, section).attach_target(demo_target).eval()
+    assert grown.config.num_hidden_layers == 2 and list(grown.layers) == ["1"]
+    assert grown.make_cache(2, 16).k.__len__() == 2
+    ids = torch.randint(4, 8000, (1, 12))
+    feats = target_features(demo_target, saved.feature_layers, ids, "float32")["features"]
+    with torch.no_grad():
+        before = [logits for _, logits in unroll(saved, ids, feats, 3)]
+        after = [logits for _, logits in unroll(grown, ids, feats, 3)]
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b)
+    assert grown.layers["1"].self_attn.q_proj.weight.abs().sum() > 0  # only its output projections start at 0
+    with pytest.raises(DraftsmithError, match="more than model.num_draft_layers 1"):
+        Eagle3Method.continue_head(grown, Eagle3Recipe(target=str(DEMO_MODEL), head_type="eagle3"))
+
+
+def test_sglang_refuses_a_stacked_head_in_one_line(demo_target, tmp_path, capsys):
+    import public_checkpoints as pub
+
+    _head(demo_target, parallel=False, layers=2).save_pretrained(tmp_path / "native")
+    assert pub.convert(tmp_path / "native", tmp_path / "sglang", "--to", "sglang") != 0
+    assert "SGLang's llama_eagle3 builds one decoder layer" in capsys.readouterr().err

@@ -1,10 +1,10 @@
-"""EAGLE-3: a one-layer head fusing three target layers, with its own LM head over a draft vocabulary
+"""EAGLE-3: a head (one decoder layer, or a stack) fusing three target layers, with its own LM head over a draft vocabulary
 chosen by token frequency, trained with training-time test (its own outputs fed back for several steps)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -42,11 +42,15 @@ class Eagle3Recipe(RecipeModelSection):
     norm_output: bool = Field(default=False, description="feed the final norm's output back (EAGLE 3.1)")
     qk_norm: bool = Field(default=False, description="Qwen3-style draft layer: RMSNorm of queries and keys")
     sliding_window: int | None = Field(default=None, gt=0, description="draft attention window, in positions")
+    num_draft_layers: int = Field(default=1, gt=0, description=(
+        "decoder layers (vLLM's num_hidden_layers): the first reads [embedding; hidden], later ones the residual "
+        "stream; with init_from a head of fewer layers, the new ones start as the identity"))
     parallel_drafting: bool = Field(default=False, description=(
         "P-EAGLE: train drafts 2..ttt_length to come from slots of mask_token_id with a learned shared hidden "
         "input (mask_hidden), so that serving drafts them all in one forward"))
     ptd_token_id: int | None = Field(default=None, description="P-EAGLE's slot token (vLLM's key); default: "
                                      "the target tokenizer's pad token")
+    CONFIG_NAMES: ClassVar[dict[str, str]] = {"num_draft_layers": "num_hidden_layers"}
 
     @model_validator(mode="after")
     def _one_fc_norm(self):
@@ -97,6 +101,7 @@ class Eagle3Method(EagleFamilyMethod):
         overrides = {name: getattr(section, name) for name in DraftHeadConfig.VARIANTS}
         if section.draft_vocab_size:
             overrides["draft_vocab_size"] = section.draft_vocab_size
+        overrides["num_hidden_layers"] = section.num_draft_layers
         if section.parallel_drafting:
             from draftsmith.methods.heads import default_mask_token
 
@@ -118,15 +123,29 @@ class Eagle3Method(EagleFamilyMethod):
 
     @classmethod
     def continue_head(cls, head, section: Eagle3Recipe):
-        """`init_from` a sequential EAGLE-3 head under `parallel_drafting`: the same head made P-EAGLE, its
-        `mask_hidden` random (what parallel slots read is all it has not learned)."""
-        if not section.parallel_drafting or head.config.parallel_drafting:
+        """`init_from` a head with fewer layers, or a sequential head under `parallel_drafting`: the same head
+        grown to `num_draft_layers` (the new layers the identity at first) and made P-EAGLE (its `mask_hidden`
+        random: what parallel slots read is all it has not learned)."""
+        c = head.config
+        layers, parallel = section.num_draft_layers, section.parallel_drafting or c.parallel_drafting
+        if layers < c.num_hidden_layers:
+            raise DraftsmithError(f"model.init_from: the saved head has {c.num_hidden_layers} layers, more than "
+                                  f"model.num_draft_layers {layers}")
+        if layers == c.num_hidden_layers and parallel == c.parallel_drafting:
             return head
-        fields = cls.head_config_overrides(section)
-        parallel = type(head)(replace(head.config, parallel_drafting=True, ptd_token_id=fields["ptd_token_id"]))
-        missing, unexpected = parallel.load_state_dict(head.state_dict(), strict=False)
-        if missing != ["mask_hidden"] or unexpected:
-            raise DraftsmithError(f"model.init_from: the saved head does not fit a P-EAGLE one (missing {missing}, "
+        fields = cls.head_config_overrides(section) if parallel and not c.parallel_drafting else {}
+        grown = type(head)(replace(c, num_hidden_layers=layers, parallel_drafting=parallel,
+                                   ptd_token_id=fields.get("ptd_token_id", c.ptd_token_id)))
+        missing, unexpected = grown.load_state_dict(head.state_dict(), strict=False)
+        new_layers = [str(i) for i in range(c.num_hidden_layers, layers)]
+        expected = {n for n in grown.state_dict() if n.split(".")[0] == "layers" and n.split(".")[1] in new_layers}
+        if parallel and not c.parallel_drafting:
+            expected.add("mask_hidden")
+        if set(missing) != expected or unexpected:
+            raise DraftsmithError(f"model.init_from: the saved head does not fit a {layers}-layer"
+                                  f"{' P-EAGLE' if parallel else ''} one (missing {sorted(set(missing) - expected)}, "
                                   f"unexpected {unexpected})")
-        torch.nn.init.normal_(parallel.mask_hidden)
-        return parallel
+        if "mask_hidden" in expected:
+            torch.nn.init.normal_(grown.mask_hidden)
+        grown.start_layers_as_identity(new_layers)
+        return grown

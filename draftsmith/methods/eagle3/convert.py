@@ -40,6 +40,8 @@ MID = "midlayer."
 MID_KEYS = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")] + [
     "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight"]
 MID_BIAS = [f"self_attn.{p}_proj.bias" for p in "qkv"]
+# a stacked head's later layers (num_hidden_layers > 1) under `layers.i.` (vLLM's names), without the hidden norm
+LATER_KEYS = [k for k in MID_KEYS if k != "hidden_norm.weight"]
 QK_NORMS = ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]  # Qwen3-style draft layers
 HEAD_KEYS = ["fc.weight", "norm.weight", "lm_head.weight"]
 MAX_AUX = 16  # fc_norm.i names accepted, at most (EAGLE-3 fuses 3 target layers)
@@ -55,13 +57,31 @@ UNSUPPORTED_FLAGS = {"reuse_target_lm_head": "the target's LM head instead of th
 LEGACY_FC_NORMS = {f"aux_norm_{level}.weight": f"fc_norm.{i}.weight" for i, level in enumerate(("low", "mid", "high"))}
 
 
-def known_names(layer_prefix: str) -> set[str]:
-    """Every tensor name an EAGLE-3 checkpoint may hold, its decoder layer under `layer_prefix`."""
-    return {layer_prefix + k for k in MID_KEYS + MID_BIAS + QK_NORMS} | set(HEAD_KEYS) | set(OPTIONAL)
+def known_names(layer_prefix: str, layers: int = 1) -> set[str]:
+    """Every tensor name an EAGLE-3 checkpoint of `layers` decoder layers may hold, its first layer under
+    `layer_prefix`."""
+    required, optional = later_layer_names(layers)
+    return ({layer_prefix + k for k in MID_KEYS + MID_BIAS + QK_NORMS} | set(HEAD_KEYS) | set(OPTIONAL) | set(required)
+            | set(optional))
 
 
-def optional_names(layer_prefix: str) -> tuple[str, ...]:
-    return tuple(OPTIONAL) + tuple(layer_prefix + k for k in MID_BIAS + QK_NORMS)
+def optional_names(layer_prefix: str, layers: int = 1) -> tuple[str, ...]:
+    return tuple(OPTIONAL) + tuple(layer_prefix + k for k in MID_BIAS + QK_NORMS) + later_layer_names(layers)[1]
+
+
+def later_layer_names(layers: int) -> tuple[list[str], tuple[str, ...]]:
+    """(required, optional) tensor names of layers 1..layers-1 of a stacked head."""
+    prefixes = [f"layers.{i}." for i in range(1, layers)]
+    return ([p + k for p in prefixes for k in LATER_KEYS],
+            tuple(p + k for p in prefixes for k in MID_BIAS + QK_NORMS))
+
+
+def layer_count(config: dict, where: str) -> int:
+    """The head's decoder layers (`num_hidden_layers`, 1 when absent)."""
+    layers = config.get("num_hidden_layers", 1)
+    if not isinstance(layers, int) or layers < 1:
+        raise DraftsmithError(f"{where}: num_hidden_layers must be a positive integer, not {layers!r}")
+    return layers
 
 
 def source_feature_layers(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...], str]:
@@ -94,11 +114,14 @@ def _trained_embedding(config: dict, embedding: torch.Tensor, ctx: ReadContext) 
 
 
 def sliding_window(config: dict) -> int | None:
-    """The window of the draft layer (layer 0) an HF layer config describes, as transformers builds it:
+    """The window of the draft layers an HF layer config describes, as transformers builds it:
     `layer_types[0]` when given (what speculators' trainer writes: all draft layers slide by default), else
     Qwen2/3's `use_sliding_window` from layer `max_window_layers` on; None for full attention."""
     window = config.get("sliding_window")
     types = config.get("layer_types")
+    if types and len(set(types[:layer_count(config, "config.json")])) > 1:
+        raise DraftsmithError(f"the draft layers mix attention types ({types}); draftsmith's stacked EAGLE-3 heads "
+                              "attend alike in every layer")
     if types:
         sliding = types[0] == "sliding_attention"
     else:
@@ -168,9 +191,7 @@ def _variants(config: dict, tensors: dict[str, torch.Tensor], n_aux: int, where:
 def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: ReadContext,
               checkpoint: SourceCheckpoint, specforge_norm_output: bool = False) -> NormalizedHead:
     """Shared tail of every EAGLE-3 reader, once tensors carry yuhuili names and `config` is Llama-style."""
-    if int(config.get("num_hidden_layers", 1)) != 1:
-        raise DraftsmithError(f"{where}: multi-layer EAGLE-3 heads (num_hidden_layers="
-                              f"{config['num_hidden_layers']}) are not supported")
+    layers_in_head = layer_count(config, where)
     layer = layer_fields(config, where)
     h = layer["hidden_size"]
     fc_out, fc_in = tensors["fc.weight"].shape
@@ -226,7 +247,9 @@ def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: R
     native = native_config("eagle3", layer, vocab_size=vocab, draft_vocab_size=draft_vocab,
                            target_hidden_size=target_hidden, target_num_layers=layers, aux_layer_ids=aux,
                            target_model=target_name, fc_bias="fc.bias" in tensors, attention_bias=attention_bias,
-                           own_embedding=own_embedding, **variants, **parallel)
+                           own_embedding=own_embedding, num_hidden_layers=layers_in_head, **variants, **parallel)
+    if layers_in_head > 1:
+        notes.append(f"{layers_in_head} decoder layers (midlayer, then layers.1..{layers_in_head - 1})")
     return NormalizedHead(native, tensors, notes + variant_notes)
 
 
@@ -260,10 +283,11 @@ class YuhuiliEagle3:
         config = checkpoint.config
         if not config:
             raise DraftsmithError(f"{checkpoint.directory} has no config.json: EAGLE-3 heads need their layer config")
-        dropped = reject_unknown(checkpoint, known_names(MID) | set(LEGACY_FC_NORMS), "EAGLE-3",
+        layers = layer_count(config, f"{checkpoint.directory}/config.json")
+        dropped = reject_unknown(checkpoint, known_names(MID, layers) | set(LEGACY_FC_NORMS), "EAGLE-3",
                                  ("rotary_emb.inv_freq",))
-        tensors = take(checkpoint, [MID + k for k in MID_KEYS] + HEAD_KEYS,
-                       optional=optional_names(MID) + tuple(LEGACY_FC_NORMS))
+        tensors = take(checkpoint, [MID + k for k in MID_KEYS] + HEAD_KEYS + later_layer_names(layers)[0],
+                       optional=optional_names(MID, layers) + tuple(LEGACY_FC_NORMS))
         tensors = {LEGACY_FC_NORMS.get(name, name): value for name, value in tensors.items()}
         # midlayer checkpoints with norm flags come from SpecForge, or from draftsmith's vllm/sglang exports,
         # which mean norm_output as those engines do
@@ -276,7 +300,8 @@ class YuhuiliEagle3:
 def _layer_config(head: NormalizedHead, architectures: list[str]) -> dict:
     c = head.config
     config = llama_layer_config(c, architectures, head_dtype(head.tensors))
-    config.update(draft_vocab_size=c["draft_vocab_size"], target_hidden_size=c["target_hidden_size"])
+    config.update(draft_vocab_size=c["draft_vocab_size"], target_hidden_size=c["target_hidden_size"],
+                  num_hidden_layers=c.get("num_hidden_layers", 1))
     if c["fc_bias"]:
         config["bias"] = True
     if c["attention_bias"]:
@@ -327,6 +352,9 @@ def to_sglang(head: NormalizedHead) -> Exported:
     if head.config.get("parallel_drafting"):
         raise DraftsmithError("a P-EAGLE head drafts its slots in parallel, which SGLang's EAGLE-3 worker does not "
                               "(it would draft them one by one from its own outputs): --to vllm or speculators")
+    if head.config.get("num_hidden_layers", 1) > 1:
+        raise DraftsmithError(f"SGLang's llama_eagle3 builds one decoder layer; this head has "
+                              f"{head.config['num_hidden_layers']}: --to vllm or speculators")
     aux = list(head.config["aux_layer_ids"])
     if min(aux) < 1:
         raise DraftsmithError(f"fused layer hs[0] (the embeddings) cannot be written in SGLang's output-of-layer ids {aux}")

@@ -1,6 +1,10 @@
 """EAGLE-3 head: fc fuses three target layers, one decoder layer attends over [norm(embedding); norm(hidden)],
 its own final norm and LM head over a reduced draft vocabulary mapped back with `d2t`.
 
+A head of `num_hidden_layers` > 1 (vLLM's llama_eagle3 builds them; P-EAGLE's published heads have four)
+stacks plain pre-norm Llama layers after that first one, named `layers.1.*`, `layers.2.*`, ... beside
+`midlayer.*` (vLLM's names for them); each has its own KV cache layer and training-time-test history.
+
 `d2t[i]` is an offset: draft id i is target id `i + d2t[i]`; `t2d[v]` marks target ids in the draft vocab
 (the yuhuili/SpecForge convention, so these buffers convert as they are).
 
@@ -38,6 +42,7 @@ class Eagle3Head(DraftHead):
                                           config.num_key_value_heads, config.head_dim, eps, input_norms=True,
                                           attention_bias=config.attention_bias, qk_norm=config.qk_norm,
                                           window=config.sliding_window)
+        self.layers = nn.ModuleDict({str(i): self._later_layer(config) for i in range(1, config.num_hidden_layers)})
         if config.own_embedding:
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -47,6 +52,30 @@ class Eagle3Head(DraftHead):
         # until `set_vocab`, the identity maps: draft id i is target id i
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+
+    @staticmethod
+    def _later_layer(config: DraftHeadConfig) -> DraftDecoderLayer:
+        """A layer after the first: a Llama block over the residual stream, its input normed."""
+        h, eps = config.hidden_size, config.rms_norm_eps
+        layer = DraftDecoderLayer(h, h, config.intermediate_size, config.num_attention_heads,
+                                  config.num_key_value_heads, config.head_dim, eps,
+                                  attention_bias=config.attention_bias, qk_norm=config.qk_norm,
+                                  window=config.sliding_window)
+        layer.input_layernorm = RMSNorm(h, eps)
+        return layer
+
+    @property
+    def cache_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @torch.no_grad()
+    def start_layers_as_identity(self, names: list[str]) -> None:
+        """Zeroes the named later layers' output projections, so that each passes its input through until
+        training moves them (how a head grows layers without losing what it has learned)."""
+        for name in names:
+            layer = self.layers[name]
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
 
     def set_vocab(self, draft_to_target: torch.Tensor) -> None:
         """draft_to_target [draft_vocab] ascending target ids -> the d2t/t2d buffers."""
@@ -81,13 +110,27 @@ class Eagle3Head(DraftHead):
         normed = layer.hidden_norm(hidden)
         attn_input = torch.cat([layer.input_layernorm(emb), normed], dim=-1)
         cos, sin = self.rope(positions, hidden.dtype)
-        layer_cache = (cache.k[0], cache.v[0]) if cache is not None else None
-        out = layer(attn_input, normed if c.norm_before_residual else hidden, cos, sin, layer_cache, batch,
-                    ttt_history)
+        histories = self._layer_histories(ttt_history)
+        out = layer(attn_input, normed if c.norm_before_residual else hidden, cos, sin, self._cache_at(cache, 0),
+                    batch, histories[0])
+        for i, later in enumerate(self.layers.values(), start=1):
+            out = later(later.input_layernorm(out), out, cos, sin, self._cache_at(cache, i), batch, histories[i])
         if c.norm_output:  # the normed output is both read out and fed back
             out = self.norm(out)
             return out, self.lm_head(self._at(out, logits_at))
         return out, self.lm_head(self.norm(self._at(out, logits_at)))
+
+    @staticmethod
+    def _cache_at(cache, layer: int):
+        return (cache.k[layer], cache.v[layer]) if cache is not None else None
+
+    def _layer_histories(self, ttt_history: list | None) -> list:
+        """One training-time-test history per layer, kept inside the caller's list (filled on its first step)."""
+        if ttt_history is None:
+            return [None] * self.config.num_hidden_layers
+        if not ttt_history:
+            ttt_history.extend([] for _ in range(self.config.num_hidden_layers))
+        return ttt_history
 
     def parallel_inputs(self, rows: int, slots: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """P-EAGLE's draft slots after the first: (token ids [rows, slots], all `ptd_token_id`, and their fused

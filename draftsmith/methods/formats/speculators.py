@@ -48,9 +48,10 @@ def _read_eagle3(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str) -> 
     for key in LAYER_FLAGS + ("mask_token_id",):
         if config.get(key) is not None:
             layer_config[key] = config[key]
-    dropped = reject_unknown(checkpoint, eagle3.known_names(LAYER), "speculators EAGLE-3", IGNORABLE)
-    raw = take(checkpoint, [LAYER + k for k in eagle3.MID_KEYS] + eagle3.HEAD_KEYS,
-               optional=eagle3.optional_names(LAYER))
+    layers = eagle3.layer_count(layer_config, where)
+    dropped = reject_unknown(checkpoint, eagle3.known_names(LAYER, layers), "speculators EAGLE-3", IGNORABLE)
+    raw = take(checkpoint, [LAYER + k for k in eagle3.MID_KEYS] + eagle3.HEAD_KEYS + eagle3.later_layer_names(layers)[0],
+               optional=eagle3.optional_names(LAYER, layers))
     tensors = {eagle3.MID + k.removeprefix(LAYER) if k.startswith(LAYER) else k: v for k, v in raw.items()}
     head = eagle3.normalize(tensors, layer_config, where, _with_verifier(ctx, config, checkpoint.directory), checkpoint)
     head.notes[:0] = [f"dropped {name}" for name in dropped]
@@ -173,11 +174,12 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
     # speculators builds Llama and Qwen3 draft layers; a Qwen3 one is a Llama one with q/k norms
     layer = llama_layer_config(c, ["Qwen3ForCausalLM" if c["qk_norm"] else "LlamaForCausalLM"],
                                eagle.head_dtype(head.tensors), "qwen3" if c["qk_norm"] else "llama")
+    layer["num_hidden_layers"] = c.get("num_hidden_layers", 1)
     if c["attention_bias"]:
         layer["attention_bias"] = True
     window = c["sliding_window"]
     if window is not None or c["qk_norm"]:  # Qwen3Config slides from a default layer on unless told
-        layer.update(layer_types=["sliding_attention" if window else "full_attention"],
+        layer.update(layer_types=["sliding_attention" if window else "full_attention"] * layer["num_hidden_layers"],
                      use_sliding_window=window is not None, sliding_window=window)
     kind = "peagle" if c.get("parallel_drafting") else "eagle3"  # P-EAGLE: speculators' own type
     config = {"architectures": ["PEagleSpeculator" if kind == "peagle" else "Eagle3Speculator"],

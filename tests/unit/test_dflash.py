@@ -173,6 +173,20 @@ def test_an_anchor_first_head_drafts_its_whole_block_as_it_was_taught(demo_targe
 
 
 @pytest.mark.slow
+def test_init_from_reads_the_layer_count_under_its_recipe_key(demo_target, tmp_path):
+    """`model.num_draft_layers` is the saved head's `num_hidden_layers`: the same count continues it, another
+    is one line."""
+    from draftsmith.train.trainer import build_head
+
+    random_dflash_head(demo_target, layers=2).save_pretrained(tmp_path / "saved")
+    raw = tiny_recipe(DEMO_MODEL, write_code_corpus(tmp_path / "code.jsonl"), tmp_path / "run", "dflash")
+    raw["model"].update(init_from=str(tmp_path / "saved"), num_draft_layers=2, block_size=5)
+    assert build_head(validate_recipe(raw), demo_target, None).config.num_hidden_layers == 2
+    raw["model"].update(num_draft_layers=3)
+    with pytest.raises(DraftsmithError, match=r"num_draft_layers: 3 \(the head has 2\)"):
+        build_head(validate_recipe(raw), demo_target, None)
+
+
 def test_training_learns_the_targets_next_tokens(tmp_path):
     """On the demo target (a random tiny one predicts near-uniformly: nothing to agree on), a regular corpus."""
     data = write_code_corpus(tmp_path / "code.jsonl")

@@ -123,12 +123,14 @@ def _variant_head(target, **variants):
 @pytest.mark.parametrize("variants", [
     {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True, "sliding_window": 5},
     {"fc_norm": True, "qk_norm": True, "sliding_window": 3},
+    {"norm_before_residual": True, "qk_norm": True, "sliding_window": 4, "num_hidden_layers": 2},
 ])
 def test_cached_drafting_matches_training_time_test_for_variants(variants, target):
     """The serving path (the head's cache) computes what training computes (causal or windowed attention,
     diagonal TTT keys), with a window shorter than the prefix: the catch-up slides the window by position,
     and draft steps read from W before the first draft on, as speculators' training mask has them. That rule
-    is the one the proposer's `_step_batches` applies (test_eagle_proposer's windowed test checks it there)."""
+    is the one the proposer's `_step_batches` applies (test_eagle_proposer's windowed test checks it there).
+    A stacked head's layers each read their own cache layer, as each has its own TTT history."""
     head = _variant_head(target, **variants)
     ids = torch.randint(0, 8192, (1, 20))
     feats = head.features(target(ids, feature_layers=head.feature_layers).hidden_states)
@@ -224,3 +226,25 @@ def test_our_exports_load_in_speculators_and_compute_the_same(case, target, tmp_
     expected = oracle.logits_by_step(theirs, ids[:, 1:], feats[:, :16], 3)
     for step, logits in unroll(ours, ids, feats, 3):
         torch.testing.assert_close(logits, expected[step], atol=2e-5, rtol=0)
+
+
+def test_stacked_heads_whose_layers_differ_are_named(target, tmp_path, capsys):
+    """Every layer of a stacked head computes alike: a later layer lacking the q/k norms the first one has, or
+    a Qwen config whose layers slide from layer 1 on, is one line at conversion."""
+    from safetensors.torch import save_file
+
+    _variant_head(target, qk_norm=True, num_hidden_layers=2).save_pretrained(tmp_path / "native")
+    assert pub.convert(tmp_path / "native", tmp_path / "spec", "--to", "speculators") == 0
+    tensors = pub.source_tensors(tmp_path / "spec")
+    del tensors["layers.1.self_attn.q_norm.weight"]
+    save_file(tensors, str(tmp_path / "spec" / "model.safetensors"))
+    assert pub.convert(tmp_path / "spec", tmp_path / "back", "--target", DEMO_MODEL) == 2
+    assert "layer 1 holds self_attn.k_norm.weight, the first layer self_attn.k_norm.weight, " \
+           "self_attn.q_norm.weight" in capsys.readouterr().err
+    _variant_head(target, num_hidden_layers=2).save_pretrained(tmp_path / "plain")
+    assert pub.convert(tmp_path / "plain", tmp_path / "vllm", "--to", "vllm") == 0
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    (tmp_path / "vllm" / "config.json").write_text(json.dumps(config))
+    assert pub.convert(tmp_path / "vllm", tmp_path / "back2", "--target", DEMO_MODEL) == 2
+    assert "the draft layers mix attention types (layers from 1 on slide)" in capsys.readouterr().err

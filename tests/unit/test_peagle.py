@@ -186,8 +186,11 @@ def test_a_head_grown_by_a_layer_drafts_as_before_until_trained(demo_target):
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b)
     assert grown.layers["1"].self_attn.q_proj.weight.abs().sum() > 0  # only its output projections start at 0
+    silent = Eagle3Recipe(target=str(DEMO_MODEL), head_type="eagle3")  # keys left out keep the saved head's
+    assert Eagle3Method.continue_head(grown, silent) is grown
     with pytest.raises(DraftsmithError, match="more than model.num_draft_layers 1"):
-        Eagle3Method.continue_head(grown, Eagle3Recipe(target=str(DEMO_MODEL), head_type="eagle3"))
+        Eagle3Method.continue_head(grown, Eagle3Recipe(target=str(DEMO_MODEL), head_type="eagle3",
+                                                       num_draft_layers=1))
 
 
 def test_sglang_refuses_a_stacked_head_in_one_line(demo_target, tmp_path, capsys):

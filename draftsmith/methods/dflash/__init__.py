@@ -5,7 +5,7 @@ each, the loss of block position j weighted exp(-(j - 1) / gamma) (speculators' 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -36,6 +36,7 @@ class DFlashRecipe(RecipeModelSection):
         "DSpark's anchor-first (position i predicts the token after it, the anchor's output is the first draft)"))
     num_draft_layers: int = Field(default=1, gt=0, description="decoder layers (z-lab's Qwen3 drafts have 5)")
     mask_token_id: int | None = Field(default=None, description="default: the target tokenizer's pad token")
+    CONFIG_NAMES: ClassVar[dict[str, str]] = {"num_draft_layers": "num_hidden_layers"}
 
 
 class DFlashTraining(RecipeTrainingSection):

@@ -86,6 +86,9 @@ class EagleFamilyProposer(Proposer):
         self.feature_layers = self.head.feature_layers
         self.window = self.head.sliding_window  # the head's own attention window, if it has one
         self.cache = self.head.make_cache(max_num_seqs, max_model_len + room)
+        if self.head.cache_layers > 1:  # the policy's default guess is a one-layer head's; here its layers and
+            # its LM head (about one more) against the target's layers and LM head
+            self.draft_cost_guess = (self.head.cache_layers + 1) / (target.config.num_hidden_layers + 1)
         self.device = weight.device
         self.vocab_size = target.config.vocab_size
         self.max_num_seqs = max_num_seqs

@@ -123,11 +123,13 @@ class Eagle3Method(EagleFamilyMethod):
 
     @classmethod
     def continue_head(cls, head, section: Eagle3Recipe):
-        """`init_from` a head with fewer layers, or a sequential head under `parallel_drafting`: the same head
-        grown to `num_draft_layers` (the new layers the identity at first) and made P-EAGLE (its `mask_hidden`
-        random: what parallel slots read is all it has not learned)."""
+        """`init_from` a head with fewer layers than `num_draft_layers` names, or a sequential head under
+        `parallel_drafting`: the same head grown (the new layers the identity at first) and made P-EAGLE (its
+        `mask_hidden` random: what parallel slots read is all it has not learned). Keys the recipe leaves out
+        keep the saved head's."""
         c = head.config
-        layers, parallel = section.num_draft_layers, section.parallel_drafting or c.parallel_drafting
+        layers = section.num_draft_layers if "num_draft_layers" in section.model_fields_set else c.num_hidden_layers
+        parallel = section.parallel_drafting or c.parallel_drafting
         if layers < c.num_hidden_layers:
             raise DraftsmithError(f"model.init_from: the saved head has {c.num_hidden_layers} layers, more than "
                                   f"model.num_draft_layers {layers}")

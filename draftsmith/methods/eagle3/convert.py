@@ -125,7 +125,11 @@ def sliding_window(config: dict) -> int | None:
     if types:
         sliding = types[0] == "sliding_attention"
     else:
-        sliding = bool(config.get("use_sliding_window")) and int(config.get("max_window_layers", 28)) <= 0
+        first_sliding = int(config.get("max_window_layers", 28))  # Qwen2/3: layers from this one on slide
+        if config.get("use_sliding_window") and 0 < first_sliding < layer_count(config, "config.json"):
+            raise DraftsmithError(f"the draft layers mix attention types (layers from {first_sliding} on slide); "
+                                  "draftsmith's stacked EAGLE-3 heads attend alike in every layer")
+        sliding = bool(config.get("use_sliding_window")) and first_sliding <= 0
     if sliding and not window:
         raise DraftsmithError("the draft layer uses sliding-window attention but the config gives no sliding_window")
     return int(window) if sliding else None
@@ -240,6 +244,7 @@ def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: R
         raise DraftsmithError(f"fc reads {n_aux} target layers but {len(aux)} fused layer ids are given ({list(aux)})")
     notes.append(f"fused target layers hs{list(aux)} ({source})")
     attention_bias = all(MID + k in tensors for k in MID_BIAS)
+    _check_later_layers(tensors, layers_in_head, attention_bias, variants["qk_norm"], where)
     parallel = _parallel_fields(tensors, config, fc_in, where)
     if parallel:
         notes.append(f"P-EAGLE: mask_hidden and slot token {parallel['ptd_token_id']} (serve with "
@@ -251,6 +256,19 @@ def normalize(tensors: dict[str, torch.Tensor], config: dict, where: str, ctx: R
     if layers_in_head > 1:
         notes.append(f"{layers_in_head} decoder layers (midlayer, then layers.1..{layers_in_head - 1})")
     return NormalizedHead(native, tensors, notes + variant_notes)
+
+
+def _check_later_layers(tensors: dict[str, torch.Tensor], layers: int, attention_bias: bool, qk_norm: bool,
+                        where: str) -> None:
+    """Every later layer holds the q/k/v biases and q/k norms the first one does, and no others."""
+    wanted = (MID_BIAS if attention_bias else []) + (QK_NORMS if qk_norm else [])
+    for i in range(1, layers):
+        prefix = f"layers.{i}."
+        held = sorted(k.removeprefix(prefix) for k in tensors if k.startswith(prefix) and k.removeprefix(prefix)
+                      in MID_BIAS + QK_NORMS)
+        if held != sorted(wanted):
+            raise DraftsmithError(f"{where}: layer {i} holds {', '.join(held) or 'no biases or q/k norms'}, the "
+                                  f"first layer {', '.join(sorted(wanted)) or 'none'}: every layer must be alike")
 
 
 def _parallel_fields(tensors: dict[str, torch.Tensor], config: dict, fc_in: int, where: str) -> dict:

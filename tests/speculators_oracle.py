@@ -38,11 +38,17 @@ def train_config_defaults(**overrides) -> dict:
     return {**TrainConfig().flatten(), **overrides}
 
 
-def trained_head(directory: Path, verifier: Path, draft_vocab: int = 1024, seed: int = 0, **overrides) -> Path:
+def trained_head(directory: Path, verifier: Path, draft_vocab: int = 1024, seed: int = 0, peagle: bool = False,
+                 **overrides) -> Path:
     """A head built and saved the way speculators' trainer does it, with its default flags unless `overrides`
-    says otherwise (e.g. draft_arch="qwen3", fc_norm=True, norm_before_fc=False), its weights drawn at random
-    (norm weights around 1, so that every norm shows in the output), then `save_pretrained(directory)`."""
+    says otherwise (e.g. draft_arch="qwen3", fc_norm=True, norm_before_fc=False, num_layers=4), its weights
+    drawn at random (norm weights around 1, so that every norm shows in the output), then
+    `save_pretrained(directory)`. `peagle`: its P-EAGLE model (the same layers, a `mask_hidden`, slot token 3)."""
     Eagle3DraftModel, create_transformer_layer_config, _ = require()
+    if peagle:
+        from speculators.models.peagle import PEagleDraftModel as Eagle3DraftModel
+
+        overrides = {"mask_token_id": 3, **overrides}
     args = train_config_defaults(verifier_name_or_path=str(verifier), target_layer_ids=[1, 3, 5],
                                  draft_vocab_size=draft_vocab, draft_attn_impl="sdpa", **overrides)
     layer = create_transformer_layer_config(str(verifier), num_layers=args["num_layers"], draft_arch=args["draft_arch"],
@@ -65,16 +71,18 @@ def trained_head(directory: Path, verifier: Path, draft_vocab: int = 1024, seed:
     return directory
 
 
-def load(directory: Path, dflash: bool = False):
-    """speculators' from_pretrained (its EAGLE-3 model, or with `dflash` its DFlash one) -> (model, keys it
-    expected and the file lacks, keys the file holds and it does not define). Its own ignore lists (the
-    verifier's weights it fills in itself) do not count."""
+def load(directory: Path, dflash: bool = False, peagle: bool = False):
+    """speculators' from_pretrained (its EAGLE-3 model, or with `dflash` its DFlash one, `peagle` its P-EAGLE
+    one) -> (model, keys it expected and the file lacks, keys the file holds and it does not define). Its own
+    ignore lists (the verifier's weights it fills in itself) do not count."""
     Eagle3DraftModel, _, _ = require()
     from safetensors import safe_open
 
     model_class = Eagle3DraftModel
     if dflash:
         from speculators.models.dflash.core import DFlashDraftModel as model_class
+    if peagle:
+        from speculators.models.peagle import PEagleDraftModel as model_class
     config = model_class.config_class.from_pretrained(str(directory))
     # its default, flex attention, needs torch.compile on CPU: SDPA computes the same masks
     config.transformer_layer_config._attn_implementation = "sdpa"
@@ -89,13 +97,16 @@ def load(directory: Path, dflash: bool = False):
 
 
 @torch.no_grad()
-def logits_by_step(model, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def logits_by_step(model, input_ids: torch.Tensor, features: torch.Tensor, steps: int,
+                   forward=None) -> list[torch.Tensor]:
     """Its forward's LM-head output [1, T, draft_vocab] at each training-time-test step: step 0 reads the
-    tokens and target features, step s the tokens shifted by s and its own step s-1 output."""
+    tokens and target features, step s the tokens shifted by s and its own step s-1 output. `forward`: another
+    forward over the model's modules (default: its own)."""
     captured = []
     hook = model.lm_head.register_forward_hook(lambda _module, _inputs, output: captured.append(output.float()))
     try:
-        model(hidden_states=features, input_ids=input_ids, document_ids=torch.zeros_like(input_ids), ttt_steps=steps)
+        (forward or model)(hidden_states=features, input_ids=input_ids, document_ids=torch.zeros_like(input_ids),
+                           ttt_steps=steps)
     finally:
         hook.remove()
     return captured

@@ -5,6 +5,7 @@ stays lossless in one draft forward a step, and the export carries what vLLM's p
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -199,3 +200,37 @@ def test_sglang_refuses_a_stacked_head_in_one_line(demo_target, tmp_path, capsys
     _head(demo_target, parallel=False, layers=2).save_pretrained(tmp_path / "native")
     assert pub.convert(tmp_path / "native", tmp_path / "sglang", "--to", "sglang") != 0
     assert "SGLang's llama_eagle3 builds one decoder layer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_four_layer_head_saved_by_speculators_peagle_serves_as_it_computes(demo_target, tmp_path, greedy_reference):
+    """speculators' own P-EAGLE model (four layers, as P-EAGLE's published heads; its trained embedding) saved
+    by its save_pretrained converts to a parallel-drafting head of four layers with its mask_hidden and slot
+    token; its first draft's logits are speculators' EAGLE-3 forward's, and it decodes losslessly drafting in
+    one forward a step."""
+    import public_checkpoints as pub
+    import speculators_oracle as oracle
+    from draftsmith.methods import load_head
+
+    oracle.trained_head(tmp_path / "theirs", DEMO_MODEL, peagle=True, num_layers=4)
+    theirs, missing, unexpected = oracle.load(tmp_path / "theirs", peagle=True)
+    assert (missing, unexpected) == ([], [])
+    assert pub.convert(tmp_path / "theirs", tmp_path / "ours") == 0
+    ours = load_head(tmp_path / "ours").attach_target(demo_target)
+    c = ours.config
+    assert (c.parallel_drafting, c.ptd_token_id, c.num_hidden_layers, c.own_embedding) == (True, 3, 4, True)
+    assert torch.equal(ours.mask_hidden.flatten(), theirs.mask_hidden.flatten())
+    ids = torch.randint(4, 8000, (1, 17))
+    feats = target_features(demo_target, ours.feature_layers, ids, "float32")["features"]
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    # its EAGLE-3 forward over the same modules: step 0 is what P-EAGLE's anchor position computes
+    expected = oracle.logits_by_step(theirs, ids[:, 1:], feats[:, :16], 1, partial(Eagle3DraftModel.forward, theirs))
+    with torch.no_grad():
+        _, logits = next(unroll(ours, ids, feats, 1))
+    torch.testing.assert_close(logits, expected[0], atol=2e-5, rtol=0)
+    llm = _serve(tmp_path / "ours")
+    forwards = recorded_draft_forwards(llm)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_draft_tokens"] > 0 and set(forwards) == {1}

@@ -117,16 +117,15 @@ def sliding_window(config: dict) -> int | None:
     """The window of the draft layers an HF layer config describes, as transformers builds it:
     `layer_types[0]` when given (what speculators' trainer writes: all draft layers slide by default), else
     Qwen2/3's `use_sliding_window` from layer `max_window_layers` on; None for full attention."""
-    window = config.get("sliding_window")
-    types = config.get("layer_types")
-    if types and len(set(types[:layer_count(config, "config.json")])) > 1:
+    window, types, layers = config.get("sliding_window"), config.get("layer_types"), layer_count(config, "config.json")
+    if types and len(set(types[:layers])) > 1:
         raise DraftsmithError(f"the draft layers mix attention types ({types}); draftsmith's stacked EAGLE-3 heads "
                               "attend alike in every layer")
     if types:
         sliding = types[0] == "sliding_attention"
     else:
         first_sliding = int(config.get("max_window_layers", 28))  # Qwen2/3: layers from this one on slide
-        if config.get("use_sliding_window") and 0 < first_sliding < layer_count(config, "config.json"):
+        if config.get("use_sliding_window") and 0 < first_sliding < layers:
             raise DraftsmithError(f"the draft layers mix attention types (layers from {first_sliding} on slide); "
                                   "draftsmith's stacked EAGLE-3 heads attend alike in every layer")
         sliding = bool(config.get("use_sliding_window")) and first_sliding <= 0
@@ -318,8 +317,7 @@ class YuhuiliEagle3:
 def _layer_config(head: NormalizedHead, architectures: list[str]) -> dict:
     c = head.config
     config = llama_layer_config(c, architectures, head_dtype(head.tensors))
-    config.update(draft_vocab_size=c["draft_vocab_size"], target_hidden_size=c["target_hidden_size"],
-                  num_hidden_layers=c.get("num_hidden_layers", 1))
+    config.update(draft_vocab_size=c["draft_vocab_size"], target_hidden_size=c["target_hidden_size"])
     if c["fc_bias"]:
         config["bias"] = True
     if c["attention_bias"]:

@@ -38,7 +38,8 @@ def rope_keys(rope: RopeConfig | dict[str, Any]) -> dict[str, Any]:
 
 def llama_layer_config(config: dict[str, Any], architectures: list[str], dtype: str,
                        model_type: str = "llama") -> dict[str, Any]:
-    """The HF Llama-style config of a head's single decoder layer (num_hidden_layers 1, target vocab)."""
+    """The HF Llama-style config of a head's decoder layers (its `num_hidden_layers`, 1 where it names none;
+    the target's vocab)."""
     return {
         "architectures": architectures,
         "model_type": model_type,
@@ -47,7 +48,7 @@ def llama_layer_config(config: dict[str, Any], architectures: list[str], dtype: 
         "num_attention_heads": config["num_attention_heads"],
         "num_key_value_heads": config["num_key_value_heads"],
         "head_dim": config["head_dim"],
-        "num_hidden_layers": 1,
+        "num_hidden_layers": config.get("num_hidden_layers", 1),
         "hidden_act": "silu",
         "rms_norm_eps": config["rms_norm_eps"],
         "vocab_size": config["vocab_size"],

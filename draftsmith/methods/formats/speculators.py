@@ -174,7 +174,6 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
     # speculators builds Llama and Qwen3 draft layers; a Qwen3 one is a Llama one with q/k norms
     layer = llama_layer_config(c, ["Qwen3ForCausalLM" if c["qk_norm"] else "LlamaForCausalLM"],
                                eagle.head_dtype(head.tensors), "qwen3" if c["qk_norm"] else "llama")
-    layer["num_hidden_layers"] = c.get("num_hidden_layers", 1)
     if c["attention_bias"]:
         layer["attention_bias"] = True
     window = c["sliding_window"]

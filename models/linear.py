@@ -29,6 +29,10 @@ for some shapes: so a weight takes this path only once MKL computes every row al
 dense grid up to MM_CHECKED_ROWS (`_checked_rows`), checked once per shape, bias and thread count
 (`_mm_rows_agree`); a one-row call runs as two, and a call of more rows runs in pieces of at most
 MM_CHECKED_ROWS. `DRAFTSMITH_CPU_LINEAR=onednn` keeps every weight on oneDNN.
+
+What a call runs is decided once per layer (and per fused group) and kept as its `_Plan`; a call only checks
+that the plan still holds (the same tensors, versions and thread count). Around one-row kernels of 15-30 us,
+Python is a large share of a call: deciding again on every call had cost as much as the kernel itself.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -179,11 +184,16 @@ def _takes_mm(out_features: int, layers: tuple[Linear, ...]) -> bool:
     return agrees
 
 
-def _project(layers: tuple[Linear, ...], x: torch.Tensor) -> torch.Tensor:
-    """The layers' outputs side by side (one layer, or a fused group's stacked weights) on the fast path."""
-    if not _takes_mm(sum(layer.out_features for layer in layers), layers):
-        return _run(x, *_cached_weight(layers, "onednn"))
-    transposed, bias = _cached_weight(layers, "mm")
+def _project(plan: _Plan, x: torch.Tensor) -> torch.Tensor:
+    """The outputs of a plan's layers side by side (one layer, or a fused group's stacked weights)."""
+    if plan.form == "onednn":
+        return _run(x, plan.weight, plan.bias)
+    return _mm_rows(x, plan.weight, plan.bias)
+
+
+def _mm_rows(x: torch.Tensor, transposed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """MKL's GEMM of x [..., in] on a transposed weight, in the row counts whose results `_mm_rows_agree`
+    checked: one row runs as two, and more than MM_CHECKED_ROWS in pieces."""
     in_features = x.shape[-1]
     rows = x.numel() // in_features if in_features else 0
     flat = x.reshape(rows, in_features).contiguous()
@@ -197,6 +207,58 @@ def _project(layers: tuple[Linear, ...], x: torch.Tensor) -> torch.Tensor:
         ends = [*starts[1:], rows]
         out = torch.cat([_mm(flat[start:end], transposed, bias) for start, end in zip(starts, ends)])
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+_PLAN_ATTRS = ("_plan", "_fused_plan")  # where a layer keeps its own plan and its group's
+
+
+class _Plan(NamedTuple):
+    """How a layer, or a fused group, runs on the fast path, and what that was decided from."""
+
+    # (tensor, its data_ptr, its version or None for an inference tensor) of each weight and bias it was built
+    # from: a replaced parameter, a swapped .data or an in-place change (load_state_dict copies in) shows
+    tensors: tuple
+    threads: int  # MKL's batch invariance, and so the form, depends on the thread count
+    form: str  # "onednn": a reordered weight; "mm": MKL's GEMM on a transposed copy (`_takes_mm`)
+    weight: torch.Tensor  # the weights stacked, in that form
+    bias: torch.Tensor | None
+    sizes: list[int]  # each layer's out_features, where a fused result splits
+
+
+def _plan(layers: tuple[Linear, ...]) -> _Plan:
+    """The group's plan, cached on its first layer (a layer alone and in a group apart) and made again when a
+    weight or bias was replaced or changed in place (a version bump: in-place updates, load_state_dict) or
+    the thread count moved. Checking that is most of the per-call cost on the fast path: it reads each
+    tensor from the module's own dicts, not through nn.Module's attribute lookup (a microsecond each)."""
+    first = layers[0]
+    plan = first.__dict__.get(_PLAN_ATTRS[len(layers) > 1])
+    if plan is not None and plan.threads == torch.get_num_threads() and _unchanged(layers, plan.tensors):
+        return plan
+    return _new_plan(layers)
+
+
+def _tensors_of(layers: tuple[Linear, ...]) -> list[torch.Tensor]:
+    return [t for layer in layers for t in (layer._parameters["weight"], layer._parameters["bias"]) if t is not None]
+
+
+def _unchanged(layers: tuple[Linear, ...], built_from: tuple) -> bool:
+    tensors = _tensors_of(layers)
+    if len(tensors) != len(built_from):
+        return False
+    for tensor, (was, address, version) in zip(tensors, built_from):
+        if tensor is not was or tensor.data_ptr() != address or (version is not None and tensor._version != version):
+            return False
+    return True
+
+
+def _new_plan(layers: tuple[Linear, ...]) -> _Plan:
+    out_features = sum(layer.out_features for layer in layers)
+    form = "mm" if _takes_mm(out_features, layers) else "onednn"
+    weight, bias = _cached_weight(layers, form)
+    tensors = tuple((t, t.data_ptr(), None if t.is_inference() else t._version) for t in _tensors_of(layers))
+    plan = _Plan(tensors, torch.get_num_threads(), form, weight, bias, [layer.out_features for layer in layers])
+    layers[0].__dict__[_PLAN_ATTRS[len(layers) > 1]] = plan
+    return plan
 
 
 def _weight_key(weight: torch.Tensor) -> tuple:
@@ -230,12 +292,13 @@ def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> to
     """oneDNN's linear on a reordered weight, rows padded to their bucket."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     padded = row_bucket(rows)
+    linear = torch.ops.mkldnn._linear_pointwise.default
     if padded == rows:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return linear(x.contiguous(), packed, bias, "none", [], "")
     flat = x.new_empty(padded, x.shape[-1])  # the rows copied once, only the padding zeroed
     flat[:rows] = x.reshape(rows, x.shape[-1])
     flat[rows:].zero_()
-    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    out = linear(flat, packed, bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
@@ -246,25 +309,32 @@ def fused(layers: tuple[Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ..
     of them were such calls more than needed. The outputs are views into one [.., sum of out_features]
     result. Off the fast path (autograd, GPU, another dtype): each layer on its own."""
     first = layers[0]
-    if len(layers) == 1 or not _fast_path(x, first.weight) or any(
-            layer.weight.dtype != first.weight.dtype or (layer.bias is None) != (first.bias is None)
-            for layer in layers):
+    if len(layers) == 1 or not _fast_path(x, first._parameters["weight"]) or not _alike(layers):
         return tuple(layer(x) for layer in layers)
-    return _project(layers, x).split([layer.out_features for layer in layers], dim=-1)
+    plan = _plan(layers)
+    return _project(plan, x).split(plan.sizes, dim=-1)
+
+
+def _alike(layers: tuple[Linear, ...]) -> bool:
+    """Whether the layers' weights share a dtype and all or none have a bias (what stacking them needs)."""
+    first = layers[0]._parameters
+    dtype, biased = first["weight"].dtype, first["bias"] is None
+    return all(layer._parameters["weight"].dtype == dtype and (layer._parameters["bias"] is None) == biased
+               for layer in layers[1:])
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state dict) whose CPU inference runs oneDNN on a reordered weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _fast_path(x, self.weight):
-            return F.linear(x, self.weight, self.bias)
-        return _project((self,), x)
+        weight = self._parameters["weight"]
+        if not _fast_path(x, weight):
+            return F.linear(x, weight, self._parameters["bias"])
+        return _project(_plan((self,)), x)
 
     def __getstate__(self):
         # the reordered copies are caches (opaque tensors that do not pickle): copies rebuild their own
         state = self.__dict__.copy()
-        for form in ("onednn", "mm"):
-            state.pop(f"_{form}_weight", None)
-            state.pop(f"_{form}_fused", None)
+        for attr in ("_onednn_weight", "_onednn_fused", "_mm_weight", "_mm_fused", *_PLAN_ATTRS):
+            state.pop(attr, None)
         return state

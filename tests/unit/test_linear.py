@@ -54,6 +54,30 @@ def test_follows_weight_updates():
         torch.testing.assert_close(layer(x), before)
 
 
+
+@needs_onednn
+def test_follows_replaced_weights_and_thread_counts():
+    """The cached plan is checked on every call: a parameter replaced, a `.data` swapped or a fused group's
+    bias changed in place all show, and so does a new thread count (MKL's batch invariance depends on it)."""
+    layer, other = Linear(32, 16), Linear(32, 8)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        layer(x), fused((layer, other), x)
+        layer.weight = torch.nn.Parameter(torch.randn(16, 32))
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer.weight.data = torch.randn(16, 32)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        other.bias.add_(1.0)
+        torch.testing.assert_close(fused((layer, other), x)[1], F.linear(x, other.weight, other.bias))
+        threads = torch.get_num_threads()
+        plan = layer.__dict__["_plan"]
+        try:
+            torch.set_num_threads(threads + 1)
+            layer(x)
+            assert layer.__dict__["_plan"] is not plan and layer.__dict__["_plan"].threads == threads + 1
+        finally:
+            torch.set_num_threads(threads)
+
 def test_training_uses_aten_with_the_same_gradients():
     layer = Linear(24, 8)
     reference = torch.nn.Linear(24, 8)

@@ -309,27 +309,29 @@ def fused(layers: tuple[Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ..
     of them were such calls more than needed. The outputs are views into one [.., sum of out_features]
     result. Off the fast path (autograd, GPU, another dtype): each layer on its own."""
     first = layers[0]
-    if len(layers) == 1 or not _fast_path(x, first._parameters["weight"]) or not _alike(layers):
+    if len(layers) == 1 or not _alike(layers) or not _fast_path(x, first._parameters["weight"]):
         return tuple(layer(x) for layer in layers)
     plan = _plan(layers)
     return _project(plan, x).split(plan.sizes, dim=-1)
 
 
 def _alike(layers: tuple[Linear, ...]) -> bool:
-    """Whether the layers' weights share a dtype and all or none have a bias (what stacking them needs)."""
-    first = layers[0]._parameters
-    dtype, biased = first["weight"].dtype, first["bias"] is None
-    return all(layer._parameters["weight"].dtype == dtype and (layer._parameters["bias"] is None) == biased
-               for layer in layers[1:])
+    """Whether the layers hold their own weights (see `Linear.forward`), of one dtype, and all or none a bias
+    (what stacking them needs)."""
+    weights = [layer._parameters.get("weight") for layer in layers]
+    if any(weight is None for weight in weights):
+        return False
+    biased = [layer._parameters.get("bias") is not None for layer in layers]
+    return all(weight.dtype == weights[0].dtype for weight in weights) and all(b == biased[0] for b in biased)
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state dict) whose CPU inference runs oneDNN on a reordered weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self._parameters["weight"]
-        if not _fast_path(x, weight):
-            return F.linear(x, weight, self._parameters["bias"])
+        weight = self._parameters.get("weight")  # None where a wrapper (FSDP's flat parameters) moved it
+        if weight is None or not _fast_path(x, weight):
+            return F.linear(x, self.weight, self.bias)
         return _project(_plan((self,)), x)
 
     def __getstate__(self):

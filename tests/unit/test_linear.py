@@ -78,6 +78,21 @@ def test_follows_replaced_weights_and_thread_counts():
         finally:
             torch.set_num_threads(threads)
 
+
+def test_a_weight_moved_out_of_the_parameters_takes_atens_path():
+    """A wrapper may hold a layer's weight as a plain attribute (FSDP's flat parameters): the layer and a fused
+    group with it compute aten's linear of that weight, not a cached copy of the one it replaced."""
+    layer, other = Linear(32, 16), Linear(32, 8)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        layer(x), fused((layer, other), x)
+    moved = torch.randn(16, 32)
+    del layer._parameters["weight"]
+    layer.weight = moved
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, moved, layer.bias))
+        torch.testing.assert_close(fused((layer, other), x)[0], F.linear(x, moved, layer.bias))
+
 def test_training_uses_aten_with_the_same_gradients():
     layer = Linear(24, 8)
     reference = torch.nn.Linear(24, 8)

@@ -31,7 +31,8 @@ dense grid up to MM_CHECKED_ROWS (`_checked_rows`), checked once per shape, bias
 MM_CHECKED_ROWS. `DRAFTSMITH_CPU_LINEAR=onednn` keeps every weight on oneDNN.
 
 What a call runs is decided once per layer (and per fused group) and kept as its `_Plan`; a call only checks
-that the plan still holds (the same tensors, versions and thread count). Around one-row kernels of 15-30 us,
+that the plan still holds (the same tensors, versions and thread count). `DRAFTSMITH_CPU_LINEAR` is read when
+a plan is made. Around one-row kernels of 15-30 us,
 Python is a large share of a call: deciding again on every call had cost as much as the kernel itself.
 """
 
@@ -215,8 +216,10 @@ _PLAN_ATTRS = ("_plan", "_fused_plan")  # where a layer keeps its own plan and i
 class _Plan(NamedTuple):
     """How a layer, or a fused group, runs on the fast path, and what that was decided from."""
 
-    # (tensor, its data_ptr, its version or None for an inference tensor) of each weight and bias it was built
-    # from: a replaced parameter, a swapped .data or an in-place change (load_state_dict copies in) shows
+    # (tensor, its data_ptr, its version or None for an inference tensor, a view of its storage) of each weight
+    # and bias it was built from: a replaced parameter, a swapped .data or an in-place change (load_state_dict
+    # copies in) shows. The view keeps the storage alive, so a swapped .data cannot land at the same address.
+    # An inference tensor changed in place does not show (it keeps no version).
     tensors: tuple
     threads: int  # MKL's batch invariance, and so the form, depends on the thread count
     form: str  # "onednn": a reordered weight; "mm": MKL's GEMM on a transposed copy (`_takes_mm`)
@@ -245,7 +248,7 @@ def _unchanged(layers: tuple[Linear, ...], built_from: tuple) -> bool:
     tensors = _tensors_of(layers)
     if len(tensors) != len(built_from):
         return False
-    for tensor, (was, address, version) in zip(tensors, built_from):
+    for tensor, (was, address, version, _) in zip(tensors, built_from):
         if tensor is not was or tensor.data_ptr() != address or (version is not None and tensor._version != version):
             return False
     return True
@@ -255,7 +258,8 @@ def _new_plan(layers: tuple[Linear, ...]) -> _Plan:
     out_features = sum(layer.out_features for layer in layers)
     form = "mm" if _takes_mm(out_features, layers) else "onednn"
     weight, bias = _cached_weight(layers, form)
-    tensors = tuple((t, t.data_ptr(), None if t.is_inference() else t._version) for t in _tensors_of(layers))
+    tensors = tuple((t, t.data_ptr(), None if t.is_inference() else t._version, t.detach())
+                    for t in _tensors_of(layers))
     plan = _Plan(tensors, torch.get_num_threads(), form, weight, bias, [layer.out_features for layer in layers])
     layers[0].__dict__[_PLAN_ATTRS[len(layers) > 1]] = plan
     return plan
@@ -315,13 +319,21 @@ def fused(layers: tuple[Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ..
     return _project(plan, x).split(plan.sizes, dim=-1)
 
 
+def _holds_own(layer: Linear) -> bool:
+    """Whether the layer's weight and bias (None or not) are its own parameters: a wrapper may hold either as a
+    plain attribute instead (FSDP's flat parameters, pruning, parametrizations), which the fast path, reading
+    the module's own dict, would not see; such a layer takes aten's path."""
+    own = layer._parameters
+    return own.get("weight") is not None and "bias" in own
+
+
 def _alike(layers: tuple[Linear, ...]) -> bool:
     """Whether the layers hold their own weights (see `Linear.forward`), of one dtype, and all or none a bias
     (what stacking them needs)."""
-    weights = [layer._parameters.get("weight") for layer in layers]
-    if any(weight is None for weight in weights):
+    if not all(_holds_own(layer) for layer in layers):
         return False
-    biased = [layer._parameters.get("bias") is not None for layer in layers]
+    weights = [layer._parameters["weight"] for layer in layers]
+    biased = [layer._parameters["bias"] is not None for layer in layers]
     return all(weight.dtype == weights[0].dtype for weight in weights) and all(b == biased[0] for b in biased)
 
 
@@ -329,8 +341,8 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters, same state dict) whose CPU inference runs oneDNN on a reordered weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self._parameters.get("weight")  # None where a wrapper (FSDP's flat parameters) moved it
-        if weight is None or not _fast_path(x, weight):
+        weight = self._parameters.get("weight")
+        if not _holds_own(self) or not _fast_path(x, weight):
             return F.linear(x, self.weight, self.bias)
         return _project(_plan((self,)), x)
 

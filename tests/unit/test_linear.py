@@ -93,6 +93,33 @@ def test_a_weight_moved_out_of_the_parameters_takes_atens_path():
         torch.testing.assert_close(layer(x), F.linear(x, moved, layer.bias))
         torch.testing.assert_close(fused((layer, other), x)[0], F.linear(x, moved, layer.bias))
 
+
+def test_a_pruned_bias_takes_atens_path():
+    """Pruning keeps a layer's bias as a plain attribute (the mask applied to `bias_orig`): both the layer and a
+    fused group with it compute with the pruned bias."""
+    from torch.nn.utils import prune
+
+    layer, other = Linear(32, 16), Linear(32, 8)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        layer(x), fused((layer, other), x)
+    prune.l1_unstructured(layer, "bias", amount=0.5)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        torch.testing.assert_close(fused((layer, other), x)[0], F.linear(x, layer.weight, layer.bias))
+
+
+@needs_onednn
+def test_follows_data_swapped_again_and_again():
+    """A plan keeps the storage it was built from alive, so a later `.data` cannot reuse its address unseen."""
+    layer = Linear(64, 64)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        for _ in range(16):  # two swaps between calls: the first's storage is free by the second
+            layer.weight.data = torch.randn(64, 64)
+            layer.weight.data = torch.randn(64, 64)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+
 def test_training_uses_aten_with_the_same_gradients():
     layer = Linear(24, 8)
     reference = torch.nn.Linear(24, 8)

@@ -4,8 +4,9 @@ On CPU, aten's linear (MKL sgemm) handles the few rows of decoding badly. On the
 fp32 projection takes 45 us for 1 row, 147 us for 4 to 8 rows (batched decode, or verifying a few drafts)
 and 336 us for 32. oneDNN, with the weight reordered into its blocked layout ahead of time, takes 33-48 us
 for 1-8 rows and 128 us for 32: whole target forwards run 1.4-2.3x faster. It is the op that torch.compile's
-CPU freezing pass (Inductor's mkldnn fusion) emits for a linear layer; here it is called directly, since a
-compile of every batch shape the engine runs would cost more than it saves.
+CPU freezing pass (Inductor's mkldnn fusion) emits for a linear layer; here it is called directly, and a
+compiled engine step (`serve.engine.step_graphs`) calls it too, on the plan an eager call made
+(`_traced_plan`).
 
 It is also batch-invariant: each row's result does not depend on how many rows share the call (aten's is
 not, past one row). A verify forward then computes a row exactly as a decode would, which keeps greedy
@@ -137,14 +138,37 @@ def warm_up(modules: Iterable[nn.Module], max_rows: int) -> int:
     return calls
 
 
+def make_plans(modules: Iterable[nn.Module]) -> int:
+    """Makes the plan of every `Linear` layer of the modules and of every fused group (`fused_linears`) that
+    the fast path would run, without running one: what a compiled step calls (`_traced_plan`), where a layer
+    without a plan would trace as aten's linear (MKL, whose rows need not agree from one row count to the
+    next). A layer that runs only in its group gets the group's plan alone. -> the plans made."""
+    subs = [sub for top in modules for sub in top.modules()]
+    groups = [group for sub in subs for group in getattr(sub, "fused_linears", tuple)()]
+    grouped = {id(layer) for group in groups for layer in group}
+    groups += [(sub,) for sub in subs if isinstance(sub, Linear) and id(sub) not in grouped]
+    made = 0
+    for group in groups:
+        weight = group[0]._parameters.get("weight")
+        if (weight is not None and weight.device.type == "cpu" and onednn_linear_available(weight.dtype)
+                and (len(group) == 1 and _holds_own(group[0]) or len(group) > 1 and _alike(group))):
+            with torch.inference_mode():
+                _plan(group)
+            made += 1
+    return made
+
+
 def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # Traced by torch.compile (`serve.engine.step_graphs`), a layer is aten's linear: the reordered weight is an
-    # opaque tensor cached by address, which a graph cannot hold, and Inductor's own CPU lowering of a linear
-    # is this same oneDNN call.
     # Under autocast aten's linear computes in the autocast dtype; the fast path would not, so it steps aside.
     return (x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
-            and onednn_linear_available(weight.dtype))
+            and not torch.is_autocast_enabled("cpu") and onednn_linear_available(weight.dtype))
+
+
+def _traced_plan(layers: tuple[Linear, ...]) -> _Plan | None:
+    """Traced by torch.compile (`serve.engine.step_graphs`), a layer runs the plan an eager call made (the
+    compiled step's warm-up runs eagerly first), unchecked: the graph guards on the plan object, and a plan
+    made again after a weight changed is another object, which recompiles. Without one: aten's linear."""
+    return layers[0].__dict__.get(_PLAN_ATTRS[len(layers) > 1])
 
 
 def _checked_rows() -> list[int]:
@@ -315,7 +339,9 @@ def fused(layers: tuple[Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ..
     first = layers[0]
     if len(layers) == 1 or not _alike(layers) or not _fast_path(x, first._parameters["weight"]):
         return tuple(layer(x) for layer in layers)
-    plan = _plan(layers)
+    plan = _traced_plan(layers) if torch.compiler.is_compiling() else _plan(layers)
+    if plan is None:
+        return tuple(layer(x) for layer in layers)
     return _project(plan, x).split(plan.sizes, dim=-1)
 
 
@@ -344,7 +370,10 @@ class Linear(nn.Linear):
         weight = self._parameters.get("weight")
         if not _holds_own(self) or not _fast_path(x, weight):
             return F.linear(x, self.weight, self.bias)
-        return _project(_plan((self,)), x)
+        plan = _traced_plan((self,)) if torch.compiler.is_compiling() else _plan((self,))
+        if plan is None:
+            return F.linear(x, self.weight, self.bias)
+        return _project(plan, x)
 
     def __getstate__(self):
         # the reordered copies are caches (opaque tensors that do not pickle): copies rebuild their own

@@ -79,7 +79,10 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 def _follows(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether k's heads continue q's in one buffer with the same strides (one tensor of heads + kv_heads)."""
+    """Whether k's heads continue q's in one buffer with the same strides (one tensor of heads + kv_heads).
+    Never while torch.compile traces: storage addresses are not traceable, and Inductor fuses the two turns."""
+    if torch.compiler.is_compiling():
+        return False
     return (q.shape[:-2] == k.shape[:-2] and q.shape[-1] == k.shape[-1] and q.stride() == k.stride()
             and q.dtype == k.dtype and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
             and k.storage_offset() == q.storage_offset() + q.shape[-2] * q.stride(-2))

@@ -9,10 +9,14 @@ derives its attention metadata from that buffer on the device (`ForwardBatch.sta
 to the host, so a CUDA graph captures it once per bucket and replays it; the Triton slot kernel reads each
 row's keys up to its own count in place, so one graph serves every context length.
 
-On CPU the same function runs under `torch.compile(fullgraph=True)`: how the tests check that it has no
-graph break and decodes what eager decodes. The engine does not pick that there by default: a compile per
-bucket costs tens of seconds on two cores, and eager CPU forwards already run oneDNN on reordered weights
-(`models.linear`). Eager stays the reference path and `--enforce-eager` (vLLM's name) keeps it.
+On CPU the same function runs under `torch.compile(fullgraph=True)` (`--step-mode compile`): Inductor fuses
+the small ops around the projections (norms, rope, residuals, the attention's masking and softmax), which
+eager code pays 5-20 us each for, and the projections stay oneDNN's linear on the weights `models.linear`
+reordered (`onednn_linear_in_graphs`, `models.linear.make_plans`), so a row computes alike whatever the
+step's other rows. Compiled decode steps took 0.69-0.72x eager's time on the demo model at one request in
+flight, 0.85-0.89x at eight, and 0.82-0.83x on the house model at eight (docs/decisions/cpu-kernels.md). The
+engine does not pick it by default: each bucket compiles for 5-15 s on two cores when the engine starts.
+Eager stays the reference path and `--enforce-eager` (vLLM's name) keeps it.
 
 A recurrent draft head's one-token steps (EAGLE drafts 2..k) run the same way (`DraftStepRunner`): rows
 padded to a bucket, each row's position, slot and first key in a static buffer, the head's input token and
@@ -30,6 +34,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kernel_backend import slot_kernel_wanted
 from draftsmith.models.kv_cache import SLOT_KERNEL_QUERIES, ForwardBatch, KVCache
+from draftsmith.models.linear import make_plans
 from draftsmith.models.llama import CausalLM, ForwardOutput
 
 logger = logging.getLogger("draftsmith")
@@ -39,6 +44,29 @@ STEP_MODES = ("auto", "eager", "cuda-graph", "compile")
 # buckets of this many: a compiled step specialises on the count, and this bounds how many counts it meets
 KEY_BUCKET = 256
 RECOMPILE_LIMIT = 64
+
+
+def onednn_linear_in_graphs() -> None:
+    """Lets a compiled CPU step call oneDNN's linear on the weights `models.linear` reordered, as eager steps
+    do (the same kernel on the same layout: a row's result does not depend on the step's other rows). Inductor
+    lowers that op only for weights frozen into the graph (its freezing pass); registered as a fallback, the
+    graph calls the op as eager code does. Inductor's oneDNN fusion pass rewrites a linear followed by an add
+    (a residual) into the op's binary form, whose lowering needs frozen weights too: here that form is the
+    linear, then the add, as eager code runs them."""
+    from torch._inductor import lowering
+
+    linear, with_add = torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary
+    if linear in lowering.fallbacks:
+        return
+    lowering.lowerings.pop(linear, None)
+    lowering.make_fallback(linear, warn=False)
+    unfused = {"add": lowering.lowerings[torch.ops.aten.add.Tensor],
+               "sub": lowering.lowerings[torch.ops.aten.sub.Tensor]}
+
+    def linear_then(x, other, weight, bias, attr):
+        return unfused[attr](lowering.lowerings[linear](x, weight, bias, "none", [], ""), other)
+
+    lowering.lowerings[with_add] = linear_then
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -100,8 +128,21 @@ class _StaticSteps:
         self.slot_kernel = slot_kernel_wanted(device)
         self._steps: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
+        self._keys_varied = False  # `_warm_key_counts`
         if mode == "compile":
+            onednn_linear_in_graphs()
             self._compiled = torch.compile(fn, fullgraph=True)
+        self._planned = False  # `_execute`: whether the traced modules' linear plans were made
+
+    def _warm_key_counts(self, longest: int) -> list[int]:
+        """The key counts a bucket's warm-up runs at: `longest`, and once per runner in mode compile a second
+        count a key bucket further on. Dynamo compiles an int argument that has changed as a symbol from then
+        on, so every later graph serves every key count; met first while serving, each bucket had compiled
+        twice (10-20 s each on two cores), once more the first time contexts outgrew a key bucket."""
+        if self.mode != "compile" or self._keys_varied or longest + KEY_BUCKET > self.cache.max_len:
+            return [longest]
+        self._keys_varied = True
+        return [longest, longest + KEY_BUCKET]
 
     def _execute(self, step: _Bucket, args: tuple, rows: int):
         with torch.inference_mode():
@@ -110,6 +151,9 @@ class _StaticSteps:
                     self._capture(step, args)
                 step.graph.replay()
                 return _rows_of(step.outputs, rows, copy=True)
+            if not self._planned:  # before the first trace: a layer without a plan traces as aten's linear
+                make_plans(arg for arg in args if isinstance(arg, torch.nn.Module))
+                self._planned = True
             # Dynamo's default of 8 compiles per function is met by one engine's buckets, or by engines
             # side by side (each guards on its own model and cache); past it, fullgraph raises
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
@@ -162,7 +206,8 @@ class StepRunner(_StaticSteps):
             for rows in self.buckets:
                 step = self._bucket(rows, width)
                 step.inputs.copy_(self._host_inputs(0, rows, width, [], [], []))
-                self._run(step, width, width, 0)
+                for longest in self._warm_key_counts(width):
+                    self._run(step, width, longest, 0)
         return len(widths) * len(self.buckets)
 
     def _bucket(self, rows: int, width: int) -> _Bucket:
@@ -254,7 +299,8 @@ class DraftStepRunner(_StaticSteps):
             step = self._bucket(rows)
             step.inputs.zero_()
             step.inputs[:, 1] = self.cache.scratch_slot
-            self._run(step, 0, 1)
+            for longest in self._warm_key_counts(1):
+                self._run(step, 0, longest)
         return len(self.buckets)
 
     def _bucket(self, rows: int) -> _Bucket:

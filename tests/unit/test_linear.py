@@ -308,3 +308,71 @@ def test_mkl_path_computes_the_linear_for_one_row_batches_and_more_rows_than_che
         if linear_module._mm_rows_agree(32, 64, bias):  # rows 2..8 checked: pieces of 6, then 3
             whole = layer(x.reshape(21, 64))
             assert all(torch.equal(layer(x.reshape(21, 64)[:n]), whole[:n]) for n in (1, 2, 6, 8, 15))
+
+
+def _traced_graphs(fn, *args):
+    """fn(*args) under torch.compile with a backend that keeps Dynamo's graphs and runs them as traced."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return out, graphs
+
+
+def _calls(graphs) -> set:
+    return {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+
+
+@needs_onednn
+def test_a_traced_layer_runs_the_plan_its_eager_calls_made():
+    """Traced by torch.compile (a compiled engine step), a layer and a fused group call oneDNN's linear on the
+    weight their eager calls reordered, as eager calls do: the same result to the bit, each row as it would be
+    alone. A layer never called eagerly has no plan and traces as aten's linear."""
+    torch.manual_seed(0)
+    layer, group = Linear(64, 48), (Linear(64, 32, bias=False), Linear(64, 16, bias=False))
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        assert "linear" in " ".join(_calls(_traced_graphs(layer, x)[1]))  # no plan yet: aten's
+        eager_one, eager_group = layer(x), fused(group, x)
+        traced_one, graphs = _traced_graphs(layer, x)
+        assert "mkldnn._linear_pointwise.default" in _calls(graphs)
+        assert torch.equal(traced_one, eager_one)
+        traced_group, graphs = _traced_graphs(lambda t: fused(group, t), x)
+        assert _calls(graphs) & {"mkldnn._linear_pointwise.default"}
+        assert all(torch.equal(a, b) for a, b in zip(traced_group, eager_group))
+        alone = _traced_graphs(layer, x[2:3])[0]
+    assert torch.equal(alone, eager_one[2:3])
+
+
+@needs_onednn
+def test_plans_made_ahead_cover_every_layer_once():
+    """`make_plans` (run before a compiled step is first traced): every fused group gets its plan and every
+    layer outside a group its own, the grouped layers none of their own (a second reordered copy of each
+    weight); traced afterwards, the module calls no aten linear."""
+    from draftsmith.models.config import TargetConfig
+    from draftsmith.models.llama import MLP
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = MLP(TargetConfig("llama", 64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, head_dim=16))
+            self.out = Linear(32, 16)
+
+        def forward(self, x):
+            return self.out(self.mlp(x))
+
+    torch.manual_seed(0)
+    block = Block()
+    assert linear_module.make_plans([block]) == 3  # gate/up, down, out
+    gate, up, down = block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj
+    assert "_fused_plan" in gate.__dict__ and "_plan" not in gate.__dict__ and "_plan" not in up.__dict__
+    assert "_plan" in down.__dict__ and "_plan" in block.out.__dict__
+    with torch.inference_mode():
+        x = torch.randn(3, 32)
+        _, graphs = _traced_graphs(block, x)
+    assert not {c for c in _calls(graphs) if "linear" in c or c.endswith(".mm")} - {"mkldnn._linear_pointwise.default"}

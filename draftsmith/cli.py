@@ -360,6 +360,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                        help="also print where each decode step's time goes (draft, target forward, verify and "
                        "sample, bookkeeping) in ms per step and share")
     bench.add_argument("--json", default=None, help="write the rows (one per model, method and level) here")
+    bench.add_argument("--step-mode", default="auto", choices=["auto", "eager", "cuda-graph", "compile"],
+                       help="how draftsmith's decode and verify steps run for --models (the engine's --step-mode): "
+                       "compile traces them with torch.compile when each engine starts (minutes on two cores; "
+                       "oneDNN linears and fused small ops, docs/decisions/cpu-kernels.md); auto: CUDA graphs "
+                       "on CUDA, eager on CPU (default: %(default)s)")
     _add_bench_peer_args(bench)
     _add_bench_shape_args(bench)
     chart = bench.add_mutually_exclusive_group()

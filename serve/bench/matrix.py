@@ -286,7 +286,8 @@ def bench_model(args, name: str, levels: list[int], texts: list[str], peer=None)
     for method, config in configs.items():
         llms[method] = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=max(levels),
                            max_model_len=max(map(len, prompts)) + args.max_tokens + DRAFT_OVERSHOOT,
-                           speculative_config=config, target=next(iter(llms.values())).model if llms else None)
+                           speculative_config=config, target=next(iter(llms.values())).model if llms else None,
+                           step_mode=args.step_mode)
     if STEPWISE in llms:
         llms[STEPWISE].engine.max_forced = 0  # what plain structured decoding is without grammar drafts
     for llm in llms.values():

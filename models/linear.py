@@ -165,9 +165,10 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _traced_plan(layers: tuple[Linear, ...]) -> _Plan | None:
-    """Traced by torch.compile (`serve.engine.step_graphs`), a layer runs the plan an eager call made (the
-    compiled step's warm-up runs eagerly first), unchecked: the graph guards on the plan object, and a plan
-    made again after a weight changed is another object, which recompiles. Without one: aten's linear."""
+    """Traced by torch.compile (`serve.engine.step_graphs`), a layer runs the plan made before the trace
+    (`make_plans`) or by an eager call, unchecked: the graph guards on the plan object, so a plan an eager
+    call makes again (a weight replaced or changed in place) recompiles, but a weight changed in place after
+    the trace is not seen by compiled calls until then. Without a plan: aten's linear."""
     return layers[0].__dict__.get(_PLAN_ATTRS[len(layers) > 1])
 
 

@@ -164,6 +164,11 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu") and onednn_linear_available(weight.dtype))
 
 
+def _plan_to_run(layers: tuple[Linear, ...]) -> _Plan | None:
+    """The plan a call runs: checked (`_plan`) when eager, the one already made when traced (`_traced_plan`)."""
+    return _traced_plan(layers) if torch.compiler.is_compiling() else _plan(layers)
+
+
 def _traced_plan(layers: tuple[Linear, ...]) -> _Plan | None:
     """Traced by torch.compile (`serve.engine.step_graphs`), a layer runs the plan made before the trace
     (`make_plans`) or by an eager call, unchecked: the graph guards on the plan object, so a plan an eager
@@ -340,7 +345,7 @@ def fused(layers: tuple[Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ..
     first = layers[0]
     if len(layers) == 1 or not _alike(layers) or not _fast_path(x, first._parameters["weight"]):
         return tuple(layer(x) for layer in layers)
-    plan = _traced_plan(layers) if torch.compiler.is_compiling() else _plan(layers)
+    plan = _plan_to_run(layers)
     if plan is None:
         return tuple(layer(x) for layer in layers)
     return _project(plan, x).split(plan.sizes, dim=-1)
@@ -371,7 +376,7 @@ class Linear(nn.Linear):
         weight = self._parameters.get("weight")
         if not _holds_own(self) or not _fast_path(x, weight):
             return F.linear(x, self.weight, self.bias)
-        plan = _traced_plan((self,)) if torch.compiler.is_compiling() else _plan((self,))
+        plan = _plan_to_run((self,))
         if plan is None:
             return F.linear(x, self.weight, self.bias)
         return _project(plan, x)

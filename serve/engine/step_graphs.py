@@ -132,7 +132,6 @@ class _StaticSteps:
         if mode == "compile":
             onednn_linear_in_graphs()
             self._compiled = torch.compile(fn, fullgraph=True)
-        self._planned = False  # `_execute`: whether the traced modules' linear plans were made
 
     def _warm_key_counts(self, longest: int) -> list[int]:
         """The key counts a bucket's warm-up runs at: `longest`, and once per runner in mode compile a second
@@ -151,9 +150,6 @@ class _StaticSteps:
                     self._capture(step, args)
                 step.graph.replay()
                 return _rows_of(step.outputs, rows, copy=True)
-            if not self._planned:  # before the first trace: a layer without a plan traces as aten's linear
-                make_plans(arg for arg in args if isinstance(arg, torch.nn.Module))
-                self._planned = True
             # Dynamo's default of 8 compiles per function is met by one engine's buckets, or by engines
             # side by side (each guards on its own model and cache); past it, fullgraph raises
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
@@ -185,6 +181,8 @@ class StepRunner(_StaticSteps):
     def __init__(self, model: CausalLM, cache: KVCache, max_rows: int, feature_layers: tuple[int, ...], mode: str):
         super().__init__(static_forward, model.model.embed_tokens.weight.device, max_rows, mode)
         self.model, self.cache = model, cache
+        if mode == "compile":  # before the first trace: a layer without a plan traces as aten's linear
+            make_plans([model])
         self.feature_layers = tuple(feature_layers)
 
     def forward(self, ids: torch.Tensor, slots: list[int], starts: list[int], q_lens: list[int]) -> ForwardOutput:
@@ -263,6 +261,8 @@ class DraftStepRunner(_StaticSteps):
         weight = next(head.parameters())
         super().__init__(static_draft_step, weight.device, max_rows, mode)
         self.head, self.cache = head, cache
+        if mode == "compile":  # as StepRunner's
+            make_plans([head])
         self.state_size, self.dtype = head.config.hidden_size, weight.dtype
         # this loop's bucket, its real rows, the keys its next step reads at most; and its first step's
         self._loop: tuple[_Bucket, int, int] | None = None

@@ -29,6 +29,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     batch), where what every layer would derive from the mask alike is kept."""
     rows, heads, queries, dim = q.shape
     kv_heads = k.shape[1]
+    if torch.compiler.is_compiling() and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 \
+            and not heads % kv_heads:
+        return reduced_attention(q, k, v, mask)
     few = rows * queries < GROUPED_FROM and (q.dtype != torch.float32 or k.shape[2] < GROUPED_KEYS_FROM)
     if q.device.type != "cpu" or queries > GROUPED_UP_TO or few or heads % kv_heads:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -72,6 +75,23 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         ~mask[:, :, None], torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores.float(), dim=-1).to(dtype).view(rows, kv_heads, group * queries, keys)
     return torch.matmul(weights.to(v.dtype), v).to(dtype).view(rows, heads, queries, dim)
+
+
+def reduced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`cached_attention` as products summed, for a step torch.compile traces on CPU: Inductor turns both
+    sums into loops of its own and folds the read of each row's keys and values from the cache (a static
+    batch gathers them by slot) into those loops, where the matmul form's batched GEMMs made it copy every
+    row's window out of the cache first, in every layer. Eagerly the products would be materialized whole."""
+    rows, heads, queries, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    grouped_q = q.reshape(rows, kv_heads, group * queries, 1, dim)
+    scores = (grouped_q * k[:, :, None]).sum(-1) * dim**-0.5  # [rows, kv_heads, group * queries, keys]
+    # a large negative, not -inf: a query with no key to attend (padding) gets a finite average, not NaN
+    scores = scores.view(rows, kv_heads, group, queries, keys).masked_fill(~mask[:, :, None],
+                                                                            torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1).view(rows, kv_heads, group * queries, keys, 1)
+    return (weights * v[:, :, None]).sum(-2).view(rows, heads, queries, dim)
 
 
 def batch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch) -> torch.Tensor:

@@ -5,7 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.models.attention import GROUPED_KEYS_FROM, GROUPED_UP_TO, cached_attention, grouped_attention
+from draftsmith.models.attention import (
+    GROUPED_KEYS_FROM,
+    GROUPED_UP_TO,
+    cached_attention,
+    grouped_attention,
+    reduced_attention,
+)
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # bf16: SDPA and matmul round at different points
 
@@ -40,11 +46,40 @@ def test_grouped_matches_sdpa(dtype, rows, heads, kv_heads, queries, keys, windo
         torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("rows,heads,kv_heads,queries,keys,window", [
+    (1, 4, 4, 1, 9, None), (8, 8, 2, 1, 300, None), (8, 8, 2, 5, 300, None), (3, 6, 3, 4, 40, 7),
+    (32, 8, 1, 2, 64, None),
+])
+def test_reduced_form_matches_sdpa(rows, heads, kv_heads, queries, keys, window):
+    """The form compiled CPU steps trace (products summed, no batched matmul) computes what SDPA does."""
+    q, k, v, mask = _case(rows, heads, kv_heads, queries, keys, torch.float32, window)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(reduced_attention(q, k, v, mask), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_a_query_with_no_key_stays_finite():
     """A padding query whose mask admits no key must not turn into NaN (it would reach the logits)."""
     q, k, v, mask = _case(2, 4, 2, 3, 10, torch.float32)
     mask[1, :, 2] = False
     assert torch.isfinite(grouped_attention(q, k, v, mask)).all()
+    assert torch.isfinite(reduced_attention(q, k, v, mask)).all()
+
+
+def test_traced_cpu_attention_is_the_reduced_form():
+    """Under torch.compile on CPU, fp32 attention is traced as products and sums, which Inductor fuses with
+    the read of the rows' keys from the cache; a batched matmul there made it copy them out first."""
+    q, k, v, mask = _case(8, 8, 2, 1, 300, torch.float32)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    got = torch.compile(cached_attention, fullgraph=True, backend=keep)(q, k, v, mask)
+    targets = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert not targets & {torch.bmm, torch.baddbmm, torch.matmul, F.scaled_dot_product_attention}
+    torch.testing.assert_close(got, cached_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

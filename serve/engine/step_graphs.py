@@ -40,9 +40,6 @@ from draftsmith.models.llama import CausalLM, ForwardOutput
 logger = logging.getLogger("draftsmith")
 
 STEP_MODES = ("auto", "eager", "cuda-graph", "compile")
-# keys read per row without the slot kernel (SDPA or the grouped CPU form over a gathered window), in
-# buckets of this many: a compiled step specialises on the count, and this bounds how many counts it meets
-KEY_BUCKET = 256
 RECOMPILE_LIMIT = 64
 
 
@@ -134,14 +131,15 @@ class _StaticSteps:
             self._compiled = torch.compile(fn, fullgraph=True)
 
     def _warm_key_counts(self, longest: int) -> list[int]:
-        """The key counts a bucket's warm-up runs at: `longest`, and once per runner in mode compile a second
-        count a key bucket further on. Dynamo compiles an int argument that has changed as a symbol from then
-        on, so every later graph serves every key count; met first while serving, each bucket had compiled
-        twice (10-20 s each on two cores), once more the first time contexts outgrew a key bucket."""
-        if self.mode != "compile" or self._keys_varied or longest + KEY_BUCKET > self.cache.max_len:
+        """The key counts a bucket's warm-up runs at: `longest`, and once per runner in mode compile two counts
+        past 1 (Dynamo specialises 0 and 1 always). Dynamo compiles an int argument that has changed as a
+        symbol from then on, so every later graph serves every key count; met first while serving, each
+        bucket had compiled twice (10-20 s each on two cores)."""
+        first = max(longest, 2)
+        if self.mode != "compile" or self._keys_varied or first + 1 > self.cache.max_len:
             return [longest]
         self._keys_varied = True
-        return [longest, longest + KEY_BUCKET]
+        return [first, first + 1]
 
     def _execute(self, step: _Bucket, args: tuple, rows: int):
         with torch.inference_mode():
@@ -221,7 +219,7 @@ class StepRunner(_StaticSteps):
         # masked PyTorch form, as ForwardBatch.build decides
         kernel = self.slot_kernel and width <= SLOT_KERNEL_QUERIES
         # A graph replays the key count it was captured with: the whole cache (the kernel bounds each row by
-        # its kv_lens; the mask form reads every key, masked). A compiled step takes the longest row's bucket.
+        # its kv_lens; the mask form reads every key, masked). A compiled step reads the longest row's keys.
         num_keys = _keys_read(self.cache, longest, kernel, self.mode)
         return self._execute(step, (self.model, self.cache, step.inputs, width, num_keys, self.feature_layers,
                                     kernel), rows)
@@ -246,11 +244,11 @@ class StepRunner(_StaticSteps):
 
 def _keys_read(cache: KVCache, longest: int, kernel: bool, mode: str) -> int:
     """The key count a static step reads. A graph replays the count it was captured with: the whole cache (the
-    kernel bounds each row by its kv_lens; the mask form reads every key, masked). A compiled step takes the
-    longest row's bucket."""
+    kernel bounds each row by its kv_lens; the mask form reads every key, masked). A compiled step reads the
+    longest row's keys: its graphs take the count as a symbol (`_warm_key_counts`)."""
     if kernel or mode == "cuda-graph":
         return cache.max_len
-    return min(-(-longest // KEY_BUCKET) * KEY_BUCKET, cache.max_len)
+    return min(longest, cache.max_len)
 
 
 class DraftStepRunner(_StaticSteps):

@@ -287,8 +287,8 @@ def _counting_backend(graphs: list):
 
 def test_warm_up_leaves_key_counts_to_one_graph_per_bucket(target):
     """In mode compile, the warm-up runs its first bucket at two key counts, so Dynamo traces the count as a
-    symbol from then on: a step whose context has outgrown the warm-up's key bucket runs the graph compiled at
-    start-up instead of compiling another (10-20 s each on two cores, met while serving)."""
+    symbol from then on: a step whose context is longer than the warm-up's runs the graph compiled at start-up
+    instead of compiling another (10-20 s each on two cores, met while serving)."""
     torch._dynamo.reset()
     cache = _prefilled(target, [700], [0], num_slots=2, max_len=1024)
     runner = StepRunner(target, cache, max_rows=1, feature_layers=(), mode="compile")
@@ -297,7 +297,7 @@ def test_warm_up_leaves_key_counts_to_one_graph_per_bucket(target):
     assert runner.warm_up([1, 2]) == 2
     warmed = len(graphs)
     assert warmed <= 3  # width 1 at two key counts (the second symbolic), width 2 symbolic from the start
-    for start in (300, 700):  # key buckets 512 and 768, both past the warm-up's 256
+    for start in (300, 700):  # key counts far past the warm-up's
         runner.forward(_step_inputs(target, [0], [start], [2], 2), [0], [start], [2])
         runner.forward(_step_inputs(target, [0], [start], [1], 1), [0], [start], [1])
     assert len(graphs) == warmed

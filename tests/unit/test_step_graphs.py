@@ -14,6 +14,7 @@ from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.engine.step_graphs import (
     DraftStepRunner,
     StepRunner,
+    compile_step,
     resolve_step_mode,
     row_buckets,
     static_draft_step,
@@ -111,13 +112,13 @@ def _compiled_llm(target, backend, **kwargs):
               **kwargs)
     engine = llm.engine
     runner = StepRunner(engine.model, engine.cache, 3, engine.feature_layers, "compile")
-    runner._compiled = torch.compile(static_forward, fullgraph=True, backend=backend)
+    runner._compiled = compile_step(static_forward, backend)
     calls, forward = [], runner.forward
     runner.forward = lambda *a: calls.append(a[0].shape) or forward(*a)
     engine.steps = runner
     if engine.proposer is not None:  # and the head's draft steps, in the same backend
         drafts = engine.proposer.use_static_steps(lambda head, cache: DraftStepRunner(head, cache, 3, "compile"))
-        drafts._compiled = torch.compile(static_draft_step, fullgraph=True, backend=backend)
+        drafts._compiled = compile_step(static_draft_step, backend)
         step = drafts.step
         drafts.step = lambda *a: calls.append("draft") or step(*a)
     return llm, calls
@@ -293,7 +294,7 @@ def test_warm_up_leaves_key_counts_to_one_graph_per_bucket(target):
     cache = _prefilled(target, [700], [0], num_slots=2, max_len=1024)
     runner = StepRunner(target, cache, max_rows=1, feature_layers=(), mode="compile")
     graphs = []
-    runner._compiled = torch.compile(static_forward, fullgraph=True, backend=_counting_backend(graphs))
+    runner._compiled = compile_step(static_forward, _counting_backend(graphs))
     assert runner.warm_up([1, 2]) == 2
     warmed = len(graphs)
     assert warmed <= 3  # width 1 at two key counts (the second symbolic), width 2 symbolic from the start
@@ -301,3 +302,35 @@ def test_warm_up_leaves_key_counts_to_one_graph_per_bucket(target):
         runner.forward(_step_inputs(target, [0], [start], [2], 2), [0], [start], [2])
         runner.forward(_step_inputs(target, [0], [start], [1], 1), [0], [start], [1])
     assert len(graphs) == warmed
+
+
+def _tiny_llama(directory, seed: int):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    return load_target(directory, dtype=torch.float32, device="cpu")
+
+
+def test_runners_of_two_models_keep_their_own_graphs(tmp_path):
+    """Compiled steps check no guard on the model (`compile_step`), so each runner keeps its graphs apart: a
+    second model of the same shapes, compiled by the same backend, compiles a graph of its own (a graph holds
+    its model's constants, such as the norms' epsilon, which no guard checks any more), and each computes what
+    its eager step does."""
+    torch._dynamo.reset()
+    slots, starts, q_lens = [0, 1], [20, 9], [1, 1]
+    graphs = []
+    backend = _counting_backend(graphs)
+    for seed in (0, 1):
+        model = _tiny_llama(tmp_path / str(seed), seed)
+        cache = _prefilled(model, starts, slots, num_slots=2, max_len=64)
+        ids = _step_inputs(model, slots, starts, q_lens, 1)
+        runner = StepRunner(model, cache, max_rows=2, feature_layers=(), mode="compile")
+        runner._compiled = compile_step(static_forward, backend)
+        compiled = runner.forward(ids, slots, starts, q_lens).logits
+        runner._compiled = static_forward
+        torch.testing.assert_close(compiled, runner.forward(ids, slots, starts, q_lens).logits, rtol=1e-4,
+                                   atol=1e-4)
+    assert len(graphs) == 2

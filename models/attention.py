@@ -20,6 +20,9 @@ GROUPED_UP_TO = 16  # queries per row: longer rows (prompt chunks) use SDPA's fl
 GROUPED_FROM = 8
 # ... unless the rows read this many keys or more, in fp32: then the grouped form wins from one query on
 GROUPED_KEYS_FROM = 128
+# queries per row from which a traced step's weighted sum of values is a batched GEMM over the values copied
+# out of the cache (`reduced_attention`): Inductor's sum reads each value row again for every query
+REDUCED_GEMM_FROM = 4
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -81,7 +84,8 @@ def reduced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     """`cached_attention` as products summed, for a step torch.compile traces on CPU: Inductor turns both
     sums into loops of its own and folds the read of each row's keys and values from the cache (a static
     batch gathers them by slot) into those loops, where the matmul form's batched GEMMs made it copy every
-    row's window out of the cache first, in every layer. Eagerly the products would be materialized whole."""
+    row's window out of the cache first, in every layer. From REDUCED_GEMM_FROM queries a row (verifies of 3
+    drafts or more) the values' sum is a GEMM again. Eagerly the products would be materialized whole."""
     rows, heads, queries, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -91,6 +95,9 @@ def reduced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     scores = scores.view(rows, kv_heads, group, queries, keys).masked_fill(~mask[:, :, None],
                                                                             torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1).view(rows, kv_heads, group * queries, keys, 1)
+    if queries >= REDUCED_GEMM_FROM:
+        out = torch.matmul(weights.view(rows, kv_heads, group * queries, keys), v)
+        return out.view(rows, heads, queries, dim)
     return (weights * v[:, :, None]).sum(-2).view(rows, heads, queries, dim)
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from draftsmith.models.attention import (
     GROUPED_KEYS_FROM,
     GROUPED_UP_TO,
+    REDUCED_GEMM_FROM,
     cached_attention,
     grouped_attention,
     reduced_attention,
@@ -65,10 +66,12 @@ def test_a_query_with_no_key_stays_finite():
     assert torch.isfinite(reduced_attention(q, k, v, mask)).all()
 
 
-def test_traced_cpu_attention_is_the_reduced_form():
+@pytest.mark.parametrize("queries", [1, REDUCED_GEMM_FROM])
+def test_traced_cpu_attention_is_the_reduced_form(queries):
     """Under torch.compile on CPU, fp32 attention is traced as products and sums, which Inductor fuses with
-    the read of the rows' keys from the cache; a batched matmul there made it copy them out first."""
-    q, k, v, mask = _case(8, 8, 2, 1, 300, torch.float32)
+    the read of the rows' keys from the cache (a batched matmul there made it copy them out first); from
+    REDUCED_GEMM_FROM queries a row, only the values' weighted sum is a matmul."""
+    q, k, v, mask = _case(8, 8, 2, queries, 300, torch.float32)
     graphs = []
 
     def keep(gm, example_inputs):
@@ -77,8 +80,9 @@ def test_traced_cpu_attention_is_the_reduced_form():
 
     torch._dynamo.reset()
     got = torch.compile(cached_attention, fullgraph=True, backend=keep)(q, k, v, mask)
-    targets = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
-    assert not targets & {torch.bmm, torch.baddbmm, torch.matmul, F.scaled_dot_product_attention}
+    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert not {torch.bmm, torch.baddbmm, F.scaled_dot_product_attention} & set(targets)
+    assert targets.count(torch.matmul) == (queries >= REDUCED_GEMM_FROM)
     torch.testing.assert_close(got, cached_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 

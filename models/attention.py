@@ -52,8 +52,6 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if dtype == torch.float32 and q.dtype == k.dtype == dtype:
         # The mask as an additive bias, expanded to the score matrices' layout once per forward (`memo`) and
         # added by the first matmul itself (baddbmm, with the scale): one pass over the scores, not three.
-        # Not while torch.compile traces: a lookup keyed by the key count would make each count a graph.
-        memo = None if torch.compiler.is_compiling() else memo
         key = ("bias", rows, kv_heads, group, queries, keys)
         bias = memo.get(key) if memo is not None else None
         if bias is None:

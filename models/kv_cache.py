@@ -54,11 +54,14 @@ class SlotRows:
 
 
 class KVCache:
-    """k[layer], v[layer]: [num_slots + 1, num_kv_heads, max_len, head_dim]; slot `num_slots` is scratch."""
+    """k[layer], v[layer]: [num_slots + 1, num_kv_heads, max_len + 1, head_dim]; slot `num_slots` is scratch.
+    Position max_len is never written or read: with it, the first max_len keys of a strip (a request at
+    max_len) are a slice like any shorter one, where the whole strip would be contiguous, a case torch.compile
+    traces apart (a graph compiled again mid-serving, 10-20 s on two cores)."""
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
+        shape = (num_slots + 1, num_kv_heads, max_len + 1, head_dim)
         # zeros, not empty: a padding query may read never-written keys, and those must be finite.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

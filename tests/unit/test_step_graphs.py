@@ -286,21 +286,33 @@ def _counting_backend(graphs: list):
     return backend
 
 
+def _counting_aot_backend(graphs: list):
+    """`_counting_backend` through AOTAutograd, as Inductor is: its guards (on shapes and strides) recompile
+    too."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+    return aot_autograd(fw_compiler=forward)
+
+
 def test_warm_up_leaves_key_counts_to_one_graph_per_bucket(target):
     """In mode compile, the warm-up runs its first bucket at two key counts, so Dynamo traces the count as a
-    symbol from then on: a step whose context is longer than the warm-up's runs the graph compiled at start-up
-    instead of compiling another (10-20 s each on two cores, met while serving)."""
+    symbol from then on: a step whose context is longer than the warm-up's, up to the cache's length, runs the
+    graph compiled at start-up instead of compiling another (10-20 s each on two cores, met while serving)."""
     torch._dynamo.reset()
     cache = _prefilled(target, [700], [0], num_slots=2, max_len=1024)
     runner = StepRunner(target, cache, max_rows=1, feature_layers=(), mode="compile")
     graphs = []
-    runner._compiled = compile_step(static_forward, _counting_backend(graphs))
+    runner._compiled = compile_step(static_forward, _counting_aot_backend(graphs))
     assert runner.warm_up([1, 2]) == 2
     warmed = len(graphs)
     assert warmed <= 3  # width 1 at two key counts (the second symbolic), width 2 symbolic from the start
-    for start in (300, 700):  # key counts far past the warm-up's
-        runner.forward(_step_inputs(target, [0], [start], [2], 2), [0], [start], [2])
-        runner.forward(_step_inputs(target, [0], [start], [1], 1), [0], [start], [1])
+    # key counts far past the warm-up's, up to the cache's whole length (a request at max_model_len)
+    for start, width in ((300, 2), (300, 1), (700, 2), (700, 1), (1022, 2), (1023, 1)):
+        runner.forward(_step_inputs(target, [0], [start], [width], width), [0], [start], [width])
     assert len(graphs) == warmed
 
 

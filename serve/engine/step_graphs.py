@@ -13,9 +13,9 @@ On CPU the same function runs under `torch.compile(fullgraph=True)` (`--step-mod
 the small ops around the projections (norms, rope, residuals, the attention's masking and softmax), which
 eager code pays 5-20 us each for, and the projections stay oneDNN's linear on the weights `models.linear`
 reordered (`onednn_linear_in_graphs`, `models.linear.make_plans`), so a row computes alike whatever the
-step's other rows. Compiled decode steps took 0.69-0.72x eager's time on the demo model at one request in
-flight, 0.85-0.89x at eight, and 0.82-0.83x on the house model at eight (docs/decisions/cpu-kernels.md). The
-engine does not pick it by default: each bucket compiles for 5-15 s on two cores when the engine starts.
+step's other rows. Compiled steps run faster than eager ones at one request in flight and at eight (figures in
+docs/decisions/cpu-kernels.md). The engine does not pick it by default: each bucket compiles for 5-15 s on
+two cores when the engine starts.
 Eager stays the reference path and `--enforce-eager` (vLLM's name) keeps it.
 
 A recurrent draft head's one-token steps (EAGLE drafts 2..k) run the same way (`DraftStepRunner`): rows

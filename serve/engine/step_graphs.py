@@ -147,13 +147,16 @@ class _StaticSteps:
             self._compiled = compile_step(fn)
 
     def _warm_key_counts(self, longest: int) -> list[int]:
-        """The key counts a bucket's warm-up runs at: `longest`, and once per runner in mode compile two counts
-        past 1 (Dynamo specialises 0 and 1 always). Dynamo compiles an int argument that has changed as a
-        symbol from then on, so every later graph serves every key count; met first while serving, each
-        bucket had compiled twice (10-20 s each on two cores)."""
+        """The key counts a bucket's warm-up runs at: `longest`, and in mode compile at least 2, for Dynamo
+        specialises 0 and 1 always (a decode bucket warmed at 1 key is guarded to 1 key, and compiles again at
+        its first real step); once per runner two counts past 1. Dynamo compiles an int argument that has
+        changed as a symbol from then on, so every later graph serves every key count; met first while
+        serving, each bucket had compiled twice (10-20 s each on two cores)."""
         first = max(longest, 2)
-        if self.mode != "compile" or self._keys_varied or first + 1 > self.cache.max_len:
+        if self.mode != "compile":
             return [longest]
+        if self._keys_varied or first + 1 > self.cache.max_len:
+            return [first]
         self._keys_varied = True
         return [first, first + 1]
 

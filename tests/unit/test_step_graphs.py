@@ -286,34 +286,29 @@ def _counting_backend(graphs: list):
     return backend
 
 
-def _counting_aot_backend(graphs: list):
-    """`_counting_backend` through AOTAutograd, as Inductor is: its guards (on shapes and strides) recompile
-    too."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    def forward(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-    return aot_autograd(fw_compiler=forward)
-
-
 def test_warm_up_leaves_key_counts_to_one_graph_per_bucket(target):
     """In mode compile, the warm-up runs its first bucket at two key counts, so Dynamo traces the count as a
-    symbol from then on: a step whose context is longer than the warm-up's, up to the cache's length, runs the
-    graph compiled at start-up instead of compiling another (10-20 s each on two cores, met while serving)."""
+    symbol from then on, and every bucket at 2 keys or more, for Dynamo specialises a count of 1: a step whose
+    context is longer than the warm-up's, up to the cache's length, in any row bucket, runs the graph compiled
+    at start-up instead of compiling another (10-20 s each on two cores, met while serving). Counted through
+    AOTAutograd, as Inductor runs: its guards (on shapes and strides) recompile too."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     torch._dynamo.reset()
-    cache = _prefilled(target, [700], [0], num_slots=2, max_len=1024)
-    runner = StepRunner(target, cache, max_rows=1, feature_layers=(), mode="compile")
-    graphs = []
-    runner._compiled = compile_step(static_forward, _counting_aot_backend(graphs))
-    assert runner.warm_up([1, 2]) == 2
-    warmed = len(graphs)
-    assert warmed <= 3  # width 1 at two key counts (the second symbolic), width 2 symbolic from the start
+    cache = _prefilled(target, [700, 700], [0, 1], num_slots=3, max_len=1024)
+    runner = StepRunner(target, cache, max_rows=2, feature_layers=(), mode="compile")
+    counter = CompileCounterWithBackend("aot_eager")
+    runner._compiled = compile_step(static_forward, counter)
+    assert runner.warm_up([1, 2]) == 4
+    warmed = counter.frame_count
+    # width 1 at two key counts (the second symbolic), then one graph for each other (rows, width)
+    assert warmed <= 5
     # key counts far past the warm-up's, up to the cache's whole length (a request at max_model_len)
-    for start, width in ((300, 2), (300, 1), (700, 2), (700, 1), (1022, 2), (1023, 1)):
-        runner.forward(_step_inputs(target, [0], [start], [width], width), [0], [start], [width])
-    assert len(graphs) == warmed
+    for rows in (1, 2):
+        for start, width in ((300, 2), (300, 1), (700, 2), (700, 1), (1022, 2), (1023, 1)):
+            slots, starts, widths = list(range(rows)), [start] * rows, [width] * rows
+            runner.forward(_step_inputs(target, slots, starts, widths, width), slots, starts, widths)
+    assert counter.frame_count == warmed
 
 
 def _tiny_llama(directory, seed: int):

@@ -1,12 +1,12 @@
 """Per-slot KV cache and the per-forward attention metadata that addresses it.
 
-Each running sequence owns one slot: a contiguous `[max_len]` strip per layer. A sequence's length lives on
-the host (the scheduler knows it), so dropping rejected speculative tokens is just a smaller length: the
-stale keys past it are never read (the mask stops at each query's position) and get overwritten by the next
-write at those positions. Nothing is copied. One extra *scratch* slot absorbs the writes of padding tokens,
-so padded batches never touch a live sequence. The cache tensors are allocated once and never resized;
-the per-forward metadata below still takes the batch's own widths (rows, query and key lengths), which a
-graph-captured decode would pad to fixed buckets.
+Each running sequence owns one slot: a contiguous strip of max_len positions per layer (and one spare). A
+sequence's length lives on the host (the scheduler knows it), so dropping rejected speculative tokens is just
+a smaller length: the stale keys past it are never read (the mask stops at each query's position) and get
+overwritten by the next write at those positions. Nothing is copied. One extra *scratch* slot absorbs the
+writes of padding tokens, so padded batches never touch a live sequence. The cache tensors are allocated once
+and never resized; the per-forward metadata below still takes the batch's own widths (rows, query and key
+lengths), which a graph-captured decode would pad to fixed buckets.
 """
 
 from __future__ import annotations

@@ -6,13 +6,18 @@ query heads over 2 KV heads, head_dim 64, 300 keys), 8 rows x 5 queries took 388
 2 queries 958 us; two batched matmuls with the query heads of each KV group stacked as rows of one matrix
 (so the keys are read once per group and never expanded), a masked softmax between them, take 250 and 455
 us. Small batches (one row decoding) and prompts (many queries) keep SDPA, and so does CUDA, where its fused
-kernels are the fast path.
+kernels are the fast path. Rows of up to 16 queries attend through the slot kernels instead where they run
+(`batch_attention`; the C++ one on CPU: models/slot_attention_cpu.cpp); these forms are what runs without them
+(`DRAFTSMITH_ATTENTION=torch`, or a CPU where the kernel does not build) and for longer rows.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from draftsmith.models.kernel_backend import cpu_attention_kernel_wanted
+from draftsmith.models.slot_attention_cpu import slot_attention_cpu
 
 GROUPED_UP_TO = 16  # queries per row: longer rows (prompt chunks) use SDPA's flash kernel
 # queries in the batch from which the grouped form beats SDPA; below, SDPA is faster (measurements:
@@ -99,10 +104,17 @@ def reduced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return (weights * v[:, :, None]).sum(-2).view(rows, heads, queries, dim)
 
 
+@torch.compiler.assume_constant_result
+def _cpu_kernel_wanted() -> bool:
+    """`cpu_attention_kernel_wanted`, read once when a step is traced (a compiled runner keeps its choice)."""
+    return cpu_attention_kernel_wanted()
+
+
 def batch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch) -> torch.Tensor:
-    """A forward's attention over the layer's cache, its new keys and values already written: the Triton slot
-    kernel where the batch was built for it (`ForwardBatch.slot_rows`: on CUDA), reading the slots in place;
-    elsewhere the rows' keys read out and `cached_attention` over the batch's mask."""
+    """A forward's attention over the layer's cache, its new keys and values already written: the slot kernel
+    where the batch was built for it (`ForwardBatch.slot_rows`: Triton on CUDA, C++ on CPU by default),
+    reading the slots in place; elsewhere the rows' keys read out and `cached_attention` over the batch's
+    mask."""
     rows = batch.slot_rows
     if batch.causal and rows is None and q.shape[2] > GROUPED_UP_TO:
         # prompts from position 0 (first chunks): SDPA's causal kernel skips the keys past each query block
@@ -110,9 +122,13 @@ def batch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return F.scaled_dot_product_attention(q, batch.read(k_cache), batch.read(v_cache), is_causal=True,
                                               enable_gqa=True)
     if rows is not None:
+        positions = batch.positions if rows.positions is None else rows.positions
+        if q.device.type == "cpu" and _cpu_kernel_wanted():
+            return slot_attention_cpu(q, k_cache, v_cache, batch.read_slots, positions, rows.kv_lens,
+                                      key_starts=rows.key_starts, window=rows.window, tree_mask=rows.tree_mask,
+                                      block_starts=rows.block_starts)
         from draftsmith.models.slot_attention_triton import slot_attention
 
-        positions = batch.positions if rows.positions is None else rows.positions
         return slot_attention(q, k_cache, v_cache, batch.read_slots, positions, rows.kv_lens,
                               key_starts=rows.key_starts, window=rows.window, max_keys=rows.max_keys,
                               tree_mask=rows.tree_mask, block_starts=rows.block_starts)

@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import DraftBatch, SpeculativeConfig, resolve_method
+from draftsmith.models.kernel_backend import slot_kernel_wanted
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import warm_up as warm_up_linears
 from draftsmith.models.llama import CausalLM
@@ -129,6 +130,7 @@ class LLMEngine(FaultIsolatingSteps):
         k = spec_config.num_speculative_tokens if spec_config is not None else 0
         drafters = self.proposer.draft_models() if self.proposer is not None else []
         warm_up_linears([model, *drafters], min(config.max_num_seqs * (k + 1), WARM_UP_ROWS))
+        slot_kernel_wanted(self.device)  # on CPU, builds (or loads) the C++ attention now, not in a request
         self.step_mode = resolve_step_mode(config.step_mode, config.enforce_eager, self.device)
         self.steps = make_step_runner(model, self.cache, config.max_num_seqs, self.feature_layers, self.step_mode)
         # grammar drafts per step at most: with captured steps, only the widths warmed below (chains' verifies)

@@ -138,7 +138,7 @@ def test_a_bad_attention_choice_is_one_line(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(DraftsmithError, match="runs only under Triton's interpreter: set TRITON_INTERPRET=1"):
         slot_kernel_wanted("cpu")
-    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "auto")
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")
     assert slot_kernel_wanted("cpu") is False
 
 

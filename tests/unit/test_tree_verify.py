@@ -149,7 +149,7 @@ def test_every_node_scores_as_its_own_path_and_the_path_lands_where_a_chain_puts
     device = KERNEL_DEVICE if kernel else "cpu"
     if kernel:
         slot_kernel_or_skip()
-        monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton" if kernel else "torch")
     make_tiny_checkpoint(family, tmp_path / family)
     model = load_target(tmp_path / family, dtype="float32", device=device)
     vocab = model.config.vocab_size

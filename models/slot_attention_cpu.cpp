@@ -1,0 +1,338 @@
+// Attention of a few new queries per row over the row's slot of the KV cache, on CPU: what
+// slot_attention_reference.py computes (its rules for which keys a query sees), as one pass over each row's
+// keys and values. One task per (row, KV head): the query heads of the group and the row's queries are the
+// rows of one block of scores, so each key and each value is read from the cache once, in place, and the
+// values' weighted sum streams each value row once for all of the group's queries (compiled loops that sum
+// per query re-read every value row for each). An online softmax (FlashAttention-2) runs over blocks of
+// BLOCK keys. Loaded by slot_attention_cpu.py (torch.utils.cpp_extension), registered as a torch op so a
+// compiled step calls it as an extern kernel.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 64;  // keys a block of scores
+// a score no key has: the running max starts here, and a masked score is this (its weight is exactly 0)
+constexpr float NEG = -1.0e30f;
+
+// e^x for x <= 0 in plain arithmetic, so that a loop of it vectorizes (libm's expf does not, unless built
+// with -ffast-math): Cody-Waite range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf over
+// [-87, 0]; below -87 it returns e^-87 (about 1.6e-38), and masked scores are zeroed apart.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Eight floats as one value (GCC/Clang vector extensions: AVX's ymm registers, two SSE or NEON ones
+// elsewhere): a dot product as four independent running sums, not one serial chain the compiler must keep
+// in order.
+typedef float vec8 __attribute__((vector_size(32)));
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float sum8(vec8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// scores[r * BLOCK + j] = q[r] . key for every score row r; `dim` a multiple of 8
+inline void score_rows(const float* q, const float* key, int64_t rows, int64_t dim, float* scores) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float* q0 = q + r * dim;
+    vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t d = 0; d < dim; d += 8) {
+      const vec8 k = load8(key + d);
+      a0 += load8(q0 + d) * k;
+      a1 += load8(q0 + dim + d) * k;
+      a2 += load8(q0 + 2 * dim + d) * k;
+      a3 += load8(q0 + 3 * dim + d) * k;
+    }
+    scores[r * BLOCK] = sum8(a0);
+    scores[(r + 1) * BLOCK] = sum8(a1);
+    scores[(r + 2) * BLOCK] = sum8(a2);
+    scores[(r + 3) * BLOCK] = sum8(a3);
+  }
+  for (; r < rows; ++r) {
+    vec8 a = {};
+    for (int64_t d = 0; d < dim; d += 8) a += load8(q + r * dim + d) * load8(key + d);
+    scores[r * BLOCK] = sum8(a);
+  }
+}
+
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+
+// exp_nonpositive, eight at a time
+inline vec8 exp8(vec8 x) {
+  const vec8 lowest = vec8{} - 87.0f, magic = vec8{} + 12582912.0f;
+  x = x < lowest ? lowest : x;
+  const vec8 n = (x * 1.44269504088896341f + magic) - magic;
+  const vec8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vec8 p = vec8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const ivec8 bits = (__builtin_convertvector(n, ivec8) + 127) << 23;
+  vec8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// A block's scores (row[0, count), masked ones NEG) -> their weights e^(score - max) in place (0 where
+// masked), and the weights' sum. The row holds BLOCK floats: the last group of 8 is padded with NEG.
+inline float weigh_block(float* row, int64_t count, float max) {
+  const int64_t padded = (count + 7) / 8 * 8;
+  std::fill(row + count, row + padded, NEG);
+  vec8 total = {};
+  for (int64_t j = 0; j < padded; j += 8) {
+    const vec8 score = load8(row + j);
+    const vec8 weight = score <= NEG ? vec8{} : exp8(score - max);
+    std::memcpy(row + j, &weight, sizeof(weight));
+    total += weight;
+  }
+  return sum8(total);
+}
+
+// acc[0, 64) += sum over j < count of weights[j] * values[j * stride + 0, 64): the 64 sums stay in registers
+// across the block's keys (written to memory once, not once a key)
+inline void add_values64(const float* weights, const float* values, int64_t stride, int64_t count, float* acc) {
+  vec8 a[8];
+  for (int c = 0; c < 8; ++c) a[c] = load8(acc + 8 * c);
+  for (int64_t j = 0; j < count; ++j) {
+    const float w = weights[j];
+    if (w == 0.0f) continue;
+    const float* value = values + j * stride;
+    for (int c = 0; c < 8; ++c) a[c] += w * load8(value + 8 * c);
+  }
+  for (int c = 0; c < 8; ++c) std::memcpy(acc + 8 * c, &a[c], sizeof(vec8));
+}
+
+struct Strides {
+  int64_t slot, head, pos;  // a cache's strides; head_dim is contiguous
+};
+
+// The keys query `i` of row `b` sees, as a range, plus the tree mask's rule inside the row's block.
+struct QueryKeys {
+  int64_t lo, hi;         // lo <= p < hi
+  int64_t block_start;    // tree: keys from here on are seen only where the row's tree mask says
+  const bool* tree;       // tree mask row [W] of this query, or nullptr (causal)
+  int64_t tree_width;
+};
+
+template <typename scalar_t>
+struct Task {
+  const scalar_t* q;  // q[b] at head 0
+  int64_t q_head, q_query;  // q's strides for head and query (head_dim contiguous)
+  const scalar_t* keys;  // k_cache[slot, kv_head]
+  const scalar_t* values;
+  int64_t k_pos, v_pos;  // strides between positions
+  scalar_t* out;  // out[b], contiguous [H, Q, D]
+};
+
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* key, int64_t dim) {
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t d = 0; d < dim; ++d) total += q[d] * static_cast<float>(key[d]);
+  return total;
+}
+
+// Masks what the query does not see among the `count` scores of keys from `start`.
+inline void mask_block(const QueryKeys& query, int64_t start, int64_t count, float* scores) {
+  const int64_t seen_from = std::clamp<int64_t>(query.lo - start, 0, count);
+  const int64_t seen_to = std::clamp<int64_t>(query.hi - start, seen_from, count);
+  std::fill(scores, scores + seen_from, NEG);
+  std::fill(scores + seen_to, scores + count, NEG);
+  if (query.tree == nullptr) return;
+  for (int64_t j = std::max(seen_from, query.block_start - start); j < seen_to; ++j) {
+    const int64_t offset = start + j - query.block_start;
+    if (offset >= query.tree_width || !query.tree[offset]) scores[j] = NEG;
+  }
+}
+
+// One (row, KV head): `group` query heads (from first_head) times `queries` queries.
+template <typename scalar_t>
+void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys, int64_t first_head,
+            int64_t group, int64_t queries, int64_t dim, float scale, std::vector<float>& buffer) {
+  const int64_t rows = group * queries;  // score rows: head-major, then query
+  buffer.assign(rows * dim * 2 + rows * BLOCK + rows * 2, 0.0f);
+  float* q = buffer.data();            // [rows, dim], scaled
+  float* acc = q + rows * dim;         // [rows, dim]
+  float* scores = acc + rows * dim;    // [rows, BLOCK]
+  float* run_max = scores + rows * BLOCK;
+  float* run_sum = run_max + rows;
+  int64_t first = INT64_MAX, last = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t h = first_head + r / queries, i = r % queries;
+    const scalar_t* src = task.q + h * task.q_head + i * task.q_query;
+    for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = static_cast<float>(src[d]) * scale;
+    run_max[r] = NEG;
+    first = std::min(first, query_keys[i].lo);
+    last = std::max(last, query_keys[i].hi);
+  }
+  for (int64_t start = first; start < last; start += BLOCK) {
+    const int64_t count = std::min(BLOCK, last - start);
+    for (int64_t j = 0; j < count; ++j) {
+      const scalar_t* key = task.keys + (start + j) * task.k_pos;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (dim % 8 == 0) {
+          score_rows(q, key, rows, dim, scores + j);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) scores[r * BLOCK + j] = dot(q + r * dim, key, dim);
+        }
+      } else {
+        for (int64_t r = 0; r < rows; ++r) scores[r * BLOCK + j] = dot(q + r * dim, key, dim);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) mask_block(query_keys[r % queries], start, count, scores + r * BLOCK);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = scores + r * BLOCK;
+      float block_max = NEG;
+      for (int64_t j = 0; j < count; ++j) block_max = std::max(block_max, row[j]);
+      const float new_max = std::max(run_max[r], block_max);
+      if (new_max <= NEG) {  // no key seen yet: nothing to weigh
+        std::fill(row, row + count, 0.0f);
+        continue;
+      }
+      const float rescale = exp_nonpositive(run_max[r] - new_max);
+      run_sum[r] = run_sum[r] * rescale + weigh_block(row, count, new_max);
+      run_max[r] = new_max;
+      if (rescale != 1.0f) {
+        float* a = acc + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
+      }
+    }
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (dim % 64 == 0) {
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t d = 0; d < dim; d += 64) {
+            add_values64(scores + r * BLOCK, task.values + start * task.v_pos + d, task.v_pos, count,
+                         acc + r * dim + d);
+          }
+        }
+        continue;
+      }
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const scalar_t* value = task.values + (start + j) * task.v_pos;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float w = scores[r * BLOCK + j];
+        if (w == 0.0f) continue;
+        float* a = acc + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] += w * static_cast<float>(value[d]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // a query that saw no key gets zeros
+    const int64_t h = first_head + r / queries, i = r % queries;
+    const float inverse = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;
+    scalar_t* dst = task.out + (h * queries + i) * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * dim + d] * inverse);
+  }
+}
+
+std::vector<QueryKeys> row_query_keys(int64_t b, int64_t queries, const int64_t* positions, int64_t kv_len,
+                                      int64_t key_start, std::optional<int64_t> window, const bool* tree,
+                                      int64_t tree_width, int64_t block_start, int64_t cache_len) {
+  std::vector<QueryKeys> keys(queries);
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t position = positions[b * queries + i];
+    int64_t lo = key_start, hi = std::min(kv_len, cache_len);
+    if (tree == nullptr) hi = std::min(hi, position + 1);
+    if (window.has_value()) lo = std::max(lo, position - *window + 1);
+    keys[i] = QueryKeys{std::max<int64_t>(lo, 0), hi, block_start,
+                        tree == nullptr ? nullptr : tree + (b * queries + i) * tree_width, tree_width};
+  }
+  return keys;
+}
+
+at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& kv_lens,
+                              const std::optional<at::Tensor>& key_starts, std::optional<int64_t> window,
+                              const std::optional<at::Tensor>& tree_mask,
+                              const std::optional<at::Tensor>& block_starts, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, "slot_attention: q, k_cache, v_cache are 4-d");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "slot_attention: q, k_cache and v_cache share a dtype");
+  const int64_t rows = q.size(0), heads = q.size(1), queries = q.size(2), dim = q.size(3);
+  const int64_t kv_heads = k_cache.size(1), cache_len = k_cache.size(2);
+  TORCH_CHECK(heads % kv_heads == 0, "slot_attention: query heads are a multiple of KV heads");
+  TORCH_CHECK(k_cache.size(3) == dim && v_cache.size(3) == dim, "slot_attention: head_dim differs");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "slot_attention: the caches' head_dim is contiguous");
+  const at::Tensor query = q.stride(3) == 1 ? q : q.contiguous();
+  const at::Tensor slot_ids = slots.to(at::kLong).contiguous();
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const at::Tensor lens = kv_lens.to(at::kLong).contiguous();
+  const at::Tensor firsts = key_starts.has_value() ? key_starts->to(at::kLong).contiguous() : at::Tensor();
+  const at::Tensor blocks = block_starts.has_value() ? block_starts->to(at::kLong).contiguous() : at::Tensor();
+  const at::Tensor tree = tree_mask.has_value() ? tree_mask->to(at::kBool).contiguous() : at::Tensor();
+  TORCH_CHECK(!tree.defined() || blocks.defined(), "slot_attention: a tree_mask needs block_starts");
+  at::Tensor out = at::empty({rows, heads, queries, dim}, q.options());
+  const int64_t group = heads / kv_heads;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "slot_attention_cpu", [&] {
+    const scalar_t* q_data = query.data_ptr<scalar_t>();
+    const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+    scalar_t* out_data = out.data_ptr<scalar_t>();
+    const int64_t* slot_data = slot_ids.data_ptr<int64_t>();
+    const Strides ks{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+    const Strides vs{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buffer;
+      for (int64_t task_id = begin; task_id < end; ++task_id) {
+        const int64_t b = task_id / kv_heads, kv_head = task_id % kv_heads;
+        const int64_t slot = slot_data[b];
+        const auto query_keys = row_query_keys(
+            b, queries, pos.data_ptr<int64_t>(), lens.data_ptr<int64_t>()[b],
+            firsts.defined() ? firsts.data_ptr<int64_t>()[b] : 0, window,
+            tree.defined() ? tree.data_ptr<bool>() : nullptr, tree.defined() ? tree.size(2) : 0,
+            blocks.defined() ? blocks.data_ptr<int64_t>()[b] : 0, cache_len);
+        const Task<scalar_t> task{q_data + b * query.stride(0), query.stride(1), query.stride(2),
+                                  k_data + slot * ks.slot + kv_head * ks.head,
+                                  v_data + slot * vs.slot + kv_head * vs.head, ks.pos, vs.pos,
+                                  out_data + b * heads * queries * dim};
+        attend(task, query_keys, kv_head * group, group, queries, dim, static_cast<float>(scale), buffer);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(draftsmith_cpu, m) {
+  m.def("slot_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor positions, "
+        "Tensor kv_lens, Tensor? key_starts, int? window, Tensor? tree_mask, Tensor? block_starts, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) { m.impl("slot_attention", &slot_attention_cpu); }

@@ -286,14 +286,21 @@ def _counting_backend(graphs: list):
     return backend
 
 
-def test_warm_up_leaves_key_counts_to_one_graph_per_bucket(target):
+@pytest.mark.parametrize("attention", ["torch", "cpp"])
+def test_warm_up_leaves_key_counts_to_one_graph_per_bucket(target, monkeypatch, attention):
     """In mode compile, the warm-up runs its first bucket at two key counts, so Dynamo traces the count as a
     symbol from then on, and every bucket at 2 keys or more, for Dynamo specialises a count of 1: a step whose
     context is longer than the warm-up's, up to the cache's length, in any row bucket, runs the graph compiled
     at start-up instead of compiling another (10-20 s each on two cores, met while serving). Counted through
-    AOTAutograd, as Inductor runs: its guards (on shapes and strides) recompile too."""
+    AOTAutograd, as Inductor runs: its guards (on shapes and strides) recompile too. PyTorch's attention reads
+    the keys up to the count; the C++ kernel reads each row's kv_lens, its graphs the cache's whole length."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    from draftsmith.models.slot_attention_cpu import build_error
+
+    if attention == "cpp" and build_error() is not None:
+        pytest.skip(f"the CPU attention kernel did not build: {build_error()}")
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", attention)
     torch._dynamo.reset()
     cache = _prefilled(target, [700, 700], [0, 1], num_slots=3, max_len=1024)
     runner = StepRunner(target, cache, max_rows=2, feature_layers=(), mode="compile")

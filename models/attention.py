@@ -123,13 +123,23 @@ def batch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                               enable_gqa=True)
     if rows is not None:
         positions = batch.positions if rows.positions is None else rows.positions
-        if q.device.type == "cpu" and _cpu_kernel_wanted():
-            return slot_attention_cpu(q, k_cache, v_cache, batch.read_slots, positions, rows.kv_lens,
-                                      key_starts=rows.key_starts, window=rows.window, tree_mask=rows.tree_mask,
-                                      block_starts=rows.block_starts)
-        from draftsmith.models.slot_attention_triton import slot_attention
-
-        return slot_attention(q, k_cache, v_cache, batch.read_slots, positions, rows.kv_lens,
-                              key_starts=rows.key_starts, window=rows.window, max_keys=rows.max_keys,
-                              tree_mask=rows.tree_mask, block_starts=rows.block_starts)
+        return slot_kernel_attention(q, k_cache, v_cache, batch.read_slots, positions, rows.kv_lens,
+                                     key_starts=rows.key_starts, window=rows.window, max_keys=rows.max_keys,
+                                     tree_mask=rows.tree_mask, block_starts=rows.block_starts)
     return cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask, batch.memo)
+
+
+def slot_kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                          positions: torch.Tensor, kv_lens: torch.Tensor, key_starts: torch.Tensor | None = None,
+                          window: int | None = None, max_keys: int | None = None,
+                          tree_mask: torch.Tensor | None = None,
+                          block_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """The slot kernel a batch with `slot_rows` was built for (arguments as `slot_attention_reference`;
+    positions [B, q's queries]): the C++ one for CPU tensors where it runs, else the Triton one."""
+    if q.device.type == "cpu" and _cpu_kernel_wanted():
+        return slot_attention_cpu(q, k_cache, v_cache, slots, positions, kv_lens, key_starts=key_starts,
+                                  window=window, tree_mask=tree_mask, block_starts=block_starts)
+    from draftsmith.models.slot_attention_triton import slot_attention
+
+    return slot_attention(q, k_cache, v_cache, slots, positions, kv_lens, key_starts=key_starts, window=window,
+                          max_keys=max_keys, tree_mask=tree_mask, block_starts=block_starts)

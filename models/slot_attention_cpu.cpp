@@ -296,6 +296,16 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
   const at::Tensor blocks = block_starts.has_value() ? block_starts->to(at::kLong).contiguous() : at::Tensor();
   const at::Tensor tree = tree_mask.has_value() ? tree_mask->to(at::kBool).contiguous() : at::Tensor();
   TORCH_CHECK(!tree.defined() || blocks.defined(), "slot_attention: a tree_mask needs block_starts");
+  TORCH_CHECK(pos.numel() == rows * queries, "slot_attention: positions is [B, Q] of q's B and Q");
+  TORCH_CHECK(slot_ids.numel() == rows && lens.numel() == rows, "slot_attention: slots and kv_lens are [B]");
+  TORCH_CHECK(!firsts.defined() || firsts.numel() == rows, "slot_attention: key_starts is [B]");
+  TORCH_CHECK(!blocks.defined() || blocks.numel() == rows, "slot_attention: block_starts is [B]");
+  TORCH_CHECK(!tree.defined() || (tree.dim() == 3 && tree.size(0) == rows && tree.size(1) == queries),
+              "slot_attention: tree_mask is [B, Q, W]");
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == kv_heads && v_cache.size(2) == cache_len,
+              "slot_attention: k_cache and v_cache differ in shape");
+  TORCH_CHECK(rows == 0 || (slot_ids.min().item<int64_t>() >= 0 && slot_ids.max().item<int64_t>() < k_cache.size(0)),
+              "slot_attention: a slot past the cache");
   at::Tensor out = at::empty({rows, heads, queries, dim}, q.options());
   const int64_t group = heads / kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "slot_attention_cpu", [&] {

@@ -48,9 +48,18 @@ def build_error() -> str | None:
         cpp_extension.load(_build_name(), [str(SOURCE)], extra_cflags=FLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        return f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+        log.debug("the CPU attention kernel's build: %s", error)
+        return _reason(str(error)) or type(error).__name__
     torch.library.register_fake("draftsmith_cpu::slot_attention")(_fake)
     return None
+
+
+def _reason(output: str) -> str:
+    """A failed build's output -> its first line that says what went wrong (a compiler's error, a tool not
+    found), not ninja's closing 'build stopped'."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    telling = [line for line in lines if "error" in line.lower() or "not found" in line.lower()]
+    return (telling or lines or [""])[0][:300]
 
 
 def _fake(q, k_cache, v_cache, slots, positions, kv_lens, key_starts, window, tree_mask, block_starts, scale):

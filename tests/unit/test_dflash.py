@@ -578,3 +578,45 @@ def test_blocks_run_through_the_triton_kernel(monkeypatch, demo_target, tmp_path
     torch_drafts = drafts(torch_llm)
     torch_llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert kernel_drafts == torch_drafts and len(kernel_drafts) > 10
+
+
+@pytest.mark.slow
+def test_blocks_run_through_the_cpu_kernel_outside_the_interpreter(monkeypatch, demo_target, tmp_path,
+                                                                   greedy_reference):
+    """On CPU by default (`auto`), without Triton's interpreter, a DFlash block attends through the C++ slot
+    kernel (the Triton one would refuse CPU tensors there): greedy decoding stays plain decoding's, and the
+    drafts are those PyTorch's masked attention makes."""
+    from draftsmith.models import attention
+    from draftsmith.models.slot_attention_cpu import build_error
+
+    if build_error() is not None:
+        pytest.skip(f"the CPU attention kernel did not build: {build_error()}")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("DRAFTSMITH_ATTENTION", raising=False)
+    calls = []
+    real = attention.slot_attention_cpu
+    monkeypatch.setattr(attention, "slot_attention_cpu", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    head_dir = _save(random_dflash_head(demo_target), tmp_path / "head")
+    engine = {"target": demo_target, "enforce_eager": True}
+
+    def drafts(llm):  # every step's drafts, from now on
+        seen, propose = [], llm.engine.proposer.propose
+
+        def recorded(*args, **kwargs):
+            batch = propose(*args, **kwargs)
+            seen.append(batch.tokens.tolist())
+            return batch
+
+        llm.engine.proposer.propose = recorded
+        return seen
+
+    llm = _serve(head_dir, engine=engine)
+    kernel_drafts = drafts(llm)
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.engine.proposer.cache.k[0].shape in calls and llm.get_metrics()["num_draft_tokens"] > 0
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")
+    torch_llm = _serve(head_dir, engine=engine)
+    torch_drafts = drafts(torch_llm)
+    torch_llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert kernel_drafts == torch_drafts and len(kernel_drafts) > 10

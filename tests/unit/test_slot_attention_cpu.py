@@ -98,6 +98,7 @@ def test_the_engine_decodes_and_verifies_through_the_kernel(monkeypatch, target,
     real = attention.slot_attention_cpu
     monkeypatch.setattr(attention, "slot_attention_cpu", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.delenv("DRAFTSMITH_ATTENTION", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as served: no Triton kernel can run on CPU
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
               enforce_eager=True, speculative_config=spec_config("ngram", k=3, prompt_lookup_min=1, prompt_lookup_max=3))
     assert greedy_token_ids(llm) == greedy_reference

@@ -18,7 +18,7 @@ from draftsmith.methods.draft_sampling import choose_block
 from draftsmith.methods.draft_trees import TreeShape, configured_tree, marginal_tree, static_marginal_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head
 from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer, RowState
-from draftsmith.models.attention import cached_attention
+from draftsmith.models.attention import cached_attention, slot_kernel_attention
 from draftsmith.models.kv_cache import ForwardBatch
 
 # plain steps whose hidden states are kept by reference (`observe_later`) before they are projected in one go
@@ -230,11 +230,9 @@ class DFlashProposer(Proposer):
             batch.write(self.cache.k[layer], k)
             batch.write(self.cache.v[layer], v)
             # the last layer queries only the drafts' positions; every block row sees the same keys
-            if batch.slot_rows is not None:  # the Triton kernel (CUDA): a causal mask at the block's end is this one
-                from draftsmith.models.slot_attention_triton import slot_attention
-
-                return slot_attention(q, self.cache.k[layer], self.cache.v[layer], batch.read_slots,
-                                      ends[:, None].expand(-1, q.shape[2]), batch.slot_rows.kv_lens)
+            if batch.slot_rows is not None:  # a slot kernel: a causal mask at the block's end is this one
+                return slot_kernel_attention(q, self.cache.k[layer], self.cache.v[layer], batch.read_slots,
+                                             ends[:, None].expand(-1, q.shape[2]), batch.slot_rows.kv_lens)
             return cached_attention(q, batch.read(self.cache.k[layer]), batch.read(self.cache.v[layer]),
                                     batch.mask[:, :, : q.shape[2]], batch.memo)
 

@@ -24,26 +24,6 @@ constexpr int64_t BLOCK = 64;  // keys a block of scores
 // a score no key has: the running max starts here, and a masked score is this (its weight is exactly 0)
 constexpr float NEG = -1.0e30f;
 
-// e^x for x <= 0 in plain arithmetic, so that a loop of it vectorizes (libm's expf does not, unless built
-// with -ffast-math): Cody-Waite range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf over
-// [-87, 0]; below -87 it returns e^-87 (about 1.6e-38), and masked scores are zeroed apart.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // Eight floats as one value (GCC/Clang vector extensions: AVX's ymm registers, two SSE or NEON ones
 // elsewhere): a dot product as four independent running sums, not one serial chain the compiler must keep
 // in order.
@@ -86,7 +66,9 @@ inline void score_rows(const float* q, const float* key, int64_t rows, int64_t d
 
 typedef int32_t ivec8 __attribute__((vector_size(32)));
 
-// exp_nonpositive, eight at a time
+// e^x for x <= 0, eight at a time, in plain arithmetic (libm's expf does not vectorize unless built with
+// -ffast-math): Cody-Waite range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf over
+// [-87, 0]; below -87 it returns e^-87 (about 1.6e-38), and masked scores are zeroed apart.
 inline vec8 exp8(vec8 x) {
   const vec8 lowest = vec8{} - 87.0f, magic = vec8{} + 12582912.0f;
   x = x < lowest ? lowest : x;
@@ -133,6 +115,8 @@ inline void add_values64(const float* weights, const float* values, int64_t stri
   }
   for (int c = 0; c < 8; ++c) std::memcpy(acc + 8 * c, &a[c], sizeof(vec8));
 }
+
+inline float exp_nonpositive(float x) { return exp8(vec8{} + x)[0]; }
 
 struct Strides {
   int64_t slot, head, pos;  // a cache's strides; head_dim is contiguous

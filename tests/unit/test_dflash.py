@@ -541,6 +541,19 @@ def test_a_head_config_missing_a_key_is_one_line():
         DFlashConfig.from_json(config)
 
 
+def _recorded_drafts(llm) -> list:
+    """Every step's drafts from now on, as the engine's proposer makes them."""
+    seen, propose = [], llm.engine.proposer.propose
+
+    def recorded(*args, **kwargs):
+        batch = propose(*args, **kwargs)
+        seen.append(batch.tokens.tolist())
+        return batch
+
+    llm.engine.proposer.propose = recorded
+    return seen
+
+
 @pytest.mark.slow
 @pytest.mark.cuda
 def test_blocks_run_through_the_triton_kernel(monkeypatch, demo_target, tmp_path, kernel_target,
@@ -557,25 +570,14 @@ def test_blocks_run_through_the_triton_kernel(monkeypatch, demo_target, tmp_path
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "triton")
     head_dir = _save(random_dflash_head(demo_target), tmp_path / "head")
 
-    def drafts(llm):  # every step's drafts, from now on
-        seen, propose = [], llm.engine.proposer.propose
-
-        def recorded(*args, **kwargs):
-            batch = propose(*args, **kwargs)
-            seen.append(batch.tokens.tolist())
-            return batch
-
-        llm.engine.proposer.propose = recorded
-        return seen
-
     llm = _serve(head_dir, engine=engine)
-    kernel_drafts = drafts(llm)
+    kernel_drafts = _recorded_drafts(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == kernel_greedy_reference
     assert llm.engine.proposer.cache.k[0].shape in calls and llm.get_metrics()["num_draft_tokens"] > 0
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")  # the same drafts as PyTorch's masked attention makes
     torch_llm = _serve(head_dir, engine=engine)
-    torch_drafts = drafts(torch_llm)
+    torch_drafts = _recorded_drafts(torch_llm)
     torch_llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert kernel_drafts == torch_drafts and len(kernel_drafts) > 10
 
@@ -599,24 +601,13 @@ def test_blocks_run_through_the_cpu_kernel_outside_the_interpreter(monkeypatch, 
     head_dir = _save(random_dflash_head(demo_target), tmp_path / "head")
     engine = {"target": demo_target, "enforce_eager": True}
 
-    def drafts(llm):  # every step's drafts, from now on
-        seen, propose = [], llm.engine.proposer.propose
-
-        def recorded(*args, **kwargs):
-            batch = propose(*args, **kwargs)
-            seen.append(batch.tokens.tolist())
-            return batch
-
-        llm.engine.proposer.propose = recorded
-        return seen
-
     llm = _serve(head_dir, engine=engine)
-    kernel_drafts = drafts(llm)
+    kernel_drafts = _recorded_drafts(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.engine.proposer.cache.k[0].shape in calls and llm.get_metrics()["num_draft_tokens"] > 0
     monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")
     torch_llm = _serve(head_dir, engine=engine)
-    torch_drafts = drafts(torch_llm)
+    torch_drafts = _recorded_drafts(torch_llm)
     torch_llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert kernel_drafts == torch_drafts and len(kernel_drafts) > 10

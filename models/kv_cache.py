@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.models import step_ops_cpu
 from draftsmith.models.kernel_backend import slot_kernel_wanted
 
 # A packed forward gathers and scatters each layer's activations (a few small ops per layer): worth it once
@@ -224,4 +225,7 @@ class ForwardBatch:
 
     def write(self, layer_cache: torch.Tensor, new: torch.Tensor) -> None:
         """new [B, num_kv_heads, Q, head_dim] goes to (write_slots, :, positions)."""
+        if (step_ops_cpu.runs_for(new) and layer_cache.dtype == new.dtype and new.stride(-1) == 1
+                and layer_cache.stride(-1) == 1):
+            return step_ops_cpu.write_kv(layer_cache, self.write_slots, self.positions, new)
         layer_cache[self.write_slots, :, self.positions] = new.transpose(1, 2)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.models import step_ops_cpu
 from draftsmith.models.attention import batch_attention, cached_attention
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
@@ -28,10 +29,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one kernel, the same arithmetic as below (tests/unit/test_rope_norm_fast.py): on CPU each small
-            # op of a decode step costs 5-20 us whatever its size, and a norm is six of them
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        weight = self.weight
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            # the same arithmetic as below (tests/unit/test_rope_norm_fast.py); on CPU each small op of a decode
+            # step costs a few us whatever its size, and F.rms_norm runs six there: one C++ op where it is loaded
+            if step_ops_cpu.runs_for(x):
+                return step_ops_cpu.rms_norm(x, weight, self.eps)
+            return F.rms_norm(x, weight.shape, weight, self.eps)
         # fp32 statistics, cast back before the weight: HF's order, needed for bit-level parity in bf16.
         dtype = x.dtype
         x = x.float()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.errors import UnsupportedModelError
+from draftsmith.models import step_ops_cpu
 from draftsmith.models.config import SUPPORTED_ROPE_TYPES, RopeConfig
 
 
@@ -69,13 +70,20 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     projection's output viewed per head); cos/sin [..., head_dim]. Where k follows q in memory, as the
     views of a fused q/k/v projection do, both turn in one pass: on CPU each small op of a decode step costs
     5-20 us whatever its size, and one pass is 5 ops a layer, not 10. Same arithmetic either way."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     heads = q.shape[-2]
     if _follows(q, k):
         both = q.as_strided(q.shape[:-2] + (heads + k.shape[-2], q.shape[-1]), q.stride(), q.storage_offset())
-        turned = _turn(both, cos, sin)
+        turned = _turn_heads(both, cos, sin)
         return turned[..., :heads, :], turned[..., heads:, :]
-    return _turn(q, cos, sin), _turn(k, cos, sin)
+    return _turn_heads(q, cos, sin), _turn_heads(k, cos, sin)
+
+
+def _turn_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, head_dim] rotated by cos/sin [..., head_dim]: one C++ op where it is loaded and the
+    tables have a row per position of x (`models.step_ops_cpu`), else five aten ops."""
+    if step_ops_cpu.runs_for(x) and cos.shape[:-1] == x.shape[:-2] and cos.dtype == torch.float32:
+        return step_ops_cpu.rope(x, cos, sin)
+    return _turn(x, cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
 def _follows(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -288,8 +288,10 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
               "slot_attention: tree_mask is [B, Q, W]");
   TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == kv_heads && v_cache.size(2) == cache_len,
               "slot_attention: k_cache and v_cache differ in shape");
-  TORCH_CHECK(rows == 0 || (slot_ids.min().item<int64_t>() >= 0 && slot_ids.max().item<int64_t>() < k_cache.size(0)),
-              "slot_attention: a slot past the cache");
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t slot = slot_ids.data_ptr<int64_t>()[b];
+    TORCH_CHECK(slot >= 0 && slot < k_cache.size(0), "slot_attention: a slot past the cache");
+  }
   at::Tensor out = at::empty({rows, heads, queries, dim}, q.options());
   const int64_t group = heads / kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "slot_attention_cpu", [&] {

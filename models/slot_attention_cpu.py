@@ -1,7 +1,7 @@
 """`slot_attention` on CPU: the C++ kernel in slot_attention_cpu.cpp (rules in slot_attention_reference.py),
 built once per machine by torch.utils.cpp_extension (g++ and ninja; about 35 s on two cores, kept in
 torch's extension cache) and called as the torch op `draftsmith_cpu::slot_attention`, which a compiled step
-runs as an extern kernel."""
+runs as an extern kernel. The same build holds step_ops_cpu.cpp's ops (`models.step_ops_cpu`)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ from draftsmith.errors import DraftsmithError
 
 log = logging.getLogger("draftsmith")
 
-SOURCE = Path(__file__).with_name("slot_attention_cpu.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("slot_attention_cpu.cpp", "step_ops_cpu.cpp")]
 # -ffp-contract=fast: multiply-adds fused (ISO C++ mode, which torch builds in, leaves them apart)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+# whether this process has loaded the build (`build_error` found it): its other ops run only then, so that no
+# norm or rope call builds it in the middle of a forward
+LOADED = False
 
 
 def _build_name() -> str:
@@ -45,12 +48,14 @@ def build_error() -> str | None:
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
         log.info("loading the CPU attention kernel (built on first use: about 35 s on two cores)")
-        cpp_extension.load(_build_name(), [str(SOURCE)], extra_cflags=FLAGS,
+        cpp_extension.load(_build_name(), [str(source) for source in SOURCES], extra_cflags=FLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
         log.debug("the CPU attention kernel's build: %s", error)
         return _reason(str(error)) or type(error).__name__
     torch.library.register_fake("draftsmith_cpu::slot_attention")(_fake)
+    global LOADED
+    LOADED = True
     return None
 
 

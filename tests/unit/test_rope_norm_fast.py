@@ -1,10 +1,17 @@
-"""The one-kernel RMSNorm and the one-pass q/k rotation compute what the op-by-op forms compute, bit for bit."""
+"""The one-kernel RMSNorm and the one-pass q/k rotation compute what the op-by-op forms compute, bit for bit
+(PyTorch's ops; the C++ step ops a loaded engine runs instead are tested in test_step_ops_cpu.py)."""
 
 import pytest
 import torch
 
+from draftsmith.models import slot_attention_cpu
 from draftsmith.models.llama import RMSNorm
 from draftsmith.models.rope import _follows, apply_rope, apply_rope_qk
+
+
+@pytest.fixture(autouse=True)
+def pytorch_ops(monkeypatch):
+    monkeypatch.setattr(slot_attention_cpu, "LOADED", False)
 
 
 def hf_rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""The small ops of an eager forward on CPU, one C++ op each (step_ops_cpu.cpp, built with the CPU attention
+kernel): RMSNorm and rope of fp32 tensors and the write of new keys and values into their slots. On CPU each
+small aten op of a decode step costs a few microseconds whatever its size, and PyTorch runs a norm as six, a
+rope as five and a write as an index_put. They run only where this process has loaded the build (the engine
+does at start, `kernel_backend.slot_kernel_wanted`) and nothing records autograd; a compiled step traces
+PyTorch's ops, which Inductor fuses itself. `DRAFTSMITH_CPU_OPS=torch` turns them off (read once a
+process)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models import slot_attention_cpu
+
+VARIABLE = "DRAFTSMITH_CPU_OPS"
+
+
+@functools.cache
+def _allowed() -> bool:
+    choice = os.environ.get(VARIABLE, "auto").lower()
+    if choice not in ("auto", "torch"):
+        raise DraftsmithError(f"{VARIABLE}={choice!r}: one of auto, torch")
+    return choice == "auto"
+
+
+def runs_for(x: torch.Tensor) -> bool:
+    """Whether `x` (and a norm's weight or a rope's tables of its dtype) goes through these ops."""
+    return (slot_attention_cpu.LOADED and x.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and _allowed())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm(x, weight.shape, weight, eps) for fp32 x and weight."""
+    return torch.ops.draftsmith_cpu.rms_norm.default(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, head_dim] (head_dim contiguous) rotated by cos/sin [..., head_dim] (one row per leading
+    position of x, shared by its heads) -> a new tensor: x * cos + rotate_half(x) * sin."""
+    return torch.ops.draftsmith_cpu.rope.default(x, cos, sin)
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, new: torch.Tensor) -> None:
+    """cache[slots[b, q], :, positions[b, q]] = new[b, :, q]: new [B, heads, Q, head_dim] into cache [S, heads,
+    L, head_dim] (head_dim contiguous in both), in place."""
+    torch.ops.draftsmith_cpu.write_kv.default(cache, slots, positions, new)

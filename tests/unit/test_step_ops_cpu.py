@@ -1,0 +1,121 @@
+"""The C++ step ops of an eager CPU forward (models/step_ops_cpu.cpp) against PyTorch's ops: RMSNorm (to fp32
+rounding: its sum runs in another order), rope (bit for bit) and the KV write (exactly); where the model runs
+them (inference only, fp32, loaded, not turned off); and the engine's greedy ids with and without them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models import slot_attention_cpu, step_ops_cpu
+from draftsmith.models.kv_cache import ForwardBatch, KVCache
+from draftsmith.models.llama import RMSNorm
+from draftsmith.models.rope import _turn, apply_rope_qk
+
+pytestmark = pytest.mark.skipif(slot_attention_cpu.build_error() is not None,
+                                reason=f"the CPU kernels did not build: {slot_attention_cpu.build_error()}")
+
+
+@pytest.fixture
+def ops_on(monkeypatch):
+    """The ops loaded and allowed, whatever the test before left."""
+    monkeypatch.setattr(slot_attention_cpu, "LOADED", True)
+    monkeypatch.delenv(step_ops_cpu.VARIABLE, raising=False)
+    step_ops_cpu._allowed.cache_clear()
+    yield
+    step_ops_cpu._allowed.cache_clear()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 256), (8, 1, 512), (3, 5, 256), (37, 64), (600, 256)])
+def test_rms_norm_matches_pytorch(shape):
+    generator = torch.Generator().manual_seed(sum(shape))
+    x, weight = 3 * torch.randn(shape, generator=generator), torch.randn(shape[-1], generator=generator)
+    got = step_ops_cpu.rms_norm(x, weight, 1e-5)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, F.rms_norm(x, (shape[-1],), weight, 1e-5), rtol=2e-6, atol=2e-6)
+    strided = x.transpose(0, -2) if x.dim() == 3 else x[:, ::2]  # a view that is not contiguous
+    torch.testing.assert_close(step_ops_cpu.rms_norm(strided, weight[: strided.shape[-1]], 1e-5),
+                               F.rms_norm(strided, (strided.shape[-1],), weight[: strided.shape[-1]], 1e-5),
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_rope_of_a_fused_projection_turns_bit_for_bit():
+    rows, width, heads, kv_heads, dim = 3, 4, 8, 2, 64
+    qkv = torch.randn(rows, width, (heads + 2 * kv_heads) * dim)
+    both = qkv.as_strided((rows, width, heads + kv_heads, dim), qkv.stride()[:2] + (dim, 1))  # q and k, not v
+    cos, sin = torch.randn(rows, width, dim), torch.randn(rows, width, dim)
+    got = step_ops_cpu.rope(both, cos, sin)
+    assert got.shape == both.shape and torch.equal(got, _turn(both, cos[..., None, :], sin[..., None, :]))
+    packed, cos, sin = torch.randn(7, 4, 16), torch.randn(7, 16), torch.randn(7, 16)
+    assert torch.equal(step_ops_cpu.rope(packed, cos, sin), _turn(packed, cos[:, None], sin[:, None]))
+
+
+def test_kv_write_puts_each_query_at_its_slot_and_position():
+    cache = torch.randn(5, 2, 50, 64)
+    want = cache.clone()
+    slots, positions = torch.tensor([[3, 3, 4], [1, 1, 1]]), torch.tensor([[7, 8, 0], [2, 3, 49]])
+    new = torch.randn(2, 3, 2, 64).transpose(1, 2)  # [B, heads, Q, head_dim] as a projection leaves it
+    step_ops_cpu.write_kv(cache, slots, positions, new)
+    want[slots, :, positions] = new.transpose(1, 2)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="position past the cache"):
+        step_ops_cpu.write_kv(cache, slots, positions + 1, new)
+    with pytest.raises(RuntimeError, match="slot past the cache"):
+        step_ops_cpu.write_kv(cache, slots + 2, positions, new)
+
+
+def _counting(monkeypatch, name: str) -> list:
+    calls, real = [], getattr(step_ops_cpu, name)
+    monkeypatch.setattr(step_ops_cpu, name, lambda *a: calls.append(a[0].shape) or real(*a))
+    return calls
+
+
+def test_the_model_runs_them_at_inference_only(monkeypatch, ops_on):
+    norms, turns, writes = (_counting(monkeypatch, name) for name in ("rms_norm", "rope", "write_kv"))
+    norm, x = RMSNorm(32, 1e-6), torch.randn(2, 32, requires_grad=True)
+    norm(x).sum().backward()  # training: PyTorch's ops, which autograd records
+    assert not norms and x.grad is not None
+    qkv = torch.randn(1, 2, 4 * 16)
+    q, k = qkv[..., :32].view(1, 2, 2, 16), qkv[..., 32:48].view(1, 2, 1, 16)
+    cos, sin = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    cache = KVCache(1, 2, 8, 1, 16, torch.float32, "cpu")
+    batch = ForwardBatch.build([0], [3], [2], cache, None, "cpu")
+    with torch.inference_mode():
+        norm(x)
+        apply_rope_qk(q, k, cos, sin)
+        batch.write(cache.k[0], k.transpose(1, 2))
+    assert norms and turns and writes
+    assert torch.equal(cache.k[0][0, :, 3:5], k[0].transpose(0, 1))
+
+
+def test_turned_off_by_the_variable(monkeypatch, ops_on):
+    norms = _counting(monkeypatch, "rms_norm")
+    monkeypatch.setenv(step_ops_cpu.VARIABLE, "torch")
+    step_ops_cpu._allowed.cache_clear()
+    with torch.inference_mode():
+        RMSNorm(8, 1e-6)(torch.randn(3, 8))
+    assert not norms
+    monkeypatch.setenv(step_ops_cpu.VARIABLE, "fast")
+    step_ops_cpu._allowed.cache_clear()
+    with torch.inference_mode(), pytest.raises(DraftsmithError, match="DRAFTSMITH_CPU_OPS='fast': one of auto"):
+        step_ops_cpu.runs_for(torch.randn(2))
+
+
+@pytest.mark.slow
+def test_the_engine_decodes_alike_with_and_without_them(monkeypatch, ops_on, target, greedy_reference):
+    """Plain decoding of the demo model with every norm, rope and KV write through the ops gives the ids it
+    gives through PyTorch's, with n-gram drafts verified through them too."""
+    from draftsmith.serve import LLM
+    from helpers import DEMO_MODEL, greedy_token_ids, spec_config
+
+    norms, writes = _counting(monkeypatch, "rms_norm"), _counting(monkeypatch, "write_kv")
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
+              enforce_eager=True, speculative_config=spec_config("ngram", k=3, prompt_lookup_min=1, prompt_lookup_max=3))
+    assert greedy_token_ids(llm) == greedy_reference
+    assert norms and any(shape[2] > 1 for shape in writes)  # a verify forward wrote its drafts' keys
+    monkeypatch.setattr(slot_attention_cpu, "LOADED", False)
+    norms.clear()
+    plain = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
+                enforce_eager=True)
+    assert greedy_token_ids(plain) == greedy_reference
+    assert not norms

@@ -481,6 +481,48 @@ def test_kept_plain_steps_are_the_catch_up_the_policy_prices(demo_target):
     assert proposer.propose([successor], [8]).steady
 
 
+def test_past_the_kept_budget_finished_requests_go_first_unprojected(demo_target, monkeypatch):
+    """Kept plain steps within MAX_LATER_BYTES stay unprojected; past it, those of finished requests are dropped
+    (nothing projected), and only when the live ones alone fill it are they projected, which leaves the row
+    owing only what came after."""
+    import draftsmith.methods.dflash.proposer as dflash
+    from draftsmith.models.tokenizer import load_tokenizer
+    from draftsmith.serve.speculation.config import parse_speculative_config
+    from helpers import Row
+
+    config = parse_speculative_config({"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8})
+    proposer = dflash.DFlashProposer(config, demo_target, 2, 256)
+    written = []
+    original = proposer._write_context
+    monkeypatch.setattr(proposer, "_write_context", lambda *a: written.append(sum(a[2])) or original(*a))
+    prompt = load_tokenizer(DEMO_MODEL)(CODE_PROMPTS[1], add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = demo_target(torch.tensor([prompt]), feature_layers=proposer.feature_layers)
+    cut = 5  # and up to 9 plain steps after it, within the prompt
+    finished, live = Row("a", 0, prompt[:cut], [prompt[cut]]), Row("b", 1, prompt[:cut], [prompt[cut]])
+    for row in (finished, live):
+        proposer.observe([row], [0], [cut], proposer.features(out.hidden_states)[:, :cut])
+    written.clear()
+
+    def keep_steps(row, count):
+        for _ in range(count):
+            position = len(row.all_token_ids()) - 1
+            row.output_token_ids.append(prompt[position + 1])
+            assert proposer.observe_later([row], [position], {layer: h[:, position : position + 1]
+                                                              for layer, h in out.hidden_states.items()})
+
+    step_bytes = sum(h[:, :1].numel() * h.element_size() for h in out.hidden_states.values())
+    monkeypatch.setattr(dflash, "MAX_LATER_BYTES", 4 * step_bytes)
+    keep_steps(finished, 3)
+    proposer.release(finished)
+    keep_steps(live, 2)  # the fifth step: the finished request's three are dropped
+    assert not written and proposer.catch_up([live]) == (1, 2)
+    keep_steps(live, 2)
+    assert not written and proposer.catch_up([live]) == (1, 4)
+    keep_steps(live, 1)  # live steps alone fill the budget: they are projected
+    assert written == [4] and proposer.catch_up([live]) == (1, 1)
+
+
 def test_a_request_that_never_drafts_never_projects_its_context(monkeypatch):
     """Kept positions are projected only when drafting needs them: while the policy holds every step (k = 0 at
     every batch size), no context is written, neither the prompts' nor the plain steps', though new requests
@@ -528,7 +570,7 @@ def test_a_prompt_kept_while_held_is_the_catch_up_and_drafts_as_if_fed_at_once(d
     drafted = lazy.propose([row], [8])
     assert not drafted.steady and lazy.catch_up([row]) == (0, 0)
     assert torch.equal(drafted.tokens[0], eager.propose([row], [8]).tokens[0])
-    monkeypatch.setattr(dflash, "MAX_LATER_PROMPT_BYTES", features.numel() * features.element_size() - 1)
+    monkeypatch.setattr(dflash, "MAX_LATER_BYTES", features.numel() * features.element_size() - 1)
     other = Row("b", 0, prompt, [1])
     assert not lazy.observe_prompt_later([other], [0], [len(prompt)], features)
     assert lazy.catch_up([other]) == (0, 0)

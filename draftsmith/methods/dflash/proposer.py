@@ -21,10 +21,9 @@ from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer
 from draftsmith.models.attention import cached_attention, slot_kernel_attention
 from draftsmith.models.kv_cache import ForwardBatch
 
-# plain steps whose hidden states are kept by reference (`observe_later`) before they are projected in one go
-MAX_LATER = 256
-# the most bytes of prompt features kept unprojected while the policy holds (`observe_prompt_later`)
-MAX_LATER_PROMPT_BYTES = 256 * 2**20
+# the most bytes kept unprojected: plain steps' hidden states (`observe_later`, kept by reference) and, while
+# the policy holds, prompts' features (`observe_prompt_later`); those of finished requests are dropped first
+MAX_LATER_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass
@@ -36,6 +35,7 @@ class _Kept:
     generations: list[int]  # each slot's holder when kept: a later holder's positions are not these
     starts: list[int]
     counts: list[int]
+    nbytes: int  # what keeping it holds in memory
     hidden: dict | None = None
     features: torch.Tensor | None = None
 
@@ -76,7 +76,7 @@ class DFlashProposer(Proposer):
         # many of them are its current request's
         self._later: list[_Kept] = []
         self._kept = [0] * max_num_seqs
-        self._later_prompt_bytes = 0
+        self._later_bytes = 0
 
     def draft_models(self) -> list[torch.nn.Module]:
         return [self.head]
@@ -88,39 +88,47 @@ class DFlashProposer(Proposer):
         """Keeps a plain step's hidden states (one position a row) and projects them with the next drafting or
         verified step's, in one batch: projected step by step, a plain step at 8 rows paid 0.66 ms of context
         projection (15% of the step) while the policy kept speculation off (demo, 8 in flight). Only drafting,
-        a verified step of a row with kept positions, or MAX_LATER kept steps project them: a request that
-        finishes before then never pays for a context it never drafts from."""
+        a verified step of a row with kept positions, or MAX_LATER_BYTES kept project them (the budget drops
+        finished requests' first): a request that finishes before then never pays for a context it never
+        drafts from."""
+        size = sum(h.numel() * h.element_size() for h in hidden_states.values())
+        if not self._make_room(size):
+            self._replay()
         slots = [r.slot for r in rows]
         self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), [1] * len(slots),
-                                 hidden=hidden_states))
+                                 size, hidden=hidden_states))
+        self._later_bytes += size
         for slot in slots:
             self._kept[slot] += 1
-        if len(self._later) >= MAX_LATER:
-            self._replay()
         return True
 
     def observe_prompt_later(self, rows: Sequence[RowState], starts: list[int], counts: list[int],
                              features: torch.Tensor) -> bool:
         """Keeps a prefill chunk's features while the policy holds plain decoding, projected with the next
         replay: at 8 in flight a held DFlash head had paid 4% of the run projecting prompts it never drafted
-        from. Up to MAX_LATER_PROMPT_BYTES are kept (those of finished requests are dropped first)."""
+        from. Kept within MAX_LATER_BYTES; past it, False (the caller projects it now)."""
         kept = features[:, : max(counts)]
         size = kept.numel() * kept.element_size()
-        if self._later_prompt_bytes + size > MAX_LATER_PROMPT_BYTES:
-            self._drop_stale()
-            if self._later_prompt_bytes + size > MAX_LATER_PROMPT_BYTES:
-                return False
+        if not self._make_room(size):
+            return False
         for row, start in zip(rows, starts):
             self._claim(row)
             if start != self.context_len[row.slot] + self._kept[row.slot]:
                 raise DraftsmithError("observed positions must continue each request's earlier ones")
         slots = [r.slot for r in rows]
-        self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), list(counts),
+        self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), list(counts), size,
                                  features=kept))
         for slot, count in zip(slots, counts):
             self._kept[slot] += count
-        self._later_prompt_bytes += size
+        self._later_bytes += size
         return True
+
+    def _make_room(self, size: int) -> bool:
+        """Whether `size` more bytes fit in MAX_LATER_BYTES, once what finished requests left is dropped."""
+        if self._later_bytes + size > MAX_LATER_BYTES:
+            self._later = [kept for kept in self._later if self._live(kept)]
+            self._later_bytes = sum(kept.nbytes for kept in self._later)
+        return self._later_bytes + size <= MAX_LATER_BYTES
 
     def _claim(self, row: RowState) -> None:
         """The slot's context becomes `row`'s request's (empty) if it held another's."""
@@ -131,12 +139,6 @@ class DFlashProposer(Proposer):
 
     def _live(self, kept: _Kept) -> list[int]:
         return [i for i, (slot, gen) in enumerate(zip(kept.slots, kept.generations)) if self.generation[slot] == gen]
-
-    def _drop_stale(self) -> None:
-        """Forgets kept prompt chunks of requests that have finished since."""
-        self._later = [k for k in self._later if k.features is None or self._live(k)]
-        self._later_prompt_bytes = sum(k.features.numel() * k.features.element_size()
-                                       for k in self._later if k.features is not None)
 
     def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
         # a verified step's positions are projected as it is observed, so a steady draft projects none; the
@@ -153,7 +155,7 @@ class DFlashProposer(Proposer):
             return
         later, self._later = self._later, []
         self._kept = [0] * len(self._kept)
-        self._later_prompt_bytes = 0
+        self._later_bytes = 0
         slots, positions, features = [], [], []
         expected = {}
         for kept in later:

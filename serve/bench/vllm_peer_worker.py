@@ -18,7 +18,8 @@ right after draftsmith's round of it, so that both engines are timed seconds apa
 Concurrency c = c requests in flight, the next prompt added as one finishes, through vLLM's own step loop
 (`LLMEngine.add_request` / `step`) with the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 set by the caller), so that a step's time is the step's work, as in draftsmith's loop. Tokens/s counts the
-steps that begin with c requests in flight; the whole run's, drain included, is reported beside it.
+steps that begin with c requests in flight once the first c have their first tokens; the whole run's, drain
+included, is reported beside it.
 Requests are not detokenized (draftsmith's engine does not detokenize without stop strings either).
 """
 
@@ -52,6 +53,7 @@ class StepRun:
         for _ in range(concurrency):
             self._add_next()
         self.seconds += time.perf_counter() - start
+        self.starting = set(self.live)  # the first c requests until each has a token: `matrix._Run`'s rule
 
     def _add_next(self) -> None:
         for index, ids in itertools.islice(self.queue, 1):
@@ -64,13 +66,15 @@ class StepRun:
         return not self.engine.has_unfinished_requests()
 
     def step(self) -> None:
-        steady = len(self.live) == self.concurrency
+        steady = len(self.live) == self.concurrency and not self.starting
         start = time.perf_counter()
         new_tokens = 0
         for output in self.engine.step():
             ids = list(output.outputs[0].token_ids)  # cumulative: every token so far
             new_tokens += len(ids) - self.live[output.request_id]
             self.live[output.request_id] = len(ids)
+            if ids:
+                self.starting.discard(output.request_id)
             if output.finished:
                 del self.live[output.request_id]
                 self.outputs[int(output.request_id.rsplit("-", 1)[1])] = ids

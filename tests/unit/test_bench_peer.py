@@ -40,13 +40,15 @@ class _Output:
 
 class _FakeVllmEngine:
     """vLLM's LLMEngine as the worker uses it: each step takes a second and gives every live request one
-    token (a prompt [n] wants n), reported cumulatively under the id it was added with."""
+    token (a prompt [n] wants n; [n, p] first prefills p steps), reported cumulatively under the id it was
+    added with."""
 
     def __init__(self, clock: _Clock):
         self.clock, self.live = clock, {}
 
     def add_request(self, request_id, prompt, params):
-        self.live[request_id] = [prompt["prompt_token_ids"][0], []]
+        ids = prompt["prompt_token_ids"]
+        self.live[request_id] = [ids[0], [], ids[1] if len(ids) > 1 else 0]
         return f"{request_id}-internal"
 
     def has_unfinished_requests(self) -> bool:
@@ -55,7 +57,10 @@ class _FakeVllmEngine:
     def step(self):
         self.clock.now += 1.0
         outputs = []
-        for request_id, (wanted, tokens) in list(self.live.items()):
+        for request_id, (wanted, tokens, prefill) in list(self.live.items()):
+            if prefill:
+                self.live[request_id][2] -= 1
+                continue
             tokens.append(wanted)
             done = len(tokens) == wanted
             if done:
@@ -68,10 +73,15 @@ def test_the_worker_times_the_steps_with_c_in_flight_like_the_bench(monkeypatch)
     clock = _Clock()
     monkeypatch.setattr(worker.time, "perf_counter", clock)
     run = worker.StepRun(_FakeVllmEngine(clock), [[2], [4], [6]], None, 2, "c2r0").run()
-    # as tests/unit/test_bench_window.py: steps 1-4 begin with 2 in flight (8 tokens), then a drain to step 8
+    # as tests/unit/test_bench_window.py: step 1 gives the first two their first tokens, steps 2-4 begin with 2
+    # in flight (6 tokens), then a drain to step 8
     assert run.outputs == [[2, 2], [4] * 4, [6] * 6]
-    assert (run.steady_tokens, run.steady_seconds) == (8, 4.0)
+    assert (run.steady_tokens, run.steady_seconds) == (6, 3.0)
     assert run.tokens_per_s == 2.0 and run.whole_run_tokens_per_s == 12 / 8
+    # and the first prompts' prefills are timed apart, later ones in (the bench's own case)
+    run = worker.StepRun(_FakeVllmEngine(clock), [[3, 4], [6, 2], [2, 4], [9]], None, 2, "c2r1").run()
+    assert run.outputs == [[3] * 3, [6] * 6, [2] * 2, [9] * 9]
+    assert (run.steady_tokens, run.steady_seconds) == (12, 8.0)
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""`draftsmith bench` measures a level over the steps that begin with c requests in flight: the final drain,
-once the queue is empty, is timed apart (it runs below c, and its length depends on how unevenly requests
-finish)."""
+"""`draftsmith bench` measures a level over the steps that begin with c requests in flight once the first c
+have their first tokens: the final drain, once the queue is empty, is timed apart (it runs below c, and its
+length depends on how unevenly requests finish), and so are the first c prefills (in steady state a request
+is admitted as one finishes)."""
 
 from dataclasses import dataclass
 
@@ -21,7 +22,8 @@ class _Clock:
 
 
 class _FakeEngine:
-    """Each step takes one second and gives every live request one token; a prompt [n] wants n tokens."""
+    """Each step takes one second and gives every live request one token, reported that step; a prompt [n]
+    wants n tokens, and a prompt [n, p] first prefills for p steps (no token)."""
 
     def __init__(self, clock: _Clock):
         self.clock, self.live, self.stats = clock, {}, {"num_generated_tokens": 0}
@@ -29,7 +31,7 @@ class _FakeEngine:
 
     def add_request(self, ids, params):
         request_id, self.added = str(self.added), self.added + 1
-        self.live[request_id] = [ids[0], []]
+        self.live[request_id] = [ids[0], [], ids[1] if len(ids) > 1 else 0]
         return _Request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -38,13 +40,18 @@ class _FakeEngine:
     def step(self):
         self.clock.now += 1.0
         outputs = []
-        for request_id, (wanted, tokens) in list(self.live.items()):
+        for request_id, (wanted, tokens, prefill) in list(self.live.items()):
+            if prefill:
+                self.live[request_id][2] -= 1
+                continue
             tokens.append(7)
             self.stats["num_generated_tokens"] += 1
-            if len(tokens) == wanted:
+            header = RequestHeader(None, [wanted], 1, None) if len(tokens) == 1 else None
+            done = len(tokens) == wanted
+            if done:
                 del self.live[request_id]
-                header = RequestHeader(None, [wanted], 1, None)  # its one report: the first and the last
-                outputs.append(OutputDelta(request_id, True, [SampleDelta(0, tokens, None, "", "length", None)], header))
+            outputs.append(OutputDelta(request_id, done, [SampleDelta(0, [7], None, "", "length" if done else None,
+                                                                      None)], header))
         return outputs
 
 
@@ -59,11 +66,26 @@ def test_the_drain_is_timed_apart(monkeypatch):
     run = bench._Run(_FakeLLM(_FakeEngine(clock)), [[2], [4], [6]], None, concurrency=2)
     while not run.done:
         run.step()
-    # steps 1-4 begin with 2 in flight (8 tokens); the third prompt, started at step 3, then runs alone to
-    # step 8: the whole run is 12 tokens in 8 s
+    # step 1 gives the first two prompts their first tokens; steps 2-4 begin with 2 in flight (6 tokens); the
+    # third prompt, started at step 3, then runs alone to step 8: the whole run is 12 tokens in 8 s
     assert [len(out) for out in run.outputs] == [2, 4, 6]
-    assert (run.steady_tokens, run.steady_seconds) == (8, 4.0)
+    assert (run.steady_tokens, run.steady_seconds) == (6, 3.0)
     assert run.tokens_per_s == 2.0 and run.seconds == 8.0
+
+
+def test_the_first_prefills_are_timed_apart_and_later_ones_in(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    run = bench._Run(_FakeLLM(_FakeEngine(clock)), [[3, 4], [6, 2], [2, 4], [9]], None, concurrency=2)
+    while not run.done:
+        run.step()
+    # steps 1-5: the first two prompts prefill (4 and 2 steps), the first's first token comes at step 5;
+    # steps 6-13 begin with 2 in flight (12 tokens, the third prompt's 4 prefill steps among them: admitted as
+    # the first finished, it is steady state); from step 14 the fourth runs alone. Counted from step 1, the
+    # first prefills would have added 5 s and 4 tokens.
+    assert [len(out) for out in run.outputs] == [3, 6, 2, 9]
+    assert run.steady_seconds > 0 and run.starting == set()
+    assert (run.steady_tokens, run.steady_seconds) == (12, 8.0)
 
 
 def test_a_run_never_at_full_concurrency_reports_the_whole_run(monkeypatch):

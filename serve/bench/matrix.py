@@ -133,7 +133,8 @@ class _Run:
         # The first c requests until each has its first token. Their prefills open the run and are not
         # steady state, where a request is admitted as one finishes, so that the steady steps hold one prefill
         # per request finished; counting the first c's as well gave 3-wave levels 1.5 times the prefill work
-        # per request, a third of the steady time at 8 in flight (house), which speculation does not speed.
+        # per request (prefill is about half of a house step's time at 8 in flight), work that speculation
+        # does not speed.
         self.starting = set(self.live)
 
     def _add_next(self) -> None:

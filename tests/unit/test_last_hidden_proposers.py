@@ -65,3 +65,39 @@ def test_each_row_drafts_from_its_newest_hidden_state(method, target, tmp_path):
         limit = [3, 3, 2][b]
         expected = _expected(method, head, hidden, row.output_token_ids[-1])[:limit]
         assert drafts.tokens[b].tolist() == expected + [-1] * (3 - limit), row.request_id
+
+
+@pytest.mark.parametrize("method", ["medusa", "mlp_speculator"])
+def test_held_steps_kept_by_reference_draft_from_each_slots_newest(method, target, tmp_path):
+    """Plain steps handed over by reference (`observe_later`) draft as if each had been observed: a row reads
+    the newest held step it was in, a row absent from later steps its own last one, and a prefill observed
+    after held steps (a new request in a slot) is not overwritten by them; past MAX_LATER kept steps the
+    newest are copied in, and drafts are still the same."""
+    from draftsmith.methods.last_hidden import MAX_LATER
+
+    head = _head(method, target)
+    head.save_pretrained(tmp_path)
+    config = parse_speculative_config({"method": method, "model": str(tmp_path), "num_speculative_tokens": 3})
+    make = resolve_method(method).proposer_class()
+    lazy, eager = make(config, target, 4, 128), make(config, target, 4, 128)
+    layer = head.feature_layers[0]
+    a, b, c = Row("a", 0, [1], [11]), Row("b", 1, [2], [12]), Row("c", 3, [3], [13])
+    steps = [([a, b, c], torch.randn(3, 1, 256)), ([a, c], torch.randn(2, 1, 256)), ([c], torch.randn(1, 1, 256))]
+    for rows, hidden in steps:
+        assert lazy.observe_later(rows, [0] * len(rows), {layer: hidden})
+        eager.observe(rows, [0] * len(rows), [1] * len(rows), hidden)
+    assert lazy._later  # nothing copied yet
+    prefill = Row("d", 1, [4, 5], [14])  # a new request in b's slot, after the held steps
+    prompt = torch.randn(1, 2, 256)
+    for proposer in (lazy, eager):
+        proposer.observe([prefill], [0], [2], prompt)
+    rows = [a, prefill, c]
+    assert lazy.propose(rows, [3, 3, 3]).tokens.tolist() == eager.propose(rows, [3, 3, 3]).tokens.tolist()
+    expected = _expected(method, head, prompt[0, 1], prefill.output_token_ids[-1])
+    assert lazy.propose(rows, [3, 3, 3]).tokens[1].tolist() == expected
+    for _ in range(MAX_LATER + 3):
+        hidden = torch.randn(2, 1, 256)
+        assert lazy.observe_later([a, c], [0, 0], {layer: hidden})
+        eager.observe([a, c], [0, 0], [1, 1], hidden)
+    assert len(lazy._later) < MAX_LATER
+    assert lazy.propose(rows, [3, 3, 3]).tokens.tolist() == eager.propose(rows, [3, 3, 3]).tokens.tolist()

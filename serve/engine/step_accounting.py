@@ -17,6 +17,9 @@ COLD_STEPS = {"plain": 3, "speculative": 3, "catch_up": 2}
 # plain prices are learned from the plain steps after this many in a row. The measurements behind both:
 # docs/decisions/adaptive-speculation.md
 SETTLING_STEPS = 3
+# Settled plain steps teach the plain price from one in PLAIN_SAMPLE: it moves slowly (context grows a token a
+# step), and learning it was 0.4% of a held step at one in flight, the largest of a held step's extra costs
+PLAIN_SAMPLE = 4
 
 
 def _fresh_profile() -> dict:
@@ -55,7 +58,7 @@ class StepLedger:
         if self._cold[kind]:
             self._cold[kind] -= 1
             return
-        if kind != "plain" or self._plain_run > SETTLING_STEPS:
+        if kind != "plain" or (self._plain_run > SETTLING_STEPS and self._plain_run % PLAIN_SAMPLE == 0):
             cost.observe_forward(rows, query_len, forward_s)
             cost.observe_host(rows, bool(width), host)
         if kind == "speculative":

@@ -249,8 +249,9 @@ def test_sequential_drafting_cost_and_confidence_floor():
 @pytest.mark.slow
 def test_an_engines_first_steps_teach_the_cost_model_nothing():
     """The first steps of each kind run cold; the cost model learns from the steps after COLD_STEPS of them,
-    and from plain steps only once SETTLING_STEPS of them in a row have followed a speculative one."""
-    from draftsmith.serve.engine.step_accounting import COLD_STEPS, SETTLING_STEPS
+    and from plain steps only once SETTLING_STEPS of them in a row have followed a speculative one, one in
+    PLAIN_SAMPLE of those."""
+    from draftsmith.serve.engine.step_accounting import COLD_STEPS, PLAIN_SAMPLE, SETTLING_STEPS
 
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
@@ -269,7 +270,7 @@ def test_an_engines_first_steps_teach_the_cost_model_nothing():
         plain_run = 0 if spec else plain_run + 1
         if cold[kind]:
             cold[kind] -= 1
-        elif spec or plain_run > SETTLING_STEPS:
+        elif spec or (plain_run > SETTLING_STEPS and plain_run % PLAIN_SAMPLE == 0):
             expected += 1
         else:
             unsettled += 1

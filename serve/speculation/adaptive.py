@@ -32,8 +32,11 @@ FLOOR_MARGIN = 0.5
 # The rules below; the measurements that set each value are in docs/decisions/adaptive-speculation.md.
 PLAIN_HOLD = 8  # after a plan without speculation, the batch is re-planned this many steps later
 # ... unless speculating came within CLOSE_CALL of plain decoding's tokens/s: then CLOSE_HOLD steps, for
-# batches of at most CLOSE_CALL_ROWS (a lone request's bad step is no reason to stop speculating for long)
-CLOSE_CALL, CLOSE_HOLD, CLOSE_CALL_ROWS = 0.9, 2, 4
+# batches of at most CLOSE_CALL_ROWS (a lone request's bad step is no reason to stop speculating for long),
+# doubled by each close call in a row up to MAX_CLOSE_HOLD: held steps bring no acceptance evidence, so a plan
+# soon after says the same at a price (EAGLE at one in flight planned every 3.6 steps, 0.25 ms each, 1.7% of
+# its time); a longer cap kept speculation off where it paid 5% (tests/unit/test_planner_best_k.py)
+CLOSE_CALL, CLOSE_HOLD, MAX_CLOSE_HOLD, CLOSE_CALL_ROWS = 0.9, 2, 4, 4
 # ... and where speculating lost clearly (below CLOSE_CALL), each plan that says so again doubles the hold, up
 # to MAX_PLAIN_HOLD steps (but not past a due probe): re-planning gives the same answer at a price
 MAX_PLAIN_HOLD = 64
@@ -74,6 +77,7 @@ class AdaptivePolicy:
         # row count, the slots last held and held steps whose idle decay is not yet applied to them
         self._hold, self._held_rows, self._held_slots, self._idle_steps = 0, 0, (), 0
         self._clear_losses = 0  # plain plans in a row where speculating lost clearly (MAX_PLAIN_HOLD)
+        self._close_calls = 0  # plain plans in a row that were close calls (CLOSE_HOLD)
         self._plain_run, self._probe_after, self._probing = 0, PROBE_AFTER, 0  # see PROBE_AFTER
         self._plain_streak = (0, 0)  # (batch size, plain steps in a row at about it): `holding`
         self._draft_share = 1.0  # proposers that draft before the plan: the share of rows with drafts, lately
@@ -175,12 +179,14 @@ class AdaptivePolicy:
                 # step would do
                 ratio = self._typical_ratio(gain, plain)
                 if ratio >= 1.0:
-                    self._hold = self._clear_losses = 0
+                    self._hold = self._clear_losses = self._close_calls = 0
                     return best
             clear_loss = losing or ratio < CLOSE_CALL
             self._clear_losses = self._clear_losses + 1 if clear_loss else 0
+            self._close_calls = 0 if clear_loss else self._close_calls + 1
             if not clear_loss:
-                hold = CLOSE_HOLD if rows <= CLOSE_CALL_ROWS else PLAIN_HOLD
+                close_hold = min(CLOSE_HOLD << (self._close_calls - 1), MAX_CLOSE_HOLD)
+                hold = close_hold if rows <= CLOSE_CALL_ROWS else PLAIN_HOLD
             else:
                 hold = min(PLAIN_HOLD << (self._clear_losses - 1), MAX_PLAIN_HOLD)
                 if ratio >= PROBE_WORST or thin:  # worth a probe: re-planned when one is due
@@ -188,7 +194,7 @@ class AdaptivePolicy:
             self._hold = hold - 1
             self._held_rows, self._held_slots = rows, tuple(slots.tolist())
         else:
-            self._hold = self._clear_losses = 0
+            self._hold = self._clear_losses = self._close_calls = 0
         return best
 
     def _choose(self, rates: np.ndarray, drafts: np.ndarray, seconds: list[float]):

@@ -184,6 +184,35 @@ def test_a_step_short_of_drafts_holds_only_where_drafting_rarely_pays(monkeypatc
 
 
 
+def test_close_calls_in_a_row_hold_longer_up_to_a_cap(monkeypatch):
+    """A close call holds one request CLOSE_HOLD steps; each close call in a row doubles that, up to
+    MAX_CLOSE_HOLD (held steps bring no evidence: a plan soon after says the same, at a price); a plan that
+    speculates starts the count again."""
+    from draftsmith.serve.speculation.adaptive import CLOSE_HOLD, MAX_CLOSE_HOLD
+    from draftsmith.serve.speculation.plan import StepPlan
+
+    policy = _policy(CHEAP, sequential=True)
+    _feed(policy, [0], accepted_each=2, times=THIN_EVIDENCE)  # evidence enough: no probe is judged apart
+    plain, close = StepPlan(0, 0.0, 1.0, 1.0), StepPlan(2, 0.0, 0.95, 1.0)  # speculating: 0.95x plain's speed
+    outcome = {"best": plain}
+    monkeypatch.setattr(policy, "_choose", lambda *args: (None, outcome["best"], close, plain))
+    slots, limits = torch.tensor([0]), torch.tensor([4])
+
+    def steps_held_after_a_plan() -> int:
+        assert policy.plan(slots, limits).width == outcome["best"].width
+        held = 0
+        while policy.held((0,)):
+            held += 1
+        return held
+
+    assert [steps_held_after_a_plan() for _ in range(4)] == [
+        CLOSE_HOLD - 1, 2 * CLOSE_HOLD - 1, MAX_CLOSE_HOLD - 1, MAX_CLOSE_HOLD - 1]
+    outcome["best"] = close  # a plan that speculates
+    assert steps_held_after_a_plan() == 0
+    outcome["best"] = plain
+    assert steps_held_after_a_plan() == CLOSE_HOLD - 1
+
+
 def test_held_steps_fade_evidence_as_plain_steps_do():
     held, stepped = _policy(EXPENSIVE), _policy(EXPENSIVE)
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])

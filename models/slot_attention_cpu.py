@@ -21,7 +21,8 @@ from draftsmith.errors import DraftsmithError
 
 log = logging.getLogger("draftsmith")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("slot_attention_cpu.cpp", "step_ops_cpu.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in (
+    "slot_attention_cpu.cpp", "step_ops_cpu.cpp", "ngram_lookup_cpu.cpp")]
 # -ffp-contract=fast: multiply-adds fused (ISO C++ mode, which torch builds in, leaves them apart)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 # whether this process has loaded the build (`build_error` found it): its other ops run only then, so that no

@@ -27,10 +27,15 @@ def _allowed() -> bool:
     return choice == "auto"
 
 
+def enabled() -> bool:
+    """Whether this process has loaded the build and may run its ops (the variable does not say torch)."""
+    return slot_attention_cpu.LOADED and _allowed()
+
+
 def runs_for(x: torch.Tensor) -> bool:
     """Whether `x` (and a norm's weight or a rope's tables of its dtype) goes through these ops."""
-    return (slot_attention_cpu.LOADED and x.dtype == torch.float32 and x.device.type == "cpu"
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and _allowed())
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and enabled())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

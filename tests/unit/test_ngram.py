@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from draftsmith.methods.ngram.proposer import NgramProposer, find_continuations
@@ -83,3 +84,33 @@ def test_matches_a_written_out_lookup_on_random_histories():
         max_n = min_n + int(torch.randint(0, 3, (1,), generator=generator))
         assert _starts(histories, min_n, max_n) == [_reference(h, min_n, max_n) for h in histories], (
             trial, histories, min_n, max_n)
+
+
+@pytest.mark.parametrize("ops", ["torch", "cpp"])
+def test_proposer_drafts_what_the_written_out_lookup_finds(ops, monkeypatch):
+    """The proposer's drafts, by PyTorch's ops or the C++ op (models/ngram_lookup_cpu.cpp), on random histories
+    of rows in any slot order: the written-out lookup's continuation, up to each row's limit, k and the
+    history's end."""
+    from draftsmith.models import slot_attention_cpu
+
+    if ops == "cpp" and slot_attention_cpu.build_error() is not None:
+        pytest.skip(f"the CPU kernels did not build: {slot_attention_cpu.build_error()}")
+    monkeypatch.setattr(slot_attention_cpu, "LOADED", ops == "cpp")
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(100):
+        min_n = int(torch.randint(1, 4, (1,), generator=generator))
+        max_n = min_n + int(torch.randint(0, 3, (1,), generator=generator))
+        config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4,
+                                           "prompt_lookup_min": min_n, "prompt_lookup_max": max_n})
+        proposer = NgramProposer(config, None, max_num_seqs=6, max_model_len=40)
+        slots = torch.randperm(6, generator=generator)[: int(torch.randint(1, 7, (1,), generator=generator))]
+        vocab = int(torch.randint(2, 6, (1,), generator=generator))
+        rows = [_request(i, torch.randint(0, vocab, (int(torch.randint(1, 36, (1,), generator=generator)),),
+                                          generator=generator).tolist(), int(slot)) for i, slot in enumerate(slots)]
+        limits = torch.randint(0, 6, (len(rows),), generator=generator).tolist()
+        expected = []
+        for row, limit in zip(rows, limits):
+            history = row.all_token_ids()
+            start = _reference(history, min_n, max_n)
+            expected.append([] if start < 0 else history[start : start + min(limit, 4)])
+        assert _rows(proposer.propose(rows, limits)) == expected, (trial, ops)

@@ -8,7 +8,8 @@ accepted 69% of the time against 60%, with 4% fewer steps for the same tokens (k
 
 Token histories live in one `[slots, max_model_len]` buffer, appended to incrementally, so a step costs a
 few tensor compares, not a Python scan of every history; drafts are gathered from it with one indexed read
-into the persistent draft buffer.
+into the persistent draft buffer. Where the engine loaded its CPU build, one C++ op does the lookup and the
+gather for the batch (`models/ngram_lookup_cpu.cpp`: some forty small tensor ops took 0.46 ms a propose).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from draftsmith.methods.proposer_base import DraftBatch, Proposer, RowState
+from draftsmith.models import step_ops_cpu
 
 
 class NgramProposer(Proposer):
@@ -52,16 +54,20 @@ class NgramProposer(Proposer):
         rows_n = len(rows)
         slots = torch.tensor([r.slot for r in rows])
         lengths = torch.tensor([r.num_tokens for r in rows])
+        limits = torch.as_tensor(max_drafts, dtype=torch.long)
+        tokens, out_counts = self.draft_tokens[:rows_n], self.draft_counts[:rows_n]
+        if step_ops_cpu.enabled():
+            torch.ops.draftsmith_cpu.ngram_propose.default(self.tokens, slots, lengths, limits, self.min_n,
+                                                           self.max_n, tokens, out_counts)
+            return DraftBatch(tokens, out_counts, forwards=1)
         width = int(lengths.max())
         starts = find_continuations(self.tokens[slots, :width], lengths, self.min_n, self.max_n)  # [B]
-        limits = torch.tensor(max_drafts, dtype=torch.long)
         # a continuation may run up to the end of the history (it may overlap the suffix itself)
         counts = torch.where(starts >= 0, torch.minimum(limits, lengths - starts), torch.zeros_like(limits))
         counts = counts.clamp(min=0)
         offsets = torch.arange(self.k)
         index = (starts.clamp(min=0)[:, None] + offsets[None, :]).clamp(max=self.tokens.shape[1] - 1)
         drafted = self.tokens[slots[:, None], index]
-        tokens, out_counts = self.draft_tokens[:rows_n], self.draft_counts[:rows_n]
         tokens.copy_(torch.where(offsets[None, :] < counts[:, None], drafted, torch.full_like(drafted, -1)))
         out_counts.copy_(counts)
         return DraftBatch(tokens, out_counts, forwards=1)

@@ -21,7 +21,7 @@ from draftsmith.serve.engine.request import Request
 from draftsmith.serve.engine.sampling import SamplingBatch
 from draftsmith.serve.speculation.plan import StepPlan
 from draftsmith.serve.speculation.tree_verify import size_trees, verify_tree
-from draftsmith.serve.speculation.verify import verify
+from draftsmith.serve.speculation.verify import verified_tokens
 from draftsmith.serve.speculation.verify_length import size_chains
 
 
@@ -123,8 +123,8 @@ def verify_drafts(engine, rows: list[Request], drafts: DraftBatch, num_draft: li
         out, forward_at = engine.step_forward(ids, rows, q_lens)
         verify_at = engine.clock()
         with torch.inference_mode():
-            tokens, counts = verify(out.logits, drafts, num_draft, sampling, engine.rejection_sampler,
-                                    engine.spec_config.synthetic_acceptance_rate)
+            kept = verified_tokens(out.logits, drafts, num_draft, sampling, engine.rejection_sampler,
+                                   engine.spec_config.synthetic_acceptance_rate)
     else:  # a tree: its mask and rotary positions, its accepted path's K/V moved into place; eager
         engine.stats["num_forward_passes"] += 1
         forward_at = engine.clock()
@@ -132,11 +132,10 @@ def verify_drafts(engine, rows: list[Request], drafts: DraftBatch, num_draft: li
                                           [r.num_tokens - 1 for r in rows], q_lens, drafts.parents, sampling,
                                           engine.feature_layers)
         verify_at = engine.clock()
-    packed = torch.cat([tokens, counts[:, None]], dim=1).tolist()  # one device-to-host copy for both
+        packed = torch.cat([tokens, counts[:, None]], dim=1).tolist()  # one device-to-host copy for both
+        kept = [row[: row[-1]] for row in packed]
     verified_at = engine.clock()
-    counts = [row[-1] for row in packed]
-    kept = [row[:n] for row, n in zip(packed, counts)]
-    return Verified(out, kept, counts, q_lens, verify_at - forward_at, verified_at - verify_at)
+    return Verified(out, kept, [len(row) for row in kept], q_lens, verify_at - forward_at, verified_at - verify_at)
 
 
 def finish_step(engine, rows: list[Request], num_draft: list[int], checked: Verified,

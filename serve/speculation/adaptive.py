@@ -144,10 +144,10 @@ class AdaptivePolicy:
         self._settle_idle()
         rows = len(slots)
         if self.cost.drafts_before_plan:
-            share = float((limits > 0).mean())
+            share = np.count_nonzero(limits) / rows
             self._draft_share = DRAFT_SHARE_DECAY * self._draft_share + (1 - DRAFT_SHARE_DECAY) * share
         drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
-        query_lens = (1 + drafts.mean(0)).tolist()  # a packed verify costs the real tokens
+        query_lens = (1 + drafts.sum(0) / rows).tolist()  # a packed verify costs the real tokens
         seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up)
         rates = self.acceptance.rates(slots)
         gain, best, speculative, plain = self._choose(rates, drafts, seconds)
@@ -203,7 +203,9 @@ class AdaptivePolicy:
         rows = rates.shape[0]
         gain = np.zeros((rows, self.k + 1))  # 0, a1, a1 + a1 a2, ...
         np.cumsum(rates.cumprod(1), 1, out=gain[:, 1:])
-        tokens = (rows + np.take_along_axis(gain, drafts, 1).sum(0)).tolist()
+        # row b drafting w gains gain[b, min(w, its cap)], and gain never falls along a row
+        capped = gain[np.arange(rows), drafts[:, -1]]
+        tokens = (rows + np.minimum(gain, capped[:, None]).sum(0)).tolist()
         plain = StepPlan(0, 0.0, tokens[0], max(seconds[0], 1e-9))
         best, speculative, candidates = plain, None, [plain]
         for width in range(1, len(tokens)):
@@ -239,7 +241,8 @@ class AdaptivePolicy:
         widths = np.arange(1, self.k + 1)
         tokens = rows + share * gain[:, 1:].sum(0)
         seconds = np.asarray(self.cost.step_seconds_by_width(rows, [1.0, *(1 + share * widths).tolist()])[1:])
-        drafting = np.array([self.cost.drafting(rows, int(w)) for w in widths])
+        drafting = np.array([self.cost.drafting(rows, int(w)) for w in widths] if self.cost.per_token_drafts
+                            else self.cost.drafting(rows, 1))  # one pass drafts any width at one cost
         return float((tokens / (seconds + drafting)).max()) / plain.tokens_per_s
 
     def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan,

@@ -126,6 +126,9 @@ class _Run:
         # plain decoding of equal max_tokens not at all): 19% of a 3-wave level's tokens at 8 in flight (house
         # n-gram), at a concurrency the level is not about. A long run at c in flight has no drain to speak of.
         self.steady_seconds, self.steady_tokens = 0.0, 0
+        self.last_id: str | None = None  # the last prompt's request, once admitted
+        self.ended = False  # the last prompt has its first token: the steady window is closed
+        self.total = len(prompts)
         start = time.perf_counter()
         for _ in range(concurrency):
             self._add_next()
@@ -134,24 +137,33 @@ class _Run:
         # steady state, where a request is admitted as one finishes, so that the steady steps hold one prefill
         # per request finished; counting the first c's as well gave 3-wave levels 1.5 times the prefill work
         # per request (prefill is about half of a house step's time at 8 in flight), work that speculation
-        # does not speed.
+        # does not speed. The window closes once the last prompt has its first token: then as many requests
+        # were admitted (and prefilled) in it as finished in it. Up to the drain instead, plain decoding's
+        # requests, finishing in step, ended the window with a whole wave decoded and none prefilled after:
+        # 16 prefills to 24 requests decoded at 8 in flight over 24 prompts, where speculation, its requests
+        # finishing unevenly, ran 16 to about 19, and so was timed on more prefill per token than plain
+        # decoding.
         self.starting = set(self.live)
 
     def _add_next(self) -> None:
         for index, ids in itertools.islice(self.queue, 1):
-            self.live[self.engine.add_request(ids, self.params).request_id] = index
+            request_id = self.engine.add_request(ids, self.params).request_id
+            self.live[request_id] = index
+            if index == self.total - 1:
+                self.last_id = request_id
 
     @property
     def done(self) -> bool:
         return not self.engine.has_unfinished_requests()
 
     def step(self) -> None:
-        steady = len(self.live) == self.concurrency and not self.starting
+        steady = len(self.live) == self.concurrency and not self.starting and not self.ended
         generated = self.engine.stats["num_generated_tokens"]
         start = time.perf_counter()
         for output in self.collector.add_all(self.engine.step()):
             if output.outputs[0].token_ids:
                 self.starting.discard(output.request_id)
+                self.ended = self.ended or output.request_id == self.last_id
             if output.finished:
                 self.outputs[self.live.pop(output.request_id)] = output.outputs[0].token_ids
                 self._add_next()

@@ -49,6 +49,8 @@ class StepRun:
         self.concurrency = concurrency
         self.seconds = 0.0
         self.steady_seconds, self.steady_tokens = 0.0, 0
+        self.last_id = f"{tag}-{len(prompts) - 1}"  # its first token closes the steady window: `matrix._Run`
+        self.ended = False
         start = time.perf_counter()
         for _ in range(concurrency):
             self._add_next()
@@ -66,7 +68,7 @@ class StepRun:
         return not self.engine.has_unfinished_requests()
 
     def step(self) -> None:
-        steady = len(self.live) == self.concurrency and not self.starting
+        steady = len(self.live) == self.concurrency and not self.starting and not self.ended
         start = time.perf_counter()
         new_tokens = 0
         for output in self.engine.step():
@@ -75,6 +77,7 @@ class StepRun:
             self.live[output.request_id] = len(ids)
             if ids:
                 self.starting.discard(output.request_id)
+                self.ended = self.ended or output.request_id == self.last_id
             if output.finished:
                 del self.live[output.request_id]
                 self.outputs[int(output.request_id.rsplit("-", 1)[1])] = ids

@@ -73,15 +73,15 @@ def test_the_worker_times_the_steps_with_c_in_flight_like_the_bench(monkeypatch)
     clock = _Clock()
     monkeypatch.setattr(worker.time, "perf_counter", clock)
     run = worker.StepRun(_FakeVllmEngine(clock), [[2], [4], [6]], None, 2, "c2r0").run()
-    # as tests/unit/test_bench_window.py: step 1 gives the first two their first tokens, steps 2-4 begin with 2
-    # in flight (6 tokens), then a drain to step 8
+    # as tests/unit/test_bench_window.py: step 1 gives the first two their first tokens, steps 2-3 begin with 2
+    # in flight (4 tokens), the last prompt's first token at step 3 closes the window; the run ends at step 8
     assert run.outputs == [[2, 2], [4] * 4, [6] * 6]
-    assert (run.steady_tokens, run.steady_seconds) == (6, 3.0)
+    assert (run.steady_tokens, run.steady_seconds) == (4, 2.0)
     assert run.tokens_per_s == 2.0 and run.whole_run_tokens_per_s == 12 / 8
     # and the first prompts' prefills are timed apart, later ones in (the bench's own case)
     run = worker.StepRun(_FakeVllmEngine(clock), [[3, 4], [6, 2], [2, 4], [9]], None, 2, "c2r1").run()
     assert run.outputs == [[3] * 3, [6] * 6, [2] * 2, [9] * 9]
-    assert (run.steady_tokens, run.steady_seconds) == (12, 8.0)
+    assert (run.steady_tokens, run.steady_seconds) == (6, 4.0)
 
 
 @dataclass

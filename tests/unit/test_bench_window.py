@@ -1,7 +1,8 @@
 """`draftsmith bench` measures a level over the steps that begin with c requests in flight once the first c
-have their first tokens: the final drain, once the queue is empty, is timed apart (it runs below c, and its
-length depends on how unevenly requests finish), and so are the first c prefills (in steady state a request
-is admitted as one finishes)."""
+have their first tokens, until the last prompt has its first token: the first c prefills are timed apart (in
+steady state a request is admitted as one finishes), and so is the end of the run, the final drain included
+(it runs below c, its length depends on how unevenly requests finish, and up to it a level whose requests
+finish in step would be timed on a whole wave decoded with none prefilled after)."""
 
 from dataclasses import dataclass
 
@@ -66,10 +67,11 @@ def test_the_drain_is_timed_apart(monkeypatch):
     run = bench._Run(_FakeLLM(_FakeEngine(clock)), [[2], [4], [6]], None, concurrency=2)
     while not run.done:
         run.step()
-    # step 1 gives the first two prompts their first tokens; steps 2-4 begin with 2 in flight (6 tokens); the
-    # third prompt, started at step 3, then runs alone to step 8: the whole run is 12 tokens in 8 s
+    # step 1 gives the first two prompts their first tokens; steps 2-3 begin with 2 in flight (4 tokens); the
+    # third (last) prompt, admitted as the first finished at step 2, has its first token at step 3, which
+    # closes the window; it then runs to step 8 (alone from step 5): the whole run is 12 tokens in 8 s
     assert [len(out) for out in run.outputs] == [2, 4, 6]
-    assert (run.steady_tokens, run.steady_seconds) == (6, 3.0)
+    assert (run.steady_tokens, run.steady_seconds) == (4, 2.0)
     assert run.tokens_per_s == 2.0 and run.seconds == 8.0
 
 
@@ -80,12 +82,13 @@ def test_the_first_prefills_are_timed_apart_and_later_ones_in(monkeypatch):
     while not run.done:
         run.step()
     # steps 1-5: the first two prompts prefill (4 and 2 steps), the first's first token comes at step 5;
-    # steps 6-13 begin with 2 in flight (12 tokens, the third prompt's 4 prefill steps among them: admitted as
-    # the first finished, it is steady state); from step 14 the fourth runs alone. Counted from step 1, the
-    # first prefills would have added 5 s and 4 tokens.
+    # steps 6-9 begin with 2 in flight (6 tokens, the third prompt's first 2 prefill steps among them:
+    # admitted as the first finished, it is steady state); the fourth (last), admitted as the second
+    # finished at step 8, has its first token at step 9. Counted from step 1, the first prefills would have
+    # added 5 s and 4 tokens.
     assert [len(out) for out in run.outputs] == [3, 6, 2, 9]
     assert run.steady_seconds > 0 and run.starting == set()
-    assert (run.steady_tokens, run.steady_seconds) == (12, 8.0)
+    assert (run.steady_tokens, run.steady_seconds) == (6, 4.0)
 
 
 def test_a_run_never_at_full_concurrency_reports_the_whole_run(monkeypatch):
@@ -95,3 +98,23 @@ def test_a_run_never_at_full_concurrency_reports_the_whole_run(monkeypatch):
     while not run.done:
         run.step()
     assert run.steady_seconds == 0.0 and run.tokens_per_s == 1.0
+
+
+def test_the_window_holds_as_many_prefills_as_requests_finished(monkeypatch):
+    """Requests finishing in step (plain decoding, equal max_tokens) or unevenly (speculation): either way
+    the window closes at the last prompt's first token, when as many requests were admitted (and prefilled)
+    in it as finished in it; up to the drain, the in-step level was timed on its last wave decoded whole
+    with no prefill after it (4 admitted, 6 finished here)."""
+    clock = _Clock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    for wanted in ([4] * 6, [8, 5, 8, 5, 2, 4]):
+        engine = _FakeEngine(clock)
+        run = bench._Run(_FakeLLM(engine), [[n, 2] for n in wanted], None, concurrency=2)
+        admitted = finished = 0
+        while not run.done:
+            before = (run.steady_seconds, engine.added, sum(out is not None for out in run.outputs))
+            run.step()
+            if run.steady_seconds > before[0]:  # a step in the window
+                admitted += engine.added - before[1]
+                finished += sum(out is not None for out in run.outputs) - before[2]
+        assert run.ended and admitted == finished == len(wanted) - 2

@@ -18,6 +18,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t BLOCK = 64;  // keys a block of scores
@@ -35,33 +39,72 @@ inline vec8 load8(const float* p) {
   return v;
 }
 
+// The lanes' sum, in the pairing `sums8` adds in, so that a score is the same number by either
 inline float sum8(vec8 v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-// scores[r * BLOCK + j] = q[r] . key for every score row r; `dim` a multiple of 8
+// {sum8(a[0]), ..., sum8(a[7])}: with AVX, three rounds of pairwise adds for all eight at once (a horizontal
+// sum a score costs about as much as the score's multiply-adds)
+inline vec8 sums8(const vec8* a) {
+#if defined(__AVX__)
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_permute2f128_ps(u0, u1, 0x20) + _mm256_permute2f128_ps(u0, u1, 0x31);
+#else
+  return vec8{sum8(a[0]), sum8(a[1]), sum8(a[2]), sum8(a[3]), sum8(a[4]), sum8(a[5]), sum8(a[6]), sum8(a[7])};
+#endif
+}
+
+// scores[r * BLOCK] = q[r] . key for every score row r, one row at a time; `dim` a multiple of 8. Each score's
+// arithmetic is the same in every path (multiply-adds along d in one vector, then `sum8`), so that a query's
+// output does not depend on how many queries share its task: a verify's query equals the decode step it stands
+// for. Rows are not blocked here: the compiler can round a second, blocked copy of this loop differently.
 inline void score_rows(const float* q, const float* key, int64_t rows, int64_t dim, float* scores) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    const float* q0 = q + r * dim;
-    vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    for (int64_t d = 0; d < dim; d += 8) {
-      const vec8 k = load8(key + d);
-      a0 += load8(q0 + d) * k;
-      a1 += load8(q0 + dim + d) * k;
-      a2 += load8(q0 + 2 * dim + d) * k;
-      a3 += load8(q0 + 3 * dim + d) * k;
-    }
-    scores[r * BLOCK] = sum8(a0);
-    scores[(r + 1) * BLOCK] = sum8(a1);
-    scores[(r + 2) * BLOCK] = sum8(a2);
-    scores[(r + 3) * BLOCK] = sum8(a3);
-  }
-  for (; r < rows; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
     vec8 a = {};
     for (int64_t d = 0; d < dim; d += 8) a += load8(q + r * dim + d) * load8(key + d);
     scores[r * BLOCK] = sum8(a);
   }
+}
+
+// scores[r * BLOCK + j] = q[r] . keys[j * stride] for r < rows, j < count; `dim` a multiple of 8. Two score
+// rows by four keys at a time: each load of a key or a query feeds two or four multiply-adds, and the eight
+// sums are reduced together (`sums8`); every score is the same number as `score_rows` gives it.
+inline void score_block(const float* q, const float* keys, int64_t stride, int64_t rows, int64_t count,
+                        int64_t dim, float* scores) {
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const float* k0 = keys + j * stride;
+    const float *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+      const float* q0 = q + r * dim;
+      const float* q1 = q0 + dim;
+      vec8 a[8] = {};
+      for (int64_t d = 0; d < dim; d += 8) {
+        const vec8 x0 = load8(q0 + d), x1 = load8(q1 + d);
+        const vec8 y0 = load8(k0 + d), y1 = load8(k1 + d), y2 = load8(k2 + d), y3 = load8(k3 + d);
+        a[0] += x0 * y0;
+        a[1] += x0 * y1;
+        a[2] += x0 * y2;
+        a[3] += x0 * y3;
+        a[4] += x1 * y0;
+        a[5] += x1 * y1;
+        a[6] += x1 * y2;
+        a[7] += x1 * y3;
+      }
+      const vec8 sums = sums8(a);
+      std::memcpy(scores + r * BLOCK + j, &sums, 4 * sizeof(float));
+      std::memcpy(scores + (r + 1) * BLOCK + j, reinterpret_cast<const float*>(&sums) + 4, 4 * sizeof(float));
+    }
+    if (r < rows) {
+      for (int64_t i = 0; i < 4; ++i) {
+        score_rows(q + r * dim, keys + (j + i) * stride, rows - r, dim, scores + r * BLOCK + j + i);
+      }
+    }
+  }
+  for (; j < count; ++j) score_rows(q, keys + j * stride, rows, dim, scores + j);
 }
 
 typedef int32_t ivec8 __attribute__((vector_size(32)));
@@ -100,6 +143,21 @@ inline float weigh_block(float* row, int64_t count, float max) {
     total += weight;
   }
   return sum8(total);
+}
+
+// The largest of row[0, count), NEG if none is larger, eight lanes at a time (a float max reduction does not
+// vectorize on its own without -ffast-math: one serial chain of `count` compares a score row otherwise).
+// Pads the row's last group of 8 with NEG.
+inline float max_of(float* row, int64_t count) {
+  const int64_t padded = (count + 7) / 8 * 8;
+  std::fill(row + count, row + padded, NEG);
+  vec8 most = vec8{} + NEG;
+  for (int64_t j = 0; j < padded; j += 8) {
+    const vec8 score = load8(row + j);
+    most = score > most ? score : most;
+  }
+  return std::max(std::max(std::max(most[0], most[1]), std::max(most[2], most[3])),
+                  std::max(std::max(most[4], most[5]), std::max(most[6], most[7])));
 }
 
 // acc[0, 64) += sum over j < count of weights[j] * values[j * stride + 0, 64): the 64 sums stay in registers
@@ -183,23 +241,21 @@ void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys
   }
   for (int64_t start = first; start < last; start += BLOCK) {
     const int64_t count = std::min(BLOCK, last - start);
-    for (int64_t j = 0; j < count; ++j) {
-      const scalar_t* key = task.keys + (start + j) * task.k_pos;
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        if (dim % 8 == 0) {
-          score_rows(q, key, rows, dim, scores + j);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) scores[r * BLOCK + j] = dot(q + r * dim, key, dim);
-        }
-      } else {
-        for (int64_t r = 0; r < rows; ++r) scores[r * BLOCK + j] = dot(q + r * dim, key, dim);
+    bool scored = false;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (dim % 8 == 0) {
+        score_block(q, task.keys + start * task.k_pos, task.k_pos, rows, count, dim, scores);
+        scored = true;
       }
+    }
+    for (int64_t j = 0; !scored && j < count; ++j) {
+      const scalar_t* key = task.keys + (start + j) * task.k_pos;
+      for (int64_t r = 0; r < rows; ++r) scores[r * BLOCK + j] = dot(q + r * dim, key, dim);
     }
     for (int64_t r = 0; r < rows; ++r) mask_block(query_keys[r % queries], start, count, scores + r * BLOCK);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = scores + r * BLOCK;
-      float block_max = NEG;
-      for (int64_t j = 0; j < count; ++j) block_max = std::max(block_max, row[j]);
+      const float block_max = max_of(row, count);
       const float new_max = std::max(run_max[r], block_max);
       if (new_max <= NEG) {  // no key seen yet: nothing to weigh
         std::fill(row, row + count, 0.0f);

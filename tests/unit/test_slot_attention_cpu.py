@@ -65,6 +65,21 @@ def test_tree_and_block_masks():
         _check(got, want, q_lens)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim,position", [(8, 2, 64, 650), (6, 2, 48, 129), (4, 4, 32, 70)])
+def test_a_query_scores_alike_alone_and_among_a_verify_s_queries(heads, kv_heads, dim, position):
+    """Decoding scores one query a row and verifying several: the kernel scores two score rows by four keys at a
+    time where it can, and one by one at the edges (odd rows, a block's last keys). A query's output is the
+    same number either way, so that a verify's last query is exactly the decode step it stands for."""
+    generator = torch.Generator().manual_seed(6)
+    k_cache = torch.randn(2, kv_heads, 700, dim, generator=generator)
+    v_cache = torch.randn(2, kv_heads, 700, dim, generator=generator)
+    q = torch.randn(1, heads, 5, dim, generator=generator)
+    slots, kv_lens = torch.tensor([1]), torch.tensor([position + 1])
+    verify = slot_attention_cpu(q, k_cache, v_cache, slots, position - 4 + torch.arange(5)[None], kv_lens)
+    alone = slot_attention_cpu(q[:, :, 4:].contiguous(), k_cache, v_cache, slots, torch.tensor([[position]]), kv_lens)
+    assert torch.equal(verify[:, :, 4:], alone)
+
+
 def test_a_query_that_sees_no_key_gets_zeros():
     q, k, v, slots, positions, kv_lens = _case(4, 2, 32, [2, 1], [10, 20], seed=4)
     key_starts = torch.tensor([200, 0])  # row 0's keys start past its queries

@@ -48,8 +48,18 @@ HOLD_SHRINK = 8
 # Plain steps teach the policy nothing about drafting. So after PROBE_AFTER plain steps in a row, a plan that
 # still says no speculates anyway for PROBE_STEPS steps (the first resumes, the second is timed as a steady
 # one) if it is predicted at least PROBE_WORST of plain decoding's tokens/s; each probe that changes nothing
-# doubles the wait, up to MAX_PROBE_AFTER steps.
+# doubles the wait, up to MAX_PROBE_AFTER steps. The wait starts again from PROBE_AFTER only after more than
+# PROBE_STEPS speculative plans in a row: speculation that stops as soon as a probe would have (a new request
+# drafting at the method's rates until its own evidence says no) changed nothing either, and resetting the
+# wait there had a head that never paid probe, with its catch-up, every 16, 32, 64... steps of each request.
 PROBE_AFTER, MAX_PROBE_AFTER, PROBE_STEPS, PROBE_WORST = 16, 256, 2, 0.7
+# A resumed row's catch-up is priced spread over the steps it is expected to speculate (CATCH_UP_HORIZON).
+# After SHORT_RUNS speculative runs in a row that ended within PROBE_STEPS plans, the next run is expected to
+# be as short, and its catch-up is spread over PROBE_STEPS steps: while nothing is drafted the evidence fades
+# toward the method's long-run rates read optimistically (`AcceptanceStats.idle`), and priced over 8 steps,
+# such retries had the demo EAGLE-1 head (first draft accepted about 30%) catch up 58 positions and draft
+# every 80-150 steps at one request in flight, for nothing.
+SHORT_RUNS = 2
 # Until this many rows have drafted since the engine started, a due probe is judged at acceptance no worse
 # than the first guesses, and neither holds nor probes wait longer: a few early rejections must not keep
 # speculation off for good
@@ -79,6 +89,8 @@ class AdaptivePolicy:
         self._clear_losses = 0  # plain plans in a row where speculating lost clearly (MAX_PLAIN_HOLD)
         self._close_calls = 0  # plain plans in a row that were close calls (CLOSE_HOLD)
         self._plain_run, self._probe_after, self._probing = 0, PROBE_AFTER, 0  # see PROBE_AFTER
+        self._spec_run = 0  # speculative plans in a row (PROBE_AFTER)
+        self._short_runs = 0  # speculative runs in a row of at most PROBE_STEPS plans (SHORT_RUNS)
         self._plain_streak = (0, 0)  # (batch size, plain steps in a row at about it): `holding`
         self._draft_share = 1.0  # proposers that draft before the plan: the share of rows with drafts, lately
 
@@ -148,7 +160,8 @@ class AdaptivePolicy:
             self._draft_share = DRAFT_SHARE_DECAY * self._draft_share + (1 - DRAFT_SHARE_DECAY) * share
         drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
         query_lens = (1 + drafts.sum(0) / rows).tolist()  # a packed verify costs the real tokens
-        seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up)
+        horizon = CATCH_UP_HORIZON if self._short_runs < SHORT_RUNS else PROBE_STEPS
+        seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up, horizon)
         rates = self.acceptance.rates(slots)
         gain, best, speculative, plain = self._choose(rates, drafts, seconds)
         # steady speculative steps at this batch size ran slower than plain decoding lately, whatever the
@@ -250,9 +263,13 @@ class AdaptivePolicy:
         """`best`, or a probe of `speculative` when plain steps have gone on long enough (see PROBE_AFTER; with
         `thin` evidence, the wait does not grow)."""
         if best.width:
-            self._plain_run, self._probing = 0, 0
-            self._probe_after = PROBE_AFTER
+            self._plain_run, self._probing, self._spec_run = 0, 0, self._spec_run + 1
+            if self._spec_run > PROBE_STEPS:
+                self._probe_after, self._short_runs = PROBE_AFTER, 0
             return best
+        if self._spec_run:
+            self._short_runs += 1  # a longer run already reset the count
+        self._spec_run = 0
         probe_worth = False
         if speculative is not None and not self.cost.drafts_before_plan:
             # a probe may be all the speculation there is for a while: its catch-up counts whole, not spread

@@ -193,18 +193,19 @@ class CostModel:
         return self._spec_parts(rows, width, query_len) * self.spec_corrections.get(rows) + \
             self.catch_up(*catch_up) / CATCH_UP_HORIZON
 
-    def step_seconds_by_width(self, rows: int, query_lens: list[float],
-                              catch_up: tuple[int, int] = (0, 0)) -> list[float]:
+    def step_seconds_by_width(self, rows: int, query_lens: list[float], catch_up: tuple[int, int] = (0, 0),
+                              horizon: int = CATCH_UP_HORIZON) -> list[float]:
         """`step_seconds(rows, w, catch_up, query_lens[w])` for every w in 0..len - 1 (query_lens[0] unused),
         with what the widths share looked up once: a plan prices every width every step, and at one row in
-        flight its 60-odd small calls were a third of a speculative step's host work."""
+        flight its 60-odd small calls were a third of a speculative step's host work. `horizon`: the steps the
+        catch-up is spread over."""
         decode = self.forward(rows, 1)
         seconds = [decode + self.host(rows, False)]
         if len(query_lens) == 1:
             return seconds
         scale = self.forward_scales.get(rows)
         verify_scale, host = self.verify_scales.get(rows, scale), self.host(rows, True)
-        correction, catch = self.spec_corrections.get(rows), self.catch_up(*catch_up) / CATCH_UP_HORIZON
+        correction, catch = self.spec_corrections.get(rows), self.catch_up(*catch_up) / horizon
         draft_forward = decode if self.draft_query_len == 1 else self.forward(rows, self.draft_query_len)
         for width in range(1, len(query_lens)):
             query_len = query_lens[width]

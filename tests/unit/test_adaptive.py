@@ -325,6 +325,39 @@ def test_resuming_after_a_pause_is_priced():
     assert all_.expected_seconds > one.expected_seconds
 
 
+def _speculative_steps_resuming_with_catch_ups(curve, query_cost: float, steps: int, seed: int) -> list[int]:
+    """One row driven as the engine drives it, by a sequential head that must first feed the draft model the
+    positions it missed (up to 58, as an EAGLE head kept by reference) whenever it resumes; -> the steps that
+    speculated."""
+    policy = _policy(synthetic_table(query_cost), sequential=True, num_slots=1)
+    policy.cost.live_scaling = False
+    rng, missed, speculated = np.random.default_rng(seed), 0, []
+    for step in range(steps):
+        width = 0
+        if not policy.held((0,)):
+            width = policy.plan((0,), [K], (1, min(missed, 58)) if missed else (0, 0)).width
+            policy.record([K], width)
+            if width:
+                accepted = int((rng.random(width) < np.array(curve[:width])).cumprod().sum())
+                policy.observe([0], [width], [accepted])
+                speculated.append(step)
+            else:
+                policy.idle((0,))
+        missed = 0 if width else missed + 1
+    return speculated
+
+
+def test_a_head_that_never_pays_is_not_retried_on_fading_evidence_alone():
+    """A head whose first draft is accepted 30% of the time never pays at one row; while it is held, its
+    evidence fades toward its long-run rates read optimistically, and retrying on that alone, a catch-up priced
+    as if the run would last CATCH_UP_HORIZON steps, drafted every hundred-odd steps (32 steps over these three
+    seeds). After short runs the next catch-up is priced over a short run's steps (SHORT_RUNS), and what
+    retries it is the probe schedule, whose wait doubles."""
+    late = [step for seed in range(3) for step in
+            _speculative_steps_resuming_with_catch_ups([0.3, 0.35, 0.3, 0.3], 0.06, 3000, seed) if step >= 320]
+    assert len(late) <= 4, late
+
+
 def test_acceptance_counts_each_position_reached():
     stats = AcceptanceStats(num_slots=3, k=3, decay=1.0)
     stats.observe(torch.tensor([0, 1, 2]), torch.tensor([3, 2, 0]), torch.tensor([1, 2, 0]))

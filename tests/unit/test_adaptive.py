@@ -71,25 +71,29 @@ class Run:
         return float(np.mean(np.array(self.widths[start:stop]) > 0))
 
 
-def _simulate(query_cost: float, rows: int, acceptance, steps: int = 300, sequential: bool = True) -> Run:
+def _simulate(query_cost: float, rows: int, acceptance, steps: int = 300, sequential: bool = True,
+              catch_up_cap: int = 0, seed: int = 0) -> Run:
     """`steps` decode steps of `rows` rows driven through an adaptive policy as the engine drives it (held, or
     planned, recorded, then observed or idle), on `synthetic_table(query_cost)`, each draft accepted with
     probability `acceptance(step)` (or the float) when the drafts before it were. The policy's cost model
-    prices steps as they really cost (no live timings): what is tested is how it decides."""
+    prices steps as they really cost (no live timings): what is tested is how it decides. With `catch_up_cap`,
+    a row resuming must first feed the draft model the positions it missed, up to that many (as an EAGLE head
+    kept by reference), and its plan is told so."""
     table = synthetic_table(query_cost)
     policy = AdaptivePolicy(K, rows, CostModel(table, per_token_drafts=sequential, drafts_before_plan=False))
     policy.cost.live_scaling = False
     truth = CostModel(table, per_token_drafts=sequential, drafts_before_plan=False)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     slots, limits = tuple(range(rows)), [K] * rows
     tokens = seconds = 0.0
-    widths, plans = [], 0
+    widths, plans, missed = [], 0, 0
     for step in range(steps):
         rate = acceptance(step) if callable(acceptance) else acceptance
         width = 0
         if not policy.held(slots):
             plans += 1
-            width = policy.plan(slots, limits).width
+            catch_up = (rows, min(missed, catch_up_cap)) if missed and catch_up_cap else (0, 0)
+            width = policy.plan(slots, limits, catch_up).width
             policy.record(limits, width)
             if width:
                 accepted = (rng.random((rows, width)) < rate).cumprod(1).sum(1)
@@ -97,6 +101,7 @@ def _simulate(query_cost: float, rows: int, acceptance, steps: int = 300, sequen
                 tokens += accepted.sum()
             else:
                 policy.idle(slots)
+        missed = 0 if width else missed + 1
         tokens += rows
         seconds += truth.step_seconds(rows, width)
         widths.append(width)
@@ -325,36 +330,15 @@ def test_resuming_after_a_pause_is_priced():
     assert all_.expected_seconds > one.expected_seconds
 
 
-def _speculative_steps_resuming_with_catch_ups(curve, query_cost: float, steps: int, seed: int) -> list[int]:
-    """One row driven as the engine drives it, by a sequential head that must first feed the draft model the
-    positions it missed (up to 58, as an EAGLE head kept by reference) whenever it resumes; -> the steps that
-    speculated."""
-    policy = _policy(synthetic_table(query_cost), sequential=True, num_slots=1)
-    policy.cost.live_scaling = False
-    rng, missed, speculated = np.random.default_rng(seed), 0, []
-    for step in range(steps):
-        width = 0
-        if not policy.held((0,)):
-            width = policy.plan((0,), [K], (1, min(missed, 58)) if missed else (0, 0)).width
-            policy.record([K], width)
-            if width:
-                accepted = int((rng.random(width) < np.array(curve[:width])).cumprod().sum())
-                policy.observe([0], [width], [accepted])
-                speculated.append(step)
-            else:
-                policy.idle((0,))
-        missed = 0 if width else missed + 1
-    return speculated
-
-
 def test_a_head_that_never_pays_is_not_retried_on_fading_evidence_alone():
     """A head whose first draft is accepted 30% of the time never pays at one row; while it is held, its
     evidence fades toward its long-run rates read optimistically, and retrying on that alone, a catch-up priced
     as if the run would last CATCH_UP_HORIZON steps, drafted every hundred-odd steps (32 steps over these three
     seeds). After short runs the next catch-up is priced over a short run's steps (SHORT_RUNS), and what
     retries it is the probe schedule, whose wait doubles."""
-    late = [step for seed in range(3) for step in
-            _speculative_steps_resuming_with_catch_ups([0.3, 0.35, 0.3, 0.3], 0.06, 3000, seed) if step >= 320]
+    late = [step for seed in range(3)
+            for step, width in enumerate(_simulate(0.06, 1, 0.3, 3000, catch_up_cap=58, seed=seed).widths)
+            if width and step >= 320]
     assert len(late) <= 4, late
 
 

@@ -14,8 +14,11 @@ error give a verdict: speculating loses where the mean is below 1 by more than A
 least MIN_STEPS steps. A step's speed is bounded below by 0, so one stalled step moves the mean by at most
 1/n. A losing verdict holds every plan plain (probes still run, and their steady steps are judged too) for
 as long as the mean stays LIFT_Z standard errors below 1. Plain steps fade the evidence's weight, not its
-mean, so the error widens until the verdict lifts (the weight down to a quarter of what gave it), and the
-next few losing steps renew it.
+mean nor its spread, so the error widens until the verdict lifts: at a weight of (LIFT_Z x spread /
+(1 - mean))^2, a quarter of what gave it for a loss just at ARM_Z, and less the clearer the loss (a mean of
+0.5 with a spread of 0.2: 500-odd plain steps on). The next few losing steps renew it. No verdict outlasts
+its evidence: one given while the plain price was stale (the machine slowed while every step speculated, so
+no plain step re-priced decoding) is retried once the held plain steps have re-priced it.
 """
 
 from __future__ import annotations
@@ -36,13 +39,15 @@ class _Speeds:
     """Decayed sums over the steady speculative steps of one batch size: each step's speed is its tokens/s over
     plain decoding's."""
 
-    n: float = 0.0  # weight of the steps behind the sums
+    n: float = 0.0  # weight of the steps behind the sums, faded by plain steps
+    steps: float = 0.0  # the same steps' weight unfaded: the sample variance's count, which fading leaves alone
     speed_sum: float = 0.0
     speed_sq_sum: float = 0.0
     losing: bool = False
 
     def add(self, speed: float) -> None:
         self.n = STEP_DECAY * self.n + 1
+        self.steps = STEP_DECAY * self.steps + 1
         self.speed_sum = STEP_DECAY * self.speed_sum + speed
         self.speed_sq_sum = STEP_DECAY * self.speed_sq_sum + speed * speed
 
@@ -53,9 +58,11 @@ class _Speeds:
         return self.speed_sum / self.n
 
     def standard_error(self) -> float:
-        """Of the mean, with the sample variance's n - 1 (at least one step's worth of weight)."""
+        """Of the mean: the steps' sample variance (fading keeps it) over their faded weight, so the error
+        widens without bound as plain steps go by."""
         mean = self.mean()
-        variance = max(self.speed_sq_sum - self.n * mean * mean, 0.0) / max(self.n - 1, 1.0)
+        spread = max(self.speed_sq_sum / self.n - mean * mean, 0.0)
+        variance = spread * self.steps / max(self.steps - 1, 1.0)
         return math.sqrt(variance / self.n)
 
 

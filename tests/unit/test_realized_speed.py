@@ -61,6 +61,19 @@ def test_a_verdict_lasts_until_its_evidence_fades_then_returns_with_new_losses()
     assert realized.loses(1)  # and losing steps renew it
 
 
+def test_even_a_clear_loss_is_retried_after_some_hundreds_of_plain_steps():
+    """A verdict's error widens as its evidence fades, however clear the loss: one given against a stale plain
+    price (the machine slowed while every step speculated) must not hold plain decoding for good. Steps at
+    half plain decoding's speed, spread about 0.2: lifted at a weight of about (0.2 / 0.5)^2, some 500 plain
+    steps on (it took over 2000 while the error stopped widening at a weight of 2)."""
+    realized = _steps_at(0.5, 40, np.random.default_rng(3))
+    assert realized.loses(1)
+    realized.idle(300)
+    assert realized.loses(1)  # a clear loss is not retried soon
+    realized.idle(400)
+    assert not realized.loses(1)
+
+
 def _run(table, true_query_cost: float, rows: int, steps: int = 400, seed: int = 0) -> list[float]:
     """Steps driven as the engine drives them, the policy's cost model priced by `table` (live scaling off,
     so only the realized check can see that verifying really costs `true_query_cost` of a decode per

@@ -132,6 +132,18 @@ class Proposer:
         any of them has). The policy prices that catch-up."""
         return 0, 0
 
+    def unfed_rows(self, rows: Sequence[RowState]) -> list[int]:
+        """Indices of these rows whose drafter holds none of their positions yet: a draft model is fed a new
+        request's prompt at its first draft, a catch-up that serves every later draft of the request, which
+        the policy prices over the request's remaining steps. None for proposers fed at prefill."""
+        return []
+
+    def catch_up_model(self) -> tuple[torch.nn.Module, str] | None:
+        """(model, its folder) where catch-ups run a whole language model that the forward-cost profile can
+        time (a draft model): the policy prices them by that model's own table. None: priced from the
+        target's table."""
+        return None
+
     def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
         """[B, Q, F] features from a target forward's hidden states (only if `feature_layers`)."""
         raise NotImplementedError

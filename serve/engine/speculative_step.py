@@ -74,6 +74,14 @@ def draft_limits(rows: list[Request], k: int, max_model_len: int) -> list[int]:
     return limits
 
 
+def unfed_rows_left(proposer, rows: list[Request], max_model_len: int) -> tuple[tuple[int, int], ...]:
+    """(batch index, tokens it may still generate) of each row whose drafter holds none of its positions yet."""
+    def left(row: Request) -> int:
+        room = max_model_len - row.num_tokens
+        return room if row.params.max_tokens is None else min(room, row.params.max_tokens - len(row.output_token_ids))
+    return tuple((b, left(rows[b])) for b in proposer.unfed_rows(rows))
+
+
 def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: SamplingBatch) -> Drafted:
     """The policy plans the step and the proposer drafts for it. A proposer that drafts cheaply drafts first,
     and the plan is then made knowing which rows have drafts; else the plan comes first (with the catch-up the
@@ -92,7 +100,8 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
         drafts.counts.clamp_(max=plan.width)
         return Drafted(plan, drafts, planned, draft_s)
     catch_up = proposer.catch_up(rows)
-    plan = policy.plan(slots, limits, catch_up)
+    unfed = unfed_rows_left(proposer, rows, engine.config.max_model_len) if catch_up[0] else ()
+    plan = policy.plan(slots, limits, catch_up, unfed)
     if not plan.width:
         return Drafted(plan, None, limits, 0.0, catch_up)
     draft_at = clock()

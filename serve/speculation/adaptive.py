@@ -60,6 +60,15 @@ PROBE_AFTER, MAX_PROBE_AFTER, PROBE_STEPS, PROBE_WORST = 16, 256, 2, 0.7
 # such retries had the demo EAGLE-1 head (first draft accepted about 30%) catch up 58 positions and draft
 # every 80-150 steps at one request in flight, for nothing.
 SHORT_RUNS = 2
+# A draft model is fed a new request's prompt at its first draft (`Proposer.unfed_rows`): a catch-up paid once
+# per request that serves all its later drafts, so it is spread over the steps the request is expected to
+# take (tokens left over tokens a step gives at the row's rates), up to FIRST_FEED_HORIZON (one that ends
+# early at a stop token leaves the rest unpaid). Spread over CATCH_UP_HORIZON, the house model's PARD draft
+# (1.2-1.3x on steady steps at one in flight) never started a request after its first: 115 ms of prompt over
+# 8 steps of 25 ms. The plan weighs it against the whole batch's gain, and the rows fed bring only their share
+# of that: with 8 in flight, one joining row's prompt is spread over a quarter of the steps (priced as if
+# it served all 8 rows, a draft model speculated with every join and ran 0.89x plain decoding).
+FIRST_FEED_HORIZON = 32
 # Until this many rows have drafted since the engine started, a due probe is judged at acceptance no worse
 # than the first guesses, and neither holds nor probes wait longer: a few early rejections must not keep
 # speculation off for good
@@ -146,10 +155,11 @@ class AdaptivePolicy:
         self._defer_idle(slots)
         self.counts.plain(len(slots))
 
-    def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0)) -> StepPlan:
+    def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0), unfed: tuple[tuple[int, int], ...] = ()) -> StepPlan:
         """`slots[b]`, `limits[b]` (int sequences: lists, arrays, CPU tensors): row b's slot and the most it
         may draft (room left, max_tokens, or drafts it has); `catch_up`: the proposer's extra catch-up this
-        step (`Proposer.catch_up`), so that resuming is priced in."""
+        step (`Proposer.catch_up`), so that resuming is priced in; `unfed`: (batch index, tokens left) of rows
+        whose drafter has not been fed yet (see FIRST_FEED_HORIZON)."""
         slots, limits = np.asarray(slots), np.asarray(limits)
         if not self.may_draft(len(slots)):
             return StepPlan(0)
@@ -160,9 +170,8 @@ class AdaptivePolicy:
             self._draft_share = DRAFT_SHARE_DECAY * self._draft_share + (1 - DRAFT_SHARE_DECAY) * share
         drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
         query_lens = (1 + drafts.sum(0) / rows).tolist()  # a packed verify costs the real tokens
-        horizon = CATCH_UP_HORIZON if self._short_runs < SHORT_RUNS else PROBE_STEPS
-        seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up, horizon)
         rates = self.acceptance.rates(slots)
+        seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up, self._catch_up_horizon(rates, unfed))
         gain, best, speculative, plain = self._choose(rates, drafts, seconds)
         # steady speculative steps at this batch size ran slower than plain decoding lately, whatever the
         # plans predicted (`realized`): plain, held as a clear loss, and probed as usual
@@ -209,6 +218,18 @@ class AdaptivePolicy:
         else:
             self._hold = self._clear_losses = self._close_calls = 0
         return best
+
+    def _catch_up_horizon(self, rates: np.ndarray, unfed: tuple[tuple[int, int], ...]) -> float:
+        """The steps this step's catch-up is spread over: CATCH_UP_HORIZON, PROBE_STEPS after short runs, and
+        for rows whose drafter is fed for the first time, the steps they are expected to take (FIRST_FEED_HORIZON)."""
+        if self._short_runs >= SHORT_RUNS:
+            return PROBE_STEPS
+        if not unfed:
+            return CATCH_UP_HORIZON
+        # tokens a row-step gives at the widest plan, by the row's acceptance rates
+        steps = max(1.0, min(FIRST_FEED_HORIZON, min(left / (1 + rates[b].cumprod().sum()) for b, left in unfed)))
+        # the plan weighs the catch-up against the whole batch's gain, of which these rows bring their share
+        return steps * len(unfed) / len(rates)
 
     def _choose(self, rates: np.ndarray, drafts: np.ndarray, seconds: list[float]):
         """-> (gain, best plan, best speculative plan or None, plain plan) for rows with these acceptance rates;

@@ -8,7 +8,7 @@ work are fitted online from the step timings the engine reports: draft(rows, w) 
 proposers that run one draft forward per token (a: catch-up and setup, b: one forward), host work linear in
 rows. Rows that must first feed the draft model a longer run of positions (new requests, or rows resuming
 after plain steps) add a catch-up forward of their own, learned per query token and spread over the steps it
-serves.
+serves; where that forward runs a whole draft model, its own profiled table prices it instead.
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ class CostModel:
     # proposes that had one; before any, guessed from the target's table and the draft forward ratio
     catch_up_per_token: float | None = None
     catch_up_weight: float = 0.0  # decayed count of catch-ups behind catch_up_per_token
+    # where catch-ups run a whole draft model: its own forward table, which prices them alone (no learning: a
+    # per-token price learned from short catch-ups, whose fixed costs dominate, priced a prompt's 3-4x over)
+    catch_up_table: ForwardCostTable | None = None
     # a steady speculative step's measured seconds / the sum of its parts as predicted: each part is fitted
     # on its own but over all batch sizes and widths at once, so the whole may cost more than its parts say
     # (geometric moving average; a surprising step moves it only STEP_SURPRISE x its weight, so that one
@@ -132,7 +135,7 @@ class CostModel:
         if rows <= 0 or positions <= 0:
             return 0.0
         guess = self._catch_up_guess(rows, positions)
-        if self.catch_up_per_token is None:
+        if self.catch_up_per_token is None or self.catch_up_table is not None:
             return guess
         # Within OUTLIER x the guess, and weighed against it: catch-ups are re-measured only when one runs,
         # and one priced far too high (a stalled first one: oneDNN compiles a kernel for each new shape)
@@ -141,6 +144,10 @@ class CostModel:
         return _weighed(learned, self.catch_up_weight, guess)
 
     def _catch_up_guess(self, rows: int, positions: int) -> float:
+        if self.catch_up_table is not None:  # the positions ride the first draft forward: what they add to it
+            first = self.draft_query_len
+            table = self.catch_up_table
+            return max(table.estimate(rows, first + positions) - table.estimate(rows, first), 0.0)
         # the target's forward of that shape, times what one draft forward costs next to a target decode
         per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), self.draft_guess / 4)
         return per_forward * self.forward(rows, 1 + positions)
@@ -150,7 +157,7 @@ class CostModel:
         """A propose that ran a catch-up forward for `catch_up` (rows, positions): what it took beyond a
         steady propose of as many draft forwards."""
         tokens = catch_up[0] * (1 + catch_up[1])
-        if tokens <= 0:
+        if tokens <= 0 or self.catch_up_table is not None:
             return
         extra = max(seconds - self.drafting(rows, forwards if self.per_token_drafts else 1), 0.0)
         per_token = min(extra, OUTLIER * max(self._catch_up_guess(*catch_up), 1e-9)) / tokens

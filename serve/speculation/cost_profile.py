@@ -33,6 +33,11 @@ ROWS = (1, 2, 4, 8, 16, 32)
 # 64 positions) interpolate rather than extrapolate from a noisy slope.
 QUERY_LENS = (1, 2, 3, 4, 5, 6, 8, 32)
 CONTEXT = 256  # tokens already in the cache per row: keys the forward attends over
+# A draft model's own table, which prices its catch-ups (a new row's prompt, fed at its first draft): prompt
+# lengths at no cached context. Past 32 query tokens the target's grid extrapolates badly (the house model's
+# 619-token forward: 551 ms by the table, 329 live), so this grid reaches prompt lengths.
+# Rows beyond 4 extrapolate (a forward this long grows linearly in rows); 3 repeats: about 3 s for the demo model.
+CATCH_UP_GRID = {"rows": (1, 2, 4), "query_lens": (1, 8, 32, 128, 512), "context": 0, "repeats": 3}
 
 logger = logging.getLogger("draftsmith")
 
@@ -142,15 +147,16 @@ def load_or_profile(model, model_dir: str | Path, refresh: bool = False, progres
                     **grid) -> tuple[ForwardCostTable, bool]:
     """(table, whether it came from disk). A cached table is reused only for the same key and grid, and only
     while live forwards agree with it (STALE_RATIO)."""
-    key = profile_key(model_dir, model)
+    wanted = {"rows": list(grid.get("rows", ROWS)), "query_lens": list(grid.get("query_lens", QUERY_LENS)),
+              "context": grid.get("context", CONTEXT)}
+    # another grid of the same model is another file: a draft model is often some engine's target too
+    key = profile_key(model_dir, model) | ({"grid": wanted} if grid else {})
     path = cache_path(key)
     if path.is_file() and not refresh:
         try:
             table = ForwardCostTable.from_json(json.loads(path.read_text()))
         except (json.JSONDecodeError, TypeError) as exc:
             raise DraftsmithError(f"{path} is not a readable profile ({exc}); rerun with --refresh") from None
-        wanted = {"rows": list(grid.get("rows", ROWS)), "query_lens": list(grid.get("query_lens", QUERY_LENS)),
-                  "context": grid.get("context", CONTEXT)}
         if table.key == key and all(getattr(table, k) == v for k, v in wanted.items()):
             checked = (path, path.stat().st_mtime_ns)
             if checked in _AGREED:  # every engine on one target loads it: checked once a process

@@ -15,7 +15,12 @@ import numpy as np
 
 from draftsmith.serve.speculation.adaptive import AdaptivePolicy
 from draftsmith.serve.speculation.cost_model import CostModel
-from draftsmith.serve.speculation.cost_profile import ForwardCostTable, profile_forwards
+from draftsmith.serve.speculation.cost_profile import (
+    CATCH_UP_GRID,
+    ForwardCostTable,
+    load_or_profile,
+    profile_forwards,
+)
 from draftsmith.serve.speculation.plan import StepPlan, WidthCounts
 
 logger = logging.getLogger("draftsmith")
@@ -46,8 +51,10 @@ class SpeculationPolicy(Protocol):
         """Whether a step of this many rows would be held now (`held`), asked without taking a step: a proposer
         may then keep a prompt's features instead of feeding them to its head at once."""
 
-    def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0)) -> StepPlan:
-        """This step's plan; `catch_up`: the proposer's catch-up before it can draft (`Proposer.catch_up`)."""
+    def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0), unfed: tuple[tuple[int, int], ...] = ()) -> StepPlan:
+        """This step's plan; `catch_up`: the proposer's catch-up before it can draft (`Proposer.catch_up`);
+        `unfed`: (batch index, tokens it may still generate) of the rows whose drafter holds none of their
+        positions yet (`Proposer.unfed_rows`)."""
 
     def observe(self, slots, num_draft, accepted) -> None:
         """A verified step: row b drafted num_draft[b] tokens, of which accepted[b] were accepted."""
@@ -98,7 +105,7 @@ class FixedPolicy:
     def holding(self, rows: int) -> bool:
         return not self.may_draft(rows)
 
-    def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0)) -> StepPlan:
+    def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0), unfed: tuple[tuple[int, int], ...] = ()) -> StepPlan:
         return StepPlan(min(self.width(len(slots)), int(np.asarray(limits).max())))
 
     def observe(self, slots, num_draft, accepted) -> None:
@@ -130,6 +137,19 @@ def make_policy(spec_config, proposer, num_slots: int, cost_table: ForwardCostTa
     if cost_table is None:  # no model folder to key a cached profile by: measure, keep in memory
         cost_table = profile_forwards(target, {"model": "in-memory"})
     cost = CostModel(cost_table, per_token_drafts=proposer.per_token_drafts, drafts_before_plan=proposer.propose_first,
-                     draft_query_len=proposer.draft_query_len, draft_guess=proposer.draft_cost_guess)
+                     draft_query_len=proposer.draft_query_len, draft_guess=proposer.draft_cost_guess,
+                     catch_up_table=_catch_up_table(proposer))
     logger.info("speculation: adaptive (0..k per step, from the cost model)")
     return AdaptivePolicy(k, num_slots, cost, disable_above)
+
+
+def _catch_up_table(proposer) -> ForwardCostTable | None:
+    """The forward-cost table of the model a proposer's catch-ups run through, where it is a whole language model
+    (`Proposer.catch_up_model`): from the disk cache, or measured now (a few seconds, once per model)."""
+    drafter = proposer.catch_up_model()
+    if drafter is None:
+        return None
+    table, cached = load_or_profile(*drafter, **CATCH_UP_GRID)
+    if not cached:
+        logger.info("profiled draft model forwards (%s) to price its catch-ups", drafter[1])
+    return table

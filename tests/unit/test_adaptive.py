@@ -330,6 +330,27 @@ def test_resuming_after_a_pause_is_priced():
     assert all_.expected_seconds > one.expected_seconds
 
 
+def test_a_new_rows_first_feed_is_priced_over_the_steps_it_serves():
+    """A draft model is fed a new request's prompt at its first draft: a catch-up that serves every later draft
+    of the request. Spread over the steps the row is expected to take (FIRST_FEED_HORIZON at most), one that a
+    resuming row would not pay for (spread over CATCH_UP_HORIZON) pays; a request with few tokens left
+    cannot repay it."""
+    def plan(catch_up, unfed=(), rows=1):  # each by a policy of its own: a plan's outcome moves the next one's
+        policy = _policy(synthetic_table(0.3), sequential=True)
+        _feed(policy, list(range(rows)), accepted_each=4)
+        return policy.plan(torch.arange(rows), torch.full((rows,), 4), catch_up, unfed)
+
+    prompt = (1, 200)  # a catch-up of 20 ms against steps of 3.5 ms that give 5 tokens (1 ms for 1 plainly)
+    assert plan(prompt).width == 0
+    assert plan(prompt, unfed=((0, 128),)).width == 4
+    assert plan(prompt, unfed=((0, 8),)).width == 0
+    assert plan((1, 600), unfed=((0, 10_000),)).width == 0  # spread over FIRST_FEED_HORIZON steps at most
+    # one row of 8 brings an eighth of the batch's gain: its prompt is charged 8x as much a step
+    alone = plan(prompt, unfed=((0, 128),)).expected_seconds - plan((0, 0)).expected_seconds
+    among_8 = plan(prompt, unfed=((0, 128),), rows=8).expected_seconds - plan((0, 0), rows=8).expected_seconds
+    assert among_8 == pytest.approx(8 * alone, rel=0.03)  # (the rows' rates, and so their steps, differ a little)
+
+
 def test_a_head_that_never_pays_is_not_retried_on_fading_evidence_alone():
     """A head whose first draft is accepted 30% of the time never pays at one row; while it is held, its
     evidence fades toward its long-run rates read optimistically, and retrying on that alone, a catch-up priced

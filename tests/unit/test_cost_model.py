@@ -95,6 +95,21 @@ def test_catch_up_cost_is_learned_per_query_token():
     assert first_guess < fresh.catch_up(1, 58) <= OUTLIER * first_guess * 1.0001
 
 
+def test_a_draft_models_catch_up_is_priced_by_its_own_table_alone():
+    """Where catch-ups run a whole draft model, that model's profiled table prices them: what the extra positions
+    add to its first draft forward. Live catch-ups teach nothing: a short one (a few positions, whose fixed
+    costs dominate) once priced a prompt's catch-up at 3-4x what it took."""
+    draft_table = synthetic_table(0.05, unit=0.25e-3)  # a quarter of the target's decode, cheap per token
+    cost = CostModel(synthetic_table(0.1), per_token_drafts=False, drafts_before_plan=False,
+                     catch_up_table=draft_table)
+    expected = draft_table.estimate(1, 1 + 600) - draft_table.estimate(1, 1)
+    assert cost.catch_up(1, 600) == pytest.approx(expected)
+    assert cost.catch_up(1, 600) < CostModel(synthetic_table(0.1), per_token_drafts=False,
+                                             drafts_before_plan=False).catch_up(1, 600)
+    cost.observe_catch_up((1, 10), 1, 1, 1.0)  # a short catch-up that took a second
+    assert cost.catch_up(1, 600) == pytest.approx(expected)
+
+
 def test_a_plan_prices_every_width_as_step_seconds_does():
     """The policy prices all widths in one call: the same seconds as pricing each on its own, with every
     part learned (decode and verify scales, drafting, host work, corrections, a catch-up)."""

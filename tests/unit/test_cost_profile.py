@@ -57,6 +57,23 @@ def test_profile_is_measured_once_then_reused(cache_dir, monkeypatch):
         load_or_profile(model, DEMO_MODEL, rows=(1, 2, 4), query_lens=(1, 3), context=16)
 
 
+def test_one_models_tables_of_two_grids_are_kept_apart(cache_dir, monkeypatch):
+    """A draft model is often another engine's target: the grid that prices its catch-ups must not overwrite
+    the default one in the cache, nor the other way round."""
+    model = load_target(DEMO_MODEL, dtype="float32")
+    other = {"rows": (1,), "query_lens": (1, 4), "context": 0}
+    first, _ = load_or_profile(model, DEMO_MODEL, **GRID)
+    second, _ = load_or_profile(model, DEMO_MODEL, **other)
+    assert cache_path(first.key) != cache_path(second.key)
+
+    def no_profile(*args, **kwargs):
+        raise AssertionError("a matching saved profile must be reused, not measured again")
+
+    monkeypatch.setattr(cost_profile, "profile_forwards", no_profile)
+    assert load_or_profile(model, DEMO_MODEL, **GRID) == (first, True)
+    assert load_or_profile(model, DEMO_MODEL, **other) == (second, True)
+
+
 def test_a_saved_profile_that_live_forwards_disagree_with_is_measured_again(cache_dir):
     """A table saved from a busy machine (every forward 30x slower than now) is not trusted: live forwards of
     a decode and a verify shape disagree, so the table is measured again and saved over it."""

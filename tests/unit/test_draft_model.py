@@ -11,6 +11,7 @@ from helpers import (
     CODE_PROMPTS,
     DEMO_MODEL,
     flattened_demo_copy,
+    make_speculation_pay,
     make_tiny_checkpoint,
     make_tiny_target_with_tokenizer,
     spec_config,
@@ -30,6 +31,23 @@ def test_the_target_drafting_for_itself_is_accepted_almost_always(greedy_referen
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     metrics = llm.get_metrics()
     assert metrics["num_accepted_tokens"] >= 0.9 * metrics["num_draft_tokens"] > 0
+
+
+def test_a_new_rows_prompt_is_fed_at_its_first_draft_and_priced_by_the_draft_models_table():
+    """The policy is told which rows the draft model has not been fed yet (their prompt is the catch-up, spread
+    over the request's steps), and prices catch-ups by the draft model's own forward table, profiled at
+    prompt lengths."""
+    llm = _serve(DEMO_MODEL, max_num_seqs=1, adaptive=True)
+    make_speculation_pay(llm)
+    engine = llm.engine
+    table = engine.policy.cost.catch_up_table
+    assert table is not None and max(table.query_lens) >= 512 and table.context == 0
+    engine.add_request(llm.encode("def fibonacci(n):")[1], SamplingParams(temperature=0, max_tokens=16))
+    engine.step()  # the prompt's prefill
+    assert engine.proposer.unfed_rows(engine.running) == [0] and engine.proposer.catch_up(engine.running)[0] == 1
+    engine.step()  # a draft, which feeds the prompt first
+    assert llm.get_metrics()["num_drafts"] > 0
+    assert engine.proposer.unfed_rows(engine.running) == []
 
 
 def test_a_random_draft_model_decodes_with_greedy_equality(tmp_path, greedy_reference):

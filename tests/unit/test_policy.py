@@ -22,6 +22,9 @@ class _Proposer:
 
     per_token_drafts, propose_first, draft_query_len, draft_cost_guess = True, False, 1, None
 
+    def catch_up_model(self):  # catch-ups priced from the target's table
+        return None
+
 
 def _policy(config: dict):
     return make_policy(parse_speculative_config(config), _Proposer(), 4, synthetic_table(0.1), None)

@@ -84,6 +84,12 @@ class DraftModelProposer(Proposer):
         long = [e for e in extra if e > 0]
         return len(long), max(long, default=0)
 
+    def unfed_rows(self, rows: Sequence[RowState]) -> list[int]:
+        return [b for b, r in enumerate(rows) if self.owner[r.slot] != r.request_id]
+
+    def catch_up_model(self) -> tuple[torch.nn.Module, str]:
+        return self.draft, str(self.config.model)
+
     @torch.inference_mode()
     def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling: DraftSampling | None = None,
                 stop_below: float = 0.0) -> DraftBatch:

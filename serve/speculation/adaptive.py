@@ -79,6 +79,10 @@ THIN_EVIDENCE = 16
 THIN_POSITION, EXPLORE_WORST = 4.0, 0.9
 # Per plan, the weight kept by the running share of rows that found drafts (proposers drafting before the plan)
 DRAFT_SHARE_DECAY = 0.9
+# Where the plain price of a batch size is stale (`CostModel.plain_stale`: never taken while speculating, or
+# not for a few hundred speculative steps), the batch decodes plainly for REPRICE_STEPS steps: the step
+# ledger times the plain step after SETTLING_STEPS (3) in a row, one in PLAIN_SAMPLE (4)
+REPRICE_STEPS = 4
 
 
 class AdaptivePolicy:
@@ -165,6 +169,8 @@ class AdaptivePolicy:
             return StepPlan(0)
         self._settle_idle()
         rows = len(slots)
+        if self.cost.plain_stale(rows):
+            return self._reprice(slots)
         if self.cost.drafts_before_plan:
             share = np.count_nonzero(limits) / rows
             self._draft_share = DRAFT_SHARE_DECAY * self._draft_share + (1 - DRAFT_SHARE_DECAY) * share
@@ -218,6 +224,12 @@ class AdaptivePolicy:
         else:
             self._hold = self._clear_losses = self._close_calls = 0
         return best
+
+    def _reprice(self, slots: np.ndarray) -> StepPlan:
+        """Plain, and held so for REPRICE_STEPS steps in all: what speculative steps are judged against
+        (`realized`) and planned against is timed again."""
+        self._hold, self._held_rows, self._held_slots = REPRICE_STEPS - 1, len(slots), tuple(slots.tolist())
+        return StepPlan(0)
 
     def _catch_up_horizon(self, rates: np.ndarray, unfed: tuple[tuple[int, int], ...]) -> float:
         """The steps this step's catch-up is spread over: CATCH_UP_HORIZON, PROBE_STEPS after short runs, and

@@ -32,6 +32,11 @@ COST_IDLE_DECAY = 0.97
 # docs/decisions/adaptive-speculation.md
 CORRECTION_IDLE_DECAY = 0.99
 PRIOR_WEIGHT = 0.25  # the first guesses weigh as much as this many (decayed) observations
+# Speculative steps at a batch size after which its plain price counts as stale (`plain_stale`): before it was
+# ever taken, after FIRST_REPRICE (every speculative step is judged against it: `realized`); after
+# REPRICE_AFTER since it was last taken (the machine's speed drifts by up to 30% over minutes, and a price
+# taken before it slowed judged a winning n-gram batch as losing)
+FIRST_REPRICE, REPRICE_AFTER = 16, 256
 
 
 def _weighed(learned: float, evidence: float, guess: float) -> float:
@@ -86,6 +91,8 @@ class CostModel:
     host_spec: DecayedLine = field(default_factory=DecayedLine)
     # what steady speculative steps really yielded next to plain decoding's price: the check on the plans
     realized: RealizedSpeed = field(default_factory=RealizedSpeed)
+    # by batch size (as `forward_scales`): speculative steps since plain decoding was last timed there
+    plain_age: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.draft_guess is None:
@@ -234,10 +241,20 @@ class CostModel:
         ratio = seconds / max(self._spec_parts(rows, width, query_len), 1e-9)
         self.spec_corrections.observe(rows, ratio)
 
+    def plain_stale(self, rows: int) -> bool:
+        """Whether plain decoding at this batch size should be timed again before more speculation is judged
+        against it (FIRST_REPRICE, REPRICE_AFTER)."""
+        if not self.live_scaling:
+            return False
+        age = self.plain_age.get(ScaleByBatch.bucket(rows), 0)
+        return age >= (REPRICE_AFTER if self.forward_scales.measured(rows) else FIRST_REPRICE)
+
     def observe_yield(self, rows: int, tokens: int, seconds: float) -> None:
         """A steady speculative step gave `tokens` tokens in `seconds` in all (drafting included, sunk or not:
         a held step skips it): judged against the price of a plain step of as many rows (`realized`), once
         plain steps of that batch size have set it (the profile alone was taken at another context and load)."""
+        bucket = ScaleByBatch.bucket(rows)
+        self.plain_age[bucket] = self.plain_age.get(bucket, 0) + 1
         if self.live_scaling and not (self.forward_scales.measured(rows) and self.host_plain.seen):
             return
         self.realized.observe(rows, tokens, seconds, self.step_seconds(rows, 0))
@@ -248,5 +265,6 @@ class CostModel:
         log_ratio = math.log(max(seconds, 1e-9) / max(self.table.estimate(rows, query_len), 1e-9))
         if query_len == 1:
             self.forward_scales.observe(rows, math.exp(log_ratio))
+            self.plain_age[ScaleByBatch.bucket(rows)] = 0
         else:
             self.verify_scales.observe(rows, math.exp(log_ratio), self.forward_scales.get(rows))

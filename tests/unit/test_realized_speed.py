@@ -9,8 +9,8 @@ import pytest
 
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.engine.step_accounting import COLD_STEPS, StepLedger
-from draftsmith.serve.speculation.adaptive import AdaptivePolicy
-from draftsmith.serve.speculation.cost_model import CostModel
+from draftsmith.serve.speculation.adaptive import REPRICE_STEPS, AdaptivePolicy
+from draftsmith.serve.speculation.cost_model import FIRST_REPRICE, REPRICE_AFTER, CostModel
 from draftsmith.serve.speculation.realized import RealizedSpeed
 from helpers import DEMO_MODEL, make_speculation_pay, synthetic_table
 
@@ -161,3 +161,53 @@ def test_the_ledger_judges_steady_speculative_steps_by_their_tokens_and_whole_se
     ledger.book(2, 0, 0.005, 0.0, 0.004, 0.001, cost)  # plain
     ledger.book(2, 3, 0.011, 0.002, 0.006, 0.001, cost, _Drafted(True), tokens=6)
     assert cost.yields == [(2, 6, 0.011)]
+
+
+def _always_speculating(steps: int) -> tuple[list[int], CostModel]:
+    """8 rows whose plans always draft (verifying priced free, every draft accepted), booked through the step
+    ledger as the engine books them: plain steps of 10 ms, speculative ones of 12 ms. -> (widths, cost model)"""
+    cost = CostModel(synthetic_table(0.0), per_token_drafts=False, drafts_before_plan=False)
+    policy, ledger = AdaptivePolicy(K, 8, cost), StepLedger()
+    policy.confidence_floor = False
+    slots, limits, widths = tuple(range(8)), [K] * 8, []
+    for _ in range(steps):
+        width = 0 if policy.held(slots) else policy.plan(slots, limits).width
+        if width:
+            policy.record(limits, width)
+            policy.observe(list(slots), [width] * 8, [width] * 8)
+            ledger.book(8, width, 0.012, 0.001, 0.010, 0.0005, cost, _Drafted(True), query_len=width + 1,
+                        tokens=8 * (width + 1))
+        else:
+            ledger.book(8, 0, 0.010, 0.0, 0.009, 0.0005, cost)
+        widths.append(width)
+    return widths, cost
+
+
+def _plain_runs(widths: list[int]) -> list[tuple[int, int]]:
+    """(first step, length) of each run of plain steps."""
+    runs, start = [], None
+    for step, width in enumerate([*widths, 1]):
+        if width == 0 and start is None:
+            start = step
+        elif width and start is not None:
+            runs.append((start, step - start))
+            start = None
+    return runs
+
+
+def test_a_batch_size_that_always_speculates_still_has_its_plain_price_taken(monkeypatch):
+    """Speculative steps are judged against plain decoding's price at their batch size, which only settled
+    plain steps teach. Where every plan drafts, that price was never taken and nothing was judged: a draft
+    model ran 0.89x plain decoding at 8 in flight on 0 plain steps. So a batch size decodes plainly for
+    REPRICE_STEPS steps after FIRST_REPRICE speculative steps without a plain price, and again after
+    REPRICE_AFTER with a stale one."""
+    widths, cost = _always_speculating(700)
+    runs = _plain_runs(widths)
+    assert [length for _, length in runs] == [REPRICE_STEPS] * len(runs)
+    assert runs[0][0] <= FIRST_REPRICE + 8  # after the cold steps the ledger does not book
+    assert [b - a for (a, _), (b, _) in zip(runs, runs[1:])] == [REPRICE_AFTER + REPRICE_STEPS] * (len(runs) - 1)
+    assert cost.forward_scales.measured(8) and cost.realized.ratio(8) > 1
+    # the premise: without it, no step is plain and nothing is judged
+    monkeypatch.setattr(CostModel, "plain_stale", lambda self, rows: False)
+    widths, cost = _always_speculating(700)
+    assert 0 not in widths and cost.realized.ratio(8) is None

@@ -57,7 +57,7 @@ class EngineLoop:
         self.engine = engine
         self.receive, self.report, self.on_fault = receive, report, on_fault
         self.stats_every_s = stats_every_s
-        self.last_stats = 0.0
+        self.last_stats = float("-inf")  # never: the first report carries them, however long the machine is up
         self.stop_at: float | None = None
         self.idle_reported = True
 

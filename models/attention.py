@@ -5,10 +5,11 @@ hundred cached keys under a mask, they spend most of their time outside the arit
 query heads over 2 KV heads, head_dim 64, 300 keys), 8 rows x 5 queries took 388 us per layer and 32 rows x
 2 queries 958 us; two batched matmuls with the query heads of each KV group stacked as rows of one matrix
 (so the keys are read once per group and never expanded), a masked softmax between them, take 250 and 455
-us. Small batches (one row decoding) and prompts (many queries) keep SDPA, and so does CUDA, where its fused
-kernels are the fast path. Rows of up to 16 queries attend through the slot kernels instead where they run
-(`batch_attention`; the C++ one on CPU: models/slot_attention_cpu.cpp); these forms are what runs without them
-(`DRAFTSMITH_ATTENTION=torch`, or a CPU where the kernel does not build) and for longer rows.
+us. Small batches (one row decoding) keep SDPA, and so does CUDA, where its fused kernels are the fast path;
+prompts from position 0 take the C++ prompt kernel on CPU (`prompt_attention`), else SDPA's causal kernel.
+Rows of up to 16 queries attend through the slot kernels instead where they run (`batch_attention`; the C++
+one on CPU: models/slot_attention_cpu.cpp); these forms are what runs without them (`DRAFTSMITH_ATTENTION=torch`,
+or a CPU where the kernel does not build) and for longer rows.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.models.kernel_backend import cpu_attention_kernel_wanted
+from draftsmith.models.prompt_attention import kernel_applies, padded_prompt_attention
 from draftsmith.models.slot_attention_cpu import slot_attention_cpu
 
-GROUPED_UP_TO = 16  # queries per row: longer rows (prompt chunks) use SDPA's flash kernel
+GROUPED_UP_TO = 16  # queries per row: longer rows (prompt chunks) use the prompt kernel or SDPA's flash kernel
 # queries in the batch from which the grouped form beats SDPA; below, SDPA is faster (measurements:
 # docs/decisions/cpu-kernels.md) ...
 GROUPED_FROM = 8
@@ -117,8 +119,11 @@ def batch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     mask."""
     rows = batch.slot_rows
     if batch.causal and rows is None and q.shape[2] > GROUPED_UP_TO:
-        # prompts from position 0 (first chunks): SDPA's causal kernel skips the keys past each query block
-        # and reads no mask; a row's keys past its length are only seen by its padding queries
+        # prompts from position 0 (first chunks): the C++ prompt kernel on CPU, else SDPA's causal kernel;
+        # both skip the keys past each query block and read no mask; a row's keys past its length are only
+        # seen by its padding queries
+        if kernel_applies(q):
+            return padded_prompt_attention(q, k_cache, v_cache, batch.read_slots.tolist())
         return F.scaled_dot_product_attention(q, batch.read(k_cache), batch.read(v_cache), is_causal=True,
                                               enable_gqa=True)
     if rows is not None:

@@ -19,6 +19,7 @@ from draftsmith.models.attention import batch_attention, cached_attention
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
 from draftsmith.models.linear import Linear, fused
+from draftsmith.models.prompt_attention import kernel_applies, prompt_attention
 from draftsmith.models.rope import apply_rope_qk, rope_tables
 
 
@@ -109,21 +110,33 @@ class Attention(nn.Module):
 
     def _attend_rows(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
         """Packed q/k/v [T, heads, head_dim] of long rows (prompts), attended one row at a time: each over its
-        own length, so no row pays for another's padding -> [T, heads * head_dim]."""
-        outs, offset = [], 0
-        for row, (slot, start, n, causal) in enumerate(batch.row_spans):
+        own length, so no row pays for another's padding -> [T, heads * head_dim]. Rows from position 0
+        without a window attend in one call of the prompt kernel where it runs (`prompt_attention`)."""
+        spans, offset = [], 0
+        for slot, start, n, causal in batch.row_spans:
             end, tokens = start + n, slice(offset, offset + n)
             k_cache[slot, :, start:end] = k[tokens].transpose(0, 1)
             v_cache[slot, :, start:end] = v[tokens].transpose(0, 1)
-            query = q[tokens].transpose(0, 1)[None]  # [1, heads, n, head_dim]
+            spans.append((slot, start, n, offset, causal))
+            offset += n
+        width = self.num_heads * self.head_dim
+        causal_spans = [span[:4] for span in spans if span[4]] if kernel_applies(q) else []
+        attended = prompt_attention(q, k_cache, v_cache, causal_spans) if causal_spans else None
+        if attended is not None and len(causal_spans) == len(spans):
+            return attended.view(offset, width)
+        outs = []
+        for row, (slot, start, n, first, causal) in enumerate(spans):
+            if causal and attended is not None:
+                outs.append(attended[first : first + n].reshape(n, width))
+                continue
+            query, end = q[first : first + n].transpose(0, 1)[None], start + n  # [1, heads, n, head_dim]
             keys, values = k_cache[slot : slot + 1, :, batch.kv_start : end], v_cache[slot : slot + 1, :, batch.kv_start : end]
             if causal:  # from position 0, no window: SDPA's own causal kernel, no mask to read
                 out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
             else:
                 mask = batch.mask[row : row + 1, :, :n, : end - batch.kv_start]
                 out = cached_attention(query, keys, values, mask)
-            outs.append(out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
-            offset += n
+            outs.append(out[0].transpose(0, 1).reshape(n, width))
         return torch.cat(outs)
 
 

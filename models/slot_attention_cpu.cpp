@@ -18,6 +18,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd_exp.h"
+
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -109,26 +111,8 @@ inline void score_block(const float* q, const float* keys, int64_t stride, int64
 
 typedef int32_t ivec8 __attribute__((vector_size(32)));
 
-// e^x for x <= 0, eight at a time, in plain arithmetic (libm's expf does not vectorize unless built with
-// -ffast-math): Cody-Waite range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf over
-// [-87, 0]; below -87 it returns e^-87 (about 1.6e-38), and masked scores are zeroed apart.
-inline vec8 exp8(vec8 x) {
-  const vec8 lowest = vec8{} - 87.0f, magic = vec8{} + 12582912.0f;
-  x = x < lowest ? lowest : x;
-  const vec8 n = (x * 1.44269504088896341f + magic) - magic;
-  const vec8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vec8 p = vec8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const ivec8 bits = (__builtin_convertvector(n, ivec8) + 127) << 23;
-  vec8 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+// e^x for x <= 0, eight at a time (simd_exp.h); masked scores are zeroed apart
+inline vec8 exp8(vec8 x) { return exp_nonpositive_lanes<vec8, ivec8>(x); }
 
 // A block's scores (row[0, count), masked ones NEG) -> their weights e^(score - max) in place (0 where
 // masked), and the weights' sum. The row holds BLOCK floats: the last group of 8 is padded with NEG.

@@ -22,7 +22,8 @@ from draftsmith.errors import DraftsmithError
 log = logging.getLogger("draftsmith")
 
 SOURCES = [Path(__file__).with_name(name) for name in (
-    "slot_attention_cpu.cpp", "step_ops_cpu.cpp", "ngram_lookup_cpu.cpp")]
+    "slot_attention_cpu.cpp", "step_ops_cpu.cpp", "ngram_lookup_cpu.cpp", "prompt_attention_cpu.cpp")]
+HEADERS = [Path(__file__).with_name("simd_exp.h")]  # torch's build cache hashes the sources only: in the name
 # -ffp-contract=fast: multiply-adds fused (ISO C++ mode, which torch builds in, leaves them apart)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 # whether this process has loaded the build (`build_error` found it): its other ops run only then, so that no
@@ -31,12 +32,13 @@ LOADED = False
 
 
 def _build_name() -> str:
-    """The build's name, one per instruction set (-march=native): a cache shared by machines of other CPUs
-    builds its own."""
+    """The build's name, one per instruction set (-march=native) and version of the headers: a cache shared by
+    machines of other CPUs builds its own."""
     flags = platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         flags += next((line for line in cpuinfo.read_text().splitlines() if line.startswith(("flags", "Features"))), "")
+    flags += "".join(header.read_text() for header in HEADERS)
     return f"draftsmith_slot_attention_cpu_{hashlib.sha256(flags.encode()).hexdigest()[:10]}"
 
 

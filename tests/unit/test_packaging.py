@@ -49,6 +49,9 @@ def test_the_wheel_holds_every_package_folder(tmp_path):
             found.add(".".join([package, *init.parent.relative_to(source / folder).parts]))
     assert "draftsmith.methods.toy_new_method" in found
     assert found == in_wheel
+    # the CPU kernels are built from the installed package's folder at first use: every source and header
+    from draftsmith.models.slot_attention_cpu import HEADERS, SOURCES
+    assert {f"draftsmith/models/{path.name}" for path in SOURCES + HEADERS} <= set(zipfile.ZipFile(wheel).namelist())
 
 
 def test_make_bench_passes_valid_speculative_configs():

@@ -62,8 +62,9 @@ def server(request):
         yield url, app
 
 
-def _stream_text(url: str, **extra) -> tuple[str, list[dict]]:
-    """A greedy canary stream's text and any error events it carried (it must end with [DONE])."""
+def _stream_text(url: str, first_text: threading.Event | None = None, **extra) -> tuple[str, list[dict]]:
+    """A greedy canary stream's text and any error events it carried (it must end with [DONE]); `first_text`
+    is set once its first text arrives."""
     body = {"model": "demo", "prompt": CANARY, "max_tokens": CANARY_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True, **extra}
     text, errors, done = [], [], False
@@ -80,6 +81,8 @@ def _stream_text(url: str, **extra) -> tuple[str, list[dict]]:
                 errors.append(event["error"])
             else:
                 text.append(event["choices"][0]["text"])
+                if first_text is not None:
+                    first_text.set()
     assert done, "the stream did not end with [DONE]"
     return "".join(text), errors
 
@@ -277,15 +280,16 @@ def test_killing_the_engine_process_mid_stream_restarts_it(canary_text):
         first_pid = engine.process.pid
         events = []
 
+        first_text = threading.Event()
+
         def stream():
-            events.append(_stream_text(url))
+            events.append(_stream_text(url, first_text))
 
         reader = threading.Thread(target=stream)
         reader.start()
-        deadline = time.monotonic() + 60
-        while not engine.num_unfinished() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)  # mid-stream
+        # mid-stream: killed at its first text, with most of its 96 tokens to come (a fixed wait let the whole
+        # stream finish first on a fast machine)
+        assert first_text.wait(timeout=60)
         killed_at = time.monotonic()
         os.kill(first_pid, signal.SIGKILL)
         reader.join(timeout=30)

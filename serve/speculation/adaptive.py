@@ -103,6 +103,7 @@ class AdaptivePolicy:
         self._close_calls = 0  # plain plans in a row that were close calls (CLOSE_HOLD)
         self._plain_run, self._probe_after, self._probing = 0, PROBE_AFTER, 0  # see PROBE_AFTER
         self._spec_run = 0  # speculative plans in a row (PROBE_AFTER)
+        self._probe_worth = False  # whether the last plain plan's probe would have run, had one been due
         self._short_runs = 0  # speculative runs in a row of at most PROBE_STEPS plans (SHORT_RUNS)
         self._plain_streak = (0, 0)  # (batch size, plain steps in a row at about it): `holding`
         self._draft_share = 1.0  # proposers that draft before the plan: the share of rows with drafts, lately
@@ -217,7 +218,9 @@ class AdaptivePolicy:
                 hold = close_hold if rows <= CLOSE_CALL_ROWS else PLAIN_HOLD
             else:
                 hold = min(PLAIN_HOLD << (self._clear_losses - 1), MAX_PLAIN_HOLD)
-                if ratio >= PROBE_WORST or thin:  # worth a probe: re-planned when one is due
+                # re-planned when a probe is due, where one would run (drafting after the plan: as `_explore`
+                # judged it, whole catch-up included; an overdue probe that is not worth it caps nothing)
+                if self._probe_worth or (self.cost.drafts_before_plan and (ratio >= PROBE_WORST or thin)):
                     hold = min(hold, max(self._probe_after - self._plain_run, PLAIN_HOLD))
             self._hold = hold - 1
             self._held_rows, self._held_slots = rows, tuple(slots.tolist())
@@ -308,6 +311,7 @@ class AdaptivePolicy:
             # a probe may be all the speculation there is for a while: its catch-up counts whole, not spread
             whole = speculative.expected_seconds + self.cost.catch_up(*catch_up) * (1 - 1 / CATCH_UP_HORIZON)
             probe_worth = speculative.expected_tokens / whole >= PROBE_WORST * plain.tokens_per_s
+        self._probe_worth = probe_worth  # read by the hold that `plan` sets after this
         if probe_worth and self._probe_due():
             self._probing, self._plain_run = PROBE_STEPS, 0
             if not thin:

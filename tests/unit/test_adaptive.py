@@ -218,6 +218,28 @@ def test_close_calls_in_a_row_hold_longer_up_to_a_cap(monkeypatch):
     assert steps_held_after_a_plan() == CLOSE_HOLD - 1
 
 
+def test_an_overdue_probe_not_worth_its_catch_up_does_not_shorten_holds(monkeypatch):
+    """A probe is judged with its whole catch-up (`_explore`); where it would not run, its being due must not
+    cap the holds after clear losses (they stayed at PLAIN_HOLD for good: a plan every 8 steps, where plans
+    are re-asked only to say the same)."""
+    from draftsmith.serve.speculation.adaptive import MAX_PLAIN_HOLD
+
+    policy = _policy(CHEAP, sequential=True)
+    _feed(policy, [0], accepted_each=1, times=THIN_EVIDENCE)
+    # plain: 1 s; drafting w: 1 s + 1.5 s per draft: one draft accepted nearly always yields ~0.78x plain,
+    # a clear loss, but worth a probe but for the catch-up's 100 s
+    prices = lambda rows, query_lens, *args: [1.0] + [1.0 + 1.5 * w for w in range(1, len(query_lens))]  # noqa: E731
+    monkeypatch.setattr(policy.cost, "step_seconds_by_width", prices)
+    monkeypatch.setattr(policy.cost, "catch_up", lambda rows, positions: 100.0)
+    slots, limits, plans, steps = torch.tensor([0]), torch.tensor([K]), 0, 1200
+    for _ in range(steps):
+        if not policy.held((0,)):
+            plans += 1
+            assert policy.plan(slots, limits, catch_up=(1, 50)).width == 0
+            policy.idle(slots)
+    assert plans <= steps / MAX_PLAIN_HOLD + 5
+
+
 def test_held_steps_fade_evidence_as_plain_steps_do():
     held, stepped = _policy(EXPENSIVE), _policy(EXPENSIVE)
     slots, limits = torch.tensor([0, 1]), torch.tensor([4, 4])

@@ -31,12 +31,16 @@ from draftsmith.serve.speculation.plan import StepPlan, WidthCounts
 FLOOR_MARGIN = 0.5
 # The rules below; the measurements that set each value are in docs/decisions/adaptive-speculation.md.
 PLAIN_HOLD = 8  # after a plan without speculation, the batch is re-planned this many steps later
-# ... unless speculating came within CLOSE_CALL of plain decoding's tokens/s: then CLOSE_HOLD steps, for
-# batches of at most CLOSE_CALL_ROWS (a lone request's bad step is no reason to stop speculating for long),
-# doubled by each close call in a row up to MAX_CLOSE_HOLD: held steps bring no acceptance evidence, so a plan
-# soon after says the same at a price (EAGLE at one in flight planned every 3.6 steps, 0.25 ms each, 1.7% of
-# its time); a longer cap kept speculation off where it paid 5% (tests/unit/test_planner_best_k.py)
-CLOSE_CALL, CLOSE_HOLD, MAX_CLOSE_HOLD, CLOSE_CALL_ROWS = 0.9, 2, 4, 4
+# ... unless speculating came within CLOSE_CALL of plain decoding's tokens/s, for a batch of at most
+# CLOSE_CALL_ROWS rows (a lone request's bad step is no reason to stop speculating for long): then the batch holds
+# until the steps' fading of its acceptance evidence alone would make a plan speculate (`_steps_until_flip`), up
+# to MAX_CLOSE_HOLD steps. Held steps bring no acceptance evidence, so a plan before then says the same at a
+# price (at one in flight, the demo EAGLE-1 head planned every 5.7 steps at 0.29 ms a plan, 2% of its time),
+# and one later leaves speculation off where it pays (tests/unit/test_planner_best_k.py). Proposers that draft
+# before the plan hold CLOSE_HOLD steps, doubled by each close call in a row up to MAX_DRAFTED_CLOSE_HOLD: their
+# plans follow drafts that say little about the next step's.
+CLOSE_CALL, MAX_CLOSE_HOLD, CLOSE_CALL_ROWS = 0.9, 16, 4
+CLOSE_HOLD, MAX_DRAFTED_CLOSE_HOLD = 2, 4
 # ... and where speculating lost clearly (below CLOSE_CALL), each plan that says so again doubles the hold, up
 # to MAX_PLAIN_HOLD steps (but not past a due probe): re-planning gives the same answer at a price
 MAX_PLAIN_HOLD = 64
@@ -100,7 +104,7 @@ class AdaptivePolicy:
         # row count, the slots last held and held steps whose idle decay is not yet applied to them
         self._hold, self._held_rows, self._held_slots, self._idle_steps = 0, 0, (), 0
         self._clear_losses = 0  # plain plans in a row where speculating lost clearly (MAX_PLAIN_HOLD)
-        self._close_calls = 0  # plain plans in a row that were close calls (CLOSE_HOLD)
+        self._close_calls = 0  # plain plans in a row that were close calls (CLOSE_CALL)
         self._plain_run, self._probe_after, self._probing = 0, PROBE_AFTER, 0  # see PROBE_AFTER
         self._spec_run = 0  # speculative plans in a row (PROBE_AFTER)
         self._probe_worth = False  # whether the last plain plan's probe would have run, had one been due
@@ -113,17 +117,20 @@ class AdaptivePolicy:
         return self.disable_by_batch_size is None or rows <= self.disable_by_batch_size
 
     def admit(self, slot: int) -> None:
-        """A new request in `slot`: no evidence yet (a hold goes on: the method's rates, which the new row
-        starts from, were in the plan that made it)."""
+        """A new request in `slot`: no evidence yet. A hold after a clear loss goes on (the method's rates,
+        which the new row starts from, were in the plan that made it); one after a close call, timed by the
+        last request's evidence (`_steps_until_flip`), ends."""
         if slot in self._held_slots:
             self._settle_idle()  # the held steps were the slot's last request's
+            if self._close_calls:
+                self._hold = 0
         self.acceptance.reset(slot)
 
     def held(self, slots: tuple[int, ...]) -> bool:
         """Whether this step of these rows (slot ids, in batch order) is plain without asking `plan`: a plan
         found that speculation did not pay, and plain steps bring no new acceptance evidence, so the answer
-        holds for PLAIN_HOLD steps (CLOSE_HOLD after a close call, up to MAX_PLAIN_HOLD after clear losses in a
-        row) while the batch has about as many rows (HOLD_SHRINK) or more (requests finishing and new ones
+        holds for PLAIN_HOLD steps (after a close call, until fading alone could change it; up to MAX_PLAIN_HOLD
+        after clear losses in a row) while the batch has about as many rows (HOLD_SHRINK) or more (requests finishing and new ones
         taking their slots do not reopen it; a smaller batch, where verifying is cheaper, does). A held step is
         booked here; the engine decodes it plainly with no speculative bookkeeping, so that a batch too large
         to speculate pays almost nothing for the question. A batch of more than `disable_by_batch_size` rows
@@ -213,9 +220,14 @@ class AdaptivePolicy:
             clear_loss = losing or ratio < CLOSE_CALL
             self._clear_losses = self._clear_losses + 1 if clear_loss else 0
             self._close_calls = 0 if clear_loss else self._close_calls + 1
-            if not clear_loss:
-                close_hold = min(CLOSE_HOLD << (self._close_calls - 1), MAX_CLOSE_HOLD)
-                hold = close_hold if rows <= CLOSE_CALL_ROWS else PLAIN_HOLD
+            if not clear_loss and rows > CLOSE_CALL_ROWS:
+                hold = PLAIN_HOLD
+            elif not clear_loss and self.cost.drafts_before_plan:
+                hold = min(CLOSE_HOLD << (self._close_calls - 1), MAX_DRAFTED_CLOSE_HOLD)
+            elif not clear_loss:
+                hold = self._steps_until_flip(slots, drafts, seconds)
+                if self._probe_worth:  # not past a due probe
+                    hold = min(hold, max(self._probe_after - self._plain_run + 1, 1))
             else:
                 hold = min(PLAIN_HOLD << (self._clear_losses - 1), MAX_PLAIN_HOLD)
                 # re-planned when a probe is due, where one would run (drafting after the plan: as `_explore`
@@ -249,12 +261,8 @@ class AdaptivePolicy:
     def _choose(self, rates: np.ndarray, drafts: np.ndarray, seconds: list[float]):
         """-> (gain, best plan, best speculative plan or None, plain plan) for rows with these acceptance rates;
         gain[b, w]: row b's expected extra tokens from drafting w."""
-        rows = rates.shape[0]
-        gain = np.zeros((rows, self.k + 1))  # 0, a1, a1 + a1 a2, ...
-        np.cumsum(rates.cumprod(1), 1, out=gain[:, 1:])
-        # row b drafting w gains gain[b, min(w, its cap)], and gain never falls along a row
-        capped = gain[np.arange(rows), drafts[:, -1]]
-        tokens = (rows + np.minimum(gain, capped[:, None]).sum(0)).tolist()
+        gain, tokens = _tokens_by_width(rates, drafts)
+        tokens = tokens.tolist()
         plain = StepPlan(0, 0.0, tokens[0], max(seconds[0], 1e-9))
         best, speculative, candidates = plain, None, [plain]
         for width in range(1, len(tokens)):
@@ -268,6 +276,15 @@ class AdaptivePolicy:
         if best.width:
             best = speculative = self._one_deeper(best, candidates)
         return gain, best, speculative, plain
+
+    def _steps_until_flip(self, slots: np.ndarray, drafts: np.ndarray, seconds: list[float]) -> int:
+        """Plain steps after which a plan of these rows, priced as this one, would first speculate because their
+        acceptance evidence faded (`AcceptanceStats.rates` after idle steps); MAX_CLOSE_HOLD if none does."""
+        steps = np.arange(1, MAX_CLOSE_HOLD + 1)
+        tokens = _tokens_by_width(self.acceptance.rates(slots, idle_steps=steps), drafts)[1]  # [N, k + 1]
+        speeds = tokens / np.maximum(np.asarray(seconds), 1e-9)
+        flips = np.flatnonzero(speeds[:, 1:].max(1) > speeds[:, 0])
+        return int(steps[flips[0]]) if len(flips) else MAX_CLOSE_HOLD
 
     def _one_deeper(self, best: StepPlan, candidates: list[StepPlan]) -> StepPlan:
         """`best`, or one draft more where the method's evidence at that position has faded (THIN_POSITION)
@@ -353,3 +370,14 @@ class AdaptivePolicy:
     def metrics(self) -> dict:
         return self.counts.metrics()
 
+
+def _tokens_by_width(rates: np.ndarray, drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """rates [..., B, k] (conditional acceptance by row and position), drafts [B, k + 1] (row b's drafts at
+    each width) -> (gain [..., B, k + 1]: row b's expected extra tokens from drafting w, tokens [..., k + 1]:
+    the batch's expected tokens from a step of width w)."""
+    rows = rates.shape[-2]
+    gain = np.zeros((*rates.shape[:-1], rates.shape[-1] + 1))  # 0, a1, a1 + a1 a2, ...
+    np.cumsum(rates.cumprod(-1), -1, out=gain[..., 1:])
+    # row b drafting w gains gain[b, min(w, its cap)], and gain never falls along a row
+    capped = gain[..., np.arange(rows), drafts[:, -1]]
+    return gain, rows + np.minimum(gain, capped[..., None]).sum(-2)

@@ -151,15 +151,20 @@ class AcceptanceStats:
         self.reached[slot] = 0
         self.accepted[slot] = 0
 
-    def rates(self, slots) -> np.ndarray:
-        """[B, k] conditional acceptance rates of the given slots (any int sequence)."""
+    def rates(self, slots, idle_steps: np.ndarray | None = None) -> np.ndarray:
+        """[B, k] conditional acceptance rates of the given slots (any int sequence); with `idle_steps` (ints
+        [N]), [N, B, k]: what the rates would be after that many steps without drafts (`idle`, in closed form)."""
         slots = np.asarray(slots)
+        lifetime, method, slot = (1.0, 1.0, 1.0) if idle_steps is None else (
+            decay ** np.asarray(idle_steps, dtype=float)[:, None]
+            for decay in (LIFETIME_DECAY, self.method_idle_decay, self.idle_decay))
         w0 = self.initial_weight
-        anchor = (self.lifetime_accepted + w0 * self.initial_rates) / (self.lifetime_reached + w0)
-        prior = (self.method_accepted + w0 * anchor) / (self.method_reached + w0)
-        prior = np.minimum(prior + OPTIMISM * np.sqrt(prior * (1 - prior) / (self.method_reached + w0)), 1.0)
-        w = self.prior_weight
-        return (self.accepted[slots] + w * prior) / (self.reached[slots] + w)
+        lifetime_reached, method_reached = self.lifetime_reached * lifetime, self.method_reached * method
+        anchor = (self.lifetime_accepted * lifetime + w0 * self.initial_rates) / (lifetime_reached + w0)
+        prior = (self.method_accepted * method + w0 * anchor) / (method_reached + w0)
+        prior = np.minimum(prior + OPTIMISM * np.sqrt(prior * (1 - prior) / (method_reached + w0)), 1.0)
+        w, slot = self.prior_weight, np.asarray(slot)[..., None]  # [N, 1, 1] fading a slot's [B, k] counts
+        return (self.accepted[slots] * slot + w * prior[..., None, :]) / (self.reached[slots] * slot + w)
 
     def reached_lately(self, position: int) -> float:
         """The method's decayed count of rows that reached draft `position` (0-based)."""

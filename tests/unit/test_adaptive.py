@@ -189,33 +189,61 @@ def test_a_step_short_of_drafts_holds_only_where_drafting_rarely_pays(monkeypatc
 
 
 
-def test_close_calls_in_a_row_hold_longer_up_to_a_cap(monkeypatch):
-    """A close call holds one request CLOSE_HOLD steps; each close call in a row doubles that, up to
-    MAX_CLOSE_HOLD (held steps bring no evidence: a plan soon after says the same, at a price); a plan that
-    speculates starts the count again."""
-    from draftsmith.serve.speculation.adaptive import CLOSE_HOLD, MAX_CLOSE_HOLD
-    from draftsmith.serve.speculation.plan import StepPlan
+def _close_call(query_cost: float, rejections: int) -> AdaptivePolicy:
+    """A policy whose method drafts well (slots 1-3) and whose slot 0 just had `rejections` steps rejected."""
+    policy = _policy(synthetic_table(query_cost), sequential=True)
+    _feed(policy, [1, 2, 3], accepted_each=2, times=THIN_EVIDENCE)
+    _feed(policy, [0], accepted_each=0, times=rejections)
+    return policy
 
+
+@pytest.mark.parametrize("query_cost,rejections", [(0.25, 6), (0.25, 8), (0.3, 6)])
+def test_a_close_call_holds_until_fading_could_make_a_plan_speculate(query_cost, rejections):
+    """A lone request's close call is re-planned at the step where a policy planning every step would first
+    speculate again (its evidence fading with each plain step), not before (held steps bring no evidence: a
+    plan then says the same at a price) and not after (speculation would be off where it pays)."""
+    from draftsmith.serve.speculation.adaptive import CLOSE_CALL
+
+    slots, limits = torch.tensor([0]), torch.tensor([K])
+    holder, replanner = _close_call(query_cost, rejections), _close_call(query_cost, rejections)
+    assert holder.plan(slots, limits).width == 0 and holder._close_calls == 1  # a close call
+    holder.idle(slots)  # the planned step runs plainly, as the engine books it
+    held = 0
+    while holder.held((0,)):
+        held += 1
+    widths = []
+    while not widths or widths[-1] == 0:
+        plan = replanner.plan(slots, limits)
+        replanner.idle(slots)
+        replanner._hold = 0  # asked every step
+        widths.append(plan.width)
+    assert held + 1 == len(widths) - 1 >= 2, (held, widths, CLOSE_CALL)
+    assert holder.plan(slots, limits).width > 0
+
+
+def test_a_close_call_fading_cannot_change_holds_until_a_probe_is_due(monkeypatch):
+    """Where the method's own rates make speculating a close call, fading changes nothing: one request holds
+    until a probe is due, so plans are few (each one costs host time), and the plan then probes."""
     policy = _policy(CHEAP, sequential=True)
-    _feed(policy, [0], accepted_each=2, times=THIN_EVIDENCE)  # evidence enough: no probe is judged apart
-    plain, close = StepPlan(0, 0.0, 1.0, 1.0), StepPlan(2, 0.0, 0.95, 1.0)  # speculating: 0.95x plain's speed
-    outcome = {"best": plain}
-    monkeypatch.setattr(policy, "_choose", lambda *args: (None, outcome["best"], close, plain))
-    slots, limits = torch.tensor([0]), torch.tensor([4])
+    _feed(policy, [0, 1, 2, 3], accepted_each=1, times=THIN_EVIDENCE)
+    # plain: 1 s; drafting w: 1 s + 1.05 s per draft, so one draft accepted nearly always yields ~0.95x plain
+    prices = lambda rows, query_lens, *args: [1.0] + [1.0 + 1.05 * w for w in range(1, len(query_lens))]  # noqa: E731
+    monkeypatch.setattr(policy.cost, "step_seconds_by_width", prices)
+    slots, limits = torch.tensor([0]), torch.tensor([K])
+    assert policy.plan(slots, limits).width == 0 and policy._close_calls == 1
+    policy.idle(slots)
+    held = 0
+    while policy.held((0,)):
+        held += 1
+    assert held >= 8 and policy.plan(slots, limits).width > 0  # the due probe
 
-    def steps_held_after_a_plan() -> int:
-        assert policy.plan(slots, limits).width == outcome["best"].width
-        held = 0
-        while policy.held((0,)):
-            held += 1
-        return held
 
-    assert [steps_held_after_a_plan() for _ in range(4)] == [
-        CLOSE_HOLD - 1, 2 * CLOSE_HOLD - 1, MAX_CLOSE_HOLD - 1, MAX_CLOSE_HOLD - 1]
-    outcome["best"] = close  # a plan that speculates
-    assert steps_held_after_a_plan() == 0
-    outcome["best"] = plain
-    assert steps_held_after_a_plan() == CLOSE_HOLD - 1
+def test_a_close_call_hold_ends_when_a_new_request_takes_the_slot():
+    """The hold was timed by the last request's evidence; the new one starts from the method's rates."""
+    policy, slots, limits = _close_call(0.25, 8), torch.tensor([0]), torch.tensor([K])
+    assert policy.plan(slots, limits).width == 0 and policy.held((0,))
+    policy.admit(0)
+    assert not policy.held((0,)) and policy.plan(slots, limits).width > 0
 
 
 def test_an_overdue_probe_not_worth_its_catch_up_does_not_shorten_holds(monkeypatch):
@@ -238,6 +266,35 @@ def test_an_overdue_probe_not_worth_its_catch_up_does_not_shorten_holds(monkeypa
             assert policy.plan(slots, limits, catch_up=(1, 50)).width == 0
             policy.idle(slots)
     assert plans <= steps / MAX_PLAIN_HOLD + 5
+
+
+def test_close_calls_after_drafting_hold_longer_in_a_row_up_to_a_cap(monkeypatch):
+    """Proposers that draft before the plan: a close call holds one request CLOSE_HOLD steps; each close
+    call in a row doubles that, up to MAX_DRAFTED_CLOSE_HOLD; a plan that speculates starts the count again."""
+    from draftsmith.serve.speculation.adaptive import CLOSE_HOLD, MAX_DRAFTED_CLOSE_HOLD
+    from draftsmith.serve.speculation.plan import StepPlan
+
+    policy = _policy(CHEAP, sequential=False)
+    _feed(policy, [0], accepted_each=2, times=THIN_EVIDENCE)  # evidence enough: no probe is judged apart
+    plain, close = StepPlan(0, 0.0, 1.0, 1.0), StepPlan(2, 0.0, 0.95, 1.0)  # speculating: 0.95x plain's speed
+    outcome = {"best": plain}
+    monkeypatch.setattr(policy, "_choose", lambda *args: (None, outcome["best"], close, plain))
+    monkeypatch.setattr(policy, "_typical_ratio", lambda *args: 0.95)
+    slots, limits = torch.tensor([0]), torch.tensor([4])
+
+    def steps_held_after_a_plan() -> int:
+        assert policy.plan(slots, limits).width == outcome["best"].width
+        held = 0
+        while policy.held((0,)):
+            held += 1
+        return held
+
+    assert [steps_held_after_a_plan() for _ in range(4)] == [
+        CLOSE_HOLD - 1, 2 * CLOSE_HOLD - 1, MAX_DRAFTED_CLOSE_HOLD - 1, MAX_DRAFTED_CLOSE_HOLD - 1]
+    outcome["best"] = close  # a plan that speculates
+    assert steps_held_after_a_plan() == 0
+    outcome["best"] = plain
+    assert steps_held_after_a_plan() == CLOSE_HOLD - 1
 
 
 def test_held_steps_fade_evidence_as_plain_steps_do():

@@ -31,11 +31,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        # on CPU each small op of a decode step costs a few us whatever its size, and a norm runs six or more
+        # there: one C++ op where it is loaded, the arithmetic of the forms below (tests/unit/test_step_ops_cpu.py)
+        if weight.dtype == x.dtype and step_ops_cpu.runs_for(x):
+            return step_ops_cpu.rms_norm(x, weight, self.eps)
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
-            # the same arithmetic as below (tests/unit/test_rope_norm_fast.py); on CPU each small op of a decode
-            # step costs a few us whatever its size, and F.rms_norm runs six there: one C++ op where it is loaded
-            if step_ops_cpu.runs_for(x):
-                return step_ops_cpu.rms_norm(x, weight, self.eps)
+            # the same arithmetic as below (tests/unit/test_rope_norm_fast.py)
             return F.rms_norm(x, weight.shape, weight, self.eps)
         # fp32 statistics, cast back before the weight: HF's order, needed for bit-level parity in bf16.
         dtype = x.dtype

@@ -81,7 +81,7 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def _turn_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., heads, head_dim] rotated by cos/sin [..., head_dim]: one C++ op where it is loaded and the
     tables have a row per position of x (`models.step_ops_cpu`), else five aten ops."""
-    if step_ops_cpu.runs_for(x) and cos.shape[:-1] == x.shape[:-2] and cos.dtype == torch.float32:
+    if step_ops_cpu.runs_for(x) and cos.shape[:-1] == x.shape[:-2] and cos.dtype == sin.dtype == x.dtype:
         return step_ops_cpu.rope(x, cos, sin)
     return _turn(x, cos.unsqueeze(-2), sin.unsqueeze(-2))
 

@@ -1,5 +1,5 @@
-// The small ops of an eager decode step on CPU, each one pass in one op: RMSNorm and rotary embedding (fp32;
-// what models/llama.py's RMSNorm and models/rope.py's apply_rope_qk compute) and the write of new keys or
+// The small ops of an eager decode step on CPU, each one pass in one op: RMSNorm and rotary embedding (fp32
+// and bf16; what models/llama.py's RMSNorm and models/rope.py's apply_rope_qk compute) and the write of new keys or
 // values into their cache slots (models/kv_cache.py's ForwardBatch.write). On CPU each small aten op costs a
 // few microseconds whatever its size: PyTorch runs an RMSNorm as six, a rope as five and a write as an
 // index_put with its index checks. Built into the same extension as slot_attention_cpu.cpp
@@ -20,41 +20,85 @@ namespace {
 
 constexpr int64_t ROWS_A_TASK = 32;  // a decode step's few rows run on the calling thread
 
-// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, over the last dimension
+// The dtypes the norm and the rope take: fp32, and bf16 (a draft head on a CPU with fast bf16 matmuls).
+// Each result is rounded to T where PyTorch's op-by-op form rounds it (T(float) rounds to nearest even, as
+// PyTorch's bf16 ops do; for fp32 the casts are no-ops).
+bool step_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, over the last dimension, statistics in fp32; in bf16
+// transformers' order: the normalised row rounded to bf16 before the weight multiplies it
+template <typename T>
+void rms_norm_rows(const T* in_data, const T* w_data, T* out_data, int64_t rows, int64_t dim, float epsilon) {
+  at::parallel_for(0, rows, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = in_data + t * dim;
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < dim; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + epsilon);
+      T* dest = out_data + t * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) {
+        const float normed = static_cast<float>(T(static_cast<float>(row[i]) * scale));
+        dest[i] = T(normed * static_cast<float>(w_data[i]));
+      }
+    }
+  });
+}
+
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: fp32 only");
+  TORCH_CHECK(step_dtype(x) && weight.scalar_type() == x.scalar_type(), "rms_norm: fp32 or bf16, x's dtype the weight's");
   const int64_t dim = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim, "rms_norm: weight is [last dim of x]");
   const at::Tensor rows = x.reshape({-1, dim}).contiguous();
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty_like(rows);
-  const float* in_data = rows.data_ptr<float>();
-  const float* w_data = w.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
-  at::parallel_for(0, rows.size(0), ROWS_A_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = in_data + t * dim;
-      float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < dim; ++i) squares += row[i] * row[i];
-      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + epsilon);
-      float* dest = out_data + t * dim;
-#pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) dest[i] = (row[i] * scale) * w_data[i];
-    }
-  });
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_rows(rows.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), rows.size(0), dim, epsilon);
+  } else {
+    rms_norm_rows(rows.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                  rows.size(0), dim, epsilon);
+  }
   return out.view(x.sizes());
 }
 
 // x [..., heads, head_dim] (head_dim contiguous) turned by cos/sin [..., head_dim], one table row per
 // position of x's leading dims, shared by its heads: x * cos + rotate_half(x) * sin, rotate_half(x) being
-// (-x[half:], x[:half]). -> a new contiguous tensor of x's shape.
+// (-x[half:], x[:half]); each product and the sum rounded to T. -> a new contiguous tensor of x's shape.
+template <typename T>
+void rope_rows(const at::Tensor& turns, const at::Tensor& c, const at::Tensor& s, at::Tensor& out) {
+  const int64_t positions = turns.size(0), heads = turns.size(1), dim = turns.size(2), half = dim / 2;
+  const T* in_data = turns.data_ptr<T>();
+  const T* c_data = c.data_ptr<T>();
+  const T* s_data = s.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  const int64_t pos_stride = turns.stride(0), head_stride = turns.stride(1);
+  auto product = [](T a, T b) { return static_cast<float>(T(static_cast<float>(a) * static_cast<float>(b))); };
+  at::parallel_for(0, positions, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* ct = c_data + t * dim;
+      const T* st = s_data + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* v = in_data + t * pos_stride + h * head_stride;
+        T* dest = out_data + (t * heads + h) * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          dest[i] = T(product(v[i], ct[i]) - product(v[i + half], st[i]));
+          dest[i + half] = T(product(v[i + half], ct[i + half]) + product(v[i], st[i + half]));
+        }
+      }
+    }
+  });
+}
+
 at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "rope: fp32 only");
+  TORCH_CHECK(step_dtype(x) && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rope: fp32 or bf16, x's dtype the tables'");
   TORCH_CHECK(x.dim() >= 2, "rope: x is [..., heads, head_dim]");
-  const int64_t heads = x.size(-2), dim = x.size(-1), half = dim / 2;
+  const int64_t heads = x.size(-2), dim = x.size(-1);
   TORCH_CHECK(dim % 2 == 0, "rope: head_dim is even");
   const at::Tensor turns = x.reshape({-1, heads, dim});
   TORCH_CHECK(turns.stride(2) == 1, "rope: head_dim is contiguous");
@@ -62,26 +106,11 @@ at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
   const at::Tensor c = cos.reshape({-1, dim}).contiguous(), s = sin.reshape({-1, dim}).contiguous();
   TORCH_CHECK(c.size(0) == positions && s.size(0) == positions, "rope: one cos/sin row per position of x");
   at::Tensor out = at::empty({positions, heads, dim}, x.options());
-  const float* in_data = turns.data_ptr<float>();
-  const float* c_data = c.data_ptr<float>();
-  const float* s_data = s.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
-  const int64_t pos_stride = turns.stride(0), head_stride = turns.stride(1);
-  at::parallel_for(0, positions, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* ct = c_data + t * dim;
-      const float* st = s_data + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* v = in_data + t * pos_stride + h * head_stride;
-        float* dest = out_data + (t * heads + h) * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          dest[i] = v[i] * ct[i] - v[i + half] * st[i];
-          dest[i + half] = v[i + half] * ct[i + half] + v[i] * st[i + half];
-        }
-      }
-    }
-  });
+  if (x.scalar_type() == at::kFloat) {
+    rope_rows<float>(turns, c, s, out);
+  } else {
+    rope_rows<at::BFloat16>(turns, c, s, out);
+  }
   return out.view(x.sizes());
 }
 

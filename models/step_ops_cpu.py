@@ -1,5 +1,5 @@
 """The small ops of an eager forward on CPU, one C++ op each (step_ops_cpu.cpp, built with the CPU attention
-kernel): RMSNorm and rope of fp32 tensors and the write of new keys and values into their slots. On CPU each
+kernel): RMSNorm and rope of fp32 and bf16 tensors and the write of new keys and values into their slots. On CPU each
 small aten op of a decode step costs a few microseconds whatever its size, and PyTorch runs a norm as six, a
 rope as five and a write as an index_put. They run only where this process has loaded the build (the engine
 does at start, `kernel_backend.slot_kernel_wanted`) and nothing records autograd; a compiled step traces
@@ -17,6 +17,9 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models import slot_attention_cpu
 
 VARIABLE = "DRAFTSMITH_CPU_OPS"
+# fp32, and bf16: a draft head on a CPU with fast bf16 matmuls (`methods.heads.draft_dtype`) runs four norms
+# and a rope per draft step, as op-by-op bf16 they were a third of the demo EAGLE-3 head's propose time
+STEP_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -34,12 +37,13 @@ def enabled() -> bool:
 
 def runs_for(x: torch.Tensor) -> bool:
     """Whether `x` (and a norm's weight or a rope's tables of its dtype) goes through these ops."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+    return (x.dtype in STEP_DTYPES and x.device.type == "cpu" and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and enabled())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.rms_norm(x, weight.shape, weight, eps) for fp32 x and weight."""
+    """F.rms_norm(x, weight.shape, weight, eps) for fp32 x and weight; for bf16, transformers' LlamaRMSNorm
+    (fp32 statistics, the normalised row rounded to bf16 before the weight)."""
     return torch.ops.draftsmith_cpu.rms_norm.default(x, weight, eps)
 
 

@@ -1,6 +1,7 @@
 """The C++ step ops of an eager CPU forward (models/step_ops_cpu.cpp) against PyTorch's ops: RMSNorm (to fp32
-rounding: its sum runs in another order), rope (bit for bit) and the KV write (exactly); where the model runs
-them (inference only, fp32, loaded, not turned off); and the engine's greedy ids with and without them."""
+rounding: its sum runs in another order; bf16 to within one bf16 step), rope (bit for bit, fp32 and bf16) and the
+KV write (exactly); where the model runs them (inference only, fp32 or bf16, loaded, not turned off); and the
+engine's greedy ids with and without them."""
 
 import pytest
 import torch
@@ -50,6 +51,41 @@ def test_rope_of_a_fused_projection_turns_bit_for_bit():
     assert torch.equal(step_ops_cpu.rope(packed, cos, sin), _turn(packed, cos[:, None], sin[:, None]))
 
 
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: fp32 statistics, the row cast back before the weight."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 256), (3, 5, 256), (37, 64), (600, 256)])
+def test_bf16_rms_norm_matches_transformers(shape):
+    """bf16 (a draft head's): transformers' order of roundings; its fp32 sum runs in another order, so an
+    element may round to the neighbouring bf16 value, and only rarely."""
+    generator = torch.Generator().manual_seed(sum(shape))
+    x = (3 * torch.randn(shape, generator=generator)).bfloat16()
+    weight = torch.randn(shape[-1], generator=generator).bfloat16()
+    got, want = step_ops_cpu.rms_norm(x, weight, 1e-5), _hf_rms_norm(x, weight, 1e-5)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=0.0)  # within one bf16 step
+    assert (got != want).float().mean() < 0.01
+    strided = x.transpose(0, -2) if x.dim() == 3 else x[:, ::2]
+    w = weight[: strided.shape[-1]]
+    torch.testing.assert_close(step_ops_cpu.rms_norm(strided, w, 1e-5), _hf_rms_norm(strided, w, 1e-5),
+                               rtol=2**-7, atol=0.0)
+
+
+def test_bf16_rope_turns_bit_for_bit():
+    """Each product and the sum rounded to bf16, as PyTorch's bf16 ops round them."""
+    rows, width, heads, kv_heads, dim = 3, 4, 8, 2, 64
+    qkv = torch.randn(rows, width, (heads + 2 * kv_heads) * dim).bfloat16()
+    both = qkv.as_strided((rows, width, heads + kv_heads, dim), qkv.stride()[:2] + (dim, 1))
+    cos, sin = torch.randn(rows, width, dim).bfloat16(), torch.randn(rows, width, dim).bfloat16()
+    got = step_ops_cpu.rope(both, cos, sin)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, _turn(both, cos[..., None, :], sin[..., None, :]))
+    with pytest.raises(RuntimeError, match="x's dtype the tables'"):
+        step_ops_cpu.rope(both, cos.float(), sin.float())
+
+
 def test_kv_write_puts_each_query_at_its_slot_and_position():
     cache = torch.randn(5, 2, 50, 64)
     want = cache.clone()
@@ -86,6 +122,15 @@ def test_the_model_runs_them_at_inference_only(monkeypatch, ops_on):
         batch.write(cache.k[0], k.transpose(1, 2))
     assert norms and turns and writes
     assert torch.equal(cache.k[0][0, :, 3:5], k[0].transpose(0, 1))
+    # a bf16 draft head's norms, turns and writes too
+    bf16_cache = KVCache(1, 2, 8, 1, 16, torch.bfloat16, "cpu")
+    calls = (len(norms), len(turns), len(writes))
+    with torch.inference_mode():
+        norm.bfloat16()(x.detach().bfloat16())
+        apply_rope_qk(q.bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16())
+        batch.write(bf16_cache.k[0], k.transpose(1, 2).bfloat16())
+    assert all(after > before for after, before in zip((len(norms), len(turns), len(writes)), calls))
+    assert torch.equal(bf16_cache.k[0][0, :, 3:5], k[0].transpose(0, 1).bfloat16())
 
 
 def test_turned_off_by_the_variable(monkeypatch, ops_on):

@@ -326,6 +326,32 @@ def test_planned_plain_steps_fade_evidence_at_the_next_plan():
     assert lazy.cost.catch_up_weight == eager.cost.catch_up_weight
 
 
+def _random_history(stats: AcceptanceStats, steps: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        if rng.random() < 0.6:
+            drafted = rng.integers(0, stats.k + 1, 3)
+            stats.observe([0, 1, 2], drafted, np.minimum(rng.integers(0, stats.k + 1, 3), drafted))
+        else:
+            stats.idle([0, 2], int(rng.integers(1, 5)))
+
+
+def test_rates_after_idle_steps_are_the_rates_once_those_steps_faded():
+    """`rates(slots, idle_steps)` (what a close call's hold is timed by) in closed form equals fading step by
+    step."""
+    import copy
+
+    stats = AcceptanceStats(4, 5)
+    _random_history(stats, 60, seed=1)
+    steps = np.array([1, 3, 7, 16])
+    predicted = stats.rates([2, 0], idle_steps=steps)
+    assert predicted.shape == (4, 2, 5)
+    for i, n in enumerate(steps):
+        faded = copy.deepcopy(stats)
+        faded.idle([2, 0], int(n))
+        np.testing.assert_allclose(predicted[i], faded.rates([2, 0]), rtol=1e-12)
+
+
 def _fed_rates(slots):
     fresh = _policy(EXPENSIVE)
     _feed(fresh, [0, 1], accepted_each=0)

@@ -72,7 +72,8 @@ demo: $(STAMP)
 	$(VENV)/bin/draftsmith demo
 
 bench: $(STAMP)
-	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --rounds 3 --json build/bench.json
+	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --rounds 3 --control \
+		--json build/bench.json
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models house-code-28m --methods draft_model,pard --concurrency 1,8 \
 		--speculative-config '$(BENCH_DRAFT_MODELS)' --rounds 3 --no-hf --json build/bench-draft-model.json
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --methods suffix --repeat 2 \
@@ -102,7 +103,7 @@ bench-parallel: $(STAMP)
 
 bench-peer: $(STAMP) $(PEER_STAMP)
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --concurrency 1,8 \
-		--rounds 3 --no-hf --no-plot --peer vllm --peer-python $(PEER_VENV)/bin/python \
+		--rounds 3 --no-hf --no-plot --control --peer vllm --peer-python $(PEER_VENV)/bin/python \
 		--peer-threads $(PEER_THREADS) --json build/bench-peer.json
 
 # The standing server fuzz at length: 10,000 requests of boundary values against a live speculating server while

@@ -362,6 +362,10 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                        help="also print where each decode step's time goes (draft, target forward, verify and "
                        "sample, bookkeeping) in ms per step and share")
     bench.add_argument("--json", default=None, help="write the rows (one per model, method and level) here")
+    bench.add_argument("--control", action="store_true",
+                       help="also time a second engine without speculation (row none-control), in turns with "
+                       "the others: its speedup, 1.00x on a quiet machine, is how far this run's noise alone "
+                       "moves a row")
     bench.add_argument("--step-mode", default="auto", choices=["auto", "eager", "cuda-graph", "compile"],
                        help="how draftsmith's decode and verify steps run for --models (the engine's --step-mode): "
                        "compile traces them with torch.compile when each engine starts (minutes on two cores; "

@@ -38,6 +38,9 @@ from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 NO_SPEC = "none"  # the row every ratio divides by
+# --control: a second engine without speculation, timed in turns like every method: its ratio to NO_SPEC
+# (1.00x on a quiet machine) is what the run's noise alone moves a row by
+CONTROL = "none-control"
 HF = "hf"  # HF transformers generate, concurrency 1 only
 DRAFT_OVERSHOOT = 16  # cache room past prompt + max_tokens for the drafts a last verify step writes
 
@@ -297,7 +300,8 @@ def bench_model(args, name: str, levels: list[int], texts: list[str], peer=None)
     if missing:
         raise DraftsmithError(f"--methods {', '.join(missing)}: not run for {name} (found: {', '.join(found) or 'none'}; "
                               "a method without a shipped head needs --speculative-config)")
-    configs = {NO_SPEC: None, **({STEPWISE: None} if args.workload == "json" else {}),
+    configs = {NO_SPEC: None, **({CONTROL: None} if args.control else {}),
+               **({STEPWISE: None} if args.workload == "json" else {}),
                **{m: c for m, c in found.items() if m in wanted}}
     # one engine per method, reused at every level: loading and cost profiling stay out of the timings; all
     # on one copy of the target's weights, so that where each copy sits in memory (worth a few percent of
@@ -314,7 +318,8 @@ def bench_model(args, name: str, levels: list[int], texts: list[str], peer=None)
         llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     # the peer's engines load now, before anything is timed; each draftsmith round is followed by the peer's
     session = None if peer is None else peer.session(
-        args, model_dir, configs, {c: level_batch(args, prompts, c) for c in levels})
+        args, model_dir, {m: c for m, c in configs.items() if m != CONTROL},
+        {c: level_batch(args, prompts, c) for c in levels})
     try:
         rows, references = _levels(args, name, levels, (texts, prompts, tokenizer), llms, session)
     finally:

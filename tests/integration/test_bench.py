@@ -81,6 +81,32 @@ def test_methods_choose_the_rows_and_repeat_sends_the_prompts_again(shared_with_
     assert "--methods lookahead: not run for demo-code-7m" in capsys.readouterr().err
 
 
+def test_control_times_a_second_plain_engine_that_the_peer_does_not_run(shared_with_demo, tmp_path, capsys):
+    """--control: a row none-control, a second engine without speculation timed in turns with the others
+    (its ratio is the run's noise floor), generating what no speculation does; a peer is not asked to run it."""
+    out = tmp_path / "bench.json"
+    args = build_parser().parse_args([
+        "bench", "--shared", str(shared_with_demo), "--models", "demo-code-7m", "--concurrency", "1",
+        "--num-prompts", "1", "--max-tokens", "8", "--no-hf", "--no-plot", "--methods", "ngram", "--control",
+        "--json", str(out)])
+    assert bench.run(args) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    assert sorted(rows) == ["ngram", "none", bench.CONTROL]
+    control = rows[bench.CONTROL]
+    assert control["k"] is None and control["greedy_equal"] and control["tokens_per_s"] > 0
+    assert control["speedup_vs_no_spec"] == pytest.approx(control["tokens_per_s"] / rows["none"]["tokens_per_s"])
+    assert bench.CONTROL in capsys.readouterr().out
+
+    class Peer:  # what bench_model asks of `bench.peer.Peer`
+        def session(self, args, model_dir, configs, batches):
+            self.configs = configs
+            return None
+
+    peer = Peer()
+    bench.bench_model(args, "demo-code-7m", [1], bench.bench_texts(args, 1)[0], peer)
+    assert sorted(peer.configs) == ["ngram", "none"]
+
+
 def test_the_edit_workload_asks_to_rewrite_whole_files(shared_with_demo, tmp_path, capsys):
     from draftsmith.corpus import EDIT_INSTRUCTION, edit_prompts
 

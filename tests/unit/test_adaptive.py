@@ -544,6 +544,7 @@ def test_eagle_rows_resume_drafting_after_held_steps(reference_ids):
     while engine.has_unfinished_requests():
         if step % 12 == 0:  # alternate: plain (held) stretches, then speculation over the same requests
             engine.policy.cost.table = EXPENSIVE if step % 24 == 0 else CHEAP
+            engine.policy._hold = 0  # prices changed under a hold: plan again now (a hold runs up to 64 steps)
             phases.append(dict(engine.spec_metrics.as_dict()))
         for out in collector.add_all(engine.step()):
             if out.finished:

@@ -217,28 +217,32 @@ class AdaptivePolicy:
                 if ratio >= 1.0:
                     self._hold = self._clear_losses = self._close_calls = 0
                     return best
-            clear_loss = losing or ratio < CLOSE_CALL
-            self._clear_losses = self._clear_losses + 1 if clear_loss else 0
-            self._close_calls = 0 if clear_loss else self._close_calls + 1
-            if not clear_loss and rows > CLOSE_CALL_ROWS:
-                hold = PLAIN_HOLD
-            elif not clear_loss and self.cost.drafts_before_plan:
-                hold = min(CLOSE_HOLD << (self._close_calls - 1), MAX_DRAFTED_CLOSE_HOLD)
-            elif not clear_loss:
-                hold = self._steps_until_flip(slots, drafts, seconds)
-                if self._probe_worth:  # not past a due probe
-                    hold = min(hold, max(self._probe_after - self._plain_run + 1, 1))
-            else:
-                hold = min(PLAIN_HOLD << (self._clear_losses - 1), MAX_PLAIN_HOLD)
-                # re-planned when a probe is due, where one would run (drafting after the plan: as `_explore`
-                # judged it, whole catch-up included; an overdue probe that is not worth it caps nothing)
-                if self._probe_worth or (self.cost.drafts_before_plan and (ratio >= PROBE_WORST or thin)):
-                    hold = min(hold, max(self._probe_after - self._plain_run, PLAIN_HOLD))
-            self._hold = hold - 1
+            self._hold = self._plain_hold(slots, drafts, seconds, ratio, losing or ratio < CLOSE_CALL, thin) - 1
             self._held_rows, self._held_slots = rows, tuple(slots.tolist())
         else:
             self._hold = self._clear_losses = self._close_calls = 0
         return best
+
+    def _plain_hold(self, slots: np.ndarray, drafts: np.ndarray, seconds: list[float], ratio: float,
+                    clear_loss: bool, thin: bool) -> int:
+        """The steps a plan without speculation holds (itself included), where speculating was predicted at
+        `ratio` of plain decoding's tokens/s: see CLOSE_CALL and MAX_PLAIN_HOLD."""
+        self._clear_losses = self._clear_losses + 1 if clear_loss else 0
+        self._close_calls = 0 if clear_loss else self._close_calls + 1
+        if not clear_loss and len(slots) > CLOSE_CALL_ROWS:
+            return PLAIN_HOLD
+        if not clear_loss and self.cost.drafts_before_plan:
+            return min(CLOSE_HOLD << (self._close_calls - 1), MAX_DRAFTED_CLOSE_HOLD)
+        if not clear_loss:
+            hold = self._steps_until_flip(slots, drafts, seconds)
+            # not past a due probe
+            return min(hold, max(self._probe_after - self._plain_run + 1, 1)) if self._probe_worth else hold
+        hold = min(PLAIN_HOLD << (self._clear_losses - 1), MAX_PLAIN_HOLD)
+        # re-planned when a probe is due, where one would run (drafting after the plan: as `_explore` judged it,
+        # whole catch-up included; an overdue probe that is not worth it caps nothing)
+        if self._probe_worth or (self.cost.drafts_before_plan and (ratio >= PROBE_WORST or thin)):
+            hold = min(hold, max(self._probe_after - self._plain_run, PLAIN_HOLD))
+        return hold
 
     def _reprice(self, slots: np.ndarray) -> StepPlan:
         """Plain, and held so for REPRICE_STEPS steps in all: what speculative steps are judged against

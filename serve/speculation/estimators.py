@@ -155,16 +155,25 @@ class AcceptanceStats:
         """[B, k] conditional acceptance rates of the given slots (any int sequence); with `idle_steps` (ints
         [N]), [N, B, k]: what the rates would be after that many steps without drafts (`idle`, in closed form)."""
         slots = np.asarray(slots)
-        lifetime, method, slot = (1.0, 1.0, 1.0) if idle_steps is None else (
-            decay ** np.asarray(idle_steps, dtype=float)[:, None]
-            for decay in (LIFETIME_DECAY, self.method_idle_decay, self.idle_decay))
+        if idle_steps is None:
+            return self._shrunk(self.accepted[slots], self.reached[slots], self.method_accepted, self.method_reached,
+                                self.lifetime_accepted, self.lifetime_reached)
+        lifetime, method, slot = (decay ** np.asarray(idle_steps, dtype=float)[:, None]
+                                  for decay in (LIFETIME_DECAY, self.method_idle_decay, self.idle_decay))
+        slot = slot[..., None]  # [N, 1, 1] fading a slot's [B, k] counts
+        return self._shrunk(self.accepted[slots] * slot, self.reached[slots] * slot, self.method_accepted * method,
+                            self.method_reached * method, self.lifetime_accepted * lifetime,
+                            self.lifetime_reached * lifetime)
+
+    def _shrunk(self, accepted, reached, method_accepted, method_reached, lifetime_accepted, lifetime_reached):
+        """A slot's counts ([..., B, k]) shrunk toward the method's running rates ([..., k]), read OPTIMISM
+        standard errors high, themselves shrunk toward its long-run rates."""
         w0 = self.initial_weight
-        lifetime_reached, method_reached = self.lifetime_reached * lifetime, self.method_reached * method
-        anchor = (self.lifetime_accepted * lifetime + w0 * self.initial_rates) / (lifetime_reached + w0)
-        prior = (self.method_accepted * method + w0 * anchor) / (method_reached + w0)
+        anchor = (lifetime_accepted + w0 * self.initial_rates) / (lifetime_reached + w0)
+        prior = (method_accepted + w0 * anchor) / (method_reached + w0)
         prior = np.minimum(prior + OPTIMISM * np.sqrt(prior * (1 - prior) / (method_reached + w0)), 1.0)
-        w, slot = self.prior_weight, np.asarray(slot)[..., None]  # [N, 1, 1] fading a slot's [B, k] counts
-        return (self.accepted[slots] * slot + w * prior[..., None, :]) / (self.reached[slots] * slot + w)
+        w = self.prior_weight
+        return (accepted + w * prior[..., None, :]) / (reached + w)
 
     def reached_lately(self, position: int) -> float:
         """The method's decayed count of rows that reached draft `position` (0-based)."""

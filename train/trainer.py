@@ -99,10 +99,10 @@ def build_head(recipe: Recipe, target, train_ds):
         head = load_head(m.init_from)
         if head.head_type != m.head_type:
             raise DraftsmithError(f"model.init_from holds an {head.head_type!r} head, the recipe trains {m.head_type!r}")
-        head = resolve_method(m.head_type).continue_head(head, m)
+        head = resolve_method(m.head_type).continue_head(head, m, target)
         # the saved head's architecture wins; a recipe asking for another variant would be ignored silently
         # keys the recipe set that shape the head; null asks for the default (a variant's null means "off")
-        shaped = [name for name in sorted(set(m.model_fields_set) - {"target", "head_type", "init_from"})
+        shaped = [name for name in sorted(set(m.model_fields_set) - {"target", "head_type", "init_from"} - m.START_ONLY)
                   if getattr(m, name) is not None or name in DraftHeadConfig.VARIANTS]
         saved = {name: _as_recipe(getattr(head.config, m.CONFIG_NAMES.get(name, name), None)) for name in shaped}
         differing = [f"{name}: {getattr(m, name)} (the head has {saved[name]})"

@@ -110,9 +110,9 @@ class SpecMethod:
         raise DraftsmithError(f"method {cls.name!r} does not train a head")
 
     @classmethod
-    def continue_head(cls, head, section: RecipeModelSection):
-        """The head `model.init_from` loaded, as the recipe continues it (most: as it is; EAGLE-3 made
-        parallel by `parallel_drafting`)."""
+    def continue_head(cls, head, section: RecipeModelSection, target):
+        """The head `model.init_from` loaded, as the recipe continues it for `target` (most: as it is; EAGLE-3
+        made parallel by `parallel_drafting`)."""
         return head
 
     @classmethod

@@ -100,3 +100,21 @@ def default_mask_token(model_dir: str | Path, key: str) -> int:
         return pad
     raise DraftsmithError(f"{model_dir}: its tokenizer has no pad token apart from EOS/BOS to serve as the mask "
                           f"token; set {key} to an id no text encodes to (a reserved special token)")
+
+
+@torch.no_grad()
+def start_from_target_layers(layers, target, what: str, instead: str) -> None:
+    """Each of `layers` starts as a copy of one of the target's last len(layers) decoder layers, in order (q/k
+    norms, which a Llama layer lacks, at 1): a drafter's stacked layers begin where the target's end. Where a
+    layer's shapes do not fit, a one-line error naming the head (`what`) and the recipe change that starts it
+    random (`instead`)."""
+    for mine, theirs in zip(layers, target.model.layers[-len(layers):]):
+        state = {k: v.float() for k, v in theirs.state_dict().items()}
+        own = mine.state_dict()
+        missing = [k for k in own if k not in state and not k.endswith(("q_norm.weight", "k_norm.weight"))]
+        misfit = [f"{k} {tuple(v.shape)} (the head's {tuple(own[k].shape)})" for k, v in state.items()
+                  if k not in own or own[k].shape != v.shape]
+        if missing or misfit:
+            raise DraftsmithError(f"the target's decoder layer does not fit the {what} head's (missing {missing}, "
+                                  f"not fitting {misfit}): {instead} to start it random")
+        mine.load_state_dict(state, strict=False)

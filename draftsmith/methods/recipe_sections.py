@@ -22,6 +22,8 @@ class RecipeModelSection(BaseModel):
     init_from: str | None = Field(default=None, description="start from this saved head instead of random")
     # recipe keys whose head-config field has another name (recipe key -> config field)
     CONFIG_NAMES: ClassVar[dict[str, str]] = {}
+    # recipe keys that only say how new weights start: a saved head (init_from) has no field to match them
+    START_ONLY: ClassVar[frozenset[str]] = frozenset()
 
     @field_validator("aux_layer_ids")
     @classmethod

@@ -119,7 +119,8 @@ def test_round_trips_keep_the_shared_hidden_state(demo_target, tmp_path, to, lay
 def test_training_teaches_the_slots_and_continues_a_sequential_head(tmp_path):
     """On the demo target and a regular corpus: the parallel slot's drafts (TTT step 1) agree more with the
     target as the loss falls, and a sequential EAGLE-3 head continued under parallel_drafting with a second
-    layer keeps its weights (the new layer starts as the identity) and gains a mask_hidden."""
+    layer keeps its weights (the new layer, copied from the target's last, starts as the identity) and gains a
+    mask_hidden."""
     from draftsmith.methods import load_head
     from draftsmith.train.recipe import validate_recipe
     from draftsmith.train.trainer import train
@@ -131,7 +132,7 @@ def test_training_teaches_the_slots_and_continues_a_sequential_head(tmp_path):
     train(validate_recipe(raw), ["test"])
     raw = tiny_recipe(DEMO_MODEL, data, tmp_path / "par", "eagle3", epochs=3, learning_rate=3e-3)
     raw["model"].update(aux_layer_ids=[1, 3, 5], parallel_drafting=True, ptd_token_id=3, num_draft_layers=2,
-                        init_from=str(tmp_path / "seq" / "head"))
+                        init_from=str(tmp_path / "seq" / "head"), layers_from_target=True)
     final = train(validate_recipe(raw), ["test"])
     log = [json.loads(line) for line in (tmp_path / "par" / "train_log.jsonl").read_text().splitlines()]
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
@@ -176,7 +177,7 @@ def test_a_head_grown_by_a_layer_drafts_as_before_until_trained(demo_target):
     saved = _head(demo_target, seed=3)
     section = Eagle3Recipe(target=str(DEMO_MODEL), head_type="eagle3", parallel_drafting=True, ptd_token_id=3,
                            num_draft_layers=2)
-    grown = Eagle3Method.continue_head(saved, section).attach_target(demo_target).eval()
+    grown = Eagle3Method.continue_head(saved, section, demo_target).attach_target(demo_target).eval()
     assert grown.config.num_hidden_layers == 2 and list(grown.layers) == ["1"]
     assert grown.make_cache(2, 16).k.__len__() == 2
     ids = torch.randint(4, 8000, (1, 12))
@@ -188,10 +189,44 @@ def test_a_head_grown_by_a_layer_drafts_as_before_until_trained(demo_target):
         torch.testing.assert_close(a, b)
     assert grown.layers["1"].self_attn.q_proj.weight.abs().sum() > 0  # only its output projections start at 0
     silent = Eagle3Recipe(target=str(DEMO_MODEL), head_type="eagle3")  # keys left out keep the saved head's
-    assert Eagle3Method.continue_head(grown, silent) is grown
+    assert Eagle3Method.continue_head(grown, silent, demo_target) is grown
     with pytest.raises(DraftsmithError, match="more than model.num_draft_layers 1"):
         Eagle3Method.continue_head(grown, Eagle3Recipe(target=str(DEMO_MODEL), head_type="eagle3",
-                                                       num_draft_layers=1))
+                                                       num_draft_layers=1), demo_target)
+
+
+def test_layers_from_target_start_as_the_targets_last_layers(demo_target):
+    """`layers_from_target`: a new head's later layers are copies of the target's last ones; grown onto a saved
+    head, the same copies with their output projections at zero, so that every TTT step drafts as before."""
+    from draftsmith.methods.eagle3 import Eagle3Method, Eagle3Recipe
+
+    def same_as_target(layer, theirs, outputs_zero):
+        for name, value in theirs.state_dict().items():
+            expected = torch.zeros_like(value) if outputs_zero and name.endswith(("o_proj.weight", "down_proj.weight")) \
+                else value.float()
+            torch.testing.assert_close(layer.state_dict()[name], expected, msg=name)
+
+    section = Eagle3Recipe(target=str(DEMO_MODEL), head_type="eagle3", aux_layer_ids=[1, 3, 5], num_draft_layers=3,
+                           draft_vocab_size=4096, layers_from_target=True)
+    records = [{"input_ids": list(range(4, 200)), "loss_mask": [1] * 196}]
+    fresh = Eagle3Method.build_head(section, demo_target, (1, 3, 5), records)
+    for name, theirs in zip(["1", "2"], demo_target.model.layers[-2:]):
+        same_as_target(fresh.layers[name], theirs, outputs_zero=False)
+
+    saved = _head(demo_target, seed=5)
+    grown = Eagle3Method.continue_head(saved, section.model_copy(update={"draft_vocab_size": None}), demo_target)
+    grown = grown.attach_target(demo_target).eval()
+    for name, theirs in zip(["1", "2"], demo_target.model.layers[-2:]):
+        same_as_target(grown.layers[name], theirs, outputs_zero=True)
+    ids = torch.randint(4, 8000, (1, 12))
+    feats = target_features(demo_target, saved.feature_layers, ids, "float32")["features"]
+    with torch.no_grad():
+        for (_, before), (_, after) in zip(unroll(saved, ids, feats, 3), unroll(grown, ids, feats, 3)):
+            torch.testing.assert_close(before, after)
+
+    narrow = section.model_copy(update={"intermediate_size": 512})
+    with pytest.raises(DraftsmithError, match="does not fit the EAGLE-3 head.s.*drop model.layers_from_target"):
+        Eagle3Method.build_head(narrow, demo_target, (1, 3, 5), records)
 
 
 def test_sglang_refuses_a_stacked_head_in_one_line(demo_target, tmp_path, capsys):

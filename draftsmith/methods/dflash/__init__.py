@@ -10,7 +10,6 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from draftsmith.errors import DraftsmithError
 from draftsmith.methods.base import MethodNeeds, SpecMethod
 from draftsmith.methods.dflash.head import DFlashConfig, DFlashHead
 from draftsmith.methods.eagle import EagleTreeConfig
@@ -102,11 +101,9 @@ def _start_from_last_layers(head: DFlashHead, target) -> None:
     """Draft layers start as copies of the target's last ones (q/k norms at 1), the final norm as the
     target's: the block's outputs are read by the target's LM head from the first step. (A head with other
     shapes, or more layers than the target, starts random.)"""
-    for mine, theirs in zip(head.layers, target.model.layers[-len(head.layers):]):
-        state = {k: v.float() for k, v in theirs.state_dict().items()}
-        missing, unexpected = mine.load_state_dict(state, strict=False)
-        if unexpected or any(not k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing):
-            raise DraftsmithError(f"the target's decoder layer does not fit a DFlash layer (missing {missing}, "
-                                  f"unexpected {unexpected}): set model.intermediate_size to a value other than the target's to start it random")
+    from draftsmith.methods.heads import start_from_target_layers
+
+    start_from_target_layers(head.layers, target, "DFlash",
+                             "set model.intermediate_size to a value other than the target's")
     head.norm.weight.copy_(target.model.norm.weight.float())
 

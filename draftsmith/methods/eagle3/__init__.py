@@ -50,7 +50,12 @@ class Eagle3Recipe(RecipeModelSection):
         "input (mask_hidden), so that serving drafts them all in one forward"))
     ptd_token_id: int | None = Field(default=None, description="P-EAGLE's slot token (vLLM's key); default: "
                                      "the target tokenizer's pad token")
+    layers_from_target: bool = Field(default=False, description=(
+        "layers after the first start as copies of the target's last num_draft_layers - 1 decoder layers (as "
+        "DFlash's do), not random; grown onto a saved head (init_from), with their output projections at zero, so "
+        "that the head drafts as before until training moves them"))
     CONFIG_NAMES: ClassVar[dict[str, str]] = {"num_draft_layers": "num_hidden_layers"}
+    START_ONLY: ClassVar[frozenset[str]] = frozenset({"layers_from_target"})
 
     @model_validator(mode="after")
     def _one_fc_norm(self):
@@ -117,16 +122,18 @@ class Eagle3Method(EagleFamilyMethod):
         head = super().build_head(section, target, feature_layers, token_records)
         c = head.config
         head.init_draft_vocab(draft_vocab_from_frequencies(token_records, c.vocab_size, c.draft_vocab_size))
+        if section.layers_from_target:
+            _start_from_target(list(head.layers.values()), target)
         if c.parallel_drafting:  # speculators' start: a random shared hidden input
             torch.nn.init.normal_(head.mask_hidden)
         return head
 
     @classmethod
-    def continue_head(cls, head, section: Eagle3Recipe):
+    def continue_head(cls, head, section: Eagle3Recipe, target):
         """`init_from` a head with fewer layers than `num_draft_layers` names, or a sequential head under
-        `parallel_drafting`: the same head grown (the new layers the identity at first) and made P-EAGLE (its
-        `mask_hidden` random: what parallel slots read is all it has not learned). Keys the recipe leaves out
-        keep the saved head's."""
+        `parallel_drafting`: the same head grown (the new layers the identity at first: random inside, or the
+        target's last layers with `layers_from_target`) and made P-EAGLE (its `mask_hidden` random: what
+        parallel slots read is all it has not learned). Keys the recipe leaves out keep the saved head's."""
         c = head.config
         layers = section.num_draft_layers if "num_draft_layers" in section.model_fields_set else c.num_hidden_layers
         parallel = section.parallel_drafting or c.parallel_drafting
@@ -149,5 +156,16 @@ class Eagle3Method(EagleFamilyMethod):
                                   f"unexpected {unexpected})")
         if "mask_hidden" in expected:
             torch.nn.init.normal_(grown.mask_hidden)
+        if section.layers_from_target:
+            _start_from_target([grown.layers[name] for name in new_layers], target)
         grown.start_layers_as_identity(new_layers)
         return grown
+
+
+def _start_from_target(layers: list, target) -> None:
+    from draftsmith.methods.heads import start_from_target_layers
+
+    if len(layers) > target.config.num_hidden_layers:
+        raise DraftsmithError(f"model.layers_from_target: {len(layers)} layers after the first, but the target has "
+                              f"{target.config.num_hidden_layers} to copy")
+    start_from_target_layers(layers, target, "EAGLE-3", "drop model.layers_from_target")

@@ -108,6 +108,9 @@ def start_from_target_layers(layers, target, what: str, instead: str) -> None:
     norms, which a Llama layer lacks, at 1): a drafter's stacked layers begin where the target's end. Where a
     layer's shapes do not fit, a one-line error naming the head (`what`) and the recipe change that starts it
     random (`instead`)."""
+    if len(layers) > len(target.model.layers):
+        raise DraftsmithError(f"{len(layers)} {what} layers to start from the target's, which has "
+                              f"{len(target.model.layers)}: {instead} to start them random")
     for mine, theirs in zip(layers, target.model.layers[-len(layers):]):
         state = {k: v.float() for k, v in theirs.state_dict().items()}
         own = mine.state_dict()

@@ -165,7 +165,4 @@ class Eagle3Method(EagleFamilyMethod):
 def _start_from_target(layers: list, target) -> None:
     from draftsmith.methods.heads import start_from_target_layers
 
-    if len(layers) > target.config.num_hidden_layers:
-        raise DraftsmithError(f"model.layers_from_target: {len(layers)} layers after the first, but the target has "
-                              f"{target.config.num_hidden_layers} to copy")
     start_from_target_layers(layers, target, "EAGLE-3", "drop model.layers_from_target")

@@ -4,6 +4,8 @@ Serving: plain causal attention over the head's own per-slot KV cache (`ForwardB
 Training-time test (EAGLE-3 TTT): step 0 is causal over the sequence; at step s a query at position j also
 sees, at its own position only, the keys of steps 1..s (the "diagonal" extension). That is exactly what a
 query sees at serving time when it sits s draft steps past the verified prefix, so one module serves both.
+Steps after the first may run at some of step 0's positions only (`TTTHistory.rows`): each position's later
+steps see nothing of another's, so a position's logits are the same whichever others run beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import Linear, fused
 from draftsmith.models.llama import MLP, RMSNorm
 from draftsmith.models.rope import apply_rope_qk
+
+
+class TTTHistory(list):
+    """One layer's training-time-test keys and values (step 0's over the sequence, then one entry per later
+    step), or a head's list of them. `rows` [B, A]: the step-0 positions that the later steps' queries sit at,
+    ascending per row; None: every position."""
+
+    def __init__(self, rows: torch.Tensor | None = None):
+        super().__init__()
+        self.rows = rows
 
 
 class DraftAttention(nn.Module):
@@ -65,34 +77,41 @@ class DraftAttention(nn.Module):
                 ttt_history.append((k, v))
         else:
             ttt_history.append((k, v))
-            out = _ttt_attention(q, ttt_history, self.window)
+            out = _ttt_attention(q, ttt_history, self.window, getattr(ttt_history, "rows", None))
         return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
 
 
 def _causal(width: int, window: int | None, device) -> torch.Tensor:
     """[width, width] bool: query i may see key j <= i, and with a window only j > i - window."""
-    distance = torch.arange(width, device=device)[:, None] - torch.arange(width, device=device)[None, :]
-    return (distance >= 0) & (distance < window) if window is not None else distance >= 0
+    return _causal_rows(torch.arange(width, device=device)[None], width, window)[0, 0]
 
 
 def _ttt_attention(q: torch.Tensor, history: list[tuple[torch.Tensor, torch.Tensor]],
-                   window: int | None = None) -> torch.Tensor:
-    """q [B, H, T, D]; history[0] = step-0 (k, v) [B, KV, T, D], history[1:] = later steps, this one last.
-    The later steps' keys sit at the query's own position, inside any window."""
+                   window: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, A, D]; history[0] = step-0 (k, v) [B, KV, T, D], history[1:] = later steps [B, KV, A, D], this
+    one last. The queries sit at step-0 positions `rows` [B, A] (None: A = T, all of them). The later steps'
+    keys sit at the query's own position, inside any window."""
     groups = q.shape[1] // history[0][0].shape[1]
     expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
     scale = 1.0 / math.sqrt(q.shape[-1])
     k0, v0 = expand(history[0][0]), expand(history[0][1])
-    width = q.shape[2]
-    causal = _causal(width, window, q.device)
+    width = k0.shape[2]
+    visible = _causal(width, window, q.device) if rows is None else _causal_rows(rows, width, window)
     scores = (q @ k0.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~causal, float("-inf"))
-    diagonal = torch.stack([(q * expand(k)).sum(-1) * scale for k, _ in history[1:]], dim=-1)  # [B,H,T,S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    diagonal = torch.stack([(q * expand(k)).sum(-1) * scale for k, _ in history[1:]], dim=-1)  # [B,H,A,S]
     weights = torch.cat([scores, diagonal], dim=-1).float().softmax(-1).to(q.dtype)
     out = weights[..., :width] @ v0
     for i, (_, v) in enumerate(history[1:]):
         out = out + weights[..., width + i, None] * expand(v)
     return out
+
+
+def _causal_rows(rows: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
+    """[B, 1, A, width] bool: a query at position rows[b, a] may see key j <= it (and with a window only
+    j > it - window)."""
+    distance = rows[:, None, :, None] - torch.arange(width, device=rows.device)
+    return (distance >= 0) & (distance < window) if window is not None else distance >= 0
 
 
 class DraftDecoderLayer(nn.Module):

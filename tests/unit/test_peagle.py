@@ -118,7 +118,7 @@ def test_round_trips_keep_the_shared_hidden_state(demo_target, tmp_path, to, lay
 @pytest.mark.slow
 def test_training_teaches_the_slots_and_continues_a_sequential_head(tmp_path):
     """On the demo target and a regular corpus: the parallel slot's drafts (TTT step 1) agree more with the
-    target as the loss falls, and a sequential EAGLE-3 head continued under parallel_drafting with a second
+    target as the loss falls (trained at anchors), and a sequential EAGLE-3 head continued under parallel_drafting with a second
     layer keeps its weights (the new layer, copied from the target's last, starts as the identity) and gains a
     mask_hidden."""
     from draftsmith.methods import load_head
@@ -133,6 +133,7 @@ def test_training_teaches_the_slots_and_continues_a_sequential_head(tmp_path):
     raw = tiny_recipe(DEMO_MODEL, data, tmp_path / "par", "eagle3", epochs=3, learning_rate=3e-3)
     raw["model"].update(aux_layer_ids=[1, 3, 5], parallel_drafting=True, ptd_token_id=3, num_draft_layers=2,
                         init_from=str(tmp_path / "seq" / "head"), layers_from_target=True)
+    raw["training"]["num_anchors"] = 16  # the slots train at 16 positions a sequence
     final = train(validate_recipe(raw), ["test"])
     log = [json.loads(line) for line in (tmp_path / "par" / "train_log.jsonl").read_text().splitlines()]
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draftsmith.models.draft_layer import TTTHistory
 from draftsmith.models.heads import RecurrentHead
 
 
@@ -21,23 +22,43 @@ def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, s:], pad], dim=1)
 
 
-def unroll(head: RecurrentHead, input_ids: torch.Tensor, features: torch.Tensor, steps: int):
+def unroll(head: RecurrentHead, input_ids: torch.Tensor, features: torch.Tensor, steps: int,
+           anchors: torch.Tensor | None = None):
     """Yields (step, head logits [B, T-1, Vd]) for TTT steps 0..steps-1 over positions t = 0..T-2. Step s at
     position t drafts token t+2+s, attending to steps 0..s-1 of the same t (and step 0 before it). A P-EAGLE
     head (`parallel_drafting`) reads at steps s >= 1 not its own output and token t+1+s but the slot token and
-    `mask_hidden`: what its parallel slots hold when it serves."""
+    `mask_hidden`: what its parallel slots hold when it serves. `anchors` [B, A] (ascending positions per row):
+    steps s >= 1 run at those positions only and yield [B, A, Vd], each equal to the full unroll's logits there
+    (step 0 runs everywhere: its keys are every later step's context)."""
     width = input_ids.shape[1] - 1
     hidden = features[:, :width].to(next(head.parameters()).dtype)
     positions = torch.arange(width, device=input_ids.device).expand(input_ids.shape[0], width)
     parallel = getattr(head.config, "parallel_drafting", False)
-    history: list = []
+    history = TTTHistory(anchors)
     for s in range(steps):
         tokens, from_target = shift(input_ids[:, 1:], s), s == 0
+        if s and anchors is not None:
+            tokens = tokens.gather(1, anchors)
+            if s == 1:
+                hidden, positions = at_rows(hidden, anchors), anchors
         if parallel and s:
-            tokens, hidden = head.parallel_inputs(input_ids.shape[0], width, input_ids.device)
+            tokens, hidden = head.parallel_inputs(input_ids.shape[0], positions.shape[1], input_ids.device)
             from_target = True
         hidden, logits = head.step(tokens, hidden, positions + s, from_target=from_target, ttt_history=history)
         yield s, logits
+
+
+def at_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ...] at positions rows [B, A] -> [B, A, ...]."""
+    index = rows.reshape(*rows.shape, *([1] * (x.dim() - 2))).expand(*rows.shape, *x.shape[2:])
+    return x.gather(1, index)
+
+
+def sample_anchors(mask: torch.Tensor, count: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`count` positions per row [B, count], ascending, drawn uniformly from those where `mask` [B, T] is set
+    (topped up with others where a row has fewer: their loss mask is zero)."""
+    scores = torch.rand(mask.shape, device=mask.device, generator=generator) + (mask > 0)
+    return scores.topk(min(count, mask.shape[1]), dim=1).indices.sort(dim=1).values
 
 
 @torch.no_grad()

@@ -67,6 +67,9 @@ class Eagle3Recipe(RecipeModelSection):
 class Eagle3Training(RecipeTrainingSection):
     ttt_length: int = Field(default=7, gt=0, description="training-time-test steps unrolled per batch")
     ttt_step_decay: float = Field(default=0.8, gt=0, description="loss weight of step s is decay**s")
+    num_anchors: int | None = Field(default=None, gt=0, description=(
+        "positions a sequence at which steps after the first train, drawn at random each batch (step 0 runs at "
+        "every position); default: every position"))
 
 
 @register_method

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from draftsmith.methods.eagle3.vocab import check_vocab_maps
-from draftsmith.models.draft_layer import DraftDecoderLayer
+from draftsmith.models.draft_layer import DraftDecoderLayer, TTTHistory
 from draftsmith.models.heads import DraftHead, DraftHeadConfig
 from draftsmith.models.linear import Linear
 from draftsmith.models.llama import RMSNorm
@@ -125,11 +125,13 @@ class Eagle3Head(DraftHead):
         return (cache.k[layer], cache.v[layer]) if cache is not None else None
 
     def _layer_histories(self, ttt_history: list | None) -> list:
-        """One training-time-test history per layer, kept inside the caller's list (filled on its first step)."""
+        """One training-time-test history per layer, kept inside the caller's list (filled on its first step), each
+        with the caller's `rows`."""
         if ttt_history is None:
             return [None] * self.config.num_hidden_layers
         if not ttt_history:
-            ttt_history.extend([] for _ in range(self.config.num_hidden_layers))
+            rows = getattr(ttt_history, "rows", None)
+            ttt_history.extend(TTTHistory(rows) for _ in range(self.config.num_hidden_layers))
         return ttt_history
 
     def parallel_inputs(self, rows: int, slots: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -150,22 +150,41 @@ class EagleFamilyProposer(Proposer):
 
     @torch.inference_mode()
     def _replay(self) -> None:
-        """Observes the kept plain steps in order; rows released since are skipped. Past the ring's width the
-        oldest were dropped, so a row's run may resume after a gap: its context then starts after it, as the
-        ring would have kept no more anyway."""
+        """Observes the kept plain steps in order; rows released since are skipped. Steps of the same live rows
+        at consecutive positions are observed as one (one features build and one scatter: one by one, a resume
+        after 58 held steps spent about 1.5 ms of a 2-3 ms catch-up here). Past the ring's width the oldest were
+        dropped, so a row's run may resume after a gap: its context then starts after it, as the ring would
+        have kept no more anyway."""
         if not self._later:
             return
         later, gaps = list(self._later), self._later_total > len(self._later)
         self._later.clear()
         self._later_total = 0
+        run: list = []  # (live row indices, hidden states) of steps continuing the run's first
+        run_slots: list[int] = []
+        run_starts: list[int] = []
         for slots, generations, starts, hidden in later:
             live = [i for i, (s, g) in enumerate(zip(slots, generations)) if self._generation[s] == g]
             if not live:
                 continue
-            features = self.features(hidden)
-            if len(live) < len(slots):
-                features, slots, starts = features[live], [slots[i] for i in live], [starts[i] for i in live]
-            self._observe(slots, starts, [1] * len(slots), features, gaps)
+            live_slots, live_starts = [slots[i] for i in live], [starts[i] for i in live]
+            if run and (live_slots != run_slots or live_starts != [s + len(run) for s in run_starts]):
+                self._observe_run(run_slots, run_starts, run, gaps)
+                run = []
+            if not run:
+                run_slots, run_starts = live_slots, live_starts
+            run.append((live if len(live) < len(slots) else None, hidden))
+        if run:
+            self._observe_run(run_slots, run_starts, run, gaps)
+
+    def _observe_run(self, slots: list[int], starts: list[int], run: list, gaps: bool) -> None:
+        """Kept plain steps of these rows at consecutive positions from `starts`, observed as one."""
+        def layer(i: int) -> torch.Tensor:
+            parts = [h[i] if live is None else h[i][torch.tensor(live, device=h[i].device)] for live, h in run]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+        features = self.features({i: layer(i) for i in self.feature_layers})
+        self._observe(slots, starts, [len(run)] * len(slots), features, gaps)
 
     @torch.inference_mode()
     def observe(self, rows: Sequence[RowState], starts: list[int], counts: list[int], features: torch.Tensor) -> None:

@@ -75,10 +75,13 @@ class CostModel:
     # so that its growth with rows comes from the measured table, while steps within one call (1..k)
     # identify the two parts. Before evidence: `draft_guess` per forward (a one-layer head: about a third).
     draft_ratio: DecayedLine = field(init=False)
-    # seconds per query token of a catch-up's own draft forward (rows x their longest pending run), from the
-    # proposes that had one; before any, guessed from the target's table and the draft forward ratio
-    catch_up_per_token: float | None = None
-    catch_up_weight: float = 0.0  # decayed count of catch-ups behind catch_up_per_token
+    # seconds of a catch-up's own draft forward by its query tokens (rows x (1 + their longest pending run)),
+    # from the proposes that had one: a fixed part (replaying the kept steps' features, a launch) plus a part
+    # per token, so that a short catch-up's fixed costs are not priced into every token of a long one (read as
+    # a price per token, short ones priced a full ring of 60 positions at 3x what it took). Before any, guessed
+    # from the target's table and the draft forward ratio.
+    catch_up_line: DecayedLine = field(default_factory=lambda: DecayedLine(decay=0.8, prior_weight=0.5))
+    catch_up_weight: float = 0.0  # the catch-ups behind it, decayed per catch-up and faded by plain steps
     # where catch-ups run a whole draft model: its own forward table, which prices them alone (no learning: a
     # per-token price learned from short catch-ups, whose fixed costs dominate, priced a prompt's 3-4x over)
     catch_up_table: ForwardCostTable | None = None
@@ -142,13 +145,19 @@ class CostModel:
         if rows <= 0 or positions <= 0:
             return 0.0
         guess = self._catch_up_guess(rows, positions)
-        if self.catch_up_per_token is None or self.catch_up_table is not None:
+        line = self.catch_up_line
+        if self.catch_up_table is not None or not line.n:
             return guess
-        # Within OUTLIER x the guess, and weighed against it: catch-ups are re-measured only when one runs,
-        # and one priced far too high (a stalled first one: oneDNN compiles a kernel for each new shape)
-        # kept a request from ever resuming drafting.
-        learned = min(self.catch_up_per_token * rows * (1 + positions), OUTLIER * guess)
-        return _weighed(learned, self.catch_up_weight, guess)
+        # Catch-ups are re-measured only when one runs. Priced below what it takes, the next one runs and
+        # corrects it, so a learned price under the guess stands however long nothing is drafted. Priced above,
+        # none may ever run again: so a price over the guess fades back toward it, weighed by the evidence,
+        # and stays within OUTLIER x of it (a stalled first one: oneDNN compiles a kernel for each new shape).
+        # Faded toward a guess above it, a full ring's catch-up doubled its price over a hold and held the
+        # demo P-EAGLE head plain for 64 steps at a time.
+        learned = line.predict(rows * (1 + positions))
+        if learned <= guess:
+            return learned
+        return _weighed(min(learned, OUTLIER * guess), self.catch_up_weight, guess)
 
     def _catch_up_guess(self, rows: int, positions: int) -> float:
         if self.catch_up_table is not None:  # the positions ride the first draft forward: what they add to it
@@ -159,18 +168,15 @@ class CostModel:
         per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), self.draft_guess / 4)
         return per_forward * self.forward(rows, 1 + positions)
 
-    def observe_catch_up(self, catch_up: tuple[int, int], rows: int, forwards: int, seconds: float,
-                         decay: float = 0.8) -> None:
+    def observe_catch_up(self, catch_up: tuple[int, int], rows: int, forwards: int, seconds: float) -> None:
         """A propose that ran a catch-up forward for `catch_up` (rows, positions): what it took beyond a
         steady propose of as many draft forwards."""
         tokens = catch_up[0] * (1 + catch_up[1])
         if tokens <= 0 or self.catch_up_table is not None:
             return
         extra = max(seconds - self.drafting(rows, forwards if self.per_token_drafts else 1), 0.0)
-        per_token = min(extra, OUTLIER * max(self._catch_up_guess(*catch_up), 1e-9)) / tokens
-        previous = self.catch_up_per_token
-        self.catch_up_per_token = per_token if previous is None else decay * previous + (1 - decay) * per_token
-        self.catch_up_weight = decay * self.catch_up_weight + 1
+        self.catch_up_line.add(tokens, min(extra, OUTLIER * max(self._catch_up_guess(*catch_up), 1e-9)))
+        self.catch_up_weight = self.catch_up_line.decay * self.catch_up_weight + 1
 
     def observe_draft(self, rows: int, forwards: int, seconds: float) -> None:
         ratio = seconds / max(self.forward(rows, self.draft_query_len), 1e-9)

@@ -95,6 +95,30 @@ def test_catch_up_cost_is_learned_per_query_token():
     assert first_guess < fresh.catch_up(1, 58) <= OUTLIER * first_guess * 1.0001
 
 
+def test_catch_up_cost_has_a_fixed_part_and_a_part_per_token():
+    """Short and long catch-ups teach both parts (replaying kept steps costs something whatever their number):
+    a long one is not priced at a short one's cost per token. A learned price under the guess stands through
+    plain steps (the next catch-up it lets run re-measures it); one over the guess fades back toward it."""
+    cost = CostModel(synthetic_table(0.1), per_token_drafts=False, drafts_before_plan=False)
+    cost.observe_draft(1, 1, cost.forward(1, 1) * 0.5)
+    fixed, per_token = 0.2e-3, 1e-6  # far under the guess, which prices each token as a draft forward's share
+    for positions in (2, 60, 5, 40) * 10:
+        cost.observe_catch_up((1, positions), 1, 1, cost.drafting(1, 1) + fixed + per_token * (1 + positions))
+    assert cost.catch_up(1, 30) == pytest.approx(fixed + per_token * 31, rel=0.05)
+    assert cost.catch_up(1, 60) < 1.5 * cost.catch_up(1, 2)  # per token from the short one: 13x
+    assert cost.catch_up(1, 60) < cost._catch_up_guess(1, 60) / 10
+    learned = cost.catch_up(1, 60)
+    cost.idle(200)
+    assert cost.catch_up(1, 60) == pytest.approx(learned)
+    dear = CostModel(synthetic_table(0.1), per_token_drafts=False, drafts_before_plan=False)
+    guess = dear.catch_up(1, 60)
+    for _ in range(10):
+        dear.observe_catch_up((1, 60), 1, 1, dear.drafting(1, 1) + 2 * guess)
+    assert dear.catch_up(1, 60) > 1.8 * guess
+    dear.idle(200)
+    assert dear.catch_up(1, 60) == pytest.approx(guess, rel=0.05)
+
+
 def test_a_draft_models_catch_up_is_priced_by_its_own_table_alone():
     """Where catch-ups run a whole draft model, that model's profiled table prices them: what the extra positions
     add to its first draft forward. Live catch-ups teach nothing: a short one (a few positions, whose fixed

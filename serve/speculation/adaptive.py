@@ -192,6 +192,8 @@ class AdaptivePolicy:
         losing = self.cost.realized.loses(rows)
         if losing:
             best = plain
+        elif not best.width and self._room_made_it_plain(rates, limits, catch_up, unfed):
+            return best
         probe, thin = speculative, self.acceptance.evidence() < THIN_EVIDENCE
         if not best.width and thin and (self._probing or self._probe_due()):
             # too little evidence to trust a pessimistic estimate (see THIN_EVIDENCE): a probe is judged at
@@ -243,6 +245,20 @@ class AdaptivePolicy:
         if self._probe_worth or (self.cost.drafts_before_plan and (ratio >= PROBE_WORST or thin)):
             hold = min(hold, max(self._probe_after - self._plain_run, PLAIN_HOLD))
         return hold
+
+    def _room_made_it_plain(self, rates: np.ndarray, limits: np.ndarray, catch_up: tuple[int, int],
+                            unfed: tuple[tuple[int, int], ...]) -> bool:
+        """Whether a plain plan is down to rows with room for fewer than k drafts (a few tokens from their
+        max_tokens or the context's end) where k drafts each would speculate. Such a plan says nothing about
+        speculating, so no hold, loss, short run or probe follows from it: held as a loss, every request at one
+        in flight began with PLAIN_HOLD plain steps, its predecessor's last token having made the call."""
+        if self.cost.drafts_before_plan or (limits >= self.k).all():  # drafts found before the plan: `_typical_ratio`
+            return False
+        rows = len(limits)
+        drafts = np.broadcast_to(np.arange(self.k + 1), (rows, self.k + 1))
+        query_lens = (1.0 + np.arange(self.k + 1)).tolist()
+        seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up, self._catch_up_horizon(rates, unfed))
+        return self._choose(rates, drafts, seconds)[1].width > 0
 
     def _reprice(self, slots: np.ndarray) -> StepPlan:
         """Plain, and held so for REPRICE_STEPS steps in all: what speculative steps are judged against

@@ -189,6 +189,28 @@ def test_a_step_short_of_drafts_holds_only_where_drafting_rarely_pays(monkeypatc
 
 
 
+@pytest.mark.parametrize("room", [0, 1])
+def test_a_plan_made_plain_by_the_rows_room_alone_holds_nothing(monkeypatch, room):
+    """A request a token or two from its max_tokens has room for fewer drafts than pay: its plan is plain, but
+    says nothing about speculating, so the next request (at one in flight, the same slot) is planned afresh
+    at its first step rather than held plainly as after a loss. A plan that would be plain with room for k
+    drafts too holds as before."""
+    # plain: 1 s; a speculative step: 2.5 s whatever its width (a parallel drafter), so that one draft loses
+    # clearly however well it is accepted, and four accepted drafts win
+    prices = lambda rows, query_lens, *args: [1.0] + [2.5] * (len(query_lens) - 1)  # noqa: E731
+    slots = torch.tensor([0])
+    for accepted, held in ((K, False), (0, True)):
+        policy = _policy(CHEAP, sequential=True)
+        monkeypatch.setattr(policy.cost, "step_seconds_by_width", prices)
+        _feed(policy, [0], accepted_each=accepted, times=THIN_EVIDENCE)
+        assert policy.plan(slots, torch.tensor([room])).width == 0
+        assert policy.held((0,)) == held
+        policy.admit(0)
+        assert policy.held((0,)) == held  # a hold after a loss goes on for the next request
+        if not held:
+            assert policy.plan(slots, torch.tensor([K])).width > 0
+
+
 def _close_call(query_cost: float, rejections: int) -> AdaptivePolicy:
     """A policy whose method drafts well (slots 1-3) and whose slot 0 just had `rejections` steps rejected."""
     policy = _policy(synthetic_table(query_cost), sequential=True)

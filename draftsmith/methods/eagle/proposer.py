@@ -414,15 +414,17 @@ class EagleFamilyProposer(Proposer):
         """P-EAGLE's drafts from one forward's logits [A, k, Vd]: position s gives draft s + 1, chosen on its
         own (no draft feeds another) -> (target ids [A, k], -1 past each row's limit; running products of
         their probabilities [A, k])."""
-        rows = len(host_limits)
+        rows, steps = len(host_limits), max(host_limits)
         drafted = torch.full((rows, self.k), -1, dtype=torch.long, device=self.device)
         probs = torch.zeros(rows, self.k, device=self.device)
-        for s in range(max(host_limits)):
-            # a row past its limit draws no more: its generator advances by its own drafts only
-            ids, probs[:, s], q = self._choose(logits[:, s], temperature, [(j, g) for j, g in draws if host_limits[j] > s])
-            drafted[:, s] = ids
-            if q is not None:
-                q_out[:, s] = q
+        if temperature is None:  # all greedy: one pick over every position
+            ids, chance, _ = self._choose(logits[:, :steps].reshape(rows * steps, -1), None, [])
+            drafted[:, :steps], probs[:, :steps] = ids.view(rows, steps), chance.view(rows, steps)
+        else:
+            for s in range(steps):
+                # a row past its limit draws no more: its generator advances by its own drafts only
+                draws_now = [(j, g) for j, g in draws if host_limits[j] > s]
+                drafted[:, s], probs[:, s], q_out[:, s] = self._choose(logits[:, s], temperature, draws_now)
         keep = torch.arange(self.k, device=self.device)[None, :] < torch.tensor(host_limits, device=self.device)[:, None]
         return drafted.masked_fill_(~keep, -1), probs.cumprod(1).masked_fill_(~keep, 0.0)
 

@@ -1,7 +1,8 @@
 """`make gpu-wheels`: the wheels the GPU image lacks, for Python 3.12 on x86-64, fetched here into `.whl/`.
 
-The set is not a hand-kept list: it is draftsmith's own requirements, followed through the metadata of what
-`make install` put in this venv, stopping at every distribution the image holds (`draftsmith.gpu.image`). Each
+The set is not a hand-kept list: it is draftsmith's own requirements, and those of its `dev` extra that the
+tests collected on the GPU import (`TESTS_IMPORT`), followed through the metadata of what `make install` put in
+this venv, stopping at every distribution the image holds (`draftsmith.gpu.image`). Each
 is fetched at the version installed here, the one the tests pass with. After fetching, every wheel's own
 Requires-Dist is checked against the wheels and the image, so a gap shows here rather than on the GPU.
 """
@@ -29,6 +30,9 @@ TARGET_MARKERS = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.3"
                   "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
                   "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
 MANIFEST = "manifest.json"
+# distributions of the `dev` extra that the GPU check's collected tests import (tests/unit and
+# tests/integration/test_cuda_engine.py): pytest collects every module, so one missing import fails the check
+TESTS_IMPORT = frozenset({"jsonschema"})
 
 
 @dataclass(frozen=True)
@@ -51,11 +55,20 @@ def image_conflict(requirement: Requirement) -> str | None:
     return None
 
 
+def root_requirements(root: str = "draftsmith") -> list[Requirement]:
+    """`root`'s run-time requirements, and those of its `dev` extra named in TESTS_IMPORT (without the marker)."""
+    listed = [Requirement(text) for text in importlib.metadata.requires(root) or []]
+    tests = [Requirement(str(r).split(";")[0]) for r in listed
+             if r.marker is not None and r.marker.evaluate({**TARGET_MARKERS, "extra": "dev"})
+             and canonical(r.name) in TESTS_IMPORT]
+    return [r for r in listed if applies(r)] + tests
+
+
 def needed_distributions(root: str = "draftsmith") -> Needed:
-    """Walks `root`'s run-time requirements through this environment's installed metadata."""
+    """Walks `root`'s requirements (`root_requirements`) through this environment's installed metadata."""
     wheels: dict[str, str] = {}
     conflicts: list[str] = []
-    pending = [Requirement(text) for text in importlib.metadata.requires(root) or []]
+    pending = root_requirements(root)
     while pending:
         requirement = pending.pop()
         if not applies(requirement):
@@ -131,7 +144,7 @@ def fetch(dest: Path = WHEELS) -> dict:
     pip_download(needed.wheels, dest)
     prune(dest, needed.wheels)
     missing = sorted(set(needed.wheels) - set(wheel_files(dest)))
-    roots = [Requirement(text) for text in importlib.metadata.requires("draftsmith") or []]
+    roots = root_requirements()
     problems = [f"{name}: no wheel fetched" for name in missing] + needed.conflicts + unmet(dest, roots)
     manifest = {"python": PYTHON, "wheels": {p.name: p.stat().st_size for p in sorted(dest.glob("*.whl"))},
                 "bytes": sum(p.stat().st_size for p in dest.glob("*.whl")), "problems": sorted(set(problems))}

@@ -11,7 +11,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from draftsmith.gpu import check, train, wheels
-from draftsmith.gpu.image import in_image
+from draftsmith.gpu.image import canonical, in_image
 
 
 def test_the_wheels_are_what_the_image_lacks_at_the_versions_installed_here():
@@ -127,3 +127,37 @@ def test_the_check_reads_failures_from_a_junit_report(tmp_path):
     results = [check.Result("kernels-and-steps", "fail", 3.0, "1 failed", counts)]
     assert "FAILED tests.unit.test_a::test_bad: assert 1 == 2" in check.table(results)
     assert json.loads(json.dumps(counts)) == counts  # goes into summary.json as it is
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The top-level names `path` imports at module level (what collecting it needs), relative imports left out."""
+    import ast
+
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_what_the_gpu_checks_collect_imports_travels_or_is_in_the_image():
+    import importlib.metadata
+    import sys
+
+    tests = Path(__file__).resolve().parents[1]
+    local = {p.stem: p for p in tests.glob("*.py")}
+    pending = [tests.parent / path for path in (check.KERNEL_TESTS + check.ENGINE_TESTS)]
+    files = [f for p in pending for f in (sorted(p.glob("test_*.py")) if p.is_dir() else [p])] + [local["conftest"]]
+    seen: set[str] = set()
+    while files:
+        seen |= (found := _module_imports(files.pop()) - seen)
+        files += [local[name] for name in found if name in local]
+    distributions = importlib.metadata.packages_distributions()
+    carried = set(wheels.needed_distributions().wheels)
+    third_party = sorted(seen - set(sys.stdlib_module_names) - set(local) - {"draftsmith"})
+    lacking = [m for m in third_party if not any(in_image(d) or canonical(d) in carried
+                                                 for d in distributions.get(m, [m]))]
+    assert "jsonschema" in third_party and "torch" in third_party
+    assert lacking == []

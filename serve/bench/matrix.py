@@ -84,8 +84,9 @@ def row_name(config: dict) -> str:
     return f"{method}-tree" if config.get("tree_depth") or config.get("speculative_token_tree") else method
 
 
-def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dict[str, dict]:
-    methods = {}
+def configured_methods(spec_config: str | None) -> dict[str, dict]:
+    """--speculative-config's rows by name: a method's, or `method@folder` for a second head of one method."""
+    methods: dict[str, dict] = {}
     if spec_config:
         try:
             configs = json.loads(spec_config)
@@ -102,6 +103,12 @@ def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dic
                 raise DraftsmithError(f"--speculative-config names {name!r} twice: one config a method, or a "
                                       "method's heads in folders of different names")
             methods[name] = config
+    return methods
+
+
+def speculation_methods(model_name: str, spec_config: str | None, k: int) -> dict[str, dict]:
+    """--speculative-config's rows, then the heads shipped for the model whose method those leave out."""
+    methods = configured_methods(spec_config)
     for name, head in shipped_heads(model_name).items():
         if name not in methods:  # the user's own config for a method wins over the shipped head
             # heads drafting one token per head or stage (Medusa, MLP speculator) draft no more than they have;
@@ -300,6 +307,10 @@ def bench_model(args, name: str, levels: list[int], texts: list[str], peer=None)
     if missing:
         raise DraftsmithError(f"--methods {', '.join(missing)}: not run for {name} (found: {', '.join(found) or 'none'}; "
                               "a method without a shipped head needs --speculative-config)")
+    left_out = [m for m in configured_methods(args.speculative_config) if m not in wanted]
+    if left_out:
+        raise DraftsmithError(f"--speculative-config gives {', '.join(left_out)}, which --methods "
+                              f"({args.methods}) leaves out: name them in --methods, or leave --methods out")
     configs = {NO_SPEC: None, **({CONTROL: None} if args.control else {}),
                **({STEPWISE: None} if args.workload == "json" else {}),
                **{m: c for m, c in found.items() if m in wanted}}

@@ -79,6 +79,9 @@ def test_methods_choose_the_rows_and_repeat_sends_the_prompts_again(shared_with_
     assert "the prompts sent 2 times" in capsys.readouterr().out
     assert main([*base, "--methods", "lookahead"]) == 2
     assert "--methods lookahead: not run for demo-code-7m" in capsys.readouterr().err
+    # a config the user gave is never dropped in silence by --methods
+    assert main([*base, "--methods", "none", "--speculative-config", '{"method": "ngram"}']) == 2
+    assert "--speculative-config gives ngram, which --methods (none) leaves out" in capsys.readouterr().err
 
 
 def test_control_times_a_second_plain_engine_that_the_peer_does_not_run(shared_with_demo, tmp_path, capsys):

@@ -11,7 +11,8 @@ The recipes read the house model and the corpus from ../shared, which does not t
   first call then runs `make gpu-check`;
 - the call with the last part ends in `make gpu-train`, which joins and checks the parts, installs the
   carried wheels and draftsmith, trains each recipe with `training.max_minutes` (GPU_TRAIN_MINUTES, 5) and
-  copies each head, its evaluation and its log into OUT.
+  brings each head, its evaluation and its log back as OUT/<recipe name>.tar.NN (a call returns 8 files);
+- here, `python -m draftsmith.gpu.train unpack FILES_AT DEST` puts each head in DEST/<recipe name>/.
 
 `GPU_TRAIN_DRY=1` runs the same on a CPU: pack, receive, join, then two optimizer steps on short samples.
 Standard library only on the GPU side (`receive`, `run`); `pack` runs here, in the venv.
@@ -45,6 +46,7 @@ CARRY = REPO / ".gpu-carry"  # what each call carries (ignored)
 STAGE = REPO / "build" / "gpu-train"  # parts received, inputs joined, runs (ignored: stays while the machine is warm)
 TRAVEL_LIMIT = 64 * 2**20  # what one device call may carry, the tree included
 MARGIN = 2**20
+PIECE = 15 * 2**20  # under the 16 MiB a returned file may hold
 DRY_OVERRIDES = ["data.max_train_samples=64", "data.max_length=128", "data.max_eval_samples=8", "training.log_every_steps=1",
                  "training.batch_size=2", "training.max_steps=2", "training.save_every_steps=1000"]
 
@@ -196,8 +198,8 @@ def _chunks(parts: list[Path]):
 
 
 def train_recipe(recipe: str, setup: Setup, inputs: Path, timeout: float) -> Result:
-    """Trains one recipe on the joined inputs for GPU_TRAIN_MINUTES of its loop; copies the head, its last
-    evaluation and its log into OUT/<recipe name>/."""
+    """Trains one recipe on the joined inputs for GPU_TRAIN_MINUTES of its loop; brings the head, its last
+    evaluation and its log back as OUT/<recipe name>.tar.NN (`bring_back`)."""
     name = Path(recipe).stem
     output = STAGE / "runs" / name
     shutil.rmtree(output, ignore_errors=True)  # a fresh run: a leftover checkpoint would be resumed
@@ -210,17 +212,53 @@ def train_recipe(recipe: str, setup: Setup, inputs: Path, timeout: float) -> Res
     code, tail = run([sys.executable, "-m", "draftsmith.train", recipe, *overrides], setup, timeout, f"train {name}")
     if code != 0 or not (output / "head" / "model.safetensors").is_file():
         return Result(f"train {name}", "timeout" if code is None else "fail", detail=tail)
-    brought = setup.out / name
-    shutil.rmtree(brought, ignore_errors=True)
-    shutil.copytree(output / "head", brought)
     evaluations = sorted(output.glob("eval_*.json"), key=lambda p: p.stat().st_mtime)
-    for path in [*evaluations[-1:], output / "train_log.jsonl"]:
-        if path.is_file():
-            shutil.copy(path, brought / path.name)
+    extras = [p for p in [*evaluations[-1:], output / "train_log.jsonl"] if p.is_file()]
+    pieces = bring_back(output / "head", extras, setup.out, name)
     log = (output / "train_log.jsonl").read_text().splitlines() if (output / "train_log.jsonl").is_file() else []
-    figures = {"steps": json.loads(log[-1])["step"] if log else 0,
+    figures = {"steps": json.loads(log[-1])["step"] if log else 0, "pieces": [p.name for p in pieces],
                "evaluation": json.loads(evaluations[-1].read_text()) if evaluations else None}
-    return Result(f"train {name}", "pass", detail=f"head in {brought}", figures=figures)
+    return Result(f"train {name}", "pass", detail=f"{len(pieces)} file(s) {name}.tar.*", figures=figures)
+
+
+def bring_back(head: Path, extras: list[Path], out: Path, name: str, piece: int = PIECE) -> list[Path]:
+    """Writes the head's files and `extras` as one tar, cut into out/<name>.tar.00, .01 ... of at most `piece`
+    bytes: a device call returns at most 8 files of 16 MiB, so a head is a piece or a few, never a file each.
+    `python -m draftsmith.gpu.train unpack` joins and extracts them here."""
+    import tarfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(f"{name}.tar.*"):
+        stale.unlink()
+    whole = out / f"{name}.tar"
+    with tarfile.open(whole, "w") as archive:
+        for path in [*sorted(head.iterdir()), *extras]:
+            archive.add(path, arcname=path.name)
+    pieces = []
+    with whole.open("rb") as source:
+        while block := source.read(piece):
+            pieces.append(out / f"{name}.tar.{len(pieces):02d}")
+            pieces[-1].write_bytes(block)
+    whole.unlink()
+    return pieces
+
+
+def unpack(returned: Path, dest: Path) -> list[Path]:
+    """Here: joins every <name>.tar.NN in `returned` (a call's files_at) and extracts it into dest/<name>/;
+    -> the folders written."""
+    import io
+    import tarfile
+
+    names = sorted({p.name.rsplit(".tar.", 1)[0] for p in returned.glob("*.tar.[0-9][0-9]")})
+    folders = []
+    for name in names:
+        blob = b"".join(p.read_bytes() for p in sorted(returned.glob(f"{name}.tar.[0-9][0-9]")))
+        folder = dest / name
+        shutil.rmtree(folder, ignore_errors=True)
+        with tarfile.open(fileobj=io.BytesIO(blob)) as archive:
+            archive.extractall(folder, filter="data")
+        folders.append(folder)
+    return folders
 
 
 def run_all(recipes: list[str]) -> int:
@@ -236,6 +274,9 @@ def run_all(recipes: list[str]) -> int:
     if results[-1].status == "pass":
         results += [timed(f"train {Path(r).stem}", train_recipe, r, setup, inputs, setup.seconds_left(540))
                     for r in recipes]
+    pieces = sum(len(r.figures.get("pieces", [])) for r in results) + 2  # + summary.json and log.txt
+    if pieces > 8:
+        print(f"gpu-train: {pieces} files in OUT; a device call returns 8: train fewer recipes a call")
     for r in results:
         print(f"{r.name:22s} {r.status:8s} {r.seconds:7.1f} s  {r.detail.splitlines()[-1] if r.detail else ''}"[:160])
         if r.figures.get("evaluation"):
@@ -271,7 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         return receive()
     if verb == "run":
         return run_all(recipes)
-    print("usage: python -m draftsmith.gpu.train pack|receive|run [RECIPE ...]\n" + (__doc__ or ""), file=sys.stderr)
+    if verb == "unpack" and len(argv) == 3:
+        for folder in unpack(Path(argv[1]), Path(argv[2])):
+            print(f"gpu-train unpack: {folder}")
+        return 0
+    print("usage: python -m draftsmith.gpu.train pack|receive|run [RECIPE ...] | unpack FILES_AT DEST\n"
+          + (__doc__ or ""), file=sys.stderr)
     return 2
 
 

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from draftsmith.gpu import train
 from helpers import REPO, shared_path
 
 TRAVEL_LIMIT = 64 * 2**20
@@ -66,6 +67,8 @@ def test_gpu_train_dry_mode_packs_joins_and_trains_the_house_recipe(fetched_whee
     assert re.search(r"receive: (\d+) of \1 parts here", done.stdout), done.stdout
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["passed"] and [c["name"] for c in summary["checks"]] == ["join", "install", "train eagle3-house"]
-    head = tmp_path / "out" / "eagle3-house"
+    assert summary["checks"][2]["figures"]["pieces"] == ["eagle3-house.tar.00"]
+    (head,) = train.unpack(tmp_path / "out", tmp_path / "heads")
+    assert head.name == "eagle3-house" and (head / "train_log.jsonl").is_file()
     assert json.loads((head / "config.json").read_text())["draftsmith_head_type"] == "eagle3"
     assert (head / "model.safetensors").is_file() and summary["checks"][2]["figures"]["steps"] == 2

@@ -161,3 +161,22 @@ def test_what_the_gpu_checks_collect_imports_travels_or_is_in_the_image():
                                                  for d in distributions.get(m, [m]))]
     assert "jsonschema" in third_party and "torch" in third_party
     assert lacking == []
+
+
+def test_a_head_comes_back_in_pieces_and_unpacks_whole(tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    weights = bytes(range(256)) * 40  # 10 KiB: three pieces of 4 KiB
+    (head / "model.safetensors").write_bytes(weights)
+    (head / "config.json").write_text('{"draftsmith_head_type": "eagle3"}')
+    (tmp_path / "train_log.jsonl").write_text('{"step": 2}\n')
+    out = tmp_path / "out"
+    (out / "recipe-a.tar.07").parent.mkdir()
+    (out / "recipe-a.tar.07").write_bytes(b"stale")  # an earlier run's piece is not joined in
+    pieces = train.bring_back(head, [tmp_path / "train_log.jsonl"], out, "recipe-a", piece=4096)
+    assert [p.name for p in pieces] == [f"recipe-a.tar.{k:02d}" for k in range(len(pieces))] and len(pieces) >= 3
+    assert all(p.stat().st_size <= 4096 for p in pieces) and not (out / "recipe-a.tar.07").exists()
+    (folder,) = train.unpack(out, tmp_path / "here")
+    assert folder == tmp_path / "here" / "recipe-a"
+    assert (folder / "model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "train_log.jsonl"]

@@ -182,10 +182,8 @@ class AdaptivePolicy:
         if self.cost.drafts_before_plan:
             share = np.count_nonzero(limits) / rows
             self._draft_share = DRAFT_SHARE_DECAY * self._draft_share + (1 - DRAFT_SHARE_DECAY) * share
-        drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
-        query_lens = (1 + drafts.sum(0) / rows).tolist()  # a packed verify costs the real tokens
         rates = self.acceptance.rates(slots)
-        seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up, self._catch_up_horizon(rates, unfed))
+        drafts, seconds = self._priced(rates, limits, catch_up, unfed)
         gain, best, speculative, plain = self._choose(rates, drafts, seconds)
         # steady speculative steps at this batch size ran slower than plain decoding lately, whatever the
         # plans predicted (`realized`): plain, held as a clear loss, and probed as usual
@@ -254,11 +252,18 @@ class AdaptivePolicy:
         in flight began with PLAIN_HOLD plain steps, its predecessor's last token having made the call."""
         if self.cost.drafts_before_plan or (limits >= self.k).all():  # drafts found before the plan: `_typical_ratio`
             return False
-        rows = len(limits)
-        drafts = np.broadcast_to(np.arange(self.k + 1), (rows, self.k + 1))
-        query_lens = (1.0 + np.arange(self.k + 1)).tolist()
-        seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up, self._catch_up_horizon(rates, unfed))
+        drafts, seconds = self._priced(rates, np.full_like(limits, self.k), catch_up, unfed)
         return self._choose(rates, drafts, seconds)[1].width > 0
+
+    def _priced(self, rates: np.ndarray, limits: np.ndarray, catch_up: tuple[int, int],
+                unfed: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, list[float]]:
+        """-> drafts[b, w], what row b drafts in a step of width w (its limit caps it), and each width's predicted
+        seconds, the catch-up spread over its horizon."""
+        rows = len(limits)
+        drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
+        query_lens = (1 + drafts.sum(0) / rows).tolist()  # a packed verify costs the real tokens
+        seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up, self._catch_up_horizon(rates, unfed))
+        return drafts, seconds
 
     def _reprice(self, slots: np.ndarray) -> StepPlan:
         """Plain, and held so for REPRICE_STEPS steps in all: what speculative steps are judged against

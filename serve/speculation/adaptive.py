@@ -87,6 +87,8 @@ DRAFT_SHARE_DECAY = 0.9
 # not for a few hundred speculative steps), the batch decodes plainly for REPRICE_STEPS steps: the step
 # ledger times the plain step after SETTLING_STEPS (3) in a row, one in PLAIN_SAMPLE (4)
 REPRICE_STEPS = 4
+# rows' limits whose drafts by width `_widths` keeps (cleared when full)
+WIDTHS_KEPT = 256
 
 
 class AdaptivePolicy:
@@ -111,6 +113,7 @@ class AdaptivePolicy:
         self._short_runs = 0  # speculative runs in a row of at most PROBE_STEPS plans (SHORT_RUNS)
         self._plain_streak = (0, 0)  # (batch size, plain steps in a row at about it): `holding`
         self._draft_share = 1.0  # proposers that draft before the plan: the share of rows with drafts, lately
+        self._widths_by_limits: dict[tuple[int, ...], tuple[np.ndarray, list[float]]] = {}  # `_widths`
 
     def may_draft(self, rows: int) -> bool:
         """Whether a plan for this many rows can speculate at all."""
@@ -259,11 +262,23 @@ class AdaptivePolicy:
                 unfed: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, list[float]]:
         """-> drafts[b, w], what row b drafts in a step of width w (its limit caps it), and each width's predicted
         seconds, the catch-up spread over its horizon."""
-        rows = len(limits)
-        drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
-        query_lens = (1 + drafts.sum(0) / rows).tolist()  # a packed verify costs the real tokens
-        seconds = self.cost.step_seconds_by_width(rows, query_lens, catch_up, self._catch_up_horizon(rates, unfed))
+        drafts, query_lens = self._widths(limits)
+        seconds = self.cost.step_seconds_by_width(len(limits), query_lens, catch_up,
+                                                  self._catch_up_horizon(rates, unfed))
         return drafts, seconds
+
+    def _widths(self, limits: np.ndarray) -> tuple[np.ndarray, list[float]]:
+        """-> (drafts[b, w]: what row b drafts in a step of width w, its limit capping it; each width's mean
+        verified tokens per row, what a packed verify costs), kept by the rows' limits (read only): a batch
+        plans with the same limits step after step."""
+        key = tuple(limits.tolist())
+        found = self._widths_by_limits.get(key)
+        if found is None:
+            if len(self._widths_by_limits) >= WIDTHS_KEPT:
+                self._widths_by_limits.clear()
+            drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
+            found = self._widths_by_limits[key] = drafts, (1 + drafts.sum(0) / len(limits)).tolist()
+        return found
 
     def _reprice(self, slots: np.ndarray) -> StepPlan:
         """Plain, and held so for REPRICE_STEPS steps in all: what speculative steps are judged against

@@ -227,11 +227,16 @@ class CostModel:
         verify_scale, host = self.verify_scales.get(rows, scale), self.host(rows, True)
         correction, catch = self.spec_corrections.get(rows), self.catch_up(*catch_up) / horizon
         draft_forward = decode if self.draft_query_len == 1 else self.forward(rows, self.draft_query_len)
-        for width in range(1, len(query_lens)):
+        widths = range(1, len(query_lens))
+        if self.drafts_before_plan:
+            drafting = [0.0 for _ in widths]
+        elif self.per_token_drafts:
+            drafting = [self._draft_ratio(width) * draft_forward for width in widths]
+        else:  # one pass drafts any width at one cost
+            drafting = [self._draft_ratio(1) * draft_forward] * len(widths)
+        for width, draft in zip(widths, drafting):
             query_len = query_lens[width]
             verify = self.table.estimate(rows, query_len) * (scale if query_len == 1 else verify_scale)
-            draft = 0.0 if self.drafts_before_plan else \
-                self._draft_ratio(width if self.per_token_drafts else 1) * draft_forward
             seconds.append((verify + draft + host) * correction + catch)
         return seconds
 

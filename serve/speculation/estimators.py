@@ -138,30 +138,43 @@ class AcceptanceStats:
         self.idle_decay, self.method_idle_decay, self.initial_weight = idle_decay, method_idle_decay, initial_weight
         self.initial_rates = np.full(k, INITIAL_LATER_RATE)
         self.initial_rates[:1] = INITIAL_RATE
-        self.reached = np.zeros((num_slots, k))
-        self.accepted = np.zeros((num_slots, k))
-        self.method_reached = np.zeros(k)
-        self.method_accepted = np.zeros(k)
-        self.lifetime_reached = np.zeros(k)  # never faded by idle steps
-        self.lifetime_accepted = np.zeros(k)
+        # One array holds every count, so that a step updates it in a few numpy ops (each costs microseconds
+        # whatever its size, more with the caches cold after a forward): [slot, (reached, accepted), position]
+        # for each slot, then the method's running counts and its long-run ones (never faded by idle steps).
+        self.counts = np.zeros((num_slots + 2, 2, k))
+        self.num_slots = num_slots
+        self._method_decays: dict[int, np.ndarray] = {}  # rows drafted in a step -> [running, long-run] decay
+        # what a row that drafted d and had a accepted adds: [d, a] -> [(reached, accepted), position], position
+        # j reached when the j drafts before it were accepted
+        positions = np.arange(k)
+        drafted, accepted = np.arange(k + 1)[:, None, None], np.arange(k + 1)[None, :, None]
+        self._step_counts = np.stack(np.broadcast_arrays(
+            (positions < drafted) & (positions <= accepted), positions < accepted), axis=2).astype(float)
         self.rows_drafted = 0
-        self._positions = np.arange(k)[None, :]
+
+    # views into `counts` (properties, so that a copy of the object keeps them views of its own counts)
+    reached = property(lambda self: self.counts[: self.num_slots, 0])
+    accepted = property(lambda self: self.counts[: self.num_slots, 1])
+    _method_counts = property(lambda self: self.counts[self.num_slots :])  # the method's two rows
+    method_reached = property(lambda self: self.counts[self.num_slots, 0])
+    method_accepted = property(lambda self: self.counts[self.num_slots, 1])
+    lifetime_reached = property(lambda self: self.counts[self.num_slots + 1, 0])
+    lifetime_accepted = property(lambda self: self.counts[self.num_slots + 1, 1])
 
     def reset(self, slot: int) -> None:
-        self.reached[slot] = 0
-        self.accepted[slot] = 0
+        self.counts[slot] = 0
 
     def rates(self, slots, idle_steps: np.ndarray | None = None) -> np.ndarray:
         """[B, k] conditional acceptance rates of the given slots (any int sequence); with `idle_steps` (ints
         [N]), [N, B, k]: what the rates would be after that many steps without drafts (`idle`, in closed form)."""
-        slots = np.asarray(slots)
+        slot_counts = self.counts[np.asarray(slots)]  # [B, 2, k]
         if idle_steps is None:
-            return self._shrunk(self.accepted[slots], self.reached[slots], self.method_accepted, self.method_reached,
+            return self._shrunk(slot_counts[:, 1], slot_counts[:, 0], self.method_accepted, self.method_reached,
                                 self.lifetime_accepted, self.lifetime_reached)
         lifetime, method, slot = (decay ** np.asarray(idle_steps, dtype=float)[:, None]
                                   for decay in (LIFETIME_DECAY, self.method_idle_decay, self.idle_decay))
         slot = slot[..., None]  # [N, 1, 1] fading a slot's [B, k] counts
-        return self._shrunk(self.accepted[slots] * slot, self.reached[slots] * slot, self.method_accepted * method,
+        return self._shrunk(slot_counts[:, 1] * slot, slot_counts[:, 0] * slot, self.method_accepted * method,
                             self.method_reached * method, self.lifetime_accepted * lifetime,
                             self.lifetime_reached * lifetime)
 
@@ -170,8 +183,9 @@ class AcceptanceStats:
         standard errors high, themselves shrunk toward its long-run rates."""
         w0 = self.initial_weight
         anchor = (lifetime_accepted + w0 * self.initial_rates) / (lifetime_reached + w0)
-        prior = (method_accepted + w0 * anchor) / (method_reached + w0)
-        prior = np.minimum(prior + OPTIMISM * np.sqrt(prior * (1 - prior) / (method_reached + w0)), 1.0)
+        method_weight = method_reached + w0
+        prior = (method_accepted + w0 * anchor) / method_weight
+        prior = np.minimum(prior + OPTIMISM * np.sqrt(prior * (1 - prior) / method_weight), 1.0)
         w = self.prior_weight
         return (accepted + w * prior[..., None, :]) / (reached + w)
 
@@ -187,31 +201,27 @@ class AcceptanceStats:
     def idle(self, slots, steps: int = 1) -> None:
         """Rows that did not draft for `steps` steps: old evidence fades, so a request (and the method) that
         once drafted badly is tried again after a while instead of never."""
-        slots = np.asarray(slots)
-        self.reached[slots] *= self.idle_decay**steps
-        self.accepted[slots] *= self.idle_decay**steps
-        self.method_reached *= self.method_idle_decay**steps
-        self.method_accepted *= self.method_idle_decay**steps
-        # far more slowly, the long-run rates too: a method that drafted badly on one workload is tried again
-        # on another one, hundreds of plain steps on
-        self.lifetime_reached *= LIFETIME_DECAY**steps
-        self.lifetime_accepted *= LIFETIME_DECAY**steps
+        self.counts[np.asarray(slots)] *= self.idle_decay**steps
+        # the method's running counts, and far more slowly its long-run ones: a method that drafted badly on one
+        # workload is tried again on another one, hundreds of plain steps on
+        method = self._method_counts
+        method *= np.array([self.method_idle_decay**steps, LIFETIME_DECAY**steps])[:, None, None]
 
     def observe(self, slots, drafted, accepted) -> None:
-        """Rows that drafted `drafted[b]` tokens and had `accepted[b]` of them accepted. Position j was
-        reached when the j drafts before it were accepted."""
+        """Rows that drafted `drafted[b]` tokens (at most k) and had `accepted[b]` of them accepted."""
         slots, drafted, accepted = np.asarray(slots), np.asarray(drafted), np.asarray(accepted)
-        spoke = drafted > 0
-        slots, drafted, accepted = slots[spoke], drafted[spoke, None], accepted[spoke, None]
-        reached = (self._positions < drafted) & (self._positions <= accepted)
-        hit = self._positions < accepted
-        self.reached[slots] = self.decay * self.reached[slots] + reached
-        self.accepted[slots] = self.decay * self.accepted[slots] + hit
-        reached, hit = reached.sum(0), hit.sum(0)
-        self.rows_drafted += len(slots)
-        d = self.method_decay ** len(slots)
-        self.method_reached = d * self.method_reached + reached
-        self.method_accepted = d * self.method_accepted + hit
-        d = LIFETIME_DECAY ** len(slots)
-        self.lifetime_reached = d * self.lifetime_reached + reached
-        self.lifetime_accepted = d * self.lifetime_accepted + hit
+        if not drafted.all():
+            spoke = drafted > 0
+            slots, drafted, accepted = slots[spoke], drafted[spoke], accepted[spoke]
+        rows = len(slots)
+        if not rows:
+            return
+        step = self._step_counts[drafted, accepted]  # [rows, 2, k]
+        self.counts[slots] = self.decay * self.counts[slots] + step
+        self.rows_drafted += rows
+        decays = self._method_decays.get(rows)
+        if decays is None:
+            decays = self._method_decays[rows] = np.array([self.method_decay**rows, LIFETIME_DECAY**rows])[:, None, None]
+        method = self._method_counts
+        method *= decays
+        method += step.sum(0)

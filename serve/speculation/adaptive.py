@@ -277,6 +277,7 @@ class AdaptivePolicy:
             if len(self._widths_by_limits) >= WIDTHS_KEPT:
                 self._widths_by_limits.clear()
             drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
+            drafts.flags.writeable = False  # shared by every plan with these limits
             found = self._widths_by_limits[key] = drafts, (1 + drafts.sum(0) / len(limits)).tolist()
         return found
 

@@ -16,6 +16,7 @@ from draftsmith.models import load_target
 from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.engine.outputs import OutputCollector
+from draftsmith.serve.speculation import adaptive
 from draftsmith.serve.speculation.adaptive import THIN_EVIDENCE, AdaptivePolicy
 from draftsmith.serve.speculation.cost_model import CostModel
 from draftsmith.serve.speculation.estimators import AcceptanceStats
@@ -167,6 +168,20 @@ def test_plans_stay_within_0_k_and_each_rows_limit():
         _feed(policy, slots.tolist(), accepted_each=int(rng.integers(0, K + 1)), times=1)
         width = 0 if policy.held(tuple(slots.tolist())) else policy.plan(slots, limits).width
         assert 0 <= width <= limits.max()
+
+
+def test_drafts_by_width_kept_per_limits_are_each_rows_own(monkeypatch):
+    """The drafts by width a plan prices are min(width, the row's limit, k) for the limits it was given, kept
+    per limits (read only) and within WIDTHS_KEPT of them."""
+    monkeypatch.setattr(adaptive, "WIDTHS_KEPT", 8)
+    policy, rng = _policy(CHEAP), np.random.default_rng(1)
+    for _ in range(100):
+        limits = rng.integers(0, K + 3, int(rng.integers(1, 9)))
+        drafts, query_lens = policy._widths(limits)
+        expected = np.minimum(np.arange(K + 1)[None, :], np.minimum(limits, K)[:, None])
+        assert np.array_equal(drafts, expected) and not drafts.flags.writeable
+        np.testing.assert_allclose(query_lens, 1 + expected.mean(0))
+        assert len(policy._widths_by_limits) <= 8
 
 
 def test_a_step_short_of_drafts_holds_only_where_drafting_rarely_pays(monkeypatch):

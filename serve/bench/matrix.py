@@ -76,12 +76,15 @@ def shipped_heads(model_name: str) -> dict[str, Path]:
 
 def row_name(config: dict) -> str:
     """A bench row's method name: the config's method, but `pard` for a draft model drafting in parallel,
-    `peagle` for an EAGLE-3 head doing so, and `METHOD-tree` for a config drafting trees, so that two ways of
-    drafting with one head or model can be compared in one run."""
+    `peagle` for an EAGLE-3 head doing so, `METHOD-tree` for a config drafting trees, and any of those with
+    `-fixed` for a config that drafts a fixed k (`"adaptive": false`), so that two ways of drafting with one
+    head or model, or the planner against a fixed k, can be compared in one run."""
     method = config.get("method", "?")
     if config.get("parallel_drafting"):
-        return {"draft_model": "pard", "eagle3": "peagle"}.get(method, f"{method}-parallel")
-    return f"{method}-tree" if config.get("tree_depth") or config.get("speculative_token_tree") else method
+        name = {"draft_model": "pard", "eagle3": "peagle"}.get(method, f"{method}-parallel")
+    else:
+        name = f"{method}-tree" if config.get("tree_depth") or config.get("speculative_token_tree") else method
+    return f"{name}-fixed" if config.get("adaptive") is False else name
 
 
 def configured_methods(spec_config: str | None) -> dict[str, dict]:

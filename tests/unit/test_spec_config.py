@@ -87,6 +87,18 @@ def test_bench_runs_a_list_of_configs_and_names_parallel_draft_models_pard():
         speculation_methods("house-code-28m", "[3]", k=5)
 
 
+def test_bench_runs_the_planner_and_a_fixed_k_of_one_method_side_by_side():
+    from draftsmith.serve.bench.matrix import speculation_methods
+
+    planned = {"method": "ngram", "num_speculative_tokens": 4}
+    fixed = {**planned, "adaptive": False}
+    parallel = {"method": "eagle3", "model": "/peagle", "num_speculative_tokens": 3, "parallel_drafting": True}
+    parallel_fixed = {**parallel, "adaptive": False}
+    methods = speculation_methods("demo-code-7m", json.dumps([planned, fixed, parallel, parallel_fixed]), k=5)
+    assert methods["ngram"] == planned and methods["ngram-fixed"] == fixed
+    assert methods["peagle"] == parallel and methods["peagle-fixed"] == parallel_fixed
+
+
 def test_validation_errors_format_in_one_line():
     from pydantic import BaseModel, ConfigDict, ValidationError
 

@@ -102,9 +102,11 @@ def configured_methods(spec_config: str | None) -> dict[str, dict]:
             if name in methods and config.get("model") not in (None, methods[name].get("model")):
                 # a second head or model of one method, compared side by side: named by its folder
                 name = f"{name}@{Path(str(config['model'])).name}"
+            elif name in methods and config.get("num_speculative_tokens") != methods[name].get("num_speculative_tokens"):
+                name = f"{name}@k{config.get('num_speculative_tokens')}"  # the same drafter at another k
             if name in methods:
                 raise DraftsmithError(f"--speculative-config names {name!r} twice: one config a method, or a "
-                                      "method's heads in folders of different names")
+                                      "method's heads in folders of different names, or at different k")
             methods[name] = config
     return methods
 

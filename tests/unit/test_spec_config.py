@@ -97,6 +97,10 @@ def test_bench_runs_the_planner_and_a_fixed_k_of_one_method_side_by_side():
     methods = speculation_methods("demo-code-7m", json.dumps([planned, fixed, parallel, parallel_fixed]), k=5)
     assert methods["ngram"] == planned and methods["ngram-fixed"] == fixed
     assert methods["peagle"] == parallel and methods["peagle-fixed"] == parallel_fixed
+    # the same drafter at another k: named by it
+    narrower = {**fixed, "num_speculative_tokens": 2}
+    assert list(speculation_methods("demo-code-7m", json.dumps([fixed, narrower]), k=5))[:2] == [
+        "ngram-fixed", "ngram-fixed@k2"]
 
 
 def test_validation_errors_format_in_one_line():

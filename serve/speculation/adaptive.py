@@ -22,10 +22,8 @@ per second.
 
 from __future__ import annotations
 
-import numpy as np
-
 from draftsmith.serve.speculation.cost_model import CATCH_UP_HORIZON, CostModel
-from draftsmith.serve.speculation.estimators import AcceptanceStats
+from draftsmith.serve.speculation.estimators import AcceptanceStats, int_list
 from draftsmith.serve.speculation.plan import StepPlan, WidthCounts
 
 FLOOR_MARGIN = 0.5
@@ -87,7 +85,7 @@ DRAFT_SHARE_DECAY = 0.9
 # not for a few hundred speculative steps), the batch decodes plainly for REPRICE_STEPS steps: the step
 # ledger times the plain step after SETTLING_STEPS (3) in a row, one in PLAIN_SAMPLE (4)
 REPRICE_STEPS = 4
-# rows' limits whose drafts by width `_widths` keeps (cleared when full)
+# rows' limits whose caps and query lengths `_widths` keeps (cleared when full)
 WIDTHS_KEPT = 256
 
 
@@ -113,7 +111,7 @@ class AdaptivePolicy:
         self._short_runs = 0  # speculative runs in a row of at most PROBE_STEPS plans (SHORT_RUNS)
         self._plain_streak = (0, 0)  # (batch size, plain steps in a row at about it): `holding`
         self._draft_share = 1.0  # proposers that draft before the plan: the share of rows with drafts, lately
-        self._widths_by_limits: dict[tuple[int, ...], tuple[np.ndarray, list[float]]] = {}  # `_widths`
+        self._widths_by_limits: dict[tuple[int, ...], tuple[tuple[int, ...], list[float]]] = {}  # `_widths`
 
     def may_draft(self, rows: int) -> bool:
         """Whether a plan for this many rows can speculate at all."""
@@ -175,7 +173,7 @@ class AdaptivePolicy:
         may draft (room left, max_tokens, or drafts it has); `catch_up`: the proposer's extra catch-up this
         step (`Proposer.catch_up`), so that resuming is priced in; `unfed`: (batch index, tokens left) of rows
         whose drafter has not been fed yet (see FIRST_FEED_HORIZON)."""
-        slots, limits = np.asarray(slots), np.asarray(limits)
+        slots, limits = int_list(slots), int_list(limits)
         if not self.may_draft(len(slots)):
             return StepPlan(0)
         self._settle_idle()
@@ -183,11 +181,11 @@ class AdaptivePolicy:
         if self.cost.plain_stale(rows):
             return self._reprice(slots)
         if self.cost.drafts_before_plan:
-            share = np.count_nonzero(limits) / rows
+            share = sum(1 for n in limits if n) / rows
             self._draft_share = DRAFT_SHARE_DECAY * self._draft_share + (1 - DRAFT_SHARE_DECAY) * share
         rates = self.acceptance.rates(slots)
-        drafts, seconds = self._priced(rates, limits, catch_up, unfed)
-        gain, best, speculative, plain = self._choose(rates, drafts, seconds)
+        caps, seconds = self._priced(rates, limits, catch_up, unfed)
+        gain, best, speculative, plain = self._choose(rates, caps, seconds)
         # steady speculative steps at this batch size ran slower than plain decoding lately, whatever the
         # plans predicted (`realized`): plain, held as a clear loss, and probed as usual
         losing = self.cost.realized.loses(rows)
@@ -199,7 +197,8 @@ class AdaptivePolicy:
         if not best.width and thin and (self._probing or self._probe_due()):
             # too little evidence to trust a pessimistic estimate (see THIN_EVIDENCE): a probe is judged at
             # the first guesses
-            probe = self._choose(np.maximum(rates, self.acceptance.initial_rates), drafts, seconds)[2]
+            floor = self.acceptance.initial_rates
+            probe = self._choose([[max(r, i) for r, i in zip(row, floor)] for row in rates], caps, seconds)[2]
         best = self._explore(best, probe, plain, catch_up, thin)
         self._plain_streak = (rows, 0 if best.width else self._streak_at(rows) + 1)
         if best.width > 0 and self.cost.per_token_drafts and self.confidence_floor:
@@ -220,13 +219,13 @@ class AdaptivePolicy:
                 if ratio >= 1.0:
                     self._hold = self._clear_losses = self._close_calls = 0
                     return best
-            self._hold = self._plain_hold(slots, drafts, seconds, ratio, losing or ratio < CLOSE_CALL, thin) - 1
-            self._held_rows, self._held_slots = rows, tuple(slots.tolist())
+            self._hold = self._plain_hold(slots, caps, seconds, ratio, losing or ratio < CLOSE_CALL, thin) - 1
+            self._held_rows, self._held_slots = rows, tuple(slots)
         else:
             self._hold = self._clear_losses = self._close_calls = 0
         return best
 
-    def _plain_hold(self, slots: np.ndarray, drafts: np.ndarray, seconds: list[float], ratio: float,
+    def _plain_hold(self, slots: list[int], caps: tuple[int, ...], seconds: list[float], ratio: float,
                     clear_loss: bool, thin: bool) -> int:
         """The steps a plan without speculation holds (itself included), where speculating was predicted at
         `ratio` of plain decoding's tokens/s: see CLOSE_CALL and MAX_PLAIN_HOLD."""
@@ -237,7 +236,7 @@ class AdaptivePolicy:
         if not clear_loss and self.cost.drafts_before_plan:
             return min(CLOSE_HOLD << (self._close_calls - 1), MAX_DRAFTED_CLOSE_HOLD)
         if not clear_loss:
-            hold = self._steps_until_flip(slots, drafts, seconds)
+            hold = self._steps_until_flip(slots, caps, seconds)
             # not past a due probe
             return min(hold, max(self._probe_after - self._plain_run + 1, 1)) if self._probe_worth else hold
         hold = min(PLAIN_HOLD << (self._clear_losses - 1), MAX_PLAIN_HOLD)
@@ -247,47 +246,46 @@ class AdaptivePolicy:
             hold = min(hold, max(self._probe_after - self._plain_run, PLAIN_HOLD))
         return hold
 
-    def _room_made_it_plain(self, rates: np.ndarray, limits: np.ndarray, catch_up: tuple[int, int],
+    def _room_made_it_plain(self, rates: list[list[float]], limits: list[int], catch_up: tuple[int, int],
                             unfed: tuple[tuple[int, int], ...]) -> bool:
         """Whether a plain plan is down to rows with room for fewer than k drafts (a few tokens from their
         max_tokens or the context's end) where k drafts each would speculate. Such a plan says nothing about
         speculating, so no hold, loss, short run or probe follows from it: held as a loss, every request at one
         in flight began with PLAIN_HOLD plain steps, its predecessor's last token having made the call."""
-        if self.cost.drafts_before_plan or (limits >= self.k).all():  # drafts found before the plan: `_typical_ratio`
+        if self.cost.drafts_before_plan or all(n >= self.k for n in limits):  # drafts before the plan: `_typical_ratio`
             return False
-        drafts, seconds = self._priced(rates, np.full_like(limits, self.k), catch_up, unfed)
-        return self._choose(rates, drafts, seconds)[1].width > 0
+        caps, seconds = self._priced(rates, [self.k] * len(limits), catch_up, unfed)
+        return self._choose(rates, caps, seconds)[1].width > 0
 
-    def _priced(self, rates: np.ndarray, limits: np.ndarray, catch_up: tuple[int, int],
-                unfed: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, list[float]]:
-        """-> drafts[b, w], what row b drafts in a step of width w (its limit caps it), and each width's predicted
-        seconds, the catch-up spread over its horizon."""
-        drafts, query_lens = self._widths(limits)
+    def _priced(self, rates: list[list[float]], limits: list[int], catch_up: tuple[int, int],
+                unfed: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], list[float]]:
+        """-> each row's most drafts (its limit, at most k: a step of width w drafts min(w, cap) for the row), and
+        each width's predicted seconds, the catch-up spread over its horizon."""
+        caps, query_lens = self._widths(limits)
         seconds = self.cost.step_seconds_by_width(len(limits), query_lens, catch_up,
                                                   self._catch_up_horizon(rates, unfed))
-        return drafts, seconds
+        return caps, seconds
 
-    def _widths(self, limits: np.ndarray) -> tuple[np.ndarray, list[float]]:
-        """-> (drafts[b, w]: what row b drafts in a step of width w, its limit capping it; each width's mean
-        verified tokens per row, what a packed verify costs), kept by the rows' limits (read only): a batch
-        plans with the same limits step after step."""
-        key = tuple(limits.tolist())
+    def _widths(self, limits: list[int]) -> tuple[tuple[int, ...], list[float]]:
+        """-> (each row's cap, min(limit, k); each width's mean verified tokens per row, what a packed verify
+        costs), kept by the rows' limits: a batch plans with the same limits step after step."""
+        key = tuple(limits)
         found = self._widths_by_limits.get(key)
         if found is None:
             if len(self._widths_by_limits) >= WIDTHS_KEPT:
                 self._widths_by_limits.clear()
-            drafts = np.minimum(np.arange(self.k + 1)[None, :], np.minimum(limits, self.k)[:, None])  # [B, k + 1]
-            drafts.flags.writeable = False  # shared by every plan with these limits
-            found = self._widths_by_limits[key] = drafts, (1 + drafts.sum(0) / len(limits)).tolist()
+            caps = tuple(min(n, self.k) for n in limits)
+            query_lens = [1 + sum(min(w, cap) for cap in caps) / len(caps) for w in range(self.k + 1)]
+            found = self._widths_by_limits[key] = caps, query_lens
         return found
 
-    def _reprice(self, slots: np.ndarray) -> StepPlan:
+    def _reprice(self, slots: list[int]) -> StepPlan:
         """Plain, and held so for REPRICE_STEPS steps in all: what speculative steps are judged against
         (`realized`) and planned against is timed again."""
-        self._hold, self._held_rows, self._held_slots = REPRICE_STEPS - 1, len(slots), tuple(slots.tolist())
+        self._hold, self._held_rows, self._held_slots = REPRICE_STEPS - 1, len(slots), tuple(slots)
         return StepPlan(0)
 
-    def _catch_up_horizon(self, rates: np.ndarray, unfed: tuple[tuple[int, int], ...]) -> float:
+    def _catch_up_horizon(self, rates: list[list[float]], unfed: tuple[tuple[int, int], ...]) -> float:
         """The steps this step's catch-up is spread over: CATCH_UP_HORIZON, PROBE_STEPS after short runs, and
         for rows whose drafter is fed for the first time, the steps they are expected to take (FIRST_FEED_HORIZON)."""
         if self._short_runs >= SHORT_RUNS:
@@ -295,15 +293,14 @@ class AdaptivePolicy:
         if not unfed:
             return CATCH_UP_HORIZON
         # tokens a row-step gives at the widest plan, by the row's acceptance rates
-        steps = max(1.0, min(FIRST_FEED_HORIZON, min(left / (1 + rates[b].cumprod().sum()) for b, left in unfed)))
+        steps = max(1.0, min(FIRST_FEED_HORIZON, min(left / (1 + _gains(rates[b])[-1]) for b, left in unfed)))
         # the plan weighs the catch-up against the whole batch's gain, of which these rows bring their share
         return steps * len(unfed) / len(rates)
 
-    def _choose(self, rates: np.ndarray, drafts: np.ndarray, seconds: list[float]):
+    def _choose(self, rates: list[list[float]], caps: tuple[int, ...], seconds: list[float]):
         """-> (gain, best plan, best speculative plan or None, plain plan) for rows with these acceptance rates;
-        gain[b, w]: row b's expected extra tokens from drafting w."""
-        gain, tokens = _tokens_by_width(rates, drafts)
-        tokens = tokens.tolist()
+        gain[b][w]: row b's expected extra tokens from drafting w."""
+        gain, tokens = _tokens_by_width(rates, caps)
         plain = StepPlan(0, 0.0, tokens[0], max(seconds[0], 1e-9))
         best, speculative, candidates = plain, None, [plain]
         for width in range(1, len(tokens)):
@@ -318,14 +315,15 @@ class AdaptivePolicy:
             best = speculative = self._one_deeper(best, candidates)
         return gain, best, speculative, plain
 
-    def _steps_until_flip(self, slots: np.ndarray, drafts: np.ndarray, seconds: list[float]) -> int:
+    def _steps_until_flip(self, slots: list[int], caps: tuple[int, ...], seconds: list[float]) -> int:
         """Plain steps after which a plan of these rows, priced as this one, would first speculate because their
         acceptance evidence faded (`AcceptanceStats.rates` after idle steps); MAX_CLOSE_HOLD if none does."""
-        steps = np.arange(1, MAX_CLOSE_HOLD + 1)
-        tokens = _tokens_by_width(self.acceptance.rates(slots, idle_steps=steps), drafts)[1]  # [N, k + 1]
-        speeds = tokens / np.maximum(np.asarray(seconds), 1e-9)
-        flips = np.flatnonzero(speeds[:, 1:].max(1) > speeds[:, 0])
-        return int(steps[flips[0]]) if len(flips) else MAX_CLOSE_HOLD
+        for steps in range(1, MAX_CLOSE_HOLD + 1):
+            tokens = _tokens_by_width(self.acceptance.rates(slots, idle_steps=steps), caps)[1]
+            speeds = [t / max(s, 1e-9) for t, s in zip(tokens, seconds)]
+            if max(speeds[1:]) > speeds[0]:
+                return steps
+        return MAX_CLOSE_HOLD
 
     def _one_deeper(self, best: StepPlan, candidates: list[StepPlan]) -> StepPlan:
         """`best`, or one draft more where the method's evidence at that position has faded (THIN_POSITION)
@@ -340,17 +338,19 @@ class AdaptivePolicy:
     def _probe_due(self) -> bool:
         return not self._probing and self._plain_run >= self._probe_after
 
-    def _typical_ratio(self, gain: np.ndarray, plain: StepPlan) -> float:
+    def _typical_ratio(self, gain: list[list[float]], plain: StepPlan) -> float:
         """For proposers that draft before the plan: the best speculative width's tokens/s over plain decoding's
         on a step where rows have drafts as often as they have lately (`_draft_share`), each up to k, with the
         drafting that a held step skips priced in."""
-        rows, share = gain.shape[0], self._draft_share
-        widths = np.arange(1, self.k + 1)
-        tokens = rows + share * gain[:, 1:].sum(0)
-        seconds = np.asarray(self.cost.step_seconds_by_width(rows, [1.0, *(1 + share * widths).tolist()])[1:])
-        drafting = np.array([self.cost.drafting(rows, int(w)) for w in widths] if self.cost.per_token_drafts
-                            else self.cost.drafting(rows, 1))  # one pass drafts any width at one cost
-        return float((tokens / (seconds + drafting)).max()) / plain.tokens_per_s
+        rows, share = len(gain), self._draft_share
+        widths = range(1, self.k + 1)
+        tokens = [rows + share * sum(row[w] for row in gain) for w in widths]
+        seconds = self.cost.step_seconds_by_width(rows, [1.0, *(1 + share * w for w in widths)])[1:]
+        if self.cost.per_token_drafts:
+            drafting = [self.cost.drafting(rows, w) for w in widths]
+        else:  # one pass drafts any width at one cost
+            drafting = [self.cost.drafting(rows, 1)] * self.k
+        return max(t / (s + d) for t, s, d in zip(tokens, seconds, drafting)) / plain.tokens_per_s
 
     def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan,
                  catch_up: tuple[int, int], thin: bool = False) -> StepPlan:
@@ -384,7 +384,7 @@ class AdaptivePolicy:
     def idle(self, slots) -> None:
         """A plain step that was planned (not held): old acceptance and cost evidence fade, in one go with the
         steps after it at the next plan, as for held steps (a few small tensor ops a step otherwise)."""
-        self._defer_idle(tuple(np.asarray(slots).tolist()))
+        self._defer_idle(tuple(int_list(slots)))
 
     def _defer_idle(self, slots: tuple[int, ...]) -> None:
         if slots != self._held_slots:
@@ -412,13 +412,20 @@ class AdaptivePolicy:
         return self.counts.metrics()
 
 
-def _tokens_by_width(rates: np.ndarray, drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """rates [..., B, k] (conditional acceptance by row and position), drafts [B, k + 1] (row b's drafts at
-    each width) -> (gain [..., B, k + 1]: row b's expected extra tokens from drafting w, tokens [..., k + 1]:
-    the batch's expected tokens from a step of width w)."""
-    rows = rates.shape[-2]
-    gain = np.zeros((*rates.shape[:-1], rates.shape[-1] + 1))  # 0, a1, a1 + a1 a2, ...
-    np.cumsum(rates.cumprod(-1), -1, out=gain[..., 1:])
-    # row b drafting w gains gain[b, min(w, its cap)], and gain never falls along a row
-    capped = gain[..., np.arange(rows), drafts[:, -1]]
-    return gain, rows + np.minimum(gain, capped[..., None]).sum(-2)
+def _gains(rates: list[float]) -> list[float]:
+    """A row's expected extra tokens from drafting 0..k, given its conditional acceptance rates by position:
+    0, a1, a1 + a1 a2, ..."""
+    gains, reach = [0.0], 1.0
+    for rate in rates:
+        reach *= rate
+        gains.append(gains[-1] + reach)
+    return gains
+
+
+def _tokens_by_width(rates: list[list[float]], caps: tuple[int, ...]) -> tuple[list[list[float]], list[float]]:
+    """rates[b][j] (conditional acceptance by row and position), caps[b] (the most row b drafts) -> (gain[b][w]:
+    row b's expected extra tokens from drafting w, tokens[w]: the batch's expected tokens from a step of width
+    w, in which row b drafts min(w, caps[b]))."""
+    gain = [_gains(row) for row in rates]
+    widths = range(len(gain[0])) if gain else range(1)
+    return gain, [len(gain) + sum(row[min(w, cap)] for row, cap in zip(gain, caps)) for w in widths]

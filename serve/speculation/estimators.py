@@ -117,9 +117,11 @@ class ScaleByBatch:
 
 class AcceptanceStats:
     """Per slot and draft position: decayed counts of drafts reached and accepted, and the method's running
-    totals (the prior each slot's counts are shrunk toward). Host-side numpy: a step updates a few [rows, k]
-    arrays, and numpy's per-op cost is a fraction of torch's (alone, at 1-16 rows: 18 us an update against
-    43, a plan 35 us against 57).
+    totals (the prior each slot's counts are shrunk toward). Plain Python floats, not numpy: the policy runs
+    right after the target's forward, whose weights leave the caches cold, and there a numpy op on a few
+    values costs 10 us or more where a Python float op costs a fraction of one (in the engine, after each
+    verify forward: 8 small numpy ops 89-92 us, as much arithmetic on floats 12.5-12.8 us). A step updates
+    k values per row that drafted.
 
     While nothing is drafted, the method's running totals fade (so that a method is tried again), toward its
     long-run rates (`LIFETIME_DECAY`), not toward the first guesses: fading to those, a head whose first
@@ -136,62 +138,61 @@ class AcceptanceStats:
                  initial_weight: float = 4.0):
         self.k, self.decay, self.prior_weight, self.method_decay = k, decay, prior_weight, method_decay
         self.idle_decay, self.method_idle_decay, self.initial_weight = idle_decay, method_idle_decay, initial_weight
-        self.initial_rates = np.full(k, INITIAL_LATER_RATE)
-        self.initial_rates[:1] = INITIAL_RATE
-        # One array holds every count, so that a step updates it in a few numpy ops (each costs microseconds
-        # whatever its size, more with the caches cold after a forward): [slot, (reached, accepted), position]
-        # for each slot, then the method's running counts and its long-run ones (never faded by idle steps).
-        self.counts = np.zeros((num_slots + 2, 2, k))
-        self.num_slots = num_slots
-        self._method_decays: dict[int, np.ndarray] = {}  # rows drafted in a step -> [running, long-run] decay
-        # what a row that drafted d and had a accepted adds: [d, a] -> [(reached, accepted), position], position
-        # j reached when the j drafts before it were accepted
-        positions = np.arange(k)
-        drafted, accepted = np.arange(k + 1)[:, None, None], np.arange(k + 1)[None, :, None]
-        self._step_counts = np.stack(np.broadcast_arrays(
-            (positions < drafted) & (positions <= accepted), positions < accepted), axis=2).astype(float)
+        self.initial_rates = [INITIAL_RATE] + [INITIAL_LATER_RATE] * (k - 1)
+        # by slot and position: drafts that reached the position (the drafts before it accepted), and of those
+        # the ones accepted
+        self._reached = [[0.0] * k for _ in range(num_slots)]
+        self._accepted = [[0.0] * k for _ in range(num_slots)]
+        self.method_reached, self.method_accepted = [0.0] * k, [0.0] * k
+        self.lifetime_reached, self.lifetime_accepted = [0.0] * k, [0.0] * k  # never faded by idle steps
         self.rows_drafted = 0
 
-    # views into `counts` (properties, so that a copy of the object keeps them views of its own counts)
-    reached = property(lambda self: self.counts[: self.num_slots, 0])
-    accepted = property(lambda self: self.counts[: self.num_slots, 1])
-    _method_counts = property(lambda self: self.counts[self.num_slots :])  # the method's two rows
-    method_reached = property(lambda self: self.counts[self.num_slots, 0])
-    method_accepted = property(lambda self: self.counts[self.num_slots, 1])
-    lifetime_reached = property(lambda self: self.counts[self.num_slots + 1, 0])
-    lifetime_accepted = property(lambda self: self.counts[self.num_slots + 1, 1])
+    @property
+    def reached(self) -> np.ndarray:
+        """[slots, k]: each slot's decayed count of drafts reaching each position (for inspection)."""
+        return np.array(self._reached)
+
+    @property
+    def accepted(self) -> np.ndarray:
+        return np.array(self._accepted)
 
     def reset(self, slot: int) -> None:
-        self.counts[slot] = 0
+        self._reached[slot] = [0.0] * self.k
+        self._accepted[slot] = [0.0] * self.k
 
-    def rates(self, slots, idle_steps: np.ndarray | None = None) -> np.ndarray:
-        """[B, k] conditional acceptance rates of the given slots (any int sequence); with `idle_steps` (ints
-        [N]), [N, B, k]: what the rates would be after that many steps without drafts (`idle`, in closed form)."""
-        slot_counts = self.counts[np.asarray(slots)]  # [B, 2, k]
-        if idle_steps is None:
-            return self._shrunk(slot_counts[:, 1], slot_counts[:, 0], self.method_accepted, self.method_reached,
-                                self.lifetime_accepted, self.lifetime_reached)
-        lifetime, method, slot = (decay ** np.asarray(idle_steps, dtype=float)[:, None]
-                                  for decay in (LIFETIME_DECAY, self.method_idle_decay, self.idle_decay))
-        slot = slot[..., None]  # [N, 1, 1] fading a slot's [B, k] counts
-        return self._shrunk(slot_counts[:, 1] * slot, slot_counts[:, 0] * slot, self.method_accepted * method,
-                            self.method_reached * method, self.lifetime_accepted * lifetime,
-                            self.lifetime_reached * lifetime)
+    def rates(self, slots, idle_steps: int = 0) -> list[list[float]]:
+        """[B][k] conditional acceptance rates of the given slots (any int sequence); with `idle_steps`, what
+        they would be after that many steps without drafts (`idle`, in closed form)."""
+        if idle_steps:
+            slot, method, lifetime = (decay**idle_steps for decay in (self.idle_decay, self.method_idle_decay,
+                                                                       LIFETIME_DECAY))
+            prior = self._prior([method * v for v in self.method_accepted], [method * v for v in self.method_reached],
+                                [lifetime * v for v in self.lifetime_accepted],
+                                [lifetime * v for v in self.lifetime_reached])
+            return [self._shrunk([slot * v for v in self._accepted[s]], [slot * v for v in self._reached[s]], prior)
+                    for s in int_list(slots)]
+        prior = self._prior(self.method_accepted, self.method_reached, self.lifetime_accepted, self.lifetime_reached)
+        return [self._shrunk(self._accepted[s], self._reached[s], prior) for s in int_list(slots)]
 
-    def _shrunk(self, accepted, reached, method_accepted, method_reached, lifetime_accepted, lifetime_reached):
-        """A slot's counts ([..., B, k]) shrunk toward the method's running rates ([..., k]), read OPTIMISM
-        standard errors high, themselves shrunk toward its long-run rates."""
-        w0 = self.initial_weight
-        anchor = (lifetime_accepted + w0 * self.initial_rates) / (lifetime_reached + w0)
-        method_weight = method_reached + w0
-        prior = (method_accepted + w0 * anchor) / method_weight
-        prior = np.minimum(prior + OPTIMISM * np.sqrt(prior * (1 - prior) / method_weight), 1.0)
+    def _prior(self, method_accepted, method_reached, lifetime_accepted, lifetime_reached) -> list[float]:
+        """The method's running rates, read OPTIMISM standard errors high, themselves shrunk toward its long-run
+        rates."""
+        w0, prior = self.initial_weight, []
+        for j, initial in enumerate(self.initial_rates):
+            anchor = (lifetime_accepted[j] + w0 * initial) / (lifetime_reached[j] + w0)
+            weight = method_reached[j] + w0
+            rate = (method_accepted[j] + w0 * anchor) / weight
+            prior.append(min(rate + OPTIMISM * math.sqrt(rate * (1 - rate) / weight), 1.0))
+        return prior
+
+    def _shrunk(self, accepted, reached, prior) -> list[float]:
+        """A slot's counts shrunk toward the method's rates (`_prior`)."""
         w = self.prior_weight
-        return (accepted + w * prior[..., None, :]) / (reached + w)
+        return [(a + w * p) / (r + w) for a, r, p in zip(accepted, reached, prior)]
 
     def reached_lately(self, position: int) -> float:
         """The method's decayed count of rows that reached draft `position` (0-based)."""
-        return float(self.method_reached[position])
+        return self.method_reached[position]
 
     def evidence(self) -> int:
         """How many rows have drafted since the engine started (never faded): whether the rates rest on
@@ -201,27 +202,45 @@ class AcceptanceStats:
     def idle(self, slots, steps: int = 1) -> None:
         """Rows that did not draft for `steps` steps: old evidence fades, so a request (and the method) that
         once drafted badly is tried again after a while instead of never."""
-        self.counts[np.asarray(slots)] *= self.idle_decay**steps
-        # the method's running counts, and far more slowly its long-run ones: a method that drafted badly on one
-        # workload is tried again on another one, hundreds of plain steps on
-        method = self._method_counts
-        method *= np.array([self.method_idle_decay**steps, LIFETIME_DECAY**steps])[:, None, None]
+        slot = self.idle_decay**steps
+        for s in int_list(slots):
+            self._reached[s] = [slot * v for v in self._reached[s]]
+            self._accepted[s] = [slot * v for v in self._accepted[s]]
+        method = self.method_idle_decay**steps
+        self.method_reached = [method * v for v in self.method_reached]
+        self.method_accepted = [method * v for v in self.method_accepted]
+        # far more slowly, the long-run rates too: a method that drafted badly on one workload is tried again
+        # on another one, hundreds of plain steps on
+        lifetime = LIFETIME_DECAY**steps
+        self.lifetime_reached = [lifetime * v for v in self.lifetime_reached]
+        self.lifetime_accepted = [lifetime * v for v in self.lifetime_accepted]
 
     def observe(self, slots, drafted, accepted) -> None:
-        """Rows that drafted `drafted[b]` tokens (at most k) and had `accepted[b]` of them accepted."""
-        slots, drafted, accepted = np.asarray(slots), np.asarray(drafted), np.asarray(accepted)
-        if not drafted.all():
-            spoke = drafted > 0
-            slots, drafted, accepted = slots[spoke], drafted[spoke], accepted[spoke]
-        rows = len(slots)
-        if not rows:
-            return
-        step = self._step_counts[drafted, accepted]  # [rows, 2, k]
-        self.counts[slots] = self.decay * self.counts[slots] + step
+        """Rows that drafted `drafted[b]` tokens and had `accepted[b]` of them accepted. Position j was
+        reached when the j drafts before it were accepted."""
+        k, decay = self.k, self.decay
+        reached_sum, hit_sum, rows = [0] * k, [0] * k, 0
+        for slot, n_drafted, n_accepted in zip(int_list(slots), int_list(drafted), int_list(accepted)):
+            if n_drafted <= 0:
+                continue
+            rows += 1
+            reached = self._reached[slot] = [decay * v for v in self._reached[slot]]
+            hits = self._accepted[slot] = [decay * v for v in self._accepted[slot]]
+            for j in range(min(n_drafted, n_accepted + 1, k)):  # reached: j < drafted and j <= accepted
+                reached[j] += 1
+                reached_sum[j] += 1
+            for j in range(min(n_accepted, k)):  # accepted: j < accepted
+                hits[j] += 1
+                hit_sum[j] += 1
         self.rows_drafted += rows
-        decays = self._method_decays.get(rows)
-        if decays is None:
-            decays = self._method_decays[rows] = np.array([self.method_decay**rows, LIFETIME_DECAY**rows])[:, None, None]
-        method = self._method_counts
-        method *= decays
-        method += step.sum(0)
+        d = self.method_decay**rows
+        self.method_reached = [d * v + n for v, n in zip(self.method_reached, reached_sum)]
+        self.method_accepted = [d * v + n for v, n in zip(self.method_accepted, hit_sum)]
+        d = LIFETIME_DECAY**rows
+        self.lifetime_reached = [d * v + n for v, n in zip(self.lifetime_reached, reached_sum)]
+        self.lifetime_accepted = [d * v + n for v, n in zip(self.lifetime_accepted, hit_sum)]
+
+
+def int_list(values) -> list[int]:
+    """Any int sequence (list, tuple, numpy array, CPU tensor) as a list of Python ints."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
+from draftsmith.serve.speculation.estimators import int_list
 
 
 @dataclass
@@ -42,8 +42,8 @@ class WidthCounts:
         if width == 0:
             self.plain(len(limits))
             return
-        for given in np.minimum(np.asarray(limits), width).tolist():
-            self.row_widths[given] += 1
+        for limit in int_list(limits):
+            self.row_widths[min(limit, width)] += 1
 
     def metrics(self) -> dict:
         return {"spec_k_histogram": list(self.row_widths), "num_steps_without_speculation": self.plain_steps}

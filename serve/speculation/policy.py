@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-import numpy as np
-
 from draftsmith.serve.speculation.adaptive import AdaptivePolicy
 from draftsmith.serve.speculation.cost_model import CostModel
 from draftsmith.serve.speculation.cost_profile import (
@@ -21,6 +19,7 @@ from draftsmith.serve.speculation.cost_profile import (
     load_or_profile,
     profile_forwards,
 )
+from draftsmith.serve.speculation.estimators import int_list
 from draftsmith.serve.speculation.plan import StepPlan, WidthCounts
 
 logger = logging.getLogger("draftsmith")
@@ -106,7 +105,7 @@ class FixedPolicy:
         return not self.may_draft(rows)
 
     def plan(self, slots, limits, catch_up: tuple[int, int] = (0, 0), unfed: tuple[tuple[int, int], ...] = ()) -> StepPlan:
-        return StepPlan(min(self.width(len(slots)), int(np.asarray(limits).max())))
+        return StepPlan(min(self.width(len(slots)), max(int_list(limits))))
 
     def observe(self, slots, num_draft, accepted) -> None:
         pass

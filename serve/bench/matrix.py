@@ -76,19 +76,22 @@ def shipped_heads(model_name: str) -> dict[str, Path]:
 
 def row_name(config: dict) -> str:
     """A bench row's method name: the config's method, but `pard` for a draft model drafting in parallel,
-    `peagle` for an EAGLE-3 head doing so, `METHOD-tree` for a config drafting trees, and any of those with
-    `-fixed` for a config that drafts a fixed k (`"adaptive": false`), so that two ways of drafting with one
-    head or model, or the planner against a fixed k, can be compared in one run."""
+    `peagle` for an EAGLE-3 head doing so, and `METHOD-tree` for a config drafting trees, so that two ways of
+    drafting with one head or model can be compared in one run."""
     method = config.get("method", "?")
     if config.get("parallel_drafting"):
-        name = {"draft_model": "pard", "eagle3": "peagle"}.get(method, f"{method}-parallel")
-    else:
-        name = f"{method}-tree" if config.get("tree_depth") or config.get("speculative_token_tree") else method
-    return f"{name}-fixed" if config.get("adaptive") is False else name
+        return {"draft_model": "pard", "eagle3": "peagle"}.get(method, f"{method}-parallel")
+    return f"{method}-tree" if config.get("tree_depth") or config.get("speculative_token_tree") else method
+
+
+def _fixed(config: dict) -> bool:
+    return config.get("adaptive") is False
 
 
 def configured_methods(spec_config: str | None) -> dict[str, dict]:
-    """--speculative-config's rows by name: a method's, or `method@folder` for a second head of one method."""
+    """--speculative-config's rows by name (`row_name`). Configs that share a name are told apart: the one
+    drafting a fixed k (`"adaptive": false`) beside the planner's is `NAME-fixed`, a second head or model
+    `NAME@folder`, the same drafter at another k `NAME@kN`."""
     methods: dict[str, dict] = {}
     if spec_config:
         try:
@@ -99,11 +102,15 @@ def configured_methods(spec_config: str | None) -> dict[str, dict]:
             if not isinstance(config, dict):
                 raise DraftsmithError("--speculative-config must be a JSON object, or a list of them")
             name = row_name(config)
+            if name in methods and _fixed(config) != _fixed(methods[name]):
+                if _fixed(methods[name]):  # the planner's config keeps the method's name
+                    methods = {f"{name}-fixed" if n == name else n: c for n, c in methods.items()}
+                else:
+                    name = f"{name}-fixed"
             if name in methods and config.get("model") not in (None, methods[name].get("model")):
-                # a second head or model of one method, compared side by side: named by its folder
                 name = f"{name}@{Path(str(config['model'])).name}"
             elif name in methods and config.get("num_speculative_tokens") != methods[name].get("num_speculative_tokens"):
-                name = f"{name}@k{config.get('num_speculative_tokens')}"  # the same drafter at another k
+                name = f"{name}@k{config.get('num_speculative_tokens')}"
             if name in methods:
                 raise DraftsmithError(f"--speculative-config names {name!r} twice: one config a method, or a "
                                       "method's heads in folders of different names, or at different k")

@@ -94,13 +94,16 @@ def test_bench_runs_the_planner_and_a_fixed_k_of_one_method_side_by_side():
     fixed = {**planned, "adaptive": False}
     parallel = {"method": "eagle3", "model": "/peagle", "num_speculative_tokens": 3, "parallel_drafting": True}
     parallel_fixed = {**parallel, "adaptive": False}
-    methods = speculation_methods("demo-code-7m", json.dumps([planned, fixed, parallel, parallel_fixed]), k=5)
+    methods = speculation_methods("demo-code-7m", json.dumps([planned, fixed, parallel_fixed, parallel]), k=5)
     assert methods["ngram"] == planned and methods["ngram-fixed"] == fixed
     assert methods["peagle"] == parallel and methods["peagle-fixed"] == parallel_fixed
+    assert list(methods)[:4] == ["ngram", "ngram-fixed", "peagle-fixed", "peagle"]  # as listed
+    # alone, a fixed config keeps the method's name (what a comparison with vLLM's fixed k runs)
+    assert list(speculation_methods("demo-code-7m", json.dumps([fixed]), k=5))[0] == "ngram"
     # the same drafter at another k: named by it
     narrower = {**fixed, "num_speculative_tokens": 2}
-    assert list(speculation_methods("demo-code-7m", json.dumps([fixed, narrower]), k=5))[:2] == [
-        "ngram-fixed", "ngram-fixed@k2"]
+    assert list(speculation_methods("demo-code-7m", json.dumps([planned, fixed, narrower]), k=5))[:3] == [
+        "ngram", "ngram-fixed", "ngram-fixed@k2"]
 
 
 def test_validation_errors_format_in_one_line():

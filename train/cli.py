@@ -40,7 +40,8 @@ def main(argv: list[str]) -> int:
 def _leave(status: int) -> int:
     """A worker of a multi-process run leaves without the interpreter's teardown once training has finished
     and saved: torch's C++ threads (gloo, FSDP) can abort a process there ("terminate called without an
-    active exception", seen once in six runs of two CPU ranks), making a finished job look failed."""
+    active exception", seen once in six runs of two CPU ranks), making a finished job look failed, and
+    destroying gloo's process group can deadlock (the trainer keeps what holds it referenced until here)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()
         sys.stderr.flush()

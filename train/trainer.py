@@ -240,6 +240,12 @@ class PreparedRun:
     budget: TimeBudget | None = None  # training.max_minutes, which the LR schedule also follows
 
 
+# What a multi-process run prepared stays referenced until its worker leaves with os._exit (train/cli.py):
+# freeing DDP's reducer (or FSDP's handles) destroys gloo's process group, which joins gloo's worker thread
+# while holding the GIL, and that thread may still need the GIL to release its last barrier's work.
+_HELD_UNTIL_EXIT: list = []
+
+
 def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     """Runs (or resumes) the recipe; returns the directory of the final head."""
     output = Path(recipe.training.output_dir)
@@ -249,6 +255,8 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     trainee, train_ds, eval_ds, pad = _build_trainee(accelerator, recipe)
     num_parameters = sum(p.numel() for p in trainee.head.parameters())  # before prepare shards them
     run = _prepare(accelerator, recipe.training, trainee, train_ds, eval_ds, pad)
+    if accelerator.num_processes > 1:
+        _HELD_UNTIL_EXIT.append((accelerator, run))
     progress = _resume(accelerator, output)
     if log_with:
         accelerator.init_trackers("draftsmith", config={"head_type": recipe.model.head_type})

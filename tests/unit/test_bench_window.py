@@ -118,3 +118,38 @@ def test_the_window_holds_as_many_prefills_as_requests_finished(monkeypatch):
                 admitted += engine.added - before[1]
                 finished += sum(out is not None for out in run.outputs) - before[2]
         assert run.ended and admitted == finished == len(wanted) - 2
+
+
+class _NamedEngine(_FakeEngine):
+    """A fake engine that writes its name into `turns` at each step."""
+
+    def __init__(self, clock: _Clock, name: str, turns: list[str]):
+        super().__init__(clock)
+        self.name, self.turns = name, turns
+
+    def step(self):
+        self.turns.append(self.name)
+        return super().step()
+
+
+def test_methods_take_turns_in_a_new_order_each_round(monkeypatch):
+    """No method always follows the same one (a turn's first steps run on the caches the turn before left), and
+    a second run takes its turns in the same orders."""
+    clock = _Clock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    monkeypatch.setattr(bench, "SLICE_S", 0.5)  # one fake step (one second) a turn
+
+    def turns_of_a_run() -> list[str]:
+        turns: list[str] = []
+        llms = {name: _FakeLLM(_NamedEngine(clock, name, turns)) for name in "abcd"}
+        bench.drive(llms, [[120]], None, concurrency=1)
+        return turns
+
+    turns = turns_of_a_run()
+    rounds = [turns[i : i + 4] for i in range(0, len(turns), 4)]
+    assert len(rounds) == 120 and all(sorted(r) == list("abcd") for r in rounds)
+    leads = {name: sum(r[0] == name for r in rounds) for name in "abcd"}
+    assert all(15 <= n <= 45 for n in leads.values()), leads  # 30 each on average
+    follows = {(before, after) for before, after in zip(turns, turns[1:]) if before != after}
+    assert follows == {(x, y) for x in "abcd" for y in "abcd" if x != y}
+    assert turns_of_a_run() == turns

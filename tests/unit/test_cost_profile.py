@@ -29,6 +29,21 @@ def test_estimate_interpolates_and_extrapolates_linearly():
     assert table.estimate(7, 1) == pytest.approx(7.0)
 
 
+def test_a_point_timed_above_a_larger_shape_is_priced_as_the_larger():
+    """Timing noise only adds time: a verify shape measured dearer than a longer one of the same rows, or than
+    the same shape with more rows, is priced as that one; a decode keeps its own time, and so does the table."""
+    measured = [[3.0, 2.8, 2.8, 4.5, 2.9, 3.2],   # 1 row: 4 tokens timed in a busy moment; the decode dearer
+                [3.1, 3.0, 2.7, 3.3, 3.4, 3.9],   # 2 rows: 2 tokens dearer than 3
+                [3.2, 3.1, 3.3, 3.2, 3.6, 4.4]]   # 4 rows: 3 tokens dearer than 4 (and than 2 rows' 3)
+    table = ForwardCostTable({}, [1, 2, 4], [1, 2, 3, 4, 5, 8], 0, measured)
+    priced = [[table.estimate(r, q) for q in table.query_lens] for r in table.rows]
+    assert priced == [[3.0, 2.7, 2.7, 2.9, 2.9, 3.2],
+                      [3.1, 2.7, 2.7, 3.2, 3.4, 3.9],
+                      [3.2, 3.1, 3.2, 3.2, 3.6, 4.4]]
+    assert table.estimate(1, 6) == pytest.approx(3.0)  # a third of the way from the priced 5 to 8
+    assert table.seconds == measured  # what `draftsmith profile` prints and the cache keeps
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """An empty profile cache on a machine that reads as quiet: whether a profile is saved must not depend on

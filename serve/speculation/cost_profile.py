@@ -170,8 +170,10 @@ def load_or_profile(model, model_dir: str | Path, refresh: bool = False, progres
     while live forwards agree with it (STALE_RATIO)."""
     wanted = {"rows": list(grid.get("rows", ROWS)), "query_lens": list(grid.get("query_lens", QUERY_LENS)),
               "context": grid.get("context", CONTEXT)}
-    # another grid of the same model is another file: a draft model is often some engine's target too
-    key = profile_key(model_dir, model) | ({"grid": wanted} if grid else {})
+    # another grid of the same model is another file: a draft model is often some engine's target too; the
+    # default grid, asked for by name or not (`draftsmith profile`, an engine), is one file
+    default = {"rows": list(ROWS), "query_lens": list(QUERY_LENS), "context": CONTEXT}
+    key = profile_key(model_dir, model) | ({"grid": wanted} if wanted != default else {})
     path = cache_path(key)
     if path.is_file() and not refresh:
         try:

@@ -72,6 +72,21 @@ def test_profile_is_measured_once_then_reused(cache_dir, monkeypatch):
         load_or_profile(model, DEMO_MODEL, rows=(1, 2, 4), query_lens=(1, 3), context=16)
 
 
+def test_the_default_grid_named_is_the_table_an_engine_reads(cache_dir, monkeypatch):
+    """`draftsmith profile MODEL --refresh` names the grid (rows up to --max-rows, --context): at the defaults,
+    it must measure again the table engines price with, not a file of its own."""
+    model = load_target(DEMO_MODEL, dtype="float32")
+    rows, lens = cost_profile.ROWS, cost_profile.QUERY_LENS
+    monkeypatch.setattr(cost_profile, "profile_forwards", lambda model, key, rows=rows, query_lens=lens,
+                        context=cost_profile.CONTEXT, progress=None: ForwardCostTable(
+                            key, list(rows), list(query_lens), context, [[1e-3] * len(query_lens)] * len(rows)))
+    monkeypatch.setattr(cost_profile, "stale_by", lambda model, table: None)
+    named, cached = load_or_profile(model, DEMO_MODEL, refresh=True, rows=rows, context=cost_profile.CONTEXT)
+    assert not cached
+    again, cached = load_or_profile(model, DEMO_MODEL)
+    assert cached and cache_path(again.key) == cache_path(named.key)
+
+
 def test_one_models_tables_of_two_grids_are_kept_apart(cache_dir, monkeypatch):
     """A draft model is often another engine's target: the grid that prices its catch-ups must not overwrite
     the default one in the cache, nor the other way round."""

@@ -199,7 +199,7 @@ class AdaptivePolicy:
             # the first guesses
             floor = self.acceptance.initial_rates
             probe = self._choose([[max(r, i) for r, i in zip(row, floor)] for row in rates], caps, seconds)[2]
-        best = self._explore(best, probe, plain, catch_up, thin)
+        best = self._explore(best, probe, plain, catch_up, thin, bool(unfed))
         self._plain_streak = (rows, 0 if best.width else self._streak_at(rows) + 1)
         if best.width > 0 and self.cost.per_token_drafts and self.confidence_floor:
             # one more draft step costs a draft forward plus a wider verify; it pays while the row's chance
@@ -353,9 +353,10 @@ class AdaptivePolicy:
         return max(t / (s + d) for t, s, d in zip(tokens, seconds, drafting)) / plain.tokens_per_s
 
     def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan,
-                 catch_up: tuple[int, int], thin: bool = False) -> StepPlan:
+                 catch_up: tuple[int, int], thin: bool = False, first_feed: bool = False) -> StepPlan:
         """`best`, or a probe of `speculative` when plain steps have gone on long enough (see PROBE_AFTER; with
-        `thin` evidence, the wait does not grow)."""
+        `thin` evidence, the wait does not grow). `first_feed`: the catch-up feeds rows whose drafter holds
+        none of their positions yet (`Proposer.unfed_rows`)."""
         if best.width:
             self._plain_run, self._probing, self._spec_run = 0, 0, self._spec_run + 1
             if self._spec_run > PROBE_STEPS:
@@ -366,8 +367,13 @@ class AdaptivePolicy:
         self._spec_run = 0
         probe_worth = False
         if speculative is not None and not self.cost.drafts_before_plan:
-            # a probe may be all the speculation there is for a while: its catch-up counts whole, not spread
-            whole = speculative.expected_seconds + self.cost.catch_up(*catch_up) * (1 - 1 / CATCH_UP_HORIZON)
+            # A probe may be all the speculation there is for a while: its catch-up counts whole, not spread.
+            # A first feed stays spread over the request's steps (FIRST_FEED_HORIZON), as it serves all its
+            # later drafts: counted whole, a head that keeps prompts unfed while held (DFlash) owed each new
+            # request's whole prompt at every probe, never probed again, and held plain for a whole run.
+            whole = speculative.expected_seconds
+            if not first_feed:
+                whole += self.cost.catch_up(*catch_up) * (1 - 1 / CATCH_UP_HORIZON)
             probe_worth = speculative.expected_tokens / whole >= PROBE_WORST * plain.tokens_per_s
         self._probe_worth = probe_worth  # read by the hold that `plan` sets after this
         if probe_worth and self._probe_due():

@@ -305,6 +305,27 @@ def test_an_overdue_probe_not_worth_its_catch_up_does_not_shorten_holds(monkeypa
     assert plans <= steps / MAX_PLAIN_HOLD + 5
 
 
+@pytest.mark.parametrize("first_feed", [False, True])
+def test_a_probe_counts_a_first_feed_spread_and_any_other_catch_up_whole(monkeypatch, first_feed):
+    """A probe's catch-up counts whole (`_explore`), but a first feed (`unfed` rows: the drafter holds none of
+    their positions) serves the request's later drafts and stays spread as the plan prices it: counted whole, a
+    DFlash head holding new prompts unfed never probed again. Prices as in the test above: a loss, but within
+    PROBE_WORST but for the catch-up."""
+    policy = _policy(CHEAP, sequential=True)
+    _feed(policy, [0], accepted_each=1, times=THIN_EVIDENCE)
+    prices = lambda rows, query_lens, *args: [1.0] + [1.0 + 1.5 * w for w in range(1, len(query_lens))]  # noqa: E731
+    monkeypatch.setattr(policy.cost, "step_seconds_by_width", prices)
+    monkeypatch.setattr(policy.cost, "catch_up", lambda rows, positions: 100.0)
+    slots, limits, unfed = torch.tensor([0]), torch.tensor([K]), ((0, 128),) if first_feed else ()
+    probes = 0
+    for _ in range(600):
+        if not policy.held((0,)):
+            width = policy.plan(slots, limits, catch_up=(1, 500), unfed=unfed).width
+            probes += width > 0
+            policy.idle(slots)
+    assert (probes > 0) == first_feed
+
+
 def test_close_calls_after_drafting_hold_longer_in_a_row_up_to_a_cap(monkeypatch):
     """Proposers that draft before the plan: a close call holds one request CLOSE_HOLD steps; each close
     call in a row doubles that, up to MAX_DRAFTED_CLOSE_HOLD; a plan that speculates starts the count again."""

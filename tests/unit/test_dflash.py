@@ -548,8 +548,9 @@ def test_a_request_that_never_drafts_never_projects_its_context(monkeypatch):
 
 
 def test_a_prompt_kept_while_held_is_the_catch_up_and_drafts_as_if_fed_at_once(demo_target, monkeypatch):
-    """A prompt kept unprojected (`observe_prompt_later`) is what the row owes before it drafts, and its first
-    drafts are those of a prompt projected at prefill; past the byte budget a prompt is taken at once."""
+    """A prompt kept unprojected (`observe_prompt_later`) is what the row owes before it drafts, a first feed
+    (`unfed_rows`: the policy spreads it over the request's steps), and its first drafts are those of a prompt
+    projected at prefill; past the byte budget a prompt is taken at once."""
     import draftsmith.methods.dflash.proposer as dflash
     from draftsmith.models.tokenizer import load_tokenizer
     from draftsmith.serve.speculation.config import parse_speculative_config
@@ -566,9 +567,10 @@ def test_a_prompt_kept_while_held_is_the_catch_up_and_drafts_as_if_fed_at_once(d
     cut = len(prompt) // 2  # a prompt in two chunks
     assert lazy.observe_prompt_later([row], [0], [cut], features[:, :cut])
     assert lazy.observe_prompt_later([row], [cut], [len(prompt) - cut], features[:, cut:])
-    assert lazy.catch_up([row]) == (1, len(prompt))
+    assert lazy.catch_up([row]) == (1, len(prompt)) and lazy.unfed_rows([row]) == [0]
+    assert eager.unfed_rows([row]) == []
     drafted = lazy.propose([row], [8])
-    assert not drafted.steady and lazy.catch_up([row]) == (0, 0)
+    assert not drafted.steady and lazy.catch_up([row]) == (0, 0) and lazy.unfed_rows([row]) == []
     assert torch.equal(drafted.tokens[0], eager.propose([row], [8]).tokens[0])
     monkeypatch.setattr(dflash, "MAX_LATER_BYTES", features.numel() * features.element_size() - 1)
     other = Row("b", 0, prompt, [1])

@@ -140,6 +140,12 @@ class DFlashProposer(Proposer):
     def _live(self, kept: _Kept) -> list[int]:
         return [i for i, (slot, gen) in enumerate(zip(kept.slots, kept.generations)) if self.generation[slot] == gen]
 
+    def unfed_rows(self, rows: Sequence[RowState]) -> list[int]:
+        """Rows whose prompt was kept unprojected while the policy held (`observe_prompt_later`): their context
+        holds none of their positions yet, and its first projection serves every later draft of the request."""
+        return [b for b, r in enumerate(rows)
+                if self.owner[r.slot] == r.request_id and not self.context_len[r.slot] and self._kept[r.slot]]
+
     def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
         # a verified step's positions are projected as it is observed, so a steady draft projects none; the
         # plain steps kept since the last replay are the catch-up (those of a slot's earlier requests are not)

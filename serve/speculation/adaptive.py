@@ -23,8 +23,8 @@ per second.
 from __future__ import annotations
 
 from draftsmith.serve.speculation.cost_model import CATCH_UP_HORIZON, CostModel
-from draftsmith.serve.speculation.estimators import AcceptanceStats, int_list
-from draftsmith.serve.speculation.plan import StepPlan, WidthCounts
+from draftsmith.serve.speculation.estimators import AcceptanceStats
+from draftsmith.serve.speculation.plan import StepPlan, WidthCounts, int_list
 
 FLOOR_MARGIN = 0.5
 # The rules below; the measurements that set each value are in docs/decisions/adaptive-speculation.md.

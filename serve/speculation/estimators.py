@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from draftsmith.serve.speculation.plan import int_list
+
 # Before any evidence, the chance that draft 1 is accepted, and any later one given those before it were (a
 # stretch that drafts well tends to go on drafting well): a guess that makes speculation worth trying; real
 # counts outweigh it in a few steps.
@@ -239,8 +241,3 @@ class AcceptanceStats:
         d = LIFETIME_DECAY**rows
         self.lifetime_reached = [d * v + n for v, n in zip(self.lifetime_reached, reached_sum)]
         self.lifetime_accepted = [d * v + n for v, n in zip(self.lifetime_accepted, hit_sum)]
-
-
-def int_list(values) -> list[int]:
-    """Any int sequence (list, tuple, numpy array, CPU tensor) as a list of Python ints."""
-    return values.tolist() if hasattr(values, "tolist") else list(values)

@@ -1,11 +1,9 @@
 """What a speculation policy answers for one step (`StepPlan`), and the widths it gave, counted for the metrics
-(`WidthCounts`): the values every policy shares."""
+(`WidthCounts`): the values every policy shares, and `int_list`, how they all read slots and limits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from draftsmith.serve.speculation.estimators import int_list
 
 
 @dataclass
@@ -47,3 +45,8 @@ class WidthCounts:
 
     def metrics(self) -> dict:
         return {"spec_k_histogram": list(self.row_widths), "num_steps_without_speculation": self.plain_steps}
+
+
+def int_list(values) -> list[int]:
+    """Any int sequence (list, tuple, numpy array, CPU tensor) as a list of Python ints."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)

@@ -19,8 +19,7 @@ from draftsmith.serve.speculation.cost_profile import (
     load_or_profile,
     profile_forwards,
 )
-from draftsmith.serve.speculation.estimators import int_list
-from draftsmith.serve.speculation.plan import StepPlan, WidthCounts
+from draftsmith.serve.speculation.plan import StepPlan, WidthCounts, int_list
 
 logger = logging.getLogger("draftsmith")
 

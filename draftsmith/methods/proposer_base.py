@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -57,6 +57,15 @@ class DraftSampling(Protocol):
     temperature: torch.Tensor  # [B] fp32, 0 = greedy
     generators: list[torch.Generator]
     all_greedy: bool
+
+
+class CatchUpTimer(NamedTuple):
+    """A proposer's catch-up as the policy times it (`Proposer.catch_up_timer`)."""
+
+    run: Callable[[int, int], None]  # one catch-up of (rows, positions each), on scratch state, before admission
+    most_rows: int
+    most_positions: int
+    device: torch.device
 
 
 class Proposer:
@@ -142,6 +151,12 @@ class Proposer:
         """(model, its folder) where catch-ups run a whole language model that the forward-cost profile can
         time (a draft model): the policy prices them by that model's own table. None: priced from the
         target's table."""
+        return None
+
+    def catch_up_timer(self) -> CatchUpTimer | None:
+        """Where a catch-up runs no draft forward but a projection of its own (a block drafter writing kept
+        target features into its context): how to run one, which the policy times over a grid into the table
+        that prices catch-ups. None: priced otherwise."""
         return None
 
     def features(self, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -8,7 +8,8 @@ work are fitted online from the step timings the engine reports: draft(rows, w) 
 proposers that run one draft forward per token (a: catch-up and setup, b: one forward), host work linear in
 rows. Rows that must first feed the draft model a longer run of positions (new requests, or rows resuming
 after plain steps) add a catch-up forward of their own, learned per query token and spread over the steps it
-serves; where that forward runs a whole draft model, its own profiled table prices it instead.
+serves; where that forward runs a whole draft model, its own profiled table prices it instead, and where it is a
+projection of the proposer's own (DFlash's context), that projection's timings.
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ class CostModel:
     # from the target's table and the draft forward ratio.
     catch_up_line: DecayedLine = field(default_factory=lambda: DecayedLine(decay=0.8, prior_weight=0.5))
     catch_up_weight: float = 0.0  # the catch-ups behind it, decayed per catch-up and faded by plain steps
-    # where catch-ups run a whole draft model: its own forward table, which prices them alone (no learning: a
-    # per-token price learned from short catch-ups, whose fixed costs dominate, priced a prompt's 3-4x over)
+    # where catch-ups run a whole draft model, its own forward table; where they run a projection of their own
+    # (a block drafter's context), that projection timed over a grid (`Proposer.catch_up_timer`). Either prices
+    # them alone, without learning: a per-token price learned from short catch-ups, whose fixed costs dominate,
+    # priced a draft model's prompt 3-4x over, and a DFlash head's kept prompt 8-14x
     catch_up_table: ForwardCostTable | None = None
     # a steady speculative step's measured seconds / the sum of its parts as predicted: each part is fitted
     # on its own but over all batch sizes and widths at once, so the whole may cost more than its parts say

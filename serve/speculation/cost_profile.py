@@ -20,6 +20,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -127,18 +128,30 @@ def time_forward(model, cache, rows: int, query_len: int, context: int, repeats:
     batch = ForwardBatch.build(list(range(rows)), [context] * rows, [query_len] * rows, cache,
                                model.config.sliding_window, device)
     ids = torch.zeros(rows, query_len, dtype=torch.long, device=device)
-    times = []
     with torch.inference_mode():
-        for attempt in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            model(ids, cache=cache, batch=batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if attempt:  # the first run warms caches and allocators
-                times.append(time.perf_counter() - start)
+        return median_seconds(lambda: model(ids, cache=cache, batch=batch), repeats, device)
+
+
+def median_seconds(run, repeats: int, device: torch.device) -> float:
+    """Median wall seconds of `repeats` calls of `run()`, after one that warms caches and allocators."""
+    times = []
+    for attempt in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if attempt:
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def profile_catch_ups(run, rows: list[int], positions: list[int], repeats: int, device: torch.device) -> ForwardCostTable:
+    """The table of `run(rows, positions)` (a proposer's catch-up: `Proposer.catch_up_timer`) over the grid,
+    timed now: a projection's grid takes well under a second, so it is not kept on disk."""
+    seconds = [[median_seconds(partial(run, r, q), repeats, device) for q in positions] for r in rows]
+    return ForwardCostTable({"catch_up": "projection"}, list(rows), list(positions), 0, seconds)
 
 
 def profile_forwards(model, key: dict, rows=ROWS, query_lens=QUERY_LENS, context: int = CONTEXT,

@@ -17,6 +17,7 @@ from draftsmith.serve.speculation.cost_profile import (
     CATCH_UP_GRID,
     ForwardCostTable,
     load_or_profile,
+    profile_catch_ups,
     profile_forwards,
 )
 from draftsmith.serve.speculation.plan import StepPlan, WidthCounts, int_list
@@ -136,18 +137,25 @@ def make_policy(spec_config, proposer, num_slots: int, cost_table: ForwardCostTa
         cost_table = profile_forwards(target, {"model": "in-memory"})
     cost = CostModel(cost_table, per_token_drafts=proposer.per_token_drafts, drafts_before_plan=proposer.propose_first,
                      draft_query_len=proposer.draft_query_len, draft_guess=proposer.draft_cost_guess,
-                     catch_up_table=_catch_up_table(proposer))
+                     catch_up_table=_catch_up_table(proposer, num_slots))
     logger.info("speculation: adaptive (0..k per step, from the cost model)")
     return AdaptivePolicy(k, num_slots, cost, disable_above)
 
 
-def _catch_up_table(proposer) -> ForwardCostTable | None:
+def _catch_up_table(proposer, num_slots: int) -> ForwardCostTable | None:
     """The forward-cost table of the model a proposer's catch-ups run through, where it is a whole language model
-    (`Proposer.catch_up_model`): from the disk cache, or measured now (a few seconds, once per model)."""
+    (`Proposer.catch_up_model`): from the disk cache, or measured now (a few seconds, once per model); or the
+    table of its own catch-up projection (`Proposer.catch_up_timer`), timed now. None: catch-ups are priced
+    from the target's table and learned."""
     drafter = proposer.catch_up_model()
-    if drafter is None:
+    if drafter is not None:
+        table, cached = load_or_profile(*drafter, **CATCH_UP_GRID)
+        if not cached:
+            logger.info("profiled draft model forwards (%s) to price its catch-ups", drafter[1])
+        return table
+    timer = proposer.catch_up_timer()
+    if timer is None:
         return None
-    table, cached = load_or_profile(*drafter, **CATCH_UP_GRID)
-    if not cached:
-        logger.info("profiled draft model forwards (%s) to price its catch-ups", drafter[1])
-    return table
+    rows = [r for r in CATCH_UP_GRID["rows"] if r <= min(timer.most_rows, num_slots)] or [1]
+    positions = [q for q in CATCH_UP_GRID["query_lens"] if q <= timer.most_positions]
+    return profile_catch_ups(timer.run, rows, positions, CATCH_UP_GRID["repeats"], timer.device)

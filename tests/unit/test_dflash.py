@@ -129,10 +129,31 @@ def test_adaptive_dflash_keeps_greedy_equality(demo_target, tmp_path, greedy_ref
     llm = _serve(_save(random_dflash_head(demo_target, seed=1), tmp_path / "head"), adaptive=True)
     cost = llm.engine.policy.cost  # a draft forward priced as the target's of a block (5 a row), 2 layers of 6
     assert cost.draft_query_len == 5 and cost.draft_guess == pytest.approx(2 / 6)
+    # catch-ups priced by timing the projection they run, within 3 slots and the 256 + 5 positions of the cache
+    assert cost.catch_up_table.rows == [1, 2] and cost.catch_up_table.query_lens == [1, 8, 32, 128]
     make_speculation_pay(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    # the timer's scratch writes went into slots before any request: every context was written over
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0  # the adaptive policy did speculate
+
+
+def test_the_catch_up_timer_runs_the_projection_a_catch_up_runs(demo_target, monkeypatch):
+    """A catch-up is `_write_context` over kept positions and nothing else (no block forward): the timer runs
+    that, for the rows and positions asked, from position 0 of the first slots."""
+    from draftsmith.methods.dflash.proposer import DFlashProposer
+    from draftsmith.serve.speculation.config import parse_speculative_config
+
+    config = parse_speculative_config({"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8})
+    proposer = DFlashProposer(config, demo_target, 3, 256)
+    written = []
+    monkeypatch.setattr(proposer, "_write_context", lambda slots, starts, counts, features: written.append(
+        (slots, starts, counts, tuple(features.shape))))
+    timer = proposer.catch_up_timer()
+    assert (timer.most_rows, timer.most_positions) == (3, proposer.cache.max_len)
+    timer.run(2, 40)
+    width = len(proposer.feature_layers) * demo_target.config.hidden_size
+    assert written == [([0, 1], [0, 0], [40, 40], (2, 40, width))]
 
 
 def test_k_beyond_the_block_is_one_line(demo_target, tmp_path):

@@ -25,6 +25,9 @@ class _Proposer:
     def catch_up_model(self):  # catch-ups priced from the target's table
         return None
 
+    def catch_up_timer(self):
+        return None
+
 
 def _policy(config: dict):
     return make_policy(parse_speculative_config(config), _Proposer(), 4, synthetic_table(0.1), None)
@@ -74,3 +77,27 @@ def test_an_engine_decodes_batches_above_disable_by_batch_size_plainly(target, g
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference
     assert all(width == 0 for rows, width in steps if rows > 2) and any(rows > 2 for rows, _ in steps)
     assert any(width > 0 for rows, width in steps if rows <= 2)
+
+
+def test_a_proposers_own_catch_up_is_timed_into_the_table_that_prices_it():
+    """A proposer whose catch-ups are a projection of its own (`catch_up_timer`) has them timed over the
+    catch-up grid, within the rows it has slots for and the positions its cache holds, and priced by that
+    table alone: what the kept positions add to its first draft forward's shape."""
+    from draftsmith.methods.proposer_base import CatchUpTimer
+
+    calls = []
+
+    class Projecting(_Proposer):
+        per_token_drafts, draft_query_len = False, 9
+
+        def catch_up_timer(self):
+            return CatchUpTimer(lambda rows, positions: calls.append((rows, positions)), 3, 200, torch.device("cpu"))
+
+    config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4})
+    policy = make_policy(config, Projecting(), 2, synthetic_table(0.1), None)
+    table = policy.cost.catch_up_table
+    assert table.rows == [1, 2] and table.query_lens == [1, 8, 32, 128]  # 4 rows > 2 slots; 512 > 200
+    assert sorted(set(calls)) == [(r, q) for r in (1, 2) for q in (1, 8, 32, 128)]
+    assert policy.cost.catch_up(2, 100) == pytest.approx(table.estimate(2, 109) - table.estimate(2, 9))
+    policy.cost.observe_catch_up((1, 10), 1, 1, 5.0)  # a live catch-up that stalled teaches nothing
+    assert policy.cost.catch_up(2, 100) == pytest.approx(table.estimate(2, 109) - table.estimate(2, 9))

@@ -17,7 +17,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.methods.draft_sampling import choose_block
 from draftsmith.methods.draft_trees import TreeShape, configured_tree, marginal_tree, static_marginal_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head
-from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer, RowState
+from draftsmith.methods.proposer_base import CatchUpTimer, DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.models.attention import cached_attention, slot_kernel_attention
 from draftsmith.models.kv_cache import ForwardBatch
 
@@ -151,6 +151,22 @@ class DFlashProposer(Proposer):
         # plain steps kept since the last replay are the catch-up (those of a slot's earlier requests are not)
         owed = [self._kept[r.slot] for r in rows if self._kept[r.slot]]
         return len(owed), max(owed, default=0)
+
+    def catch_up_timer(self) -> CatchUpTimer:
+        """A catch-up is `_write_context` over the kept positions (fc, norm, every layer's k/v), no block
+        forward: 600 kept prompt positions take a few ms. Priced as a draft forward per position instead, from
+        the slope of short catch-ups (mostly fixed cost), one was priced 40-80 ms on the demo and held DFlash
+        plain for whole requests at one in flight. Random features go into slots 0..rows-1 from position 0:
+        before admission, and a request's context is written from its position 0 before it is read."""
+        width = len(self.feature_layers) * self.head.config.target_hidden_size
+        dtype = self.head.target.model.embed_tokens.weight.dtype
+
+        @torch.inference_mode()
+        def project(rows: int, positions: int) -> None:
+            features = torch.randn(rows, positions, width, dtype=dtype, device=self.device)
+            self._write_context(list(range(rows)), [0] * rows, [positions] * rows, features)
+
+        return CatchUpTimer(project, len(self.owner), self.cache.max_len, self.device)
 
     @torch.inference_mode()
     def _replay(self) -> None:

@@ -140,20 +140,24 @@ def test_adaptive_dflash_keeps_greedy_equality(demo_target, tmp_path, greedy_ref
 
 def test_the_catch_up_timer_runs_the_projection_a_catch_up_runs(demo_target, monkeypatch):
     """A catch-up is `_write_context` over kept positions and nothing else (no block forward): the timer runs
-    that, for the rows and positions asked, from position 0 of the first slots."""
+    that, for the rows and positions asked, from position 0 of the first slots, on features drawn once for
+    the largest shape so far (a draw inside the timed call would be priced as catch-up)."""
     from draftsmith.methods.dflash.proposer import DFlashProposer
     from draftsmith.serve.speculation.config import parse_speculative_config
 
     config = parse_speculative_config({"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8})
     proposer = DFlashProposer(config, demo_target, 3, 256)
-    written = []
-    monkeypatch.setattr(proposer, "_write_context", lambda slots, starts, counts, features: written.append(
-        (slots, starts, counts, tuple(features.shape))))
+    written, storages = [], []
+    monkeypatch.setattr(proposer, "_write_context", lambda slots, starts, counts, features: (
+        written.append((slots, starts, counts, tuple(features.shape))),
+        storages.append(features.untyped_storage().data_ptr())))
     timer = proposer.catch_up_timer()
-    assert (timer.most_rows, timer.most_positions) == (3, proposer.cache.max_len)
+    assert timer.most_positions == proposer.cache.max_len
     timer.run(2, 40)
+    timer.run(1, 20)
     width = len(proposer.feature_layers) * demo_target.config.hidden_size
-    assert written == [([0, 1], [0, 0], [40, 40], (2, 40, width))]
+    assert written == [([0, 1], [0, 0], [40, 40], (2, 40, width)), ([0], [0], [20], (1, 20, width))]
+    assert storages[0] == storages[1]  # the smaller shape reads the features drawn for the larger
 
 
 def test_k_beyond_the_block_is_one_line(demo_target, tmp_path):

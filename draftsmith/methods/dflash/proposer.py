@@ -157,16 +157,22 @@ class DFlashProposer(Proposer):
         forward: 600 kept prompt positions take a few ms. Priced as a draft forward per position instead, from
         the slope of short catch-ups (mostly fixed cost), one was priced 40-80 ms on the demo and held DFlash
         plain for whole requests at one in flight. Random features go into slots 0..rows-1 from position 0:
-        before admission, and a request's context is written from its position 0 before it is read."""
+        before admission, and a request's context is written from its position 0 before it is read. They are
+        drawn once per larger shape, on that shape's first (untimed) run, so the table prices the projection
+        alone."""
         width = len(self.feature_layers) * self.head.config.target_hidden_size
         dtype = self.head.target.model.embed_tokens.weight.dtype
+        scratch = torch.empty(0, 0, width, dtype=dtype, device=self.device)
 
         @torch.inference_mode()
         def project(rows: int, positions: int) -> None:
-            features = torch.randn(rows, positions, width, dtype=dtype, device=self.device)
-            self._write_context(list(range(rows)), [0] * rows, [positions] * rows, features)
+            nonlocal scratch
+            if rows > scratch.shape[0] or positions > scratch.shape[1]:
+                grown = (max(rows, scratch.shape[0]), max(positions, scratch.shape[1]), width)
+                scratch = torch.randn(grown, dtype=dtype, device=self.device)
+            self._write_context(list(range(rows)), [0] * rows, [positions] * rows, scratch[:rows, :positions])
 
-        return CatchUpTimer(project, len(self.owner), self.cache.max_len, self.device)
+        return CatchUpTimer(project, self.cache.max_len, self.device)
 
     @torch.inference_mode()
     def _replay(self) -> None:

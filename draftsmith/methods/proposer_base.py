@@ -62,8 +62,8 @@ class DraftSampling(Protocol):
 class CatchUpTimer(NamedTuple):
     """A proposer's catch-up as the policy times it (`Proposer.catch_up_timer`)."""
 
-    run: Callable[[int, int], None]  # one catch-up of (rows, positions each), on scratch state, before admission
-    most_rows: int
+    # one catch-up of (rows, positions each), on scratch state, before admission; rows up to the engine's slots
+    run: Callable[[int, int], None]
     most_positions: int
     device: torch.device
 

@@ -156,6 +156,6 @@ def _catch_up_table(proposer, num_slots: int) -> ForwardCostTable | None:
     timer = proposer.catch_up_timer()
     if timer is None:
         return None
-    rows = [r for r in CATCH_UP_GRID["rows"] if r <= min(timer.most_rows, num_slots)] or [1]
+    rows = [r for r in CATCH_UP_GRID["rows"] if r <= num_slots] or [1]
     positions = [q for q in CATCH_UP_GRID["query_lens"] if q <= timer.most_positions]
     return profile_catch_ups(timer.run, rows, positions, CATCH_UP_GRID["repeats"], timer.device)

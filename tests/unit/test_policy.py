@@ -91,7 +91,7 @@ def test_a_proposers_own_catch_up_is_timed_into_the_table_that_prices_it():
         per_token_drafts, draft_query_len = False, 9
 
         def catch_up_timer(self):
-            return CatchUpTimer(lambda rows, positions: calls.append((rows, positions)), 3, 200, torch.device("cpu"))
+            return CatchUpTimer(lambda rows, positions: calls.append((rows, positions)), 200, torch.device("cpu"))
 
     config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4})
     policy = make_policy(config, Projecting(), 2, synthetic_table(0.1), None)

@@ -12,8 +12,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -203,11 +205,16 @@ inline void mask_block(const QueryKeys& query, int64_t start, int64_t count, flo
   }
 }
 
-// One (row, KV head): `group` query heads (from first_head) times `queries` queries.
+// One (row, KV head): `group` query heads (from first_head) times the row's first `live` of `queries` queries;
+// the rest are padding, whose outputs are zeros.
 template <typename scalar_t>
 void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys, int64_t first_head,
-            int64_t group, int64_t queries, int64_t dim, float scale, std::vector<float>& buffer) {
-  const int64_t rows = group * queries;  // score rows: head-major, then query
+            int64_t group, int64_t queries, int64_t live, int64_t dim, float scale, std::vector<float>& buffer) {
+  for (int64_t h = first_head; h < first_head + group; ++h) {
+    std::fill(task.out + (h * queries + live) * dim, task.out + (h + 1) * queries * dim,
+              static_cast<scalar_t>(0));
+  }
+  const int64_t rows = group * live;  // score rows: head-major, then query
   buffer.assign(rows * dim * 2 + rows * BLOCK + rows * 2, 0.0f);
   float* q = buffer.data();            // [rows, dim], scaled
   float* acc = q + rows * dim;         // [rows, dim]
@@ -216,7 +223,7 @@ void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys
   float* run_sum = run_max + rows;
   int64_t first = INT64_MAX, last = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t h = first_head + r / queries, i = r % queries;
+    const int64_t h = first_head + r / live, i = r % live;
     const scalar_t* src = task.q + h * task.q_head + i * task.q_query;
     for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = static_cast<float>(src[d]) * scale;
     run_max[r] = NEG;
@@ -236,7 +243,7 @@ void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys
       const scalar_t* key = task.keys + (start + j) * task.k_pos;
       for (int64_t r = 0; r < rows; ++r) scores[r * BLOCK + j] = dot(q + r * dim, key, dim);
     }
-    for (int64_t r = 0; r < rows; ++r) mask_block(query_keys[r % queries], start, count, scores + r * BLOCK);
+    for (int64_t r = 0; r < rows; ++r) mask_block(query_keys[r % live], start, count, scores + r * BLOCK);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = scores + r * BLOCK;
       const float block_max = max_of(row, count);
@@ -277,7 +284,7 @@ void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys
     }
   }
   for (int64_t r = 0; r < rows; ++r) {  // a query that saw no key gets zeros
-    const int64_t h = first_head + r / queries, i = r % queries;
+    const int64_t h = first_head + r / live, i = r % live;
     const float inverse = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;
     scalar_t* dst = task.out + (h * queries + i) * dim;
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * dim + d] * inverse);
@@ -297,6 +304,37 @@ std::vector<QueryKeys> row_query_keys(int64_t b, int64_t queries, const int64_t*
                         tree == nullptr ? nullptr : tree + (b * queries + i) * tree_width, tree_width};
   }
   return keys;
+}
+
+// Row b's queries up to its last at a position below its kv_len: those after it are padding (a verify's row
+// with fewer drafts than the batch's widest), which scores no key (at 8 rows in flight, one row verifying 4
+// drafts among plain ones had every row's padding attend over its whole context: 3x a decode's attention).
+// A tree's positions are depths, not cache positions: every query is scored.
+int64_t live_queries(int64_t b, int64_t queries, const at::Tensor& positions, const at::Tensor& kv_lens,
+                     const at::Tensor& tree) {
+  if (tree.defined()) return queries;
+  const int64_t* pos = positions.data_ptr<int64_t>() + b * queries;
+  const int64_t kv_len = kv_lens.data_ptr<int64_t>()[b];
+  int64_t live = queries;
+  while (live > 0 && pos[live - 1] >= kv_len) --live;
+  return live;
+}
+
+// The (row, KV head) tasks, costliest first (live queries times keys in range), which the threads take one
+// at a time: split into equal ranges, a verify's rows with drafts among plain ones left one thread with most
+// of the work (3 rows of 5 queries and 5 of 1 took longer than 8 rows of 3).
+std::vector<int64_t> costliest_first(int64_t rows, int64_t kv_heads, const std::vector<int64_t>& live,
+                                     const at::Tensor& kv_lens, const at::Tensor& firsts) {
+  std::vector<int64_t> cost(rows);
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t first = firsts.defined() ? firsts.data_ptr<int64_t>()[b] : 0;
+    cost[b] = live[b] * std::max<int64_t>(kv_lens.data_ptr<int64_t>()[b] - first, 1);
+  }
+  std::vector<int64_t> order(rows * kv_heads);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a / kv_heads] > cost[b / kv_heads]; });
+  return order;
 }
 
 at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -332,6 +370,8 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
     const int64_t slot = slot_ids.data_ptr<int64_t>()[b];
     TORCH_CHECK(slot >= 0 && slot < k_cache.size(0), "slot_attention: a slot past the cache");
   }
+  std::vector<int64_t> live(rows);
+  for (int64_t b = 0; b < rows; ++b) live[b] = live_queries(b, queries, pos, lens, tree);
   at::Tensor out = at::empty({rows, heads, queries, dim}, q.options());
   const int64_t group = heads / kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "slot_attention_cpu", [&] {
@@ -342,10 +382,13 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
     const int64_t* slot_data = slot_ids.data_ptr<int64_t>();
     const Strides ks{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
     const Strides vs{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
-    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const std::vector<int64_t> order = costliest_first(rows, kv_heads, live, lens, firsts);
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), rows * kv_heads);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       std::vector<float> buffer;
-      for (int64_t task_id = begin; task_id < end; ++task_id) {
-        const int64_t b = task_id / kv_heads, kv_head = task_id % kv_heads;
+      for (int64_t n; (n = next.fetch_add(1)) < static_cast<int64_t>(order.size());) {
+        const int64_t task_id = order[n], b = task_id / kv_heads, kv_head = task_id % kv_heads;
         const int64_t slot = slot_data[b];
         const auto query_keys = row_query_keys(
             b, queries, pos.data_ptr<int64_t>(), lens.data_ptr<int64_t>()[b],
@@ -356,7 +399,7 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
                                   k_data + slot * ks.slot + kv_head * ks.head,
                                   v_data + slot * vs.slot + kv_head * vs.head, ks.pos, vs.pos,
                                   out_data + b * heads * queries * dim};
-        attend(task, query_keys, kv_head * group, group, queries, dim, static_cast<float>(scale), buffer);
+        attend(task, query_keys, kv_head * group, group, queries, live[b], dim, static_cast<float>(scale), buffer);
       }
     });
   });

@@ -89,6 +89,18 @@ def test_a_query_that_sees_no_key_gets_zeros():
     _check(got, want, [2, 1])
 
 
+def test_padding_queries_are_not_scored():
+    """A row's queries after its last below its kv_len are padding (a verify row with fewer drafts than the
+    batch's widest): skipped, their outputs zeros, the row's real queries as the reference has them."""
+    q_lens = [5, 1, 3, 1]
+    q, k, v, slots, positions, kv_lens = _case(8, 2, 64, q_lens, starts=[40, 300, 7, 650], seed=6)
+    got = slot_attention_cpu(q, k, v, slots, positions, kv_lens)
+    for b, n in enumerate(q_lens):
+        assert torch.equal(got[b, :, n:], torch.zeros_like(got[b, :, n:]))
+        assert got[b, :, :n].abs().sum() > 0
+    _check(got, slot_attention_reference(q, k, v, slots, positions, kv_lens), q_lens)
+
+
 def test_the_op_runs_inside_a_compiled_function():
     q_lens = [1, 3]
     q, k, v, slots, positions, kv_lens = _case(8, 2, 64, q_lens, starts=[77, 400], seed=5)

@@ -71,6 +71,31 @@ def test_served_drafts_are_the_unrolled_steps(demo_target, tmp_path, layers):
     assert drafted.forwards == 1 and proposer.per_token_drafts is False
 
 
+@pytest.mark.parametrize("limits", [(K, K), (K, 2)])
+def test_rows_of_unequal_context_draft_in_one_forward_as_each_alone(demo_target, tmp_path, limits):
+    """Rows holding different numbers of new positions (their slots placed after each row's own) and rows
+    drafting fewer than k: each row's drafts are what training's unroll gives at its own last position, up to
+    its limit, -1 after."""
+    _head(demo_target).save_pretrained(tmp_path / "head")
+    config = parse_speculative_config({"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": K,
+                                       "draft_dtype": "float32", "parallel_drafting": True})
+    proposer = resolve_method("eagle3").proposer_class()(config, demo_target, 2, 128)
+    head, lengths = proposer.head, (20, 14)
+    ids = [torch.randint(4, 8000, (1, n + 1)) for n in lengths]
+    feats = [target_features(demo_target, head.feature_layers, x, "float32")["features"] for x in ids]
+    rows = [Row(name, slot, x[0, :n].tolist(), [int(x[0, n])]) for name, slot, x, n in zip("ab", (1, 0), ids, lengths)]
+    padded = torch.zeros(2, max(lengths), feats[0].shape[-1])
+    for b, (f, n) in enumerate(zip(feats, lengths)):
+        padded[b, :n] = f[0, :n]
+    proposer.observe(rows, [0, 0], list(lengths), padded)
+    drafted = proposer.propose(rows, list(limits))
+    for b, (x, f, n, limit) in enumerate(zip(ids, feats, lengths, limits)):
+        with torch.no_grad():
+            taught = [logits[0, n - 1] for _, logits in unroll(head, x, f, K)]
+        expected = [int(head.to_target_ids(step.argmax(-1))) for step in taught][:limit]
+        assert drafted.tokens[b].tolist() == expected + [-1] * (K - limit), b
+
+
 @pytest.mark.parametrize("layers", [1, 3])
 def test_greedy_equality_one_draft_forward_a_step(demo_target, tmp_path, greedy_reference, layers):
     _head(demo_target, seed=1, layers=layers).save_pretrained(tmp_path / "head")

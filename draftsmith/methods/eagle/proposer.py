@@ -402,12 +402,13 @@ class EagleFamilyProposer(Proposer):
         slot_tokens, slot_hidden = self.head.parallel_inputs(rows, extra, self.device)
         tokens = torch.cat([tokens, slot_tokens], 1)
         hidden = torch.cat([hidden, slot_hidden.to(hidden.dtype)], 1)
-        held_t = torch.tensor(held, device=self.device)
-        cols = held_t[:, None] + torch.arange(extra, device=self.device)  # each row's slots, after its own
-        at_end = torch.arange(max(held), max(held) + extra, device=self.device).expand(rows, -1)
-        index = torch.arange(rows, device=self.device)[:, None]
-        tokens[index, cols], hidden[index, cols] = tokens[index, at_end], hidden[index, at_end]
-        read_at = held_t[:, None] - 1 + torch.arange(extra + 1, device=self.device)
+        if min(held) < max(held):  # rows holding fewer positions than the widest get their slots moved up
+            held_t = torch.tensor(held, device=self.device)
+            cols = held_t[:, None] + torch.arange(extra, device=self.device)  # each row's slots, after its own
+            at_end = torch.arange(max(held), max(held) + extra, device=self.device).expand(rows, -1)
+            index = torch.arange(rows, device=self.device)[:, None]
+            tokens[index, cols], hidden[index, cols] = tokens[index, at_end], hidden[index, at_end]
+        read_at = torch.tensor([[n - 1 + j for j in range(extra + 1)] for n in held], device=self.device)
         return tokens, hidden, [n + extra for n in held], read_at
 
     def _draft_parallel(self, logits: torch.Tensor, host_limits: list[int], temperature, draws, q_out):
@@ -415,6 +416,9 @@ class EagleFamilyProposer(Proposer):
         own (no draft feeds another) -> (target ids [A, k], -1 past each row's limit; running products of
         their probabilities [A, k])."""
         rows, steps = len(host_limits), max(host_limits)
+        if temperature is None and min(host_limits) == self.k:  # all greedy, every row drafting all k
+            ids, chance, _ = self._choose(logits.reshape(rows * steps, -1), None, [])
+            return ids.view(rows, steps), chance.view(rows, steps).cumprod(1)
         drafted = torch.full((rows, self.k), -1, dtype=torch.long, device=self.device)
         probs = torch.zeros(rows, self.k, device=self.device)
         if temperature is None:  # all greedy: one pick over every position

@@ -213,6 +213,19 @@ class ForwardBatch:
         out[self.tokens] = packed
         return out.view((rows, width) + packed.shape[1:])
 
+    def write_packed(self, layer_cache: torch.Tensor, new: torch.Tensor) -> None:
+        """new [T, num_kv_heads, head_dim], a packed batch's real tokens, goes to their slots and positions:
+        no padded copy to build, and padding writes nothing."""
+        index = self.memo.get("packed_writes")
+        if index is None:
+            index = self.memo["packed_writes"] = (self.write_slots.reshape(-1)[self.tokens],
+                                                  self.positions.reshape(-1)[self.tokens])
+        slots, positions = index
+        if (step_ops_cpu.runs_for(new) and layer_cache.dtype == new.dtype and new.stride(-1) == 1
+                and layer_cache.stride(-1) == 1):
+            return step_ops_cpu.write_kv(layer_cache, slots[None], positions[None], new.unsqueeze(0).transpose(1, 2))
+        layer_cache[slots, :, positions] = new
+
     def read(self, layer_cache: torch.Tensor) -> torch.Tensor:
         """This batch's keys (or values) [B, num_kv_heads, kv_len - kv_start, head_dim], or with
         `key_positions` [B, num_kv_heads, K, head_dim], row b's keys at its own positions."""

@@ -94,17 +94,16 @@ class Attention(nn.Module):
 
     def _packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
-        """x [T, hidden], cos/sin [T, head_dim]: projections and rope per real token; the cache write and
-        attention over the padded [B, Q] layout (padding writes go to the scratch slot)."""
+        """x [T, hidden], cos/sin [T, head_dim]: projections, rope and the cache write per real token; attention
+        over the padded [B, Q] layout."""
         q, k, v = self._project(x)
         q, k = apply_rope_qk(q, k, cos, sin)  # [T, heads, head_dim]
         k_cache, v_cache = cache
         if batch.row_spans is not None:
             return self.o_proj(self._attend_rows(q, k, v, k_cache, v_cache, batch))
-        q, k, v = (batch.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, Q, head_dim]
-        batch.write(k_cache, k)
-        batch.write(v_cache, v)
-        out = batch_attention(q, k_cache, v_cache, batch)
+        batch.write_packed(k_cache, k)
+        batch.write_packed(v_cache, v)
+        out = batch_attention(batch.unpack(q).transpose(1, 2), k_cache, v_cache, batch)  # q [B, heads, Q, head_dim]
         rows, _, width, _ = out.shape
         out = out.transpose(1, 2).reshape(rows * width, self.num_heads * self.head_dim)[batch.tokens]
         return self.o_proj(out)

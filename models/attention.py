@@ -134,6 +134,20 @@ def batch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return cached_attention(q, batch.read(k_cache), batch.read(v_cache), batch.mask, batch.memo)
 
 
+def packed_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch) -> torch.Tensor | None:
+    """A packed forward's attention on its real queries as they are, q [T, H, D] -> [T, H, D], where the C++
+    slot kernel runs the batch (a CPU batch built for the slot kernel, no tree); None elsewhere: the caller
+    unpacks q to [B, H, Q, D] for `batch_attention`. Unpacking q and gathering the output back cost each
+    layer of a packed verify two copies of the padded layout."""
+    rows = batch.slot_rows
+    if rows is None or rows.tree_mask is not None or q.device.type != "cpu" or not _cpu_kernel_wanted():
+        return None
+    positions = batch.positions if rows.positions is None else rows.positions
+    return slot_attention_cpu(q, k_cache, v_cache, batch.read_slots, positions, rows.kv_lens,
+                              key_starts=rows.key_starts, window=rows.window, block_starts=rows.block_starts,
+                              query_starts=batch.query_starts())
+
+
 def slot_kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           positions: torch.Tensor, kv_lens: torch.Tensor, key_starts: torch.Tensor | None = None,
                           window: int | None = None, max_keys: int | None = None,

@@ -213,6 +213,16 @@ class ForwardBatch:
         out[self.tokens] = packed
         return out.view((rows, width) + packed.shape[1:])
 
+    def query_starts(self) -> torch.Tensor:
+        """[B + 1]: where each row's real tokens start among a packed batch's (`tokens`: row-major, each row's
+        first q_len queries), then their total."""
+        starts = self.memo.get("query_starts")
+        if starts is None:
+            rows, width = self.positions.shape
+            counts = torch.bincount(self.tokens // width, minlength=rows)
+            starts = self.memo["query_starts"] = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        return starts
+
     def write_packed(self, layer_cache: torch.Tensor, new: torch.Tensor) -> None:
         """new [T, num_kv_heads, head_dim], a packed batch's real tokens, goes to their slots and positions:
         no padded copy to build, and padding writes nothing."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.models import step_ops_cpu
-from draftsmith.models.attention import batch_attention, cached_attention
+from draftsmith.models.attention import batch_attention, cached_attention, packed_slot_attention
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
 from draftsmith.models.linear import Linear, fused
@@ -95,7 +95,7 @@ class Attention(nn.Module):
     def _packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden], cos/sin [T, head_dim]: projections, rope and the cache write per real token; attention
-        over the padded [B, Q] layout."""
+        on the real queries where the C++ slot kernel runs the batch, else over the padded [B, Q] layout."""
         q, k, v = self._project(x)
         q, k = apply_rope_qk(q, k, cos, sin)  # [T, heads, head_dim]
         k_cache, v_cache = cache
@@ -103,6 +103,9 @@ class Attention(nn.Module):
             return self.o_proj(self._attend_rows(q, k, v, k_cache, v_cache, batch))
         batch.write_packed(k_cache, k)
         batch.write_packed(v_cache, v)
+        out = packed_slot_attention(q, k_cache, v_cache, batch)
+        if out is not None:
+            return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
         out = batch_attention(batch.unpack(q).transpose(1, 2), k_cache, v_cache, batch)  # q [B, heads, Q, head_dim]
         rows, _, width, _ = out.shape
         out = out.transpose(1, 2).reshape(rows * width, self.num_heads * self.head_dim)[batch.tokens]

@@ -181,7 +181,8 @@ struct Task {
   const scalar_t* keys;  // k_cache[slot, kv_head]
   const scalar_t* values;
   int64_t k_pos, v_pos;  // strides between positions
-  scalar_t* out;  // out[b], contiguous [H, Q, D]
+  scalar_t* out;  // row b's first output: out[b] of [B, H, Q, D], or out[query_starts[b]] of packed [T, H, D]
+  int64_t out_head, out_query;  // out's strides for head and query (head_dim contiguous)
 };
 
 template <typename scalar_t>
@@ -211,8 +212,10 @@ template <typename scalar_t>
 void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys, int64_t first_head,
             int64_t group, int64_t queries, int64_t live, int64_t dim, float scale, std::vector<float>& buffer) {
   for (int64_t h = first_head; h < first_head + group; ++h) {
-    std::fill(task.out + (h * queries + live) * dim, task.out + (h + 1) * queries * dim,
-              static_cast<scalar_t>(0));
+    for (int64_t i = live; i < queries; ++i) {
+      scalar_t* dst = task.out + h * task.out_head + i * task.out_query;
+      std::fill(dst, dst + dim, static_cast<scalar_t>(0));
+    }
   }
   const int64_t rows = group * live;  // score rows: head-major, then query
   buffer.assign(rows * dim * 2 + rows * BLOCK + rows * 2, 0.0f);
@@ -286,7 +289,7 @@ void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys
   for (int64_t r = 0; r < rows; ++r) {  // a query that saw no key gets zeros
     const int64_t h = first_head + r / live, i = r % live;
     const float inverse = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;
-    scalar_t* dst = task.out + (h * queries + i) * dim;
+    scalar_t* dst = task.out + h * task.out_head + i * task.out_query;
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * dim + d] * inverse);
   }
 }
@@ -341,16 +344,26 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
                               const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& kv_lens,
                               const std::optional<at::Tensor>& key_starts, std::optional<int64_t> window,
                               const std::optional<at::Tensor>& tree_mask,
-                              const std::optional<at::Tensor>& block_starts, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, "slot_attention: q, k_cache, v_cache are 4-d");
+                              const std::optional<at::Tensor>& block_starts, double scale,
+                              const std::optional<at::Tensor>& query_starts) {
+  // packed: q holds the rows' real queries only, [T, H, D], row b's from query_starts[b] to query_starts[b + 1]
+  // (a packed verify's tokens), and so does the output; positions stay [B, Q] of the padded layout
+  const bool packed = query_starts.has_value();
+  TORCH_CHECK(q.dim() == (packed ? 3 : 4) && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "slot_attention: q is [B, H, Q, D] (or [T, H, D] with query_starts), k_cache and v_cache 4-d");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "slot_attention: q, k_cache and v_cache share a dtype");
-  const int64_t rows = q.size(0), heads = q.size(1), queries = q.size(2), dim = q.size(3);
+  TORCH_CHECK(!packed || (positions.dim() == 2 && !tree_mask.has_value()),
+              "slot_attention: packed queries take positions [B, Q] and no tree_mask");
+  const at::Tensor q_starts = packed ? query_starts->to(at::kLong).contiguous() : at::Tensor();
+  TORCH_CHECK(!packed || (q_starts.dim() == 1 && q_starts.numel() >= 1), "slot_attention: query_starts is [B + 1]");
+  const int64_t rows = packed ? q_starts.numel() - 1 : q.size(0), heads = q.size(1);
+  const int64_t queries = packed ? positions.size(1) : q.size(2), dim = q.size(packed ? 2 : 3);
   const int64_t kv_heads = k_cache.size(1), cache_len = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0, "slot_attention: query heads are a multiple of KV heads");
   TORCH_CHECK(k_cache.size(3) == dim && v_cache.size(3) == dim, "slot_attention: head_dim differs");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "slot_attention: the caches' head_dim is contiguous");
-  const at::Tensor query = q.stride(3) == 1 ? q : q.contiguous();
+  const at::Tensor query = q.stride(-1) == 1 ? q : q.contiguous();
   const at::Tensor slot_ids = slots.to(at::kLong).contiguous();
   const at::Tensor pos = positions.to(at::kLong).contiguous();
   const at::Tensor lens = kv_lens.to(at::kLong).contiguous();
@@ -370,9 +383,19 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
     const int64_t slot = slot_ids.data_ptr<int64_t>()[b];
     TORCH_CHECK(slot >= 0 && slot < k_cache.size(0), "slot_attention: a slot past the cache");
   }
-  std::vector<int64_t> live(rows);
-  for (int64_t b = 0; b < rows; ++b) live[b] = live_queries(b, queries, pos, lens, tree);
-  at::Tensor out = at::empty({rows, heads, queries, dim}, q.options());
+  // row b's queries in the output's layout (padded: Q; packed: its own) and those scored
+  std::vector<int64_t> laid(rows, queries), live(rows);
+  const int64_t* q_first = packed ? q_starts.data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; b < rows; ++b) {
+    if (packed) {
+      laid[b] = q_first[b + 1] - q_first[b];
+      TORCH_CHECK(q_first[0] == 0 && 0 <= laid[b] && laid[b] <= queries && q_first[rows] == q.size(0),
+                  "slot_attention: query_starts run from 0 to q's T, each row at most Q queries");
+    }
+    live[b] = std::min(laid[b], live_queries(b, queries, pos, lens, tree));
+  }
+  at::Tensor out = packed ? at::empty({q.size(0), heads, dim}, q.options())
+                          : at::empty({rows, heads, queries, dim}, q.options());
   const int64_t group = heads / kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "slot_attention_cpu", [&] {
     const scalar_t* q_data = query.data_ptr<scalar_t>();
@@ -395,11 +418,16 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
             firsts.defined() ? firsts.data_ptr<int64_t>()[b] : 0, window,
             tree.defined() ? tree.data_ptr<bool>() : nullptr, tree.defined() ? tree.size(2) : 0,
             blocks.defined() ? blocks.data_ptr<int64_t>()[b] : 0, cache_len);
-        const Task<scalar_t> task{q_data + b * query.stride(0), query.stride(1), query.stride(2),
-                                  k_data + slot * ks.slot + kv_head * ks.head,
-                                  v_data + slot * vs.slot + kv_head * vs.head, ks.pos, vs.pos,
-                                  out_data + b * heads * queries * dim};
-        attend(task, query_keys, kv_head * group, group, queries, live[b], dim, static_cast<float>(scale), buffer);
+        const Task<scalar_t> task =
+            packed ? Task<scalar_t>{q_data + q_first[b] * query.stride(0), query.stride(1), query.stride(0),
+                                    k_data + slot * ks.slot + kv_head * ks.head,
+                                    v_data + slot * vs.slot + kv_head * vs.head, ks.pos, vs.pos,
+                                    out_data + q_first[b] * heads * dim, dim, heads * dim}
+                   : Task<scalar_t>{q_data + b * query.stride(0), query.stride(1), query.stride(2),
+                                    k_data + slot * ks.slot + kv_head * ks.head,
+                                    v_data + slot * vs.slot + kv_head * vs.head, ks.pos, vs.pos,
+                                    out_data + b * heads * queries * dim, queries * dim, dim};
+        attend(task, query_keys, kv_head * group, group, laid[b], live[b], dim, static_cast<float>(scale), buffer);
       }
     });
   });
@@ -411,7 +439,7 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
 TORCH_LIBRARY(draftsmith_cpu, m) {
   m.def("slot_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor positions, "
         "Tensor kv_lens, Tensor? key_starts, int? window, Tensor? tree_mask, Tensor? block_starts, "
-        "float scale) -> Tensor");
+        "float scale, Tensor? query_starts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) { m.impl("slot_attention", &slot_attention_cpu); }

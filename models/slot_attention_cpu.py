@@ -70,21 +70,26 @@ def _reason(output: str) -> str:
     return (telling or lines or [""])[0][:300]
 
 
-def _fake(q, k_cache, v_cache, slots, positions, kv_lens, key_starts, window, tree_mask, block_starts, scale):
-    return q.new_empty(q.shape)
+def _fake(q, k_cache, v_cache, slots, positions, kv_lens, key_starts, window, tree_mask, block_starts, scale,
+          query_starts=None):
+    return q.new_empty(q.shape)  # [B, H, Q, D], or packed [T, H, D]
 
 
 def slot_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                        positions: torch.Tensor, kv_lens: torch.Tensor, key_starts: torch.Tensor | None = None,
                        window: int | None = None, tree_mask: torch.Tensor | None = None,
-                       block_starts: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                       block_starts: torch.Tensor | None = None, scale: float | None = None,
+                       query_starts: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, Q, D] (any strides); k_cache, v_cache [S, KVH, L, D] (head_dim contiguous); slots, kv_lens
     (and key_starts, block_starts) [B]; positions [B, Q]; tree_mask [B, Q, Q] bool -> [B, H, Q, D] in q's
-    dtype, computed in fp32. Each row reads its own keys, up to its kv_lens."""
+    dtype, computed in fp32. Each row reads its own keys, up to its kv_lens. With `query_starts` [B + 1], q
+    and the output are packed, [T, H, D]: row b's real queries are q[query_starts[b]:query_starts[b + 1]],
+    at its first positions (a packed verify's tokens; no tree)."""
     if not torch.compiler.is_compiling():  # a traced step was built by an engine that loaded it
         error = build_error()
         if error is not None:
             raise DraftsmithError(f"the CPU attention kernel did not build: {error}")
     return torch.ops.draftsmith_cpu.slot_attention(q, k_cache, v_cache, slots, positions, kv_lens, key_starts,
                                                    window, tree_mask, block_starts,
-                                                   scale if scale is not None else q.shape[-1] ** -0.5)
+                                                   scale if scale is not None else q.shape[-1] ** -0.5,
+                                                   query_starts)

@@ -101,6 +101,32 @@ def test_padding_queries_are_not_scored():
     _check(got, slot_attention_reference(q, k, v, slots, positions, kv_lens), q_lens)
 
 
+@pytest.mark.parametrize("key_starts,window", [(None, None), ([0, 200, 3, 600], None), (None, 50)])
+def test_packed_queries_score_as_their_padded_rows(key_starts, window):
+    """q as a packed verify holds it ([T, H, D], row b's real queries from query_starts[b]): each query's output
+    is the padded call's, bit for bit, and the reference's."""
+    q_lens = [5, 1, 3, 1]
+    q, k, v, slots, positions, kv_lens = _case(8, 2, 64, q_lens, starts=[40, 300, 7, 650], seed=7)
+    starts = None if key_starts is None else torch.tensor(key_starts)
+    padded = slot_attention_cpu(q, k, v, slots, positions, kv_lens, key_starts=starts, window=window)
+    packed_q = torch.cat([q[b, :, :n].transpose(0, 1) for b, n in enumerate(q_lens)])  # [T, H, D]
+    query_starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    packed = slot_attention_cpu(packed_q, k, v, slots, positions, kv_lens, key_starts=starts, window=window,
+                                query_starts=query_starts)
+    assert packed.shape == packed_q.shape
+    for b, n in enumerate(q_lens):
+        assert torch.equal(packed[query_starts[b] : query_starts[b] + n].transpose(0, 1), padded[b, :, :n])
+    want = slot_attention_reference(q, k, v, slots, positions, kv_lens, key_starts=starts, window=window)
+    _check(padded, want, q_lens)
+
+
+def test_packed_query_starts_past_a_row_are_one_line():
+    q, k, v, slots, positions, kv_lens = _case(4, 2, 32, [2, 1], [10, 20], seed=8)
+    packed_q = q[:, :, :2].transpose(1, 2).reshape(4, 4, 32)
+    with pytest.raises(RuntimeError, match="query_starts run from 0 to q's T"):
+        slot_attention_cpu(packed_q, k, v, slots, positions, kv_lens, query_starts=torch.tensor([0, 3, 4]))
+
+
 def test_the_op_runs_inside_a_compiled_function():
     q_lens = [1, 3]
     q, k, v, slots, positions, kv_lens = _case(8, 2, 64, q_lens, starts=[77, 400], seed=5)

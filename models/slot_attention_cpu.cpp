@@ -386,14 +386,21 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
   // row b's queries in the output's layout (padded: Q; packed: its own) and those scored
   std::vector<int64_t> laid(rows, queries), live(rows);
   const int64_t* q_first = packed ? q_starts.data_ptr<int64_t>() : nullptr;
+  TORCH_CHECK(!packed || (q_first[0] == 0 && q_first[rows] == q.size(0)),
+              "slot_attention: query_starts run from 0 to q's T, each row at most Q queries");
   for (int64_t b = 0; b < rows; ++b) {
     if (packed) {
       laid[b] = q_first[b + 1] - q_first[b];
-      TORCH_CHECK(q_first[0] == 0 && 0 <= laid[b] && laid[b] <= queries && q_first[rows] == q.size(0),
+      TORCH_CHECK(0 <= laid[b] && laid[b] <= queries,
                   "slot_attention: query_starts run from 0 to q's T, each row at most Q queries");
     }
     live[b] = std::min(laid[b], live_queries(b, queries, pos, lens, tree));
   }
+  // where row b's queries and outputs start, and their strides by query and (outputs) by head
+  const int64_t q_query = packed ? query.stride(0) : query.stride(2);
+  const int64_t out_head = packed ? dim : queries * dim, out_query = packed ? heads * dim : dim;
+  auto q_row = [&](int64_t b) { return (packed ? q_first[b] : b) * query.stride(0); };
+  auto out_row = [&](int64_t b) { return packed ? q_first[b] * heads * dim : b * heads * queries * dim; };
   at::Tensor out = packed ? at::empty({q.size(0), heads, dim}, q.options())
                           : at::empty({rows, heads, queries, dim}, q.options());
   const int64_t group = heads / kv_heads;
@@ -418,15 +425,10 @@ at::Tensor slot_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
             firsts.defined() ? firsts.data_ptr<int64_t>()[b] : 0, window,
             tree.defined() ? tree.data_ptr<bool>() : nullptr, tree.defined() ? tree.size(2) : 0,
             blocks.defined() ? blocks.data_ptr<int64_t>()[b] : 0, cache_len);
-        const Task<scalar_t> task =
-            packed ? Task<scalar_t>{q_data + q_first[b] * query.stride(0), query.stride(1), query.stride(0),
-                                    k_data + slot * ks.slot + kv_head * ks.head,
-                                    v_data + slot * vs.slot + kv_head * vs.head, ks.pos, vs.pos,
-                                    out_data + q_first[b] * heads * dim, dim, heads * dim}
-                   : Task<scalar_t>{q_data + b * query.stride(0), query.stride(1), query.stride(2),
-                                    k_data + slot * ks.slot + kv_head * ks.head,
-                                    v_data + slot * vs.slot + kv_head * vs.head, ks.pos, vs.pos,
-                                    out_data + b * heads * queries * dim, queries * dim, dim};
+        const Task<scalar_t> task{q_data + q_row(b), query.stride(1), q_query,
+                                  k_data + slot * ks.slot + kv_head * ks.head,
+                                  v_data + slot * vs.slot + kv_head * vs.head, ks.pos, vs.pos,
+                                  out_data + out_row(b), out_head, out_query};
         attend(task, query_keys, kv_head * group, group, laid[b], live[b], dim, static_cast<float>(scale), buffer);
       }
     });

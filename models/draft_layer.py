@@ -26,11 +26,14 @@ from draftsmith.models.rope import apply_rope_qk
 class TTTHistory(list):
     """One layer's training-time-test keys and values (step 0's over the sequence, then one entry per later
     step), or a head's list of them. `rows` [B, A]: the step-0 positions that the later steps' queries sit at,
-    ascending per row; None: every position."""
+    ascending per row; None: every position. `window_at_query`: a later step s's window ends at its own
+    position t + s, where P-EAGLE serves its slots in one forward (each query's window at its position), so
+    it holds W - s step-0 keys; otherwise at t, where a sequential head's draft steps read (`_key_starts`)."""
 
-    def __init__(self, rows: torch.Tensor | None = None):
+    def __init__(self, rows: torch.Tensor | None = None, window_at_query: bool = False):
         super().__init__()
         self.rows = rows
+        self.window_at_query = window_at_query
 
 
 class DraftAttention(nn.Module):
@@ -77,7 +80,10 @@ class DraftAttention(nn.Module):
                 ttt_history.append((k, v))
         else:
             ttt_history.append((k, v))
-            out = _ttt_attention(q, ttt_history, self.window, getattr(ttt_history, "rows", None))
+            window = self.window
+            if window is not None and getattr(ttt_history, "window_at_query", False):
+                window -= len(ttt_history) - 1  # the step's own drafts fill the rest of its window
+            out = _ttt_attention(q, ttt_history, window, getattr(ttt_history, "rows", None))
         return self.o_proj(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
 
 

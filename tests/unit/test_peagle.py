@@ -27,12 +27,12 @@ def demo_target():
     return load_target(DEMO_MODEL, dtype="float32")
 
 
-def _head(target, seed=0, parallel=True, layers=1):
+def _head(target, seed=0, parallel=True, layers=1, window=None):
     from draftsmith.methods.eagle3.head import Eagle3Head
 
     extra = {"parallel_drafting": True, "ptd_token_id": 3} if parallel else {}
     config = DraftHeadConfig.for_target("eagle3", target.config, (1, 3, 5), None, str(DEMO_MODEL),
-                                        num_hidden_layers=layers, **extra)
+                                        num_hidden_layers=layers, sliding_window=window, **extra)
     torch.manual_seed(seed)
     head = Eagle3Head(config).attach_target(target)
     with torch.no_grad():
@@ -48,12 +48,13 @@ def _serve(head_dir, k=K, **extra):
                                               **extra))
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_served_drafts_are_the_unrolled_steps(demo_target, tmp_path, layers):
+@pytest.mark.parametrize("layers,window", [(1, None), (2, None), (1, 6), (2, 6)])
+def test_served_drafts_are_the_unrolled_steps(demo_target, tmp_path, layers, window):
     """One catch-up forward with k - 1 slots appended drafts what training's unroll gives at the last
     position: step 0 from the context, steps 1.. from the slots; in a stacked head, each layer's cache
-    serves what its training-time-test history taught."""
-    head = _head(demo_target, layers=layers)
+    serves what its training-time-test history taught. With a window shorter than the context, each slot
+    reads the newest W positions up to its own, as training's windows for the slots hold."""
+    head = _head(demo_target, layers=layers, window=window)
     head.save_pretrained(tmp_path / "head")
     config = parse_speculative_config({"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": K,
                                        "draft_dtype": "float32", "parallel_drafting": True})
@@ -202,9 +203,10 @@ def test_a_head_grown_by_a_layer_drafts_as_before_until_trained(demo_target):
 
     saved = _head(demo_target, seed=3)
     section = Eagle3Recipe(target=str(DEMO_MODEL), head_type="eagle3", parallel_drafting=True, ptd_token_id=3,
-                           num_draft_layers=2)
+                           num_draft_layers=2, sliding_window=64)
     grown = Eagle3Method.continue_head(saved, section, demo_target).attach_target(demo_target).eval()
     assert grown.config.num_hidden_layers == 2 and list(grown.layers) == ["1"]
+    assert grown.config.sliding_window == 64 and grown.layers["1"].self_attn.window == 64
     assert grown.make_cache(2, 16).k.__len__() == 2
     ids = torch.randint(4, 8000, (1, 12))
     feats = target_features(demo_target, saved.feature_layers, ids, "float32")["features"]

@@ -34,7 +34,7 @@ def unroll(head: RecurrentHead, input_ids: torch.Tensor, features: torch.Tensor,
     hidden = features[:, :width].to(next(head.parameters()).dtype)
     positions = torch.arange(width, device=input_ids.device).expand(input_ids.shape[0], width)
     parallel = getattr(head.config, "parallel_drafting", False)
-    history = TTTHistory(anchors)
+    history = TTTHistory(anchors, window_at_query=parallel)
     for s in range(steps):
         tokens, from_target = shift(input_ids[:, 1:], s), s == 0
         if s and anchors is not None:

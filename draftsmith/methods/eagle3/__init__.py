@@ -136,17 +136,19 @@ class Eagle3Method(EagleFamilyMethod):
         """`init_from` a head with fewer layers than `num_draft_layers` names, or a sequential head under
         `parallel_drafting`: the same head grown (the new layers the identity at first: random inside, or the
         target's last layers with `layers_from_target`) and made P-EAGLE (its `mask_hidden` random: what
-        parallel slots read is all it has not learned). Keys the recipe leaves out keep the saved head's."""
+        parallel slots read is all it has not learned); a `sliding_window` the recipe names replaces the saved
+        head's (the weights do not depend on it). Keys the recipe leaves out keep the saved head's."""
         c = head.config
         layers = section.num_draft_layers if "num_draft_layers" in section.model_fields_set else c.num_hidden_layers
         parallel = section.parallel_drafting or c.parallel_drafting
+        window = section.sliding_window if "sliding_window" in section.model_fields_set else c.sliding_window
         if layers < c.num_hidden_layers:
             raise DraftsmithError(f"model.init_from: the saved head has {c.num_hidden_layers} layers, more than "
                                   f"model.num_draft_layers {layers}")
-        if layers == c.num_hidden_layers and parallel == c.parallel_drafting:
+        if layers == c.num_hidden_layers and parallel == c.parallel_drafting and window == c.sliding_window:
             return head
         fields = cls.head_config_overrides(section) if parallel and not c.parallel_drafting else {}
-        grown = type(head)(replace(c, num_hidden_layers=layers, parallel_drafting=parallel,
+        grown = type(head)(replace(c, num_hidden_layers=layers, parallel_drafting=parallel, sliding_window=window,
                                    ptd_token_id=fields.get("ptd_token_id", c.ptd_token_id)))
         missing, unexpected = grown.load_state_dict(head.state_dict(), strict=False)
         new_layers = [str(i) for i in range(c.num_hidden_layers, layers)]

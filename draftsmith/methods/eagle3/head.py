@@ -130,8 +130,8 @@ class Eagle3Head(DraftHead):
         if ttt_history is None:
             return [None] * self.config.num_hidden_layers
         if not ttt_history:
-            rows = getattr(ttt_history, "rows", None)
-            ttt_history.extend(TTTHistory(rows) for _ in range(self.config.num_hidden_layers))
+            rows, at_query = getattr(ttt_history, "rows", None), getattr(ttt_history, "window_at_query", False)
+            ttt_history.extend(TTTHistory(rows, at_query) for _ in range(self.config.num_hidden_layers))
         return ttt_history
 
     def parallel_inputs(self, rows: int, slots: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -293,17 +293,18 @@ SPECULATORS = {
 }
 
 
-def peagle_head(directory: Path, seed: int = 0, layers: int = 1) -> Path:
+def peagle_head(directory: Path, seed: int = 0, layers: int = 1, window: int | None = None) -> Path:
     """The shipped EAGLE-3 head made P-EAGLE (`parallel_drafting`, slot token 3) with a random `mask_hidden`,
     saved in `directory`: its first draft is the trained head's, its slots draft at random. With `layers` > 1
-    the later layers are random too, small enough that the first draft still mostly stands."""
+    the later layers are random too, small enough that the first draft still mostly stands; with `window`
+    every layer attends over the newest that many positions."""
     from dataclasses import replace
 
     from draftsmith.methods import load_head
 
     sequential = load_head(DEMO_MODEL.parent / "demo-code-7m-eagle3")
     head = type(sequential)(replace(sequential.config, parallel_drafting=True, ptd_token_id=3,
-                                    num_hidden_layers=layers))
+                                    num_hidden_layers=layers, sliding_window=window))
     head.load_state_dict(sequential.state_dict(), strict=False)
     torch.manual_seed(seed)
     torch.nn.init.normal_(head.mask_hidden)

@@ -51,6 +51,10 @@ HEADS = {
     # the same with a second decoder layer (vLLM's num_hidden_layers), random and small
     "peagle-2-layers": {"method": "eagle3", "model": "build/oracle-heads/peagle-2-layers",
                         "num_speculative_tokens": 5, "parallel_drafting": True, **FP32},
+    # the same with a window far shorter than the prompts (as recipes/eagle3-parallel-demo.yaml trains one):
+    # vLLM must slide it as draftsmith does, or the first draft's acceptance parts
+    "peagle-window": {"method": "eagle3", "model": "build/oracle-heads/peagle-window",
+                      "num_speculative_tokens": 5, "parallel_drafting": True, **FP32},
 }
 
 
@@ -69,6 +73,8 @@ def built_heads() -> None:
         peagle_head(REPO / HEADS["peagle"]["model"])
     if not (REPO / HEADS["peagle-2-layers"]["model"] / "config.json").is_file():
         peagle_head(REPO / HEADS["peagle-2-layers"]["model"], layers=2)
+    if not (REPO / HEADS["peagle-window"]["model"] / "config.json").is_file():
+        peagle_head(REPO / HEADS["peagle-window"]["model"], layers=2, window=16)
 
 
 @dataclass

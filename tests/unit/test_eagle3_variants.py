@@ -94,16 +94,20 @@ def test_engine_exports_refuse_variants_the_engine_does_not_compute(tmp_path, ca
     assert pub.convert(CHECKPOINTS["speculators defaults"][0](tmp_path / "src"), tmp_path / "native") == 0
     assert pub.convert(tmp_path / "native", tmp_path / "sglang", "--to", "sglang") == 2
     assert "SGLang's llama_eagle3 does not compute norm_before_residual, norm_before_fc" in capsys.readouterr().err
-    assert pub.convert(tmp_path / "native", tmp_path / "vllm", "--to", "vllm") == 2  # the window
-    assert "vLLM's llama_eagle3 does not compute sliding_window" in capsys.readouterr().err
-    config = json.loads((tmp_path / "native" / "config.json").read_text())
-    (tmp_path / "native" / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
     assert pub.convert(tmp_path / "native", tmp_path / "vllm", "--to", "vllm") == 0
-    assert "older vLLM releases ignore these flags" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "older vLLM releases ignore these flags" in said and "sliding window 2048: needs vLLM 0.32" in said
     exported = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert exported["norm_before_residual"] and exported["norm_before_fc"] and exported["norm_output"]
+    # vLLM's draft layers slide where `layer_types` says so, draft-relative (llama.py LlamaAttention)
+    assert exported["sliding_window"] == 2048 and exported["layer_types"] == ["sliding_attention"]
     assert pub.convert(tmp_path / "vllm", tmp_path / "back") == 0  # our own export: norm_output as vLLM means it
-    assert pub.read_native(tmp_path / "back")[0]["norm_output"] is True
+    back = pub.read_native(tmp_path / "back")[0]
+    assert back["norm_output"] is True and back["sliding_window"] == 2048
+    assert pub.convert(CHECKPOINTS["Qwen3 layer, fc_norm, a window the prompts outgrow"][0](tmp_path / "qwen3"),
+                       tmp_path / "qwen3-native") == 0
+    assert pub.convert(tmp_path / "qwen3-native", tmp_path / "qwen3-vllm", "--to", "vllm") == 2
+    assert "vLLM's llama_eagle3 does not compute qk_norm" in capsys.readouterr().err
 
 
 # -- the head itself -------------------------------------------------------------------------------------------

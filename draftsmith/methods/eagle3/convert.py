@@ -326,9 +326,11 @@ def _layer_config(head: NormalizedHead, architectures: list[str]) -> dict:
 
 
 # The variants each engine's llama_eagle3 computes, under speculators' flag names and tensor names: vLLM's
-# (vllm-project/vllm 055e47c2) the four norm flags; SGLang's main (not every release) fc_norm and norm_output.
-# Neither serves a Qwen3-style layer or a window from a midlayer checkpoint; speculators exports keep both.
-ENGINE_VARIANTS = {"vLLM": ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"),
+# (vllm-project/vllm 055e47c2) the four norm flags, and since 0.32 a window (its draft layers read
+# `layer_types` and `sliding_window`, draft-relative; the CPU backend slides too); SGLang's main (not every
+# release) fc_norm and norm_output. Neither serves a Qwen3-style layer from a midlayer checkpoint;
+# speculators exports keep every variant.
+ENGINE_VARIANTS = {"vLLM": ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window"),
                    "SGLang": ("fc_norm", "norm_output")}
 
 
@@ -339,9 +341,25 @@ def _engine_variants(head: NormalizedHead, engine: str) -> tuple[dict, list[str]
     if missing:
         raise DraftsmithError(f"{engine}'s llama_eagle3 does not compute {', '.join(missing)}: served there, this "
                               "head would draft as another one; --to speculators keeps every variant")
-    notes = [f"{', '.join(on)}: older {engine} releases ignore these flags (and serve a different head); check that "
-             "yours reads them"] if on else []
-    return {name: True for name in on}, notes
+    flags = [name for name in on if name != "sliding_window"]  # a window is keys of its own (`_vllm_window`)
+    notes = [f"{', '.join(flags)}: older {engine} releases ignore these flags (and serve a different head); check "
+             "that yours reads them"] if flags else []
+    return dict.fromkeys(flags, True), notes
+
+
+def _vllm_window(head: NormalizedHead) -> tuple[dict, list[str]]:
+    """(config keys, notes) of the head's window in vLLM's layout: every draft layer `sliding_attention`. vLLM
+    slides each query's window at its own position: as draftsmith serves step 1 and P-EAGLE's slots; a
+    sequential head's later draft steps, which draftsmith gives the verified prefix's newest W keys (the
+    window speculators trains), see up to k - 1 fewer there."""
+    window = head.config.get("sliding_window")
+    if window is None:
+        return {}, []
+    layers = head.config.get("num_hidden_layers", 1)
+    note = (f"sliding window {window}: needs vLLM 0.32 or later (older releases attend over every position); "
+            "a sequential head's draft steps after the first see up to k - 1 fewer of the verified prefix's keys "
+            "there than draftsmith gives them")
+    return {"layer_types": ["sliding_attention"] * layers, "sliding_window": window}, [note]
 
 
 @register_exporter("vllm", "eagle3")
@@ -352,6 +370,9 @@ def to_vllm(head: NormalizedHead) -> Exported:
     # speculators path defaults a missing flag to true.
     config.update(eagle_aux_hidden_state_layer_ids=list(head.config["aux_layer_ids"]), norm_before_residual=False)
     config.update(flags)
+    window, window_notes = _vllm_window(head)
+    config.update(window)
+    notes += window_notes
     if head.config.get("parallel_drafting"):  # P-EAGLE: vLLM reads the slot token, mask_hidden by its name
         config["ptd_token_id"] = head.config["ptd_token_id"]
         notes.append('P-EAGLE: serve with {"method": "eagle3", "parallel_drafting": true}')

@@ -72,8 +72,12 @@ class PeerWorker:
         job_path.write_text(json.dumps(job))
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         if bind is not None:
+            # NUMBA_NUM_THREADS: vLLM's n-gram proposer sets numba's thread count around each lookup and restores
+            # numba's default (the machine's cores) after; numba's OpenMP layer is torch's runtime, so a worker
+            # bound to 1 thread computed on 2 from its first propose on
             env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind,
-                        "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                        "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads),
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen([str(python), str(worker), str(job_path)], env=env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -53,6 +53,7 @@ class PeerResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
     vllm_version: str | None = None
     torch_threads: int | None = None
+    threads_asked: int | None = None  # set on this side: the threads the worker was bound to
     startup_s: float | None = None
     levels: list[PeerLevel] = []
     refused: str | None = None
@@ -150,7 +151,7 @@ class PeerSession:
             process.close()
             self.results[name] = PeerResult(refused=hello.get("refused", json.dumps(hello)))
             return
-        self.results[name] = PeerResult(**hello["ready"])
+        self.results[name] = PeerResult(**hello["ready"], threads_asked=threads)
         self.workers[name] = process
 
     def run_round(self, concurrency: int) -> None:
@@ -217,7 +218,10 @@ def _summary(result: PeerResult) -> str:
     if result.problem:
         return result.problem
     speeds = ", ".join(f"c={lv.concurrency} {statistics.median(lv.tokens_per_s):.1f} tok/s" for lv in result.levels)
-    return f"vLLM {result.vllm_version}, torch threads {result.torch_threads}, started in {result.startup_s:.0f} s: {speeds}"
+    threads = f"torch threads {result.torch_threads}"
+    if result.threads_asked is not None and result.torch_threads not in (None, result.threads_asked):
+        threads += f" of {result.threads_asked} asked (not thread for thread)"
+    return f"vLLM {result.vllm_version}, {threads}, started in {result.startup_s:.0f} s: {speeds}"
 
 
 class Peer:

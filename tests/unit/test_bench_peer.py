@@ -128,7 +128,8 @@ def test_a_refusal_is_the_first_sentence_of_vllms_pydantic_error():
 FAKE_WORKER = textwrap.dedent("""
     import itertools, json, os, sys
     job = json.load(open(sys.argv[1]))
-    env = {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_TARGET_DEVICE")}
+    env = {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
+                                      "VLLM_TARGET_DEVICE")}
     open(sys.argv[1] + ".env", "w").write(json.dumps(env))
     def say(message):
         print("\\nDRAFTSMITH-PEER " + json.dumps(message), flush=True)
@@ -136,7 +137,8 @@ FAKE_WORKER = textwrap.dedent("""
     if (job["speculative_config"] or {}).get("method") == "mlp_speculator":
         say({"refused": "ValueError: architectures ['MLPSpeculatorPreTrainedModel'] are not supported"})
         sys.exit(0)
-    say({"ready": {"vllm_version": "fake", "torch_threads": 1, "startup_s": 0.1}})
+    threads = 2 if (job["speculative_config"] or {}).get("method") == "ngram" else 1  # as numba's did
+    say({"ready": {"vllm_version": "fake", "torch_threads": threads, "startup_s": 0.1}})
     prompts = {lv["concurrency"]: lv["prompts"] for lv in job["levels"]}
     speeds = itertools.cycle([90.0, 100.0, 120.0])
     for line in sys.stdin:
@@ -170,7 +172,8 @@ def test_a_job_goes_to_the_worker_and_each_round_comes_back(tmp_path, fake_worke
     session = _session(fake_worker, {"none": None, "mlp_speculator": {"method": "mlp_speculator"}})
     try:
         env = json.loads((Path(session.tmp.name) / "none" / "job.json.env").read_text())
-        assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}
+        assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+                       "VLLM_TARGET_DEVICE": "cpu"}
         assert list(session.workers) == ["none"]  # the refusal's worker is gone, its reason kept
         for _ in range(3):
             session.run_round(2)
@@ -185,6 +188,16 @@ def test_a_job_goes_to_the_worker_and_each_round_comes_back(tmp_path, fake_worke
     assert "vLLM's own chatter" in log and "DRAFTSMITH-PEER" not in log
     assert session.results["mlp_speculator"].problem == \
         "refused by vLLM: ValueError: architectures ['MLPSpeculatorPreTrainedModel'] are not supported"
+
+
+def test_a_peer_computing_on_more_threads_than_bound_says_it_is_not_thread_for_thread(fake_worker):
+    session = _session(fake_worker, {"none": None, "ngram": {"method": "ngram", "num_speculative_tokens": 4}})
+    try:
+        session.run_round(1)
+    finally:
+        session.close()
+    assert "torch threads 1, started" in peer._summary(session.results["none"])
+    assert "torch threads 2 of 1 asked (not thread for thread)" in peer._summary(session.results["ngram"])
 
 
 def test_a_worker_that_dies_without_a_result_is_one_line_naming_its_log(tmp_path):

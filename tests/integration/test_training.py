@@ -268,7 +268,8 @@ def test_accelerate_launch_ddp_on_two_cpu_processes(workspace, tmp_path):
 
 
 def test_init_from_keeps_the_saved_architecture_and_says_so(workspace, tmp_path):
-    """Continuing a saved head, the recipe cannot ask for another shape or variant: it would be ignored silently."""
+    """Continuing a saved head, the recipe cannot ask for another shape or variant: it would be ignored silently.
+    A window it names is taken (the weights do not depend on it: P-EAGLE heads continue a sequential one)."""
     from draftsmith.errors import DraftsmithError
     from draftsmith.models import DraftHeadConfig
 
@@ -279,9 +280,11 @@ def test_init_from_keeps_the_saved_architecture_and_says_so(workspace, tmp_path)
     raw = tiny_recipe(target_dir, data, tmp_path / "out", "eagle3")
     raw["model"].update(init_from=str(tmp_path / "saved"), norm_output=True, intermediate_size=None)
     assert build_head(validate_recipe(raw), target, None).config.norm_output  # as saved (null: the default): fine
-    raw["model"].update(norm_output=False, sliding_window=64)
-    with pytest.raises(DraftsmithError, match=r"norm_output: False \(the head has True\); sliding_window: 64 \(the "
-                                              r"head has None\), but model.init_from continues a saved head"):
+    raw["model"].update(sliding_window=64)
+    assert build_head(validate_recipe(raw), target, None).config.sliding_window == 64
+    raw["model"].update(norm_output=False)
+    with pytest.raises(DraftsmithError, match=r"the recipe sets norm_output: False \(the head has True\), but "
+                                              r"model.init_from continues a saved head"):
         build_head(validate_recipe(raw), target, None)
 
 

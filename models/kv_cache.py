@@ -231,8 +231,7 @@ class ForwardBatch:
             index = self.memo["packed_writes"] = (self.write_slots.reshape(-1)[self.tokens],
                                                   self.positions.reshape(-1)[self.tokens])
         slots, positions = index
-        if (step_ops_cpu.runs_for(new) and layer_cache.dtype == new.dtype and new.stride(-1) == 1
-                and layer_cache.stride(-1) == 1):
+        if _kernel_writes(layer_cache, new):
             return step_ops_cpu.write_kv(layer_cache, slots[None], positions[None], new.unsqueeze(0).transpose(1, 2))
         layer_cache[slots, :, positions] = new
 
@@ -248,7 +247,13 @@ class ForwardBatch:
 
     def write(self, layer_cache: torch.Tensor, new: torch.Tensor) -> None:
         """new [B, num_kv_heads, Q, head_dim] goes to (write_slots, :, positions)."""
-        if (step_ops_cpu.runs_for(new) and layer_cache.dtype == new.dtype and new.stride(-1) == 1
-                and layer_cache.stride(-1) == 1):
+        if _kernel_writes(layer_cache, new):
             return step_ops_cpu.write_kv(layer_cache, self.write_slots, self.positions, new)
         layer_cache[self.write_slots, :, self.positions] = new.transpose(1, 2)
+
+
+def _kernel_writes(layer_cache: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether the C++ write op takes these keys or values (`step_ops_cpu.write_kv`): same dtype, head_dim
+    contiguous in both."""
+    return (step_ops_cpu.runs_for(new) and layer_cache.dtype == new.dtype and new.stride(-1) == 1
+            and layer_cache.stride(-1) == 1)

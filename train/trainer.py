@@ -431,7 +431,7 @@ def _report(accelerator, output: Path, name: str, report: dict[str, float], step
     ks = [k for k in report if k.startswith("sim_mean_acceptance_length_k")]
     accelerator.print(f"eval {name}: simulated mean acceptance length " +
                       ", ".join(f"k={k.rsplit('k', 1)[1]}: {report[k]:.2f}" for k in ks) +
-                      (f"; {report['sim_served_acceptance_length']:.2f} along the blocks a server drafts"
+                      (f"; {report['sim_served_acceptance_length']:.2f} walked as a server drafts"
                        if "sim_served_acceptance_length" in report else ""))
 
 

@@ -287,7 +287,8 @@ def test_anchors_draft_only_where_the_next_token_is_learned():
 def test_the_served_walk_is_what_the_engine_drafts(demo_target):
     """The eval's served walk (`served_walk`) over the engine's own greedy output, from teacher-forced blocks at
     every position, accepts what the engine accepted step by step (k = 8, fp32 drafts)."""
-    from draftsmith.methods.dflash.objective import block_chains, served_walk
+    from draftsmith.methods.dflash.objective import block_chains
+    from draftsmith.methods.served_walk import served_walk
     from draftsmith.models.tokenizer import load_tokenizer
     from draftsmith.train.objectives import target_features
 

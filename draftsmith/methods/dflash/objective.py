@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods.served_walk import served_walk
 
 EVAL_STRIDE = 4  # the per-depth acceptance eval counts the block from every EVAL_STRIDE-th anchor choice
 # blocks a row's eval drafts in one forward: each block attends over the row's every block (masked), so a long
@@ -130,14 +131,3 @@ def block_chains(head, target, batch, features, anchors, max_k: int) -> torch.Te
     drafts = head.readout(hidden.view(*anchors.shape, max_k, -1)).argmax(-1)
     _, _, target_logits = _block_targets(target, batch, features, anchors, max_k)
     return (drafts == target_logits.argmax(-1)).long().cumprod(-1)
-
-
-def served_walk(accepted: dict[int, int], start: int) -> list[int]:
-    """The accepted drafts of each block a server drafts from `start` on, given each anchor's (`accepted`:
-    anchor -> right drafts of its block): block after block, each starting where the last one's first wrong
-    draft was (or one past a fully accepted block), until an anchor without a block."""
-    walk, anchor = [], start
-    while anchor in accepted:
-        walk.append(accepted[anchor])
-        anchor += accepted[anchor] + 1
-    return walk

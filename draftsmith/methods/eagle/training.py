@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draftsmith.methods.served_walk import walk_rows
 from draftsmith.models.draft_layer import TTTHistory
 from draftsmith.models.heads import RecurrentHead
 
@@ -83,18 +84,21 @@ def top1_agreement(logits: torch.Tensor, teacher_p: torch.Tensor, mask: torch.Te
 
 
 @torch.no_grad()
-def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.Tensor, int]:
-    """Teacher-forced greedy chain acceptance: returns accepted-chain counts per depth [max_k] and the
-    number of chain starts. A chain starting at t drafts tokens t+2.. and survives depth s while every
-    draft so far equals the target's argmax."""
+def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.Tensor, int, int, int]:
+    """Teacher-forced greedy chain acceptance: (accepted-chain counts per depth [max_k], the number of chain
+    starts, and the tokens and steps of the walks a server drafts along each row, `walk_rows`). A chain
+    starting at t drafts tokens t+2.. and survives depth s while every draft so far equals the target's
+    argmax."""
     input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     width = input_ids.shape[1] - 1
     target_next = target_logits(target, feats["last"][:, 1:]).argmax(-1)  # [B, T-1]
     starts = (loss_mask[:, 1:] > 0) & (torch.arange(width, device=input_ids.device)[None, :] < width - max_k)
     alive = starts.clone()
     counts = torch.zeros(max_k, dtype=torch.long)
+    lengths = torch.zeros_like(target_next)  # the accepted drafts of the chain from each position
     for s, logits in unroll(head, input_ids, feats["features"], max_k):
         drafted = head.to_target_ids(logits.argmax(-1))
         alive &= drafted == shift(target_next, s, -1)
         counts[s] = alive.sum()
-    return counts, int(starts.sum())
+        lengths += alive
+    return counts, int(starts.sum()), *walk_rows(lengths, starts)

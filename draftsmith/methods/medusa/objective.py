@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.methods.eagle.training import soft_ce, target_logits, top1_agreement
+from draftsmith.methods.served_walk import walk_rows
 
 
 def medusa_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dict[str, float]]:
@@ -29,7 +30,7 @@ def medusa_objective(head, target, batch, feats, cfg) -> tuple[torch.Tensor, dic
 
 
 @torch.no_grad()
-def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.Tensor, int]:
+def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.Tensor, int, int, int]:
     last, loss_mask = feats["last"], batch["loss_mask"]
     depth = min(max_k, head.config.num_heads)
     width = last.shape[1]
@@ -37,8 +38,10 @@ def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.
     drafted = head(last.to(next(head.parameters()).dtype), heads=depth).argmax(-1)  # [B, T, depth]
     starts = (loss_mask[:, 1:] > 0)[:, : width - depth]
     alive = starts.clone()
+    lengths = torch.zeros_like(starts, dtype=torch.long)  # the accepted drafts of the chain from each position
     counts = torch.zeros(max_k, dtype=torch.long)  # past the last head nothing is drafted: 0
     for i in range(depth):
         alive &= drafted[:, : width - depth, i] == greedy[:, 1 + i : width - depth + 1 + i]
         counts[i] = alive.sum()
-    return counts, int(starts.sum())
+        lengths += alive
+    return counts, int(starts.sum()), *walk_rows(lengths, starts)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.methods.eagle.training import shift, soft_ce, target_logits, top1_agreement
+from draftsmith.methods.served_walk import walk_rows
 
 
 def _stage_inputs(head, feats, batch):
@@ -49,7 +50,7 @@ def mlp_speculator_objective(head, target, batch, feats, cfg) -> tuple[torch.Ten
 
 
 @torch.no_grad()
-def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.Tensor, int]:
+def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.Tensor, int, int, int]:
     """Teacher-forced greedy chains, as the EAGLE family's eval: each stage reads the text's token, and stage
     i's draft survives while it and every draft before it equal the target's greedy token there."""
     hidden, tokens, width = _stage_inputs(head, feats, batch)
@@ -58,8 +59,10 @@ def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.
     drafted = head(hidden, tokens, stages=depth).argmax(-1)  # [B, W, depth]
     starts = batch["loss_mask"][:, 1 : 1 + width] > 0
     alive = starts.clone()
+    lengths = torch.zeros_like(starts, dtype=torch.long)  # the accepted drafts of the chain from each position
     counts = torch.zeros(max_k, dtype=torch.long)  # past the last stage nothing is drafted: 0
     for i in range(depth):
         alive &= drafted[..., i] == greedy[:, 1 + i : 1 + i + width]
         counts[i] = alive.sum()
-    return counts, int(starts.sum())
+        lengths += alive
+    return counts, int(starts.sum()), *walk_rows(lengths, starts)

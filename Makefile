@@ -29,10 +29,10 @@ BENCH_TREES := [{"method": "eagle3", "model": "assets/demo-code-7m-eagle3", "num
 	"tree_depth": 5, "tree_top_k": 2}, {"method": "medusa", "model": "assets/demo-code-7m-medusa", \
 	"num_speculative_tokens": 9, \
 	"speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]"}]
-# the parallel drafters beside the ones they come from: P-EAGLE (k = 3) and EAGLE-3 (k = 5), DSpark and DFlash (K = 7);
+# the parallel drafters beside the ones they come from: P-EAGLE (k = 4) and EAGLE-3 (k = 5), DSpark and DFlash (K = 7);
 # `make bench-parallel` after training recipes/eagle3-parallel-demo.yaml and recipes/dspark-demo.yaml (no asset
 # holds their heads: the tracked tree's budget)
-BENCH_PARALLEL := [{"method": "eagle3", "model": "runs/eagle3-parallel-demo/head", "num_speculative_tokens": 3, \
+BENCH_PARALLEL := [{"method": "eagle3", "model": "runs/eagle3-parallel-demo/head", "num_speculative_tokens": 4, \
 	"parallel_drafting": true}, {"method": "dflash", "model": "assets/demo-code-7m-dflash", "num_speculative_tokens": 7}, \
 	{"method": "dspark", "model": "runs/dspark-demo/head", "num_speculative_tokens": 7}]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.methods.eagle.training import shift, simulated_acceptance, target_logits, unroll
+from draftsmith.methods.eagle.training import chain_lengths, simulated_acceptance, target_logits
 from draftsmith.methods.served_walk import served_walk, walk_rows
 from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.serve import LLM, SamplingParams
@@ -46,11 +46,7 @@ def test_the_eagle_walk_is_what_the_engine_accepts(target):
     with torch.no_grad():
         feats = target_features(target, head.feature_layers, ids, "float32")
         greedy = target_logits(target, feats["last"][:, 1:]).argmax(-1)
-        alive = torch.ones_like(greedy, dtype=torch.bool)
-        lengths = torch.zeros_like(greedy)
-        for s, logits in unroll(head, ids, feats["features"], 4):
-            alive &= head.to_target_ids(logits.argmax(-1)) == shift(greedy, s, -1)
-            lengths += alive
+        lengths = chain_lengths(head, ids, feats, greedy, 4)
         _, _, tokens, walked = simulated_acceptance(head, target, batch, feats, 4)
     walk = served_walk(dict(enumerate(lengths[0].tolist())), len(prompt) - 1)
     full = [accepted for drafted, accepted in steps if drafted == 4]

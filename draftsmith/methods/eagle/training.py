@@ -84,6 +84,19 @@ def top1_agreement(logits: torch.Tensor, teacher_p: torch.Tensor, mask: torch.Te
 
 
 @torch.no_grad()
+def chain_lengths(head, input_ids: torch.Tensor, feats, target_next: torch.Tensor, max_k: int) -> torch.Tensor:
+    """[B, T-1]: how many drafts of the teacher-forced chain from each position t (tokens t+2..t+1+max_k) equal
+    the target's argmax before the first that does not; `target_next` [B, T-1] the target's argmax of token
+    t+2 at t+1 (given the text)."""
+    alive = torch.ones_like(target_next, dtype=torch.bool)
+    lengths = torch.zeros_like(target_next)
+    for s, logits in unroll(head, input_ids, feats["features"], max_k):
+        alive &= head.to_target_ids(logits.argmax(-1)) == shift(target_next, s, -1)
+        lengths += alive
+    return lengths
+
+
+@torch.no_grad()
 def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.Tensor, int, int, int]:
     """Teacher-forced greedy chain acceptance: (accepted-chain counts per depth [max_k], the number of chain
     starts, and the tokens and steps of the walks a server drafts along each row, `walk_rows`). A chain
@@ -93,12 +106,6 @@ def simulated_acceptance(head, target, batch, feats, max_k: int) -> tuple[torch.
     width = input_ids.shape[1] - 1
     target_next = target_logits(target, feats["last"][:, 1:]).argmax(-1)  # [B, T-1]
     starts = (loss_mask[:, 1:] > 0) & (torch.arange(width, device=input_ids.device)[None, :] < width - max_k)
-    alive = starts.clone()
-    counts = torch.zeros(max_k, dtype=torch.long)
-    lengths = torch.zeros_like(target_next)  # the accepted drafts of the chain from each position
-    for s, logits in unroll(head, input_ids, feats["features"], max_k):
-        drafted = head.to_target_ids(logits.argmax(-1))
-        alive &= drafted == shift(target_next, s, -1)
-        counts[s] = alive.sum()
-        lengths += alive
+    lengths = chain_lengths(head, input_ids, feats, target_next, max_k) * starts
+    counts = torch.stack([(lengths > s).sum() for s in range(max_k)]).cpu()
     return counts, int(starts.sum()), *walk_rows(lengths, starts)

@@ -1,7 +1,7 @@
-"""vllm-project/speculators 0.9 as an independent test oracle for EAGLE-3 and DFlash heads: its own trainer's
-defaults, its own save_pretrained, from_pretrained and forward. `make test` installs it test-only (the Makefile's
-ORACLE_STAMP rule, with --no-deps: its torchaudio/torchvision pins pull a CUDA torch); tests that need it
-skip, saying why, where it does not import.
+"""vllm-project/speculators 0.9 as an independent test oracle for EAGLE-3, P-EAGLE, DFlash and DSpark
+heads: its own trainer's defaults, its own save_pretrained, from_pretrained and forward. `make test` installs
+it test-only (the Makefile's ORACLE_STAMP rule, with --no-deps: its torchaudio/torchvision pins pull a CUDA
+torch); tests that need it skip, saying why, where it does not import.
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ def trained_head(directory: Path, verifier: Path, draft_vocab: int = 1024, seed:
     return directory
 
 
-def load(directory: Path, dflash: bool = False, peagle: bool = False):
+def load(directory: Path, dflash: bool = False, peagle: bool = False, dspark: bool = False):
     """speculators' from_pretrained (its EAGLE-3 model, or with `dflash` its DFlash one, `peagle` its P-EAGLE
-    one) -> (model, keys it expected and the file lacks, keys the file holds and it does not define). Its own
-    ignore lists (the verifier's weights it fills in itself) do not count."""
+    one, `dspark` its DSpark one) -> (model, keys it expected and the file lacks, keys the file holds and it
+    does not define). Its own ignore lists (the verifier's weights it fills in itself) do not count."""
     Eagle3DraftModel, _, _ = require()
     from safetensors import safe_open
 
@@ -83,6 +83,8 @@ def load(directory: Path, dflash: bool = False, peagle: bool = False):
         from speculators.models.dflash.core import DFlashDraftModel as model_class
     if peagle:
         from speculators.models.peagle import PEagleDraftModel as model_class
+    if dspark:
+        from speculators.models.dspark.core import DSparkDraftModel as model_class
     config = model_class.config_class.from_pretrained(str(directory))
     # its default, flex attention, needs torch.compile on CPU: SDPA computes the same masks
     config.transformer_layer_config._attn_implementation = "sdpa"
@@ -131,3 +133,34 @@ def dflash_blocks(model, features: torch.Tensor, input_ids: torch.Tensor, anchor
     size = model.block_size
     return logits.view(len(anchors), size, -1).float(), targets.view(len(anchors), size, -1).float(), \
         trained.view(len(anchors), size).bool()
+
+
+@torch.no_grad()
+def dspark_blocks(model, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                  last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """speculators' DSpark training forward over one sequence with the blocks at `anchors` [A] (its anchor
+    sampler bypassed, as in `dflash_blocks`) -> (the draft logits its loss reads, the Markov bias of each
+    position's teacher-forced previous token included [A, block_size, V]; its confidence logits [A, block_size]
+    or None)."""
+    from speculators.models.dflash import core as dflash_core
+    from speculators.models.dspark import core
+
+    picked = (anchors.clone(), torch.ones(len(anchors), dtype=torch.bool))
+    seen = {}
+
+    def capture(logits, _targets, confidence, *_args, **_kwargs):
+        seen.update(logits=logits, confidence=confidence)
+        return logits.new_zeros(()), {}
+
+    sampler, dflash_core.select_anchors = dflash_core.select_anchors, lambda *_args: picked
+    metrics, core.compute_metrics = core.compute_metrics, capture
+    try:
+        model(hidden_states=features, input_ids=input_ids, loss_mask=torch.ones_like(input_ids),
+              verifier_last_hidden_states=last_hidden, document_ids=torch.zeros_like(input_ids),
+              max_anchors=len(anchors))
+    finally:
+        dflash_core.select_anchors, core.compute_metrics = sampler, metrics
+    size = model.block_size
+    confidence = seen["confidence"]
+    return seen["logits"].view(len(anchors), size, -1).float(), \
+        None if confidence is None else confidence.view(len(anchors), size).float()

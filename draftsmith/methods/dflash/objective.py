@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods.fused_soft_ce import fused_soft_ce
 from draftsmith.methods.served_walk import served_walk
 
 EVAL_STRIDE = 4  # the per-depth acceptance eval counts the block from every EVAL_STRIDE-th anchor choice
@@ -38,9 +39,10 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: list[int], count: int, devi
     return anchors.to(device), valid.to(device)
 
 
-def _block_targets(target, batch, features, anchors, positions: int):
+def _block_teacher(batch, features, anchors, positions: int):
     """For block positions j = 1..positions of each anchor: the position whose token it predicts (anchor + j),
-    whether that is a real token, and the target's logits for it (read at anchor + j - 1)."""
+    whether that is a real token, and the target's final normed hidden state that predicts it (at anchor + j
+    - 1) [B, A, positions, H]."""
     ids = batch["input_ids"]
     rows, length = ids.shape
     lengths = batch["lengths"].to(ids.device)
@@ -48,9 +50,24 @@ def _block_targets(target, batch, features, anchors, positions: int):
     real = predicted < lengths[:, None, None]
     read_at = (predicted - 1).clamp(max=length - 1).view(rows, -1)
     last = features["last"].gather(1, read_at[:, :, None].expand(-1, -1, features["last"].shape[-1]))
+    return predicted, real, last.view(*predicted.shape, -1)
+
+
+def _block_targets(target, batch, features, anchors, positions: int):
+    """`_block_teacher`'s positions, with the target's logits for them in place of its hidden states."""
+    predicted, real, last = _block_teacher(batch, features, anchors, positions)
     with torch.no_grad():
         target_logits = target.lm_head(last.to(target.lm_head.weight.dtype)).float()
-    return predicted, real, target_logits.view(rows, anchors.shape[1], positions, -1)
+    return predicted, real, target_logits
+
+
+def trained_positions(batch, valid, predicted, real) -> torch.Tensor:
+    """[B, A, n]: the block positions the loss may train: a real token the loss mask keeps, of an anchor
+    sampled (`valid` [B, A])."""
+    loss_mask = batch["loss_mask"]
+    rows, length = loss_mask.shape
+    kept = loss_mask.gather(1, predicted.clamp(max=length - 1).view(rows, -1)).view(predicted.shape).bool()
+    return real & valid[:, :, None] & kept
 
 
 def learned_positions(head, cfg, device) -> tuple[int, torch.Tensor]:
@@ -77,20 +94,20 @@ def position_accuracy(hits: torch.Tensor, trained: torch.Tensor) -> dict[str, fl
 
 
 def dflash_objective(head, target, batch, features, cfg):
+    """The soft cross-entropy of each trained block position's draft against the target's distribution,
+    weighted exp(-(j - 1) / gamma), fused with the LM head (`train.fused_soft_ce`)."""
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-    rows, length = ids.shape
+    rows = ids.shape[0]
     learned, decay = learned_positions(head, cfg, ids.device)
     anchors, valid = sample_anchors(loss_mask, batch["lengths"].tolist(), cfg.num_anchors, ids.device)
     hidden = head.training_forward(features["features"], ids, anchors, learned)
-    logits = head.readout(hidden.view(rows, anchors.shape[1], learned, -1))
-    predicted, real, target_logits = _block_targets(target, batch, features, anchors, learned)
-    trained = real & valid[:, :, None] & loss_mask.gather(1, predicted.clamp(max=length - 1).view(rows, -1)).view(
-        predicted.shape).bool()
+    predicted, real, teacher = _block_teacher(batch, features, anchors, learned)
+    trained = trained_positions(batch, valid, predicted, real)
     weights = trained.float() * decay
-    soft_ce = -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
-    loss = (soft_ce * weights).sum() / weights.sum().clamp(min=1e-6)
+    loss, drafted, greedy = fused_soft_ce(hidden.view(rows, anchors.shape[1], learned, -1), teacher,
+                                          head.target.lm_head.weight, weights / weights.sum().clamp(min=1e-6))
     with torch.no_grad():
-        return loss, position_accuracy(logits.argmax(-1) == target_logits.argmax(-1), trained)
+        return loss, position_accuracy(drafted == greedy, trained)
 
 
 @torch.no_grad()

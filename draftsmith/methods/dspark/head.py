@@ -49,10 +49,14 @@ class MarkovHead(nn.Module):
         nn.init.normal_(self.markov_w1.weight, std=0.02)
         nn.init.zeros_(self.markov_w2.weight)  # starts as the DFlash head it is built on
 
+    def embed(self, previous: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] -> their rank-r embeddings [..., r]."""
+        return self.markov_w1(previous)
+
     def forward(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [...] -> (their rank-r embeddings [..., r], the logit bias they give the next position
         [..., V] in fp32)."""
-        embedded = self.markov_w1(previous)
+        embedded = self.embed(previous)
         return embedded, self.markov_w2(embedded).float()
 
 

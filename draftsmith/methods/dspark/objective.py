@@ -20,43 +20,67 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.methods.dflash.objective import (
-    _block_targets,
+    _block_teacher,
     learned_positions,
     position_accuracy,
     sample_anchors,
+    trained_positions,
 )
 from draftsmith.methods.dflash.objective import simulated_acceptance as dflash_simulated_acceptance
+from draftsmith.methods.fused_soft_ce import fused_soft_ce
+
+
+def _teacher_forced(head, batch, features, anchors, drafts: int):
+    """Teacher-forced blocks from `anchors` [B, A]: (final hidden states [B, A, n, H], the positions
+    predicted [B, A, n], whether each is a real token, the tokens before them (what the Markov term reads),
+    the target's final normed hidden states that predict them [B, A, n, H])."""
+    ids = batch["input_ids"]
+    rows, length = ids.shape
+    hidden = head.training_forward(features["features"], ids, anchors, drafts).view(rows, anchors.shape[1], drafts, -1)
+    predicted, real, teacher = _block_teacher(batch, features, anchors, drafts)
+    previous = ids.gather(1, (predicted - 1).clamp(max=length - 1).view(rows, -1)).view(predicted.shape)
+    return hidden, predicted, real, previous, teacher
+
+
+@torch.no_grad()
+def _target_logits(target, teacher: torch.Tensor) -> torch.Tensor:
+    return target.lm_head(teacher.to(target.lm_head.weight.dtype)).float()
 
 
 def block_outputs(head, target, batch, features, anchors, drafts: int):
     """Teacher-forced blocks from `anchors` [B, A]: (draft logits with the Markov term [B, A, n, V], final
     hidden states [B, A, n, H], Markov embeddings of the tokens before each position or None, the target's
     logits [B, A, n, V], the positions predicted [B, A, n] and whether each is a real token)."""
-    ids = batch["input_ids"]
-    rows, length = ids.shape
-    hidden = head.training_forward(features["features"], ids, anchors, drafts).view(rows, anchors.shape[1], drafts, -1)
-    predicted, real, target_logits = _block_targets(target, batch, features, anchors, drafts)
-    previous = ids.gather(1, (predicted - 1).clamp(max=length - 1).view(rows, -1)).view(predicted.shape)
+    hidden, predicted, real, previous, teacher = _teacher_forced(head, batch, features, anchors, drafts)
+    target_logits = _target_logits(target, teacher)
     embedded, bias = head.markov(previous)
     return head.readout(hidden) + bias, hidden, embedded, target_logits, predicted, real
 
 
 def dspark_objective(head, target, batch, features, cfg):
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-    rows, length = ids.shape
     learned, decay = learned_positions(head, cfg, ids.device)
     anchors, valid = sample_anchors(loss_mask, batch["lengths"].tolist(), cfg.num_anchors, ids.device)
-    logits, hidden, embedded, target_logits, predicted, real = block_outputs(head, target, batch, features, anchors,
-                                                                              learned)
-    learnable = real & valid[:, :, None] & loss_mask.gather(1, predicted.clamp(max=length - 1).view(rows, -1)).view(
-        predicted.shape).bool()
-    trained = learnable.long().cumprod(-1).bool()  # a block's valid prefix: a position past a gap is never verified
+    hidden, predicted, real, previous, teacher = _teacher_forced(head, batch, features, anchors, learned)
+    # a block's valid prefix: a position past a gap is never verified
+    trained = trained_positions(batch, valid, predicted, real).long().cumprod(-1).bool()
     weights = trained.float() * decay
     total = weights.sum().clamp(min=1e-6)
-    greedy = target_logits.argmax(-1)
-    per_position, l1 = _distillation(logits, target_logits, greedy, cfg)
-    loss = (per_position * weights).sum() / total
-    hits = logits.argmax(-1) == greedy
+    if cfg.tv_weight or cfg.confidence_label == "tv":
+        embedded, bias = head.markov(previous)
+        logits = head.readout(hidden) + bias
+        target_logits = _target_logits(target, teacher)
+        greedy = target_logits.argmax(-1)
+        per_position, l1 = _distillation(logits, target_logits, greedy, cfg)
+        loss = (per_position * weights).sum() / total
+        hits = logits.argmax(-1) == greedy
+    else:  # what the kd and ce terms read, fused with the LM head and the Markov GEMM
+        embedded = head.markov_head.embed(previous) if head.markov_head is not None else None
+        markov_weight = head.markov_head.markov_w2.weight if head.markov_head is not None else None
+        loss, drafted, greedy = fused_soft_ce(hidden, teacher, head.target.lm_head.weight, weights / total,
+                                              kd=cfg.kd_weight, ce=cfg.ce_weight, markov=embedded,
+                                              markov_weight=markov_weight)
+        hits, l1 = drafted == greedy, None
     with torch.no_grad():
         logs = position_accuracy(hits, trained)
     if head.confidence_head is not None:

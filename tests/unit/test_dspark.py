@@ -359,3 +359,17 @@ def test_layouts_draftsmith_does_not_run_are_one_line(demo_target, tmp_path, cap
     _deepspec_checkpoint(_head(demo_target), tmp_path / "deepspec", **change)
     assert pub.convert(tmp_path / "deepspec", tmp_path / "native", "--target", str(DEMO_MODEL)) != 0
     assert message in capsys.readouterr().err
+
+
+def test_kept_markov_bias_rows_are_the_products_whatever_was_evicted():
+    from draftsmith.methods.dspark.markov_cache import MarkovBiasRows
+
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(50, 4), torch.randn(50, 4)
+    rows = MarkovBiasRows(w1, w2, budget_bytes=3 * 50 * 4)  # room for 3 tokens' rows
+    assert rows.capacity == 3
+    for tokens in ([7], [7, 9], [9, 11, 7], [12, 7], [13, 14], [7, 7, 9], [1, 2, 3, 4], [4, 4]):
+        t = torch.tensor(tokens)
+        torch.testing.assert_close(rows.bias(t), w1[t] @ w2.t(), atol=1e-6, rtol=0)
+        assert len(rows.where) <= 3
+    assert list(rows.where) == [7, 9, 4]  # least recently used first; [1, 2, 3, 4] kept nothing

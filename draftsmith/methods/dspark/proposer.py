@@ -9,10 +9,10 @@ where the cost model says the rest does not pay (`serve.speculation.verify_lengt
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from draftsmith.methods.dflash.proposer import DFlashProposer
 from draftsmith.methods.draft_sampling import choose
+from draftsmith.methods.dspark.markov_cache import MarkovBiasRows
 
 
 class DSparkProposer(DFlashProposer):
@@ -20,6 +20,7 @@ class DSparkProposer(DFlashProposer):
         super().__init__(config, target, max_num_seqs, max_model_len)
         self.adaptive_verification = config.enable_adaptive_verification and self.head.confidence_head is not None
         self.survival = torch.zeros(max_num_seqs, self.k, device=self.device)
+        self.bias_rows: MarkovBiasRows | None = None  # made on the first greedy chain
 
     def _chain(self, hidden: torch.Tensor, last: torch.Tensor, limits: list[int], rows: torch.Tensor,
                temperature: torch.Tensor | None, generators: dict[int, torch.Generator], tokens_out: torch.Tensor,
@@ -36,40 +37,55 @@ class DSparkProposer(DFlashProposer):
         tokens_out[rows, :width] = torch.where(kept, drafted, -1)
         if not self.adaptive_verification:
             return None
-        markov = torch.stack(embedded, 1) if embedded[0] is not None else None
-        chances = torch.sigmoid(self.head.confidence_logits(hidden, markov))
+        chances = torch.sigmoid(self.head.confidence_logits(hidden, embedded))
         survival = self.survival[: tokens_out.shape[0]]
         survival.zero_()
         survival[rows, :width] = chances.cumprod(-1) * kept
         return survival
 
+    def _bias_of(self):
+        """The Markov bias of token ids [A] for the positions after them [A, V] in fp32 (None: no Markov
+        head). On a CPU each token's row is kept once computed (`MarkovBiasRows`: the vocabulary-wide GEMV was
+        most of a chain position's cost); a GPU's GEMV is cheap, and kept rows would sync on every token."""
+        markov = self.head.markov_head
+        if markov is None:
+            return None
+        if self.device.type != "cpu":
+            return lambda tokens: markov(tokens)[1]
+        if self.bias_rows is None:
+            self.bias_rows = MarkovBiasRows(markov.markov_w1.weight, markov.markov_w2.weight)
+        return self.bias_rows.bias
+
+    def _embedded(self, before: list[torch.Tensor]) -> torch.Tensor | None:
+        """The Markov embeddings [A, width, r] of the tokens before each block position (what the confidence
+        head reads), None without a Markov head."""
+        markov = self.head.markov_head
+        return markov.embed(torch.stack(before, 1)) if markov is not None else None
+
     def _greedy_chain(self, base: torch.Tensor, last: torch.Tensor):
         """Greedy drafts along the block, each the argmax of the block's logits plus the Markov bias of the
-        draft before it -> (drafts [A, width], Markov embeddings per position): `_along_block`'s choices in
-        fewer ops a position (the bias added inside its GEMV), which at one row are most of a draft's cost; in
-        fp32, where the two round alike but for addmm's fused add (a near-tie may go the other way)."""
-        markov = self.head.markov_head
-        if markov is None or markov.markov_w2.weight.dtype != torch.float32:
-            return None  # a head drafting in bf16 rounds its bias there, as `_along_block` and training do
-        w1, w2_t = markov.markov_w1.weight, markov.markov_w2.weight.t()
-        previous, embedded, drafted = last, [], []
+        draft before it -> (drafts [A, width], `_embedded`): `_along_block`'s choices in
+        fewer ops a position."""
+        bias_of = self._bias_of()
+        if bias_of is None:
+            return None
+        previous, before, drafted = last, [], []
         for j in range(base.shape[1]):
-            e = F.embedding(previous, w1)  # [A, r]
-            drafted.append(torch.addmm(base[:, j], e, w2_t).argmax(-1))
-            embedded.append(e)
-            previous = drafted[-1]
-        return torch.stack(drafted, 1), embedded
+            before.append(previous)
+            previous = (base[:, j] + bias_of(previous)).argmax(-1)
+            drafted.append(previous)
+        return torch.stack(drafted, 1), self._embedded(before)
 
     def _along_block(self, base, last, limits, rows, temperature, generators, probs_out):
         """Drafts chosen left to right over the whole vocabulary, each position's logits gaining the Markov
-        bias of the draft before it -> (drafts [A, width], Markov embeddings per position)."""
+        bias of the draft before it -> (drafts [A, width], `_embedded`)."""
         width = base.shape[1]
-        previous, embedded = last, []
+        bias_of = self._bias_of()
+        previous, before = last, []
         drafted = torch.full(base.shape[:2], -1, dtype=torch.long, device=self.device)
         for j in range(width):
-            markov_embedding, bias = self.head.markov(previous)
-            embedded.append(markov_embedding)
-            logits = base[:, j] + bias
+            before.append(previous)
+            logits = base[:, j] + bias_of(previous) if bias_of is not None else base[:, j]
             if temperature is None:
                 drafted[:, j] = logits.argmax(-1)
             else:  # only the rows that keep draft j draw it: a seeded row's draws do not depend on its batch
@@ -81,4 +97,4 @@ class DSparkProposer(DFlashProposer):
                 if probs_out is not None:
                     probs_out[rows[live_t], j] = q
             previous = drafted[:, j].clamp(min=0)  # rows past their limit draft nothing more that is read
-        return drafted, embedded
+        return drafted, self._embedded(before)

@@ -1,0 +1,46 @@
+"""The Markov head's logit bias rows, kept per previous token. A greedy DSpark chain adds, at each of its k
+positions, the bias of the token before it, `markov_w2 @ markov_w1[token]`: a GEMV over the whole vocabulary
+that reads all of markov_w2 (2 MB at rank 64 and 8192 tokens), about 70 us a position on a CPU core where the
+rest of a position (a row's add and argmax) takes about 10. The bias depends on the token alone, and a code
+model's drafts and anchors come back to a few thousand tokens, so rows are computed once and kept (least
+recently used out), within a byte budget. Kept or not, a row is the same product (`w1[t] @ w2^T` in the
+head's dtype, then fp32, as `MarkovHead` gives it), so what is kept changes no draft beyond the rounding of
+GEMMs of other row counts."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+BUDGET_BYTES = 64 * 2**20  # 2048 rows of an 8192-token vocabulary in fp32
+
+
+class MarkovBiasRows:
+    def __init__(self, markov_w1: torch.Tensor, markov_w2: torch.Tensor, budget_bytes: int = BUDGET_BYTES):
+        self.w1, self.w2_t = markov_w1, markov_w2.t()
+        vocab = markov_w2.shape[0]
+        self.capacity = max(1, min(vocab, budget_bytes // (vocab * 4)))
+        # fp32 rows, as the head's logits; untouched rows take no memory until written
+        self.table = torch.empty(self.capacity, vocab, dtype=torch.float32, device=markov_w2.device)
+        self.where: OrderedDict[int, int] = OrderedDict()  # token -> its row of `table`, least recent first
+
+    def bias(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [A] -> the bias each gives the position after it [A, V] in fp32."""
+        ids = tokens.tolist()
+        distinct = list(dict.fromkeys(ids))
+        if len(distinct) > self.capacity:  # more tokens at once than the budget holds: nothing kept
+            return torch.mm(self.w1[tokens], self.w2_t).float()
+        missing = []
+        for token in distinct:
+            if token in self.where:
+                self.where.move_to_end(token)  # so that storing the missing ones evicts none of these
+            else:
+                missing.append(token)
+        if missing:
+            biases = torch.mm(self.w1[torch.tensor(missing, device=tokens.device)], self.w2_t).float()
+            for token, bias in zip(missing, biases):
+                row = len(self.where) if len(self.where) < self.capacity else self.where.popitem(last=False)[1]
+                self.table[row] = bias
+                self.where[token] = row
+        return self.table[torch.tensor([self.where[t] for t in ids], device=tokens.device)]

@@ -261,9 +261,9 @@ def test_a_recipe_whose_drafts_learn_nothing_is_one_line():
     from draftsmith.train.recipe import load_recipe
 
     with pytest.raises(DraftsmithError, match="ce_weight, tv_weight and kd_weight are all 0"):
-        load_recipe(REPO / "recipes/dspark-demo.yaml", ["training.ce_weight=0", "training.tv_weight=0"])
-    assert load_recipe(REPO / "recipes/dspark-demo.yaml", ["training.kd_weight=1", "training.ce_weight=0",
-                                                    "training.tv_weight=0"]).training.kd_weight == 1
+        load_recipe(REPO / "recipes/dspark-demo.yaml", ["training.kd_weight=0"])
+    assert load_recipe(REPO / "recipes/dspark-demo.yaml", ["training.kd_weight=0", "training.ce_weight=0.1",
+                                                    "training.tv_weight=0.9"]).training.tv_weight == 0.9
 
 
 def test_no_drafts_chosen_is_a_plain_step():

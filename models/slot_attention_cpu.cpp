@@ -162,6 +162,19 @@ inline void add_values64(const float* weights, const float* values, int64_t stri
 
 inline float exp_nonpositive(float x) { return exp8(vec8{} + x)[0]; }
 
+// dst[j * dim + d] = src[j * stride + d] as floats, for j < count: a bf16 or fp16 cache's block of keys or values
+// widened once, so that the fp32 micro-kernels score it (element by element, the conversions had cost a bf16
+// draft head's attention 3x an fp32 target's over as many keys)
+template <typename scalar_t>
+inline void widen(const scalar_t* src, int64_t stride, int64_t count, int64_t dim, float* dst) {
+  for (int64_t j = 0; j < count; ++j) {
+    const scalar_t* row = src + j * stride;
+    float* out = dst + j * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(row[d]);
+  }
+}
+
 struct Strides {
   int64_t slot, head, pos;  // a cache's strides; head_dim is contiguous
 };
@@ -218,12 +231,16 @@ void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys
     }
   }
   const int64_t rows = group * live;  // score rows: head-major, then query
-  buffer.assign(rows * dim * 2 + rows * BLOCK + rows * 2, 0.0f);
+  constexpr bool narrow = !std::is_same_v<scalar_t, float>;
+  const bool widened = narrow && dim % 64 == 0;  // a narrow cache's blocks widened for the fp32 micro-kernels
+  buffer.assign(rows * dim * 2 + rows * BLOCK + rows * 2 + (widened ? 2 * BLOCK * dim : 0), 0.0f);
   float* q = buffer.data();            // [rows, dim], scaled
   float* acc = q + rows * dim;         // [rows, dim]
   float* scores = acc + rows * dim;    // [rows, BLOCK]
   float* run_max = scores + rows * BLOCK;
   float* run_sum = run_max + rows;
+  float* wide_keys = run_sum + rows;   // [BLOCK, dim] when widened
+  float* wide_values = wide_keys + BLOCK * dim;
   int64_t first = INT64_MAX, last = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t h = first_head + r / live, i = r % live;
@@ -236,11 +253,15 @@ void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys
   for (int64_t start = first; start < last; start += BLOCK) {
     const int64_t count = std::min(BLOCK, last - start);
     bool scored = false;
-    if constexpr (std::is_same_v<scalar_t, float>) {
+    if constexpr (!narrow) {
       if (dim % 8 == 0) {
         score_block(q, task.keys + start * task.k_pos, task.k_pos, rows, count, dim, scores);
         scored = true;
       }
+    } else if (widened) {
+      widen(task.keys + start * task.k_pos, task.k_pos, count, dim, wide_keys);
+      score_block(q, wide_keys, dim, rows, count, dim, scores);
+      scored = true;
     }
     for (int64_t j = 0; !scored && j < count; ++j) {
       const scalar_t* key = task.keys + (start + j) * task.k_pos;
@@ -264,16 +285,22 @@ void attend(const Task<scalar_t>& task, const std::vector<QueryKeys>& query_keys
         for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
       }
     }
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      if (dim % 64 == 0) {
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t d = 0; d < dim; d += 64) {
-            add_values64(scores + r * BLOCK, task.values + start * task.v_pos + d, task.v_pos, count,
-                         acc + r * dim + d);
-          }
-        }
-        continue;
+    if (!narrow ? dim % 64 == 0 : widened) {
+      const float* values = nullptr;
+      int64_t stride = dim;
+      if constexpr (!narrow) {
+        values = task.values + start * task.v_pos;
+        stride = task.v_pos;
+      } else {
+        widen(task.values + start * task.v_pos, task.v_pos, count, dim, wide_values);
+        values = wide_values;
       }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < dim; d += 64) {
+          add_values64(scores + r * BLOCK, values + d, stride, count, acc + r * dim + d);
+        }
+      }
+      continue;
     }
     for (int64_t j = 0; j < count; ++j) {
       const scalar_t* value = task.values + (start + j) * task.v_pos;

@@ -32,13 +32,15 @@ def _check(got, want, q_lens, dtype=torch.float32):
                                    rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 32), (6, 2, 48)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 32), (6, 2, 48), (2, 1, 128)])
 @pytest.mark.parametrize("q_lens", [[1, 1, 1, 1], [5, 2, 16, 1]])
-def test_causal_rows_match_the_reference(heads, kv_heads, dim, q_lens):
-    # keys from 1 to past a block of 64 and past several: the online softmax's merges across blocks
-    q, k, v, slots, positions, kv_lens = _case(heads, kv_heads, dim, q_lens, starts=[0, 63, 300, 641])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_rows_match_the_reference(heads, kv_heads, dim, q_lens, dtype):
+    # keys from 1 to past a block of 64 and past several: the online softmax's merges across blocks; a bf16
+    # cache's blocks are widened to fp32 where head_dim is a multiple of 64, read element by element elsewhere
+    q, k, v, slots, positions, kv_lens = _case(heads, kv_heads, dim, q_lens, starts=[0, 63, 300, 641], dtype=dtype)
     got = slot_attention_cpu(q, k, v, slots, positions, kv_lens)
-    _check(got, slot_attention_reference(q, k, v, slots, positions, kv_lens), q_lens)
+    _check(got, slot_attention_reference(q, k, v, slots, positions, kv_lens), q_lens, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

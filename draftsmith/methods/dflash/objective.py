@@ -95,7 +95,7 @@ def position_accuracy(hits: torch.Tensor, trained: torch.Tensor) -> dict[str, fl
 
 def dflash_objective(head, target, batch, features, cfg):
     """The soft cross-entropy of each trained block position's draft against the target's distribution,
-    weighted exp(-(j - 1) / gamma), fused with the LM head (`train.fused_soft_ce`)."""
+    weighted exp(-(j - 1) / gamma), fused with the LM head (`methods.fused_soft_ce`)."""
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     rows = ids.shape[0]
     learned, decay = learned_positions(head, cfg, ids.device)

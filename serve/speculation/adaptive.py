@@ -22,6 +22,8 @@ per second.
 
 from __future__ import annotations
 
+import math
+
 from draftsmith.serve.speculation.cost_model import CATCH_UP_HORIZON, CostModel
 from draftsmith.serve.speculation.estimators import AcceptanceStats
 from draftsmith.serve.speculation.plan import StepPlan, WidthCounts, int_list
@@ -49,12 +51,17 @@ LONG_PLAIN_RUN = 64
 HOLD_SHRINK = 8
 # Plain steps teach the policy nothing about drafting. So after PROBE_AFTER plain steps in a row, a plan that
 # still says no speculates anyway for PROBE_STEPS steps (the first resumes, the second is timed as a steady
-# one) if it is predicted at least PROBE_WORST of plain decoding's tokens/s; each probe that changes nothing
+# one) if it is predicted at least `probe_worst(rows)` of plain decoding's tokens/s; each probe that changes nothing
 # doubles the wait, up to MAX_PROBE_AFTER steps. The wait starts again from PROBE_AFTER only after more than
 # PROBE_STEPS speculative plans in a row: speculation that stops as soon as a probe would have (a new request
 # drafting at the method's rates until its own evidence says no) changed nothing either, and resetting the
 # wait there had a head that never paid probe, with its catch-up, every 16, 32, 64... steps of each request.
 PROBE_AFTER, MAX_PROBE_AFTER, PROBE_STEPS, PROBE_WORST = 16, 256, 2, 0.7
+# PROBE_WORST is one row's: a probe pays only where the rows' acceptance turns out above the estimate the plan
+# was made with, and a batch's mean acceptance strays from its estimate by about 1/sqrt(rows) of what one row's
+# does, so the shortfall a probe of `rows` rows may be predicted at shrinks as 1/sqrt(rows) (`probe_worst`).
+# At 8 in flight the DSpark and DFlash demo heads' probes were predicted at 0.80-0.85x plain decoding and ran at
+# 0.84-0.88x, catch-up aside (docs/decisions/adaptive-speculation.md)
 # A resumed row's catch-up is priced spread over the steps it is expected to speculate (CATCH_UP_HORIZON).
 # After SHORT_RUNS speculative runs in a row that ended within PROBE_STEPS plans, the next run is expected to
 # be as short, and its catch-up is spread over PROBE_STEPS steps: while nothing is drafted the evidence fades
@@ -199,7 +206,7 @@ class AdaptivePolicy:
             # the first guesses
             floor = self.acceptance.initial_rates
             probe = self._choose([[max(r, i) for r, i in zip(row, floor)] for row in rates], caps, seconds)[2]
-        best = self._explore(best, probe, plain, catch_up, thin, bool(unfed))
+        best = self._explore(best, probe, plain, rows, catch_up, thin, bool(unfed))
         self._plain_streak = (rows, 0 if best.width else self._streak_at(rows) + 1)
         if best.width > 0 and self.cost.per_token_drafts and self.confidence_floor:
             # one more draft step costs a draft forward plus a wider verify; it pays while the row's chance
@@ -242,7 +249,7 @@ class AdaptivePolicy:
         hold = min(PLAIN_HOLD << (self._clear_losses - 1), MAX_PLAIN_HOLD)
         # re-planned when a probe is due, where one would run (drafting after the plan: as `_explore` judged it,
         # whole catch-up included; an overdue probe that is not worth it caps nothing)
-        if self._probe_worth or (self.cost.drafts_before_plan and (ratio >= PROBE_WORST or thin)):
+        if self._probe_worth or (self.cost.drafts_before_plan and (ratio >= probe_worst(len(slots)) or thin)):
             hold = min(hold, max(self._probe_after - self._plain_run, PLAIN_HOLD))
         return hold
 
@@ -352,7 +359,7 @@ class AdaptivePolicy:
             drafting = [self.cost.drafting(rows, 1)] * self.k
         return max(t / (s + d) for t, s, d in zip(tokens, seconds, drafting)) / plain.tokens_per_s
 
-    def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan,
+    def _explore(self, best: StepPlan, speculative: StepPlan | None, plain: StepPlan, rows: int,
                  catch_up: tuple[int, int], thin: bool = False, first_feed: bool = False) -> StepPlan:
         """`best`, or a probe of `speculative` when plain steps have gone on long enough (see PROBE_AFTER; with
         `thin` evidence, the wait does not grow). `first_feed`: the catch-up feeds rows whose drafter holds
@@ -374,7 +381,7 @@ class AdaptivePolicy:
             whole = speculative.expected_seconds
             if not first_feed:
                 whole += self.cost.catch_up(*catch_up) * (1 - 1 / CATCH_UP_HORIZON)
-            probe_worth = speculative.expected_tokens / whole >= PROBE_WORST * plain.tokens_per_s
+            probe_worth = speculative.expected_tokens / whole >= probe_worst(rows) * plain.tokens_per_s
         self._probe_worth = probe_worth  # read by the hold that `plan` sets after this
         if probe_worth and self._probe_due():
             self._probing, self._plain_run = PROBE_STEPS, 0
@@ -416,6 +423,12 @@ class AdaptivePolicy:
 
     def metrics(self) -> dict:
         return self.counts.metrics()
+
+
+def probe_worst(rows: int) -> float:
+    """The least share of plain decoding's predicted tokens/s at which a probe of `rows` rows runs: PROBE_WORST
+    for one row, nearer 1 for more (the batch's mean acceptance strays from its estimate as 1/sqrt(rows))."""
+    return 1.0 - (1.0 - PROBE_WORST) / math.sqrt(max(rows, 1))
 
 
 def _gains(rates: list[float]) -> list[float]:

@@ -17,7 +17,7 @@ from draftsmith.models.heads import DraftHeadConfig
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.engine.outputs import OutputCollector
 from draftsmith.serve.speculation import adaptive
-from draftsmith.serve.speculation.adaptive import THIN_EVIDENCE, AdaptivePolicy
+from draftsmith.serve.speculation.adaptive import PROBE_WORST, THIN_EVIDENCE, AdaptivePolicy, probe_worst
 from draftsmith.serve.speculation.cost_model import CostModel
 from draftsmith.serve.speculation.estimators import AcceptanceStats
 from helpers import (
@@ -324,6 +324,27 @@ def test_a_probe_counts_a_first_feed_spread_and_any_other_catch_up_whole(monkeyp
             probes += width > 0
             policy.idle(slots)
     assert (probes > 0) == first_feed
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_probe_must_come_nearer_plain_decoding_the_more_rows_it_drafts_for(monkeypatch, rows):
+    """A probe pays only where the rows' acceptance turns out above the plan's estimate, and a batch's mean
+    strays from it as 1/sqrt(rows): predicted at 0.8x plain decoding at best, one row probes (PROBE_WORST, 0.7)
+    and eight rows never do (`probe_worst(8)`, 0.89)."""
+    assert probe_worst(1) == PROBE_WORST and probe_worst(8) == pytest.approx(1 - (1 - PROBE_WORST) / 8**0.5)
+    policy = _policy(CHEAP, sequential=True)
+    slots = list(range(rows))
+    _feed(policy, slots, accepted_each=1, times=THIN_EVIDENCE)
+    # plain: a token a row in 1 s; the first draft is nearly always accepted and the second nearly never, so
+    # one draft gives under 2 tokens a row in 2.5 s (0.8x), and each further one costs 1.5 s more
+    prices = lambda rows, query_lens, *args: [1.0] + [1.0 + 1.5 * w for w in range(1, len(query_lens))]  # noqa: E731
+    monkeypatch.setattr(policy.cost, "step_seconds_by_width", prices)
+    probes = 0
+    for _ in range(600):
+        if not policy.held(tuple(slots)):
+            probes += policy.plan(torch.tensor(slots), torch.tensor([K] * rows)).width > 0
+            policy.idle(slots)
+    assert (probes > 0) == (rows == 1)
 
 
 def test_close_calls_after_drafting_hold_longer_in_a_row_up_to_a_cap(monkeypatch):

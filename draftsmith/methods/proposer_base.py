@@ -59,6 +59,15 @@ class DraftSampling(Protocol):
     all_greedy: bool
 
 
+class DraftTimer(NamedTuple):
+    """A proposer's steady drafting as the policy times it (`Proposer.draft_timer`)."""
+
+    # one draft step of `rows` rows (slots 0..rows-1) over a context the timer wrote itself, before admission
+    run: Callable[[int], None]
+    done: Callable[[], None]  # leaves the slots as the timing found them
+    device: torch.device
+
+
 class CatchUpTimer(NamedTuple):
     """A proposer's catch-up as the policy times it (`Proposer.catch_up_timer`)."""
 
@@ -151,6 +160,13 @@ class Proposer:
         """(model, its folder) where catch-ups run a whole language model that the forward-cost profile can
         time (a draft model): the policy prices them by that model's own table. None: priced from the
         target's table."""
+        return None
+
+    def draft_timer(self, context: int) -> DraftTimer | None:
+        """Where one forward drafts any width (`per_token_drafts` False) and its cost grows with the rows
+        otherwise than the target's forward of `draft_query_len` tokens does: how to run a steady draft step
+        over `context` positions a row, which the policy times by rows into the table that prices drafting.
+        None: drafting is priced as `draft_cost_guess` times the target's forward until it is timed live."""
         return None
 
     def catch_up_timer(self) -> CatchUpTimer | None:

@@ -5,8 +5,8 @@
 where F is the measured target forward table (`cost_profile`), scaled by what live forwards take, d_w the
 rows' mean min(w, k_row) (the verify forward is packed: rows that draft less cost less), and draft and host
 work are fitted online from the step timings the engine reports: draft(rows, w) = F(rows, 1) (a + b w) for
-proposers that run one draft forward per token (a: catch-up and setup, b: one forward), host work linear in
-rows. Rows that must first feed the draft model a longer run of positions (new requests, or rows resuming
+proposers that run one draft forward per token (a: catch-up and setup, b: one forward), D(rows) a for one-pass
+drafters whose step was timed by rows at load (D, `draft_table`), host work linear in rows. Rows that must first feed the draft model a longer run of positions (new requests, or rows resuming
 after plain steps) add a catch-up forward of their own, learned per query token and spread over the steps it
 serves; where that forward runs a whole draft model, its own profiled table prices it instead, and where it is a
 projection of the proposer's own (DFlash's context), that projection's timings.
@@ -71,8 +71,9 @@ class CostModel:
     # verify forwards (query_len > 1) by batch size; until one is timed: the decode scale
     verify_scales: ScaleByBatch = field(default_factory=lambda: ScaleByBatch(0.95, STEP_SURPRISE))
     live_scaling: bool = True  # False: the table alone prices forwards (tests with synthetic tables)
-    # drafting seconds / F(rows, draft_query_len), by draft forwards run: a fixed part (catch-up, setup) plus a part per
-    # forward; relative to the target's forward of `draft_query_len` tokens a row (a decode for most heads)
+    # drafting seconds / F(rows, draft_query_len) (or / the timed draft step, `draft_table`), by draft forwards run:
+    # a fixed part (catch-up, setup) plus a part per forward; relative to the target's forward of `draft_query_len`
+    # tokens a row (a decode for most heads)
     # so that its growth with rows comes from the measured table, while steps within one call (1..k)
     # identify the two parts. Before evidence: `draft_guess` per forward (a one-layer head: about a third).
     draft_ratio: DecayedLine = field(init=False)
@@ -88,6 +89,11 @@ class CostModel:
     # them alone, without learning: a per-token price learned from short catch-ups, whose fixed costs dominate,
     # priced a draft model's prompt 3-4x over, and a DFlash head's kept prompt 8-14x
     catch_up_table: ForwardCostTable | None = None
+    # where one forward drafts any width, its steady step timed by rows (`Proposer.draft_timer`): the unit that
+    # `draft_ratio` is learned in and its first guess (1), in place of the target's forward of a block, which
+    # grows with the rows otherwise (the demo DSpark head was priced 40% under its cost at 8 rows, so the plan
+    # speculated again each time the learned ratio faded back toward the guess)
+    draft_table: ForwardCostTable | None = None
     # a steady speculative step's measured seconds / the sum of its parts as predicted: each part is fitted
     # on its own but over all batch sizes and widths at once, so the whole may cost more than its parts say
     # (geometric moving average; a surprising step moves it only STEP_SURPRISE x its weight, so that one
@@ -101,7 +107,9 @@ class CostModel:
     plain_age: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.draft_guess is None:
+        if self.draft_table is not None:
+            self.draft_guess = 1.0
+        elif self.draft_guess is None:
             self.draft_guess = DRAFT_STEP_GUESS
         self.draft_ratio = DecayedLine(prior_weight=0.5)
 
@@ -121,7 +129,14 @@ class CostModel:
         if width == 0:
             return 0.0
         forwards = width if self.per_token_drafts else 1
-        return self._draft_ratio(forwards) * self.forward(rows, self.draft_query_len)
+        return self._draft_ratio(forwards) * self._draft_unit(rows)
+
+    def _draft_unit(self, rows: int) -> float:
+        """Seconds that a draft ratio of 1 stands for at this batch size: the timed draft step where there is
+        one, else the target's forward of `draft_query_len` tokens a row."""
+        if self.draft_table is not None:
+            return self.draft_table.estimate(rows, 1)
+        return self.forward(rows, self.draft_query_len)
 
     def _draft_ratio(self, forwards: int) -> float:
         """Drafting seconds / F(rows, draft_query_len) for this many draft forwards: the fit weighed against the
@@ -182,7 +197,7 @@ class CostModel:
         self.catch_up_weight = self.catch_up_line.decay * self.catch_up_weight + 1
 
     def observe_draft(self, rows: int, forwards: int, seconds: float) -> None:
-        ratio = seconds / max(self.forward(rows, self.draft_query_len), 1e-9)
+        ratio = seconds / max(self._draft_unit(rows), 1e-9)
         # One stalled step (the OS, a first-touch allocation) must not price drafting out for good: it is only
         # re-measured while the policy drafts. A cost really that high still gets there, OUTLIER x at a time.
         expected = max(self.draft_guess * forwards, self._draft_ratio(forwards))
@@ -229,7 +244,7 @@ class CostModel:
         scale = self.forward_scales.get(rows)
         verify_scale, host = self.verify_scales.get(rows, scale), self.host(rows, True)
         correction, catch = self.spec_corrections.get(rows), self.catch_up(*catch_up) / horizon
-        draft_forward = decode if self.draft_query_len == 1 else self.forward(rows, self.draft_query_len)
+        draft_forward = decode if self.draft_query_len == 1 and self.draft_table is None else self._draft_unit(rows)
         widths = range(1, len(query_lens))
         if self.drafts_before_plan:
             drafting = [0.0 for _ in widths]

@@ -40,6 +40,9 @@ CONTEXT = 256  # tokens already in the cache per row: keys the forward attends o
 # 619-token forward: 551 ms by the table, 329 live), so this grid reaches prompt lengths.
 # Rows beyond 4 extrapolate (a forward this long grows linearly in rows); 3 repeats: about 3 s for the demo model.
 CATCH_UP_GRID = {"rows": (1, 2, 4), "query_lens": (1, 8, 32, 128, 512), "context": 0, "repeats": 3}
+# A block drafter's steady draft step by rows (`Proposer.draft_timer`), at the target table's context: under a
+# second for the demo heads, taken each time an engine starts
+DRAFT_GRID = {"rows": (1, 2, 4, 8, 16), "context": CONTEXT, "repeats": 3}
 
 logger = logging.getLogger("draftsmith")
 
@@ -152,6 +155,16 @@ def profile_catch_ups(run, rows: list[int], positions: list[int], repeats: int, 
     timed now: a projection's grid takes well under a second, so it is not kept on disk."""
     seconds = [[median_seconds(partial(run, r, q), repeats, device) for q in positions] for r in rows]
     return ForwardCostTable({"catch_up": "projection"}, list(rows), list(positions), 0, seconds)
+
+
+def profile_drafts(timer, rows: list[int], repeats: int) -> ForwardCostTable:
+    """The table of a proposer's steady draft step (`Proposer.draft_timer`) by rows, timed now; its one query
+    length (1) stands for a step of any width."""
+    try:
+        seconds = [[median_seconds(partial(timer.run, r), repeats, timer.device)] for r in rows]
+    finally:
+        timer.done()
+    return ForwardCostTable({"drafting": "timed"}, list(rows), [1], DRAFT_GRID["context"], seconds)
 
 
 def profile_forwards(model, key: dict, rows=ROWS, query_lens=QUERY_LENS, context: int = CONTEXT,

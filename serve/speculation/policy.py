@@ -15,9 +15,11 @@ from draftsmith.serve.speculation.adaptive import AdaptivePolicy
 from draftsmith.serve.speculation.cost_model import CostModel
 from draftsmith.serve.speculation.cost_profile import (
     CATCH_UP_GRID,
+    DRAFT_GRID,
     ForwardCostTable,
     load_or_profile,
     profile_catch_ups,
+    profile_drafts,
     profile_forwards,
 )
 from draftsmith.serve.speculation.plan import StepPlan, WidthCounts, int_list
@@ -137,9 +139,19 @@ def make_policy(spec_config, proposer, num_slots: int, cost_table: ForwardCostTa
         cost_table = profile_forwards(target, {"model": "in-memory"})
     cost = CostModel(cost_table, per_token_drafts=proposer.per_token_drafts, drafts_before_plan=proposer.propose_first,
                      draft_query_len=proposer.draft_query_len, draft_guess=proposer.draft_cost_guess,
-                     catch_up_table=_catch_up_table(proposer, num_slots))
+                     catch_up_table=_catch_up_table(proposer, num_slots), draft_table=_draft_table(proposer, num_slots))
     logger.info("speculation: adaptive (0..k per step, from the cost model)")
     return AdaptivePolicy(k, num_slots, cost, disable_above)
+
+
+def _draft_table(proposer, num_slots: int) -> ForwardCostTable | None:
+    """The table of a one-pass drafter's steady draft step by rows (`Proposer.draft_timer`), timed now; None:
+    drafting is priced from the target's table until it is timed live."""
+    timer = None if proposer.per_token_drafts else proposer.draft_timer(DRAFT_GRID["context"])
+    if timer is None:
+        return None
+    rows = [r for r in DRAFT_GRID["rows"] if r <= num_slots] or [1]
+    return profile_drafts(timer, rows, DRAFT_GRID["repeats"])
 
 
 def _catch_up_table(proposer, num_slots: int) -> ForwardCostTable | None:

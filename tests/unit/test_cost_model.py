@@ -13,6 +13,7 @@ from draftsmith.serve.speculation.cost_model import (
     STEP_SURPRISE,
     CostModel,
 )
+from draftsmith.serve.speculation.cost_profile import ForwardCostTable
 from draftsmith.serve.speculation.estimators import ScaleByBatch
 from helpers import synthetic_table
 
@@ -54,6 +55,24 @@ def test_a_block_drafter_is_priced_by_the_targets_forward_of_its_block():
     assert cost.forward(8, 8) > 2 * cost.forward(8, 1)  # a decode-based price would be under half of it
     by_width = cost.step_seconds_by_width(8, [1.0, 2.0, 3.0])
     assert by_width[1:] == pytest.approx([cost.step_seconds(8, w) for w in (1, 2)])
+
+
+def test_a_timed_draft_step_prices_drafting_by_rows():
+    """Where the draft step was timed by rows at load (`draft_table`), drafting is priced as timed at every batch
+    size, however the target's forward of a block grows; live timings at one batch size correct the level at
+    all, and once their evidence fades the price is the timed one again, not a guess from the target's table."""
+    timed = ForwardCostTable({"drafting": "timed"}, [1, 8], [1], 256, [[2.5e-3], [7e-3]])
+    cost = CostModel(synthetic_table(0.3), per_token_drafts=False, drafts_before_plan=False, draft_query_len=7,
+                     draft_guess=0.5, draft_table=timed)
+    assert cost.draft(1, 7) == pytest.approx(2.5e-3) and cost.draft(8, 3) == pytest.approx(7e-3)
+    assert cost.draft(4, 7) == pytest.approx(2.5e-3 + 3 * 4.5e-3 / 7)  # interpolated by rows
+    for _ in range(30):
+        cost.observe_draft(8, 1, 1.2 * 7e-3)
+    assert cost.draft(1, 7) == pytest.approx(1.2 * 2.5e-3, rel=0.02)
+    by_width = cost.step_seconds_by_width(8, [1.0, 2.0, 3.0])
+    assert by_width[1:] == pytest.approx([cost.step_seconds(8, w) for w in (1, 2)])
+    cost.idle(500)
+    assert cost.draft(8, 7) == pytest.approx(7e-3, rel=0.01)
 
 
 def test_cost_evidence_fades_over_plain_steps():

@@ -127,13 +127,14 @@ def test_adaptive_dflash_keeps_greedy_equality(demo_target, tmp_path, greedy_ref
     from helpers import make_speculation_pay
 
     llm = _serve(_save(random_dflash_head(demo_target, seed=1), tmp_path / "head"), adaptive=True)
-    cost = llm.engine.policy.cost  # a draft forward priced as the target's of a block (5 a row), 2 layers of 6
-    assert cost.draft_query_len == 5 and cost.draft_guess == pytest.approx(2 / 6)
+    cost = llm.engine.policy.cost  # a draft step priced as timed at 1 and 2 rows (within 3 slots), a ratio of 1
+    assert cost.draft_guess == 1.0 and cost.draft_table.rows == [1, 2]
+    assert all(line[0] > 0 for line in cost.draft_table.seconds)
     # catch-ups priced by timing the projection they run, within 3 slots and the 256 + 5 positions of the cache
     assert cost.catch_up_table.rows == [1, 2] and cost.catch_up_table.query_lens == [1, 8, 32, 128]
     make_speculation_pay(llm)
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
-    # the timer's scratch writes went into slots before any request: every context was written over
+    # the timers' scratch writes and drafts went into slots before any request: every context was written over
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0  # the adaptive policy did speculate
 
@@ -158,6 +159,34 @@ def test_the_catch_up_timer_runs_the_projection_a_catch_up_runs(demo_target, mon
     width = len(proposer.feature_layers) * demo_target.config.hidden_size
     assert written == [([0, 1], [0, 0], [40, 40], (2, 40, width)), ([0], [0], [20], (1, 20, width))]
     assert storages[0] == storages[1]  # the smaller shape reads the features drawn for the larger
+
+
+def test_the_draft_timer_drafts_steady_blocks_and_frees_its_slots(demo_target, monkeypatch):
+    """The draft timer runs what a steady step runs: a propose of k drafts a row for slots 0..rows-1, no catch-up,
+    over `context` positions a row written once per slot (on the first run that needs the slot, untimed);
+    `done` leaves the slots unowned, so a request's context is written from its position 0."""
+    from draftsmith.methods.dflash.proposer import DFlashProposer
+    from draftsmith.serve.speculation.config import parse_speculative_config
+
+    config = parse_speculative_config({"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8})
+    proposer = DFlashProposer(config, demo_target, 3, 256)
+    observed, proposed = [], []
+    observe, propose = proposer.observe, proposer.propose
+    monkeypatch.setattr(proposer, "observe", lambda rows, starts, counts, features: (
+        observed.append(([r.slot for r in rows], starts, counts)), observe(rows, starts, counts, features)))
+    monkeypatch.setattr(proposer, "propose", lambda rows, drafts, *rest: proposed.append(
+        ([r.slot for r in rows], list(drafts), propose(rows, drafts, *rest))))
+    timer = proposer.draft_timer(64)
+    timer.run(2)
+    timer.run(2)
+    timer.run(1)
+    assert observed == [([0], [0], [64]), ([1], [0], [64])]
+    assert [(slots, drafts) for slots, drafts, _ in proposed] == [([0, 1], [8, 8])] * 2 + [([0], [8])]
+    assert all(batch.steady and batch.counts.tolist() == [8] * len(slots) for slots, _, batch in proposed)
+    assert proposer.context_len[:2] == [64, 64]
+    timer.done()
+    assert proposer.owner == [None] * 3
+    assert DFlashProposer(config, demo_target, 3, 32).draft_timer(64) is not None  # the context fits the cache
 
 
 def test_k_beyond_the_block_is_one_line(demo_target, tmp_path):

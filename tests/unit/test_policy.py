@@ -28,6 +28,9 @@ class _Proposer:
     def catch_up_timer(self):
         return None
 
+    def draft_timer(self, context):  # drafting priced from the target's table
+        return None
+
 
 def _policy(config: dict):
     return make_policy(parse_speculative_config(config), _Proposer(), 4, synthetic_table(0.1), None)
@@ -101,3 +104,28 @@ def test_a_proposers_own_catch_up_is_timed_into_the_table_that_prices_it():
     assert policy.cost.catch_up(2, 100) == pytest.approx(table.estimate(2, 109) - table.estimate(2, 9))
     policy.cost.observe_catch_up((1, 10), 1, 1, 5.0)  # a live catch-up that stalled teaches nothing
     assert policy.cost.catch_up(2, 100) == pytest.approx(table.estimate(2, 109) - table.estimate(2, 9))
+
+
+def test_a_one_pass_drafters_step_is_timed_by_rows_into_the_table_that_prices_it():
+    """A proposer drafting any width in one forward that can time its steady step (`Proposer.draft_timer`) is
+    priced by that table, timed within the engine's slots at the target table's context, its slots handed back
+    after; one drafting a forward a token is not timed so (its steps are priced by the forwards they run)."""
+    from draftsmith.methods.proposer_base import DraftTimer
+    from draftsmith.serve.speculation.cost_profile import CONTEXT
+
+    calls, contexts, done = [], [], []
+
+    class Timed(_Proposer):
+        per_token_drafts, draft_query_len = False, 7
+
+        def draft_timer(self, context):
+            contexts.append(context)
+            return DraftTimer(calls.append, lambda: done.append(True), torch.device("cpu"))
+
+    config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4})
+    policy = make_policy(config, Timed(), 3, synthetic_table(0.1), None)
+    table = policy.cost.draft_table
+    assert contexts == [CONTEXT] and table.rows == [1, 2] and sorted(set(calls)) == [1, 2] and done == [True]
+    assert policy.cost.draft(2, 4) == pytest.approx(table.estimate(2, 1))
+    Timed.per_token_drafts = True
+    assert make_policy(config, Timed(), 3, synthetic_table(0.1), None).cost.draft_table is None

@@ -25,12 +25,31 @@ class MarkovBiasRows:
         self.table = torch.empty(self.capacity, vocab, dtype=torch.float32, device=markov_w2.device)
         self.where: OrderedDict[int, int] = OrderedDict()  # token -> its row of `table`, least recent first
 
+    def add_to(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """logits [A, V] (fp32) plus the bias each of token ids [A] gives the position after it, added in place
+        -> logits. A lone row adds its kept row as it lies (no gathered copy: most of a position's cost at one
+        request in flight)."""
+        rows = self._rows(tokens)
+        if rows is None:  # more tokens at once than the budget holds: nothing kept
+            return logits.add_(torch.mm(self.w1[tokens], self.w2_t).float())
+        if len(rows) == 1:
+            return logits.add_(self.table[rows[0]])
+        return logits.add_(self.table[torch.tensor(rows, device=tokens.device)])
+
     def bias(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [A] -> the bias each gives the position after it [A, V] in fp32."""
+        rows = self._rows(tokens)
+        if rows is None:
+            return torch.mm(self.w1[tokens], self.w2_t).float()
+        return self.table[torch.tensor(rows, device=tokens.device)]
+
+    def _rows(self, tokens: torch.Tensor) -> list[int] | None:
+        """The rows of `table` holding each token's bias, computed for the tokens that had none; None where the
+        tokens are more than the budget holds."""
         ids = tokens.tolist()
         distinct = list(dict.fromkeys(ids))
-        if len(distinct) > self.capacity:  # more tokens at once than the budget holds: nothing kept
-            return torch.mm(self.w1[tokens], self.w2_t).float()
+        if len(distinct) > self.capacity:
+            return None
         missing = []
         for token in distinct:
             if token in self.where:
@@ -43,4 +62,4 @@ class MarkovBiasRows:
                 row = len(self.where) if len(self.where) < self.capacity else self.where.popitem(last=False)[1]
                 self.table[row] = bias
                 self.where[token] = row
-        return self.table[torch.tensor([self.where[t] for t in ids], device=tokens.device)]
+        return [self.where[t] for t in ids]

@@ -43,18 +43,19 @@ class DSparkProposer(DFlashProposer):
         survival[rows, :width] = chances.cumprod(-1) * kept
         return survival
 
-    def _bias_of(self):
-        """The Markov bias of token ids [A] for the positions after them [A, V] in fp32 (None: no Markov
-        head). On a CPU each token's row is kept once computed (`MarkovBiasRows`: the vocabulary-wide GEMV was
-        most of a chain position's cost); a GPU's GEMV is cheap, and kept rows would sync on every token."""
+    def _bias_adder(self):
+        """add(logits [A, V] fp32, token ids [A]) -> the logits plus the Markov bias of each row's token, added
+        in place (None: no Markov head). On a CPU each token's row is kept once computed (`MarkovBiasRows`: the
+        vocabulary-wide GEMV was most of a chain position's cost); a GPU's GEMV is cheap, and kept rows would
+        sync on every token."""
         markov = self.head.markov_head
         if markov is None:
             return None
         if self.device.type != "cpu":
-            return lambda tokens: markov(tokens)[1]
+            return lambda logits, tokens: logits.add_(markov(tokens)[1])
         if self.bias_rows is None:
             self.bias_rows = MarkovBiasRows(markov.markov_w1.weight, markov.markov_w2.weight)
-        return self.bias_rows.bias
+        return self.bias_rows.add_to
 
     def _embedded(self, before: list[torch.Tensor]) -> torch.Tensor | None:
         """The Markov embeddings [A, width, r] of the tokens before each block position (what the confidence
@@ -66,13 +67,13 @@ class DSparkProposer(DFlashProposer):
         """Greedy drafts along the block, each the argmax of the block's logits plus the Markov bias of the
         draft before it -> (drafts [A, width], `_embedded`): `_along_block`'s choices in
         fewer ops a position."""
-        bias_of = self._bias_of()
-        if bias_of is None:
+        add_bias = self._bias_adder()
+        if add_bias is None:
             return None
         previous, before, drafted = last, [], []
-        for j in range(base.shape[1]):
+        for j in range(base.shape[1]):  # base is the chain's own: its positions take their bias in place
             before.append(previous)
-            previous = (base[:, j] + bias_of(previous)).argmax(-1)
+            previous = add_bias(base[:, j], previous).argmax(-1)
             drafted.append(previous)
         return torch.stack(drafted, 1), self._embedded(before)
 
@@ -80,12 +81,12 @@ class DSparkProposer(DFlashProposer):
         """Drafts chosen left to right over the whole vocabulary, each position's logits gaining the Markov
         bias of the draft before it -> (drafts [A, width], `_embedded`)."""
         width = base.shape[1]
-        bias_of = self._bias_of()
+        add_bias = self._bias_adder()
         previous, before = last, []
         drafted = torch.full(base.shape[:2], -1, dtype=torch.long, device=self.device)
         for j in range(width):
             before.append(previous)
-            logits = base[:, j] + bias_of(previous) if bias_of is not None else base[:, j]
+            logits = add_bias(base[:, j], previous) if add_bias is not None else base[:, j]
             if temperature is None:
                 drafted[:, j] = logits.argmax(-1)
             else:  # only the rows that keep draft j draw it: a seeded row's draws do not depend on its batch

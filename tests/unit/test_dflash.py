@@ -189,6 +189,28 @@ def test_the_draft_timer_drafts_steady_blocks_and_frees_its_slots(demo_target, m
     assert DFlashProposer(config, demo_target, 3, 32).draft_timer(64) is not None  # the context fits the cache
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_drafts_are_read_out_through_the_targets_lm_head_in_the_draft_dtype(demo_target, dtype):
+    """The drafts' logits come from the target's LM head in the draft dtype: the target's own layer where
+    their dtypes agree, else a copy of its weight in the draft dtype, with the same logits as the head's own
+    readout up to that dtype's rounding."""
+    from draftsmith.methods.dflash.proposer import DFlashProposer
+    from draftsmith.serve.speculation.config import parse_speculative_config
+
+    config = parse_speculative_config({"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8,
+                                       "draft_dtype": dtype})
+    proposer = DFlashProposer(config, demo_target, 1, 64)
+    assert proposer.lm_head.weight.dtype == getattr(torch, dtype)
+    assert (proposer.lm_head is demo_target.lm_head) == (dtype == "float32")
+    assert torch.equal(proposer.lm_head.weight, demo_target.lm_head.weight.to(getattr(torch, dtype)))
+    hidden = torch.randn(2, 3, demo_target.config.hidden_size).to(getattr(torch, dtype))
+    with torch.inference_mode():
+        logits = proposer.readout(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (2, 3, demo_target.config.vocab_size)
+        torch.testing.assert_close(logits, proposer.head.readout(hidden), atol=0.05 if dtype == "bfloat16" else 1e-5,
+                                   rtol=0.02 if dtype == "bfloat16" else 1e-5)
+
+
 def test_k_beyond_the_block_is_one_line(demo_target, tmp_path):
     head_dir = _save(random_dflash_head(demo_target, block_size=5), tmp_path / "head")
     with pytest.raises(DraftsmithError, match=r"num_speculative_tokens=6, but the dflash head .* drafts at most 4"):

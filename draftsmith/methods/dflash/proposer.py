@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.draft_sampling import choose_block
@@ -27,6 +28,7 @@ from draftsmith.methods.proposer_base import (
 )
 from draftsmith.models.attention import cached_attention, slot_kernel_attention
 from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.models.linear import Linear
 
 # the most bytes kept unprojected: plain steps' hidden states (`observe_later`, kept by reference) and, while
 # the policy holds, prompts' features (`observe_prompt_later`); those of finished requests are dropped first
@@ -64,6 +66,17 @@ class _ScratchRow:
         return self.prompt_token_ids + self.output_token_ids
 
 
+def _in_dtype(lm_head: nn.Linear, dtype: torch.dtype) -> nn.Linear:
+    """`lm_head` itself where it is in `dtype`, else a copy in it (a `Linear`: the CPU's fast inference path)."""
+    if lm_head.weight.dtype == dtype:
+        return lm_head
+    copy = Linear(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None, device="meta")
+    copy.weight = nn.Parameter(lm_head.weight.detach().to(dtype), requires_grad=False)
+    if lm_head.bias is not None:
+        copy.bias = nn.Parameter(lm_head.bias.detach().to(dtype), requires_grad=False)
+    return copy
+
+
 class DFlashProposer(Proposer):
     per_token_drafts = False  # one draft forward a step, whatever the block's width
 
@@ -73,6 +86,9 @@ class DFlashProposer(Proposer):
         self.device = weight.device
         self.dtype = draft_dtype(config.draft_dtype, weight.dtype, self.device)
         self.head = load_attached_head(config, target, self.dtype)
+        # the drafts' logits come from the target's LM head run in the draft dtype (a copy where they differ):
+        # drafts are only proposals, and in fp32 that GEMM over the vocabulary was a fifth of a propose
+        self.lm_head = _in_dtype(target.lm_head, self.dtype)
         self.feature_layers = self.head.feature_layers
         self.block_size = self.head.config.block_size
         # a block of block_size tokens a row through the draft layers, the LM head on its drafts
@@ -102,8 +118,13 @@ class DFlashProposer(Proposer):
         self._kept = [0] * max_num_seqs
         self._later_bytes = 0
 
+    def readout(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafts' fp32 logits [.., V] from the head's final hidden states, through the target's LM head in
+        the draft dtype (`lm_head`)."""
+        return self.lm_head(hidden.to(self.dtype)).float()
+
     def draft_models(self) -> list[torch.nn.Module]:
-        return [self.head]
+        return [self.head, self.lm_head]
 
     def features(self, hidden_states):
         return self.head.features(hidden_states).to(self.dtype)
@@ -327,7 +348,7 @@ class DFlashProposer(Proposer):
         hidden = self.head.block_forward(self.head.embed_block(last[:, None]), batch.positions, attend,
                                          outputs=self.head.config.draft_slots(width))
         if self.tree is not None:
-            return dataclasses.replace(self._tree(self.head.readout(hidden), active, limits, n), steady=steady)
+            return dataclasses.replace(self._tree(self.readout(hidden), active, limits, n), steady=steady)
         temperature, generators = None, {}
         if sampled:
             temperature = sampling.temperature.to(self.device)[torch.tensor(active, device=self.device)]
@@ -344,7 +365,7 @@ class DFlashProposer(Proposer):
         """Drafts the chains of the drafting rows from their blocks' final hidden states [A, width, H] (`last`
         [A]: each row's token before the block) into `rows` of the outputs -> the chance each draft survives
         verification [n, k], or None where the head does not say (DFlash's does not)."""
-        logits = self.head.readout(hidden)  # [rows, width, V]: one block forward drafts them all
+        logits = self.readout(hidden)  # [rows, width, V]: one block forward drafts them all
         choose_block(logits, limits, rows, temperature, generators, tokens_out, probs_out)
         return None
 

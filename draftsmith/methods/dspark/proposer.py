@@ -25,7 +25,7 @@ class DSparkProposer(DFlashProposer):
     def _chain(self, hidden: torch.Tensor, last: torch.Tensor, limits: list[int], rows: torch.Tensor,
                temperature: torch.Tensor | None, generators: dict[int, torch.Generator], tokens_out: torch.Tensor,
                probs_out: torch.Tensor | None) -> torch.Tensor | None:
-        base = self.head.readout(hidden)  # [A, width, V]
+        base = self.readout(hidden)  # [A, width, V]
         width = base.shape[1]
         limit = torch.tensor(limits, device=self.device)
         kept = torch.arange(width, device=self.device) < limit[:, None]

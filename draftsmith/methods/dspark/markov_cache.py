@@ -36,13 +36,6 @@ class MarkovBiasRows:
             return logits.add_(self.table[rows[0]])
         return logits.add_(self.table[torch.tensor(rows, device=tokens.device)])
 
-    def bias(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids [A] -> the bias each gives the position after it [A, V] in fp32."""
-        rows = self._rows(tokens)
-        if rows is None:
-            return torch.mm(self.w1[tokens], self.w2_t).float()
-        return self.table[torch.tensor(rows, device=tokens.device)]
-
     def _rows(self, tokens: torch.Tensor) -> list[int] | None:
         """The rows of `table` holding each token's bias, computed for the tokens that had none; None where the
         tokens are more than the budget holds."""

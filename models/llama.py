@@ -7,7 +7,7 @@ renaming table. Hidden states use HF's `output_hidden_states` indexing: 0 is the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,7 @@ from torch import nn
 from draftsmith.models import step_ops_cpu
 from draftsmith.models.attention import batch_attention, cached_attention, packed_slot_attention
 from draftsmith.models.config import TargetConfig
-from draftsmith.models.kv_cache import ForwardBatch, KVCache
+from draftsmith.models.kv_cache import ForwardBatch, KVCache, UnpackedOnRead
 from draftsmith.models.linear import Linear, fused
 from draftsmith.models.prompt_attention import kernel_applies, prompt_attention
 from draftsmith.models.rope import apply_rope_qk, rope_tables
@@ -182,7 +182,8 @@ class Backbone(nn.Module):
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor | None  # [B, n, vocab] at the requested positions, fp32
-    hidden_states: dict[int, torch.Tensor]  # HF hidden_states index -> [B, Q, hidden]
+    # HF hidden_states index -> [B, Q, hidden] (a packed forward's `UnpackedOnRead`: unpacked when read)
+    hidden_states: Mapping[int, torch.Tensor]
 
 
 class CausalLM(nn.Module):
@@ -265,7 +266,7 @@ class CausalLM(nn.Module):
             # proposer that keeps each row's last 64
             hidden = {i: _select(h, hidden_index, batch if packed else None) for i, h in hidden.items()}
         elif packed:
-            hidden = {i: batch.unpack(h) for i, h in hidden.items()}
+            hidden = UnpackedOnRead(hidden, batch)
         if compute_logits:
             if packed and logits_index is None:  # the LM head on real tokens only
                 return ForwardOutput(logits=batch.unpack(self.lm_head(x).float()), hidden_states=hidden)

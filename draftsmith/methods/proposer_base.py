@@ -189,10 +189,11 @@ class Proposer:
         return False
 
     def observe_prompt_later(self, rows: Sequence[RowState], starts: list[int], counts: list[int],
-                             features: torch.Tensor) -> bool:
-        """A prefill chunk's features (as `observe` takes them), handed over while the policy holds plain
-        decoding: the proposer may keep them and feed its head only once it drafts again, so that a request
-        that never drafts never pays for them; False: it takes them now, through `observe`."""
+                             hidden_states, reads: list[int] | None = None) -> bool:
+        """A prefill chunk's hidden states (the forward's, by layer: row reads[b] is rows[b]'s, row b where
+        `reads` is None; `features` makes what `observe` takes of them), handed over while the policy holds
+        plain decoding: the proposer may keep them and feed its head only once it drafts again, so that a
+        request that never drafts never pays for them; False: it takes them now, through `observe`."""
         return False
 
     def release(self, request: RowState) -> None:

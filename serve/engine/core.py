@@ -436,12 +436,12 @@ class LLMEngine(FaultIsolatingSteps):
         if not self.feature_layers:
             return
         with torch.inference_mode():
+            if (prompt and self.policy.holding(len(self.running))
+                    and self.proposer.observe_prompt_later(rows, starts, counts, out.hidden_states, index)):
+                return
             features = self.proposer.features(out.hidden_states)
             if index is not None:
                 features = features[torch.tensor(index, device=features.device)]
-            if (prompt and self.policy.holding(len(self.running))
-                    and self.proposer.observe_prompt_later(rows, starts, counts, features)):
-                return
             self.proposer.observe(rows, starts, counts, features)
 
     def _sampling(self, rows: list[Request]) -> SamplingBatch:

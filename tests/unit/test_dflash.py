@@ -472,7 +472,7 @@ def test_plain_steps_projected_later_draft_as_if_projected_at_once(monkeypatch):
 
     lazy_tokens, lazy = run()
     monkeypatch.setattr(DFlashProposer, "observe_later", lambda self, rows, starts, hidden: False)
-    monkeypatch.setattr(DFlashProposer, "observe_prompt_later", lambda self, rows, starts, counts, features: False)
+    monkeypatch.setattr(DFlashProposer, "observe_prompt_later", lambda self, *args: False)
     eager_tokens, eager = run()
     assert lazy_tokens == eager_tokens
     assert lazy["num_steps_without_speculation"] > 10 and lazy["num_draft_tokens"] > 0
@@ -642,17 +642,37 @@ def test_a_prompt_kept_while_held_is_the_catch_up_and_drafts_as_if_fed_at_once(d
     row = Row("a", 1, prompt, [int(out.logits[0, -1].argmax())])
     eager.observe([row], [0], [len(prompt)], features)
     cut = len(prompt) // 2  # a prompt in two chunks
-    assert lazy.observe_prompt_later([row], [0], [cut], features[:, :cut])
-    assert lazy.observe_prompt_later([row], [cut], [len(prompt) - cut], features[:, cut:])
+    hidden = out.hidden_states
+    assert lazy.observe_prompt_later([row], [0], [cut], {i: h[:, :cut] for i, h in hidden.items()})
+    assert lazy.observe_prompt_later([row], [cut], [len(prompt) - cut], {i: h[:, cut:] for i, h in hidden.items()})
     assert lazy.catch_up([row]) == (1, len(prompt)) and lazy.unfed_rows([row]) == [0]
     assert eager.unfed_rows([row]) == []
     drafted = lazy.propose([row], [8])
     assert not drafted.steady and lazy.catch_up([row]) == (0, 0) and lazy.unfed_rows([row]) == []
     assert torch.equal(drafted.tokens[0], eager.propose([row], [8]).tokens[0])
-    monkeypatch.setattr(dflash, "MAX_LATER_BYTES", features.numel() * features.element_size() - 1)
+    monkeypatch.setattr(dflash, "MAX_LATER_BYTES", sum(h.numel() * h.element_size() for h in hidden.values()) - 1)
     other = Row("b", 0, prompt, [1])
-    assert not lazy.observe_prompt_later([other], [0], [len(prompt)], features)
+    assert not lazy.observe_prompt_later([other], [0], [len(prompt)], hidden)
     assert lazy.catch_up([other]) == (0, 0)
+
+
+def test_a_prompt_prefilled_while_held_is_kept_unread(monkeypatch):
+    """While the policy holds (more rows than disable_by_batch_size), a packed prefill's hidden states are kept
+    as the forward left them: no layer is unpacked and no feature made until the head drafts."""
+    unpacked = []
+    unpack = ForwardBatch.unpack
+    monkeypatch.setattr(ForwardBatch, "unpack", lambda self, packed: unpacked.append(1) or unpack(self, packed))
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
+              speculative_config={"method": "dflash", "model": str(SHIPPED), "num_speculative_tokens": 8,
+                                  "disable_by_batch_size": 2})
+    engine = llm.engine
+    monkeypatch.setattr(engine.proposer, "features", lambda hidden: pytest.fail("features made while held"))
+    tokenizer = llm.tokenizer
+    rows = [engine.add_request(tokenizer(p, add_special_tokens=False).input_ids,
+                               SamplingParams(temperature=0, max_tokens=4)) for p in CODE_PROMPTS[:3]]
+    engine.step()  # the three prompts, one packed prefill
+    assert all(not r.prefilling for r in rows) and not unpacked
+    assert engine.proposer.catch_up(rows) == (3, max(r.prompt_len for r in rows))
 
 
 def test_a_head_config_missing_a_key_is_one_line():

@@ -7,7 +7,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models import ForwardBatch, load_target
-from draftsmith.models.kv_cache import ROW_ATTENTION_FROM
+from draftsmith.models.kv_cache import ROW_ATTENTION_FROM, UnpackedOnRead
 from helpers import DEMO_MODEL, TINY_FAMILIES, make_tiny_checkpoint, shared_path
 
 # Same weights and op order as HF, except the sums inside matrix products: on CPU our linear layers run
@@ -155,6 +155,28 @@ def test_packed_forward_matches_padded(family, tmp_path):
         for slot, length in zip((2, 0), starts):
             torch.testing.assert_close(caches[1].k[layer][slot, :, :length], caches[0].k[layer][slot, :, :length])
             torch.testing.assert_close(caches[1].v[layer][slot, :, :length], caches[0].v[layer][slot, :, :length])
+
+
+def test_a_packed_forwards_hidden_states_unpack_when_read(tmp_path, monkeypatch):
+    """A packed forward hands over its hidden states as their real tokens, each layer unpacked (padding zero)
+    when first read: a proposer keeping a held prompt's states copies nothing."""
+    make_tiny_checkpoint("llama", tmp_path)
+    model = load_target(tmp_path, dtype="float32")
+    unpacked = []
+    unpack = ForwardBatch.unpack
+    monkeypatch.setattr(ForwardBatch, "unpack", lambda self, packed: unpacked.append(1) or unpack(self, packed))
+    q_lens, last = [20, 7], model.config.num_hidden_layers
+    cache = model.make_cache(num_slots=3, max_len=32)
+    batch = ForwardBatch.build([2, 0], [0, 0], q_lens, cache, model.config.sliding_window, pack=True)
+    with torch.no_grad():
+        out = model(torch.randint(0, model.config.vocab_size, (2, 20)), cache=cache, batch=batch,
+                    logits_index=torch.tensor(q_lens)[:, None] - 1, feature_layers=(1, last))
+    hidden = out.hidden_states
+    assert isinstance(hidden, UnpackedOnRead) and list(hidden) == [1, last] and not unpacked
+    assert hidden.nbytes == 2 * sum(q_lens) * model.config.hidden_size * 4
+    first = hidden[1]
+    assert first is hidden[1] and len(unpacked) == 1  # unpacked once, the other layer not at all
+    assert first.shape == (2, 20, model.config.hidden_size) and not first[1, 7:].any()
 
 
 @pytest.mark.parametrize("pack", [False, True])

@@ -9,7 +9,7 @@ will overwrite them. With a tree config the same forward's per-depth distributio
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -27,26 +27,27 @@ from draftsmith.methods.proposer_base import (
     RowState,
 )
 from draftsmith.models.attention import cached_attention, slot_kernel_attention
-from draftsmith.models.kv_cache import ForwardBatch
+from draftsmith.models.kv_cache import ForwardBatch, UnpackedOnRead
 from draftsmith.models.linear import Linear
 
 # the most bytes kept unprojected: plain steps' hidden states (`observe_later`, kept by reference) and, while
-# the policy holds, prompts' features (`observe_prompt_later`); those of finished requests are dropped first
+# the policy holds, prompts' hidden states (`observe_prompt_later`); those of finished requests are dropped first
 MAX_LATER_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass
 class _Kept:
-    """Positions observed but not yet projected: a plain step's (one a row, `hidden` its hidden states) or a
-    prefill chunk's (`counts` a row, `features` as `observe` takes them)."""
+    """Positions observed but not yet projected, with the forward's hidden states they come from: a plain
+    step's (one position a row) or a prefill chunk's (`chunk`; `counts` a row)."""
 
     slots: list[int]
     generations: list[int]  # each slot's holder when kept: a later holder's positions are not these
     starts: list[int]
     counts: list[int]
+    reads: list[int]  # the forward's row each kept row reads (samples sharing a prefill read their leader's)
     nbytes: int  # what keeping it holds in memory
-    hidden: dict | None = None
-    features: torch.Tensor | None = None
+    hidden: Mapping[int, torch.Tensor]
+    chunk: bool = False
 
 
 @dataclasses.dataclass
@@ -136,24 +137,25 @@ class DFlashProposer(Proposer):
         a verified step of a row with kept positions, or MAX_LATER_BYTES kept project them (the budget drops
         finished requests' first): a request that finishes before then never pays for a context it never
         drafts from."""
-        size = sum(h.numel() * h.element_size() for h in hidden_states.values())
+        size = _nbytes(hidden_states)
         if not self._make_room(size):
             self._replay()
         slots = [r.slot for r in rows]
         self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), [1] * len(slots),
-                                 size, hidden=hidden_states))
+                                 list(range(len(slots))), size, hidden_states))
         self._later_bytes += size
         for slot in slots:
             self._kept[slot] += 1
         return True
 
     def observe_prompt_later(self, rows: Sequence[RowState], starts: list[int], counts: list[int],
-                             features: torch.Tensor) -> bool:
-        """Keeps a prefill chunk's features while the policy holds plain decoding, projected with the next
-        replay: at 8 in flight a held DFlash head had paid 4% of the run projecting prompts it never drafted
-        from. Kept within MAX_LATER_BYTES; past it, False (the caller projects it now)."""
-        kept = features[:, : max(counts)]
-        size = kept.numel() * kept.element_size()
+                             hidden_states: Mapping[int, torch.Tensor], reads: list[int] | None = None) -> bool:
+        """Keeps a prefill chunk's hidden states (as the forward left them: a packed forward's unread) while the
+        policy holds plain decoding; their features are made and projected with the next replay: at 8 in
+        flight a held DFlash head had paid 4% of the run projecting prompts it never drafted from, and 1.5% of
+        its prefill time making their features. Kept within MAX_LATER_BYTES; past it, False (the caller
+        projects it now)."""
+        size = _nbytes(hidden_states)
         if not self._make_room(size):
             return False
         for row, start in zip(rows, starts):
@@ -161,8 +163,9 @@ class DFlashProposer(Proposer):
             if start != self.context_len[row.slot] + self._kept[row.slot]:
                 raise DraftsmithError("observed positions must continue each request's earlier ones")
         slots = [r.slot for r in rows]
-        self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), list(counts), size,
-                                 features=kept))
+        reads = list(range(len(slots))) if reads is None else list(reads)
+        self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), list(counts), reads,
+                                 size, hidden_states, chunk=True))
         for slot, count in zip(slots, counts):
             self._kept[slot] += count
         self._later_bytes += size
@@ -272,15 +275,15 @@ class DFlashProposer(Proposer):
                 if kept.starts[i] != expected.setdefault(slot, self.context_len[slot]):
                     raise DraftsmithError("observed positions must continue each request's earlier ones")
                 expected[slot] += kept.counts[i]
-            index = torch.tensor(live, device=self.device)
-            if kept.features is not None:
+            reads = torch.tensor([kept.reads[i] for i in live], device=self.device)
+            if kept.chunk:
                 counts = [kept.counts[i] for i in live]
                 self._write_context([kept.slots[i] for i in live], [kept.starts[i] for i in live], counts,
-                                    kept.features[index, : max(counts)])
+                                    self.features(kept.hidden)[reads, : max(counts)])
                 continue
             slots += [kept.slots[i] for i in live]
             positions += [kept.starts[i] for i in live]
-            features.append(self.features(kept.hidden)[index])
+            features.append(self.features(kept.hidden)[reads])
         if slots:
             self._write_context(slots, positions, [1] * len(slots), torch.cat(features))
         for slot, end in expected.items():
@@ -398,3 +401,10 @@ class DFlashProposer(Proposer):
             self.owner[request.slot] = None
             self.generation[request.slot] += 1
             self._kept[request.slot] = 0  # its kept steps are stale: skipped at the replay, owed by no one
+
+
+def _nbytes(hidden_states: Mapping[int, torch.Tensor]) -> int:
+    """What keeping a forward's hidden states holds in memory (a packed forward's `UnpackedOnRead` its own)."""
+    if isinstance(hidden_states, UnpackedOnRead):
+        return hidden_states.nbytes
+    return sum(h.numel() * h.element_size() for h in hidden_states.values())

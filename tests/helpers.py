@@ -317,7 +317,8 @@ def peagle_head(directory: Path, seed: int = 0, layers: int = 1, window: int | N
     return directory
 
 
-def dspark_head(target, directory: Path, seed: int = 0) -> Path:
+def dspark_head(target, directory: Path, seed: int = 0, markov_head_type: str = "vanilla") -> Path:
     """A random DSpark head (block 5, Markov rank 16) on `target`, saved in `directory`."""
-    random_dflash_head(target, seed=seed, dspark={"markov_rank": 16}).save_pretrained(directory)
+    random_dflash_head(target, seed=seed, dspark={"markov_rank": 16, "markov_head_type": markov_head_type}
+                       ).save_pretrained(directory)
     return directory

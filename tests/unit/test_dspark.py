@@ -48,6 +48,8 @@ def _head(target, seed=0, **fields):
     with torch.no_grad():  # a Markov term large enough to change drafts
         head.markov_head.markov_w1.weight.normal_(std=1.0)
         head.markov_head.markov_w2.weight.normal_(std=1.0)
+        if head.markov_head.gated:  # gates that differ by position and token, far from a constant
+            head.markov_head.gate_proj.weight.normal_(std=0.1)
     return head
 
 
@@ -57,11 +59,13 @@ def _serve(head_dir, k=5, engine: dict | None = None, **extra):
                **engine)
 
 
-def test_served_drafts_are_the_taught_block_with_the_markov_term_along_it(demo_target, tmp_path):
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated"])
+def test_served_drafts_are_the_taught_block_with_the_markov_term_along_it(demo_target, tmp_path, markov_head_type):
     """The proposer's drafts equal the teacher-forced block's greedy choices wherever the drafts before them
     are the text (here: the text is made of the drafts), and its survival chances are the running product of
-    the confidence head's, which the Markov term of each previous draft feeds."""
-    head = _head(demo_target)
+    the confidence head's, which the Markov term of each previous draft feeds. A gated head's term reads each
+    position's hidden state: a proposer gating by another position's fails this."""
+    head = _head(demo_target, markov_head_type=markov_head_type)
     head.save_pretrained(tmp_path / "head")
     config = parse_speculative_config({"method": "dspark", "model": str(tmp_path / "head"),
                                        "num_speculative_tokens": 5, "draft_dtype": "float32"})
@@ -86,8 +90,9 @@ def test_served_drafts_are_the_taught_block_with_the_markov_term_along_it(demo_t
     torch.testing.assert_close(drafted.confidence[0], chances.cumprod(0), atol=1e-5, rtol=1e-4)
 
 
-def test_greedy_equality_alone_and_in_mixed_batches(demo_target, tmp_path, greedy_reference):
-    _head(demo_target, seed=1).save_pretrained(tmp_path / "head")
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated"])
+def test_greedy_equality_alone_and_in_mixed_batches(demo_target, tmp_path, greedy_reference, markov_head_type):
+    _head(demo_target, seed=1, markov_head_type=markov_head_type).save_pretrained(tmp_path / "head")
     llm = _serve(tmp_path / "head")
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
@@ -200,6 +205,8 @@ def test_config_rules_are_one_line(demo_target, tmp_path):
         DSparkConfig.from_json({**data, "sample_from_anchor": False})
     with pytest.raises(DraftsmithError, match="confidence_head_with_markov needs a Markov head"):
         DSparkConfig.from_json({**data, "markov_rank": 0})
+    with pytest.raises(DraftsmithError, match="markov_head_type 'rnn': one of vanilla, gated"):
+        DSparkConfig.from_json({**data, "markov_head_type": "rnn"})
     head = _head(demo_target)
     head.save_pretrained(tmp_path / "head")
     loaded = load_head(tmp_path / "head")
@@ -237,10 +244,13 @@ def _loss(head, target, batch, feats, **weights):
         return dspark_objective(head, target, batch, feats, cfg)[0]
 
 
-def test_each_loss_term_is_what_its_weight_names(demo_target):
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated"])
+def test_each_loss_term_is_what_its_weight_names(demo_target, markov_head_type):
     """The objective is the weighted sum of its terms, and kd_weight's is the cross-entropy against the
-    target's whole distribution at the block positions trained, weighted as the others."""
-    head, ids = _head(demo_target), torch.randint(4, 8000, (1, 24))
+    target's whole distribution at the block positions trained, weighted as the others. The kd term runs
+    fused with the Markov GEMM, the others through the block's logits: a gated head's fused term gated
+    otherwise than its logits fails the comparison."""
+    head, ids = _head(demo_target, markov_head_type=markov_head_type), torch.randint(4, 8000, (1, 24))
     batch = {"input_ids": ids, "lengths": torch.tensor([24]), "loss_mask": torch.ones_like(ids)}
     feats = target_features(demo_target, head.feature_layers, ids, "float32")
     kd, ce, tv = (_loss(head, demo_target, batch, feats, **{name: 1.0}) for name in ("kd_weight", "ce_weight",
@@ -266,6 +276,18 @@ def test_a_recipe_whose_drafts_learn_nothing_is_one_line():
                                                     "training.tv_weight=0.9"]).training.tv_weight == 0.9
 
 
+def test_a_recipe_names_the_markov_head_it_trains():
+    from draftsmith.methods.dspark import DSparkMethod
+    from draftsmith.train.recipe import load_recipe
+
+    recipe = load_recipe(REPO / "recipes/dspark-demo.yaml", ["model.markov_head_type=gated"])
+    assert DSparkMethod.head_fields(recipe.model)["markov_head_type"] == "gated"
+    assert DSparkMethod.head_fields(load_recipe(REPO / "recipes/dspark-demo.yaml", []).model)["markov_head_type"] == \
+        "vanilla"
+    with pytest.raises(DraftsmithError, match="markov_head_type"):
+        load_recipe(REPO / "recipes/dspark-demo.yaml", ["model.markov_head_type=rnn"])
+
+
 def test_no_drafts_chosen_is_a_plain_step():
     drafts = DraftBatch(torch.zeros(2, 3, dtype=torch.long), torch.tensor([3, 3]),
                         confidence=torch.full((2, 3), 1e-4))
@@ -285,7 +307,7 @@ def _deepspec_checkpoint(head, directory, **extra):
               "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope.theta,
               "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
               "block_size": c.block_size, "num_target_layers": c.target_num_layers, "mask_token_id": c.mask_token_id,
-              "target_layer_ids": [0, 2, 4], "markov_rank": c.markov_rank, "markov_head_type": "vanilla",
+              "target_layer_ids": [0, 2, 4], "markov_rank": c.markov_rank, "markov_head_type": c.markov_head_type,
               "enable_confidence_head": True, "confidence_head_with_markov": True, "num_anchors": 512, **extra}
     (directory / "config.json").write_text(json.dumps(config))
     tensors = {k: v.contiguous() for k, v in head.state_dict().items()}
@@ -295,26 +317,31 @@ def _deepspec_checkpoint(head, directory, **extra):
     return directory
 
 
-def test_a_deepspec_checkpoint_converts_and_decodes_losslessly(demo_target, tmp_path, greedy_reference):
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated"])
+def test_a_deepspec_checkpoint_converts_and_decodes_losslessly(demo_target, tmp_path, greedy_reference,
+                                                               markov_head_type):
     import public_checkpoints as pub
 
-    head = _head(demo_target, seed=5)
+    head = _head(demo_target, seed=5, markov_head_type=markov_head_type)
     _deepspec_checkpoint(head, tmp_path / "deepspec")
     assert pub.convert(tmp_path / "deepspec", tmp_path / "native", "--target", str(DEMO_MODEL)) == 0
     config, tensors = pub.read_native(tmp_path / "native")
     assert config["draftsmith_head_type"] == "dspark" and config["aux_layer_ids"] == [1, 3, 5]
     assert config["sample_from_anchor"] is True and config["markov_rank"] == 16
+    assert config["markov_head_type"] == markov_head_type
+    assert tensors.keys() == head.state_dict().keys()
     assert all(torch.equal(tensors[k], v) for k, v in head.state_dict().items())
     llm = _serve(tmp_path / "native")
     got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
 
 
-@pytest.mark.parametrize("to", ["vllm", "speculators"])
-def test_round_trips_are_lossless(demo_target, tmp_path, to):
+@pytest.mark.parametrize("to, markov_head_type", [("vllm", "vanilla"), ("speculators", "vanilla"),
+                                                   ("vllm", "gated"), ("speculators", "gated")])
+def test_round_trips_are_lossless(demo_target, tmp_path, to, markov_head_type, capsys):
     import public_checkpoints as pub
 
-    head = _head(demo_target, seed=3)
+    head = _head(demo_target, seed=3, markov_head_type=markov_head_type)
     head.config.target_model = str(DEMO_MODEL)
     head.save_pretrained(tmp_path / "native")
     config, tensors = pub.read_native(tmp_path / "native")
@@ -327,6 +354,11 @@ def test_round_trips_are_lossless(demo_target, tmp_path, to):
         assert exported["sample_from_anchor"] is True
         assert exported["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     assert exported["markov_rank"] == 16 and exported["enable_confidence_head"] is True
+    assert exported["markov_head_type"] == markov_head_type
+    if to == "vllm":  # vLLM 0.32 refuses any DSpark head but a vanilla one: the export says so
+        said = capsys.readouterr()
+        assert ("serves DSpark heads of markov_head_type 'vanilla' only" in said.out + said.err) == \
+            (markov_head_type == "gated")
     assert pub.convert(tmp_path / to, tmp_path / "back") == 0
     config_back, tensors_back = pub.read_native(tmp_path / "back")
     assert config_back == config and tensors_back.keys() == tensors.keys()
@@ -350,7 +382,7 @@ def test_a_speculators_checkpoint_with_a_smaller_draft_vocabulary_is_one_line(de
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"markov_head_type": "gated"}, "markov_head_type 'gated'"),
+    ({"markov_head_type": "rnn"}, "markov_head_type 'rnn'"),
     ({"sample_from_anchor": False}, "sample_from_anchor false: a DSpark head drafts anchor-first"),
 ])
 def test_layouts_draftsmith_does_not_run_are_one_line(demo_target, tmp_path, capsys, change, message):

@@ -41,24 +41,29 @@ def _inputs(target):
     return ids, anchors, torch.randn(1, 24, target.config.hidden_size)
 
 
-def _markov_heavy_export(target, directory):
+def _markov_heavy_export(target, directory, markov_head_type):
     """A random DSpark head (block 5, rank 16) whose Markov term moves the drafts, saved and exported."""
-    head = random_dflash_head(target, block_size=5, seed=7, dspark={"markov_rank": 16})
+    head = random_dflash_head(target, block_size=5, seed=7, dspark={"markov_rank": 16,
+                                                                    "markov_head_type": markov_head_type})
     with torch.no_grad():
         head.markov_head.markov_w1.weight.normal_(std=1.0)
         head.markov_head.markov_w2.weight.normal_(std=1.0)
+        if head.markov_head.gated:  # gates far from a constant: a gate read from another input fails
+            head.markov_head.gate_proj.weight.normal_(std=0.1)
     head.config.target_model = str(DEMO_MODEL)
     head.save_pretrained(directory / "native")
     assert pub.convert(directory / "native", directory / "export", "--to", "speculators") == 0
 
 
-def test_speculators_loads_our_dspark_export_and_computes_our_blocks(target, tmp_path):
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated"])
+def test_speculators_loads_our_dspark_export_and_computes_our_blocks(target, tmp_path, markov_head_type):
     oracle.require()
-    _markov_heavy_export(target, tmp_path)
+    _markov_heavy_export(target, tmp_path, markov_head_type)
     theirs, missing, unexpected = oracle.load(tmp_path / "export", dspark=True)
     assert (missing, unexpected) == ([], [])
     assert all(torch.isfinite(p).all() for p in theirs.parameters())  # speculators marks unloaded weights NaN
     assert theirs.config.sample_from_anchor is True and theirs.config.markov_rank == 16
+    assert theirs.config.markov_head_type == markov_head_type
 
     ids, anchors, last_hidden = _inputs(target)
     features, logits, confidence = _ours(tmp_path / "native", target, ids, anchors, last_hidden)
@@ -71,9 +76,10 @@ def test_speculators_loads_our_dspark_export_and_computes_our_blocks(target, tmp
     assert (bare.argmax(-1) != logits.argmax(-1)).float().mean() > 0.2
 
 
-def test_a_checkpoint_speculators_saves_converts_in_and_computes_its_blocks(target, tmp_path):
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated"])
+def test_a_checkpoint_speculators_saves_converts_in_and_computes_its_blocks(target, tmp_path, markov_head_type):
     oracle.require()
-    _markov_heavy_export(target, tmp_path)
+    _markov_heavy_export(target, tmp_path, markov_head_type)
     theirs, _, _ = oracle.load(tmp_path / "export", dspark=True)
     with torch.no_grad():  # weights of their own, so nothing of ours survives but through the files
         generator = torch.Generator().manual_seed(11)

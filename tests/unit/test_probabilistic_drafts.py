@@ -30,7 +30,8 @@ from helpers import (
 )
 
 HEAD = REPO / "assets" / "demo-code-7m-eagle3"
-SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "dflash", "dspark", "peagle"]
+SAMPLING_METHODS = ["eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "dflash", "dspark", "dspark-gated",
+                    "peagle"]
 # A context where the demo model is unsure (top probabilities about 0.41, 0.22, 0.15, 0.06) and where the
 # shipped EAGLE-3 head disagrees with it (total variation about 0.7): emitting the drafts as they are would
 # be far off, so only a correct use of q passes.
@@ -54,14 +55,15 @@ def sampled_step(request, tmp_path_factory):
     method = request.param
     parallel = method in ("pard", "peagle")  # both tokens from one forward (a mask token, P-EAGLE's slot)
     head_dir = method
-    method = {"pard": "draft_model", "peagle": "eagle3"}.get(method, method)
+    method = {"pard": "draft_model", "peagle": "eagle3", "dspark-gated": "dspark"}.get(method, method)
     target = load_target(DEMO_MODEL, dtype="float32")
     tokenizer_ids = load_tokenizer(DEMO_MODEL)(PROMPT, add_special_tokens=False).input_ids
     model = REPO / "assets" / f"demo-code-7m-{head_dir}"
     if method == "mlp_speculator":  # none ships: a random one drafts from a distribution all the same
         model = random_mlp_speculator(tmp_path_factory.mktemp("mlp_speculator"))
-    if head_dir == "dspark":  # none ships (the tracked tree's budget): a random one
-        model = dspark_head(target, tmp_path_factory.mktemp("dspark"))
+    if method == "dspark":  # none ships (the tracked tree's budget): a random one
+        model = dspark_head(target, tmp_path_factory.mktemp(head_dir),
+                            markov_head_type="gated" if head_dir == "dspark-gated" else "vanilla")
     if head_dir == "peagle":  # the shipped EAGLE-3 head made parallel: its slots draft at random
         model = peagle_head(tmp_path_factory.mktemp("peagle"))
     if method == "draft_model":  # the demo model with a flattened readout: a draft that disagrees with it

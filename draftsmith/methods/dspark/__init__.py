@@ -32,6 +32,9 @@ class DSparkRecipe(DFlashRecipe):
     block_size: int = Field(default=7, ge=2, le=64, description="anchor + masks: block_size drafts a step")
     sample_from_anchor: Literal[True] = Field(default=True, description="DSpark is anchor-first")
     markov_rank: int = Field(default=256, ge=0, description="rank of the Markov head's bigram term (0: none)")
+    markov_head_type: Literal["vanilla", "gated"] = Field(default="vanilla", description=(
+        "DeepSpec's Markov heads: vanilla, a rank-r bigram term (what vLLM serves); gated, that term scaled per "
+        "rank component by the block position's hidden state"))
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = Field(default=True, description="the confidence head also reads the "
                                               "Markov embedding of the token before each position")
@@ -72,5 +75,6 @@ class DSparkMethod(DFlashMethod):
 
     @classmethod
     def head_fields(cls, section: DSparkRecipe) -> dict:
-        return {"markov_rank": section.markov_rank, "enable_confidence_head": section.enable_confidence_head,
+        return {"markov_rank": section.markov_rank, "markov_head_type": section.markov_head_type,
+                "enable_confidence_head": section.enable_confidence_head,
                 "confidence_head_with_markov": section.confidence_head_with_markov and section.markov_rank > 0}

@@ -22,7 +22,7 @@ from draftsmith.methods.dflash.convert import (
     _target_layers,
 )
 from draftsmith.methods.dflash.convert import read_speculators as read_dflash_speculators
-from draftsmith.methods.dspark.head import DSparkConfig
+from draftsmith.methods.dspark.head import MARKOV_HEAD_TYPES, DSparkConfig
 from draftsmith.methods.eagle.convert import head_dtype
 from draftsmith.methods.formats.checkpoint import SourceCheckpoint, target_embedding
 from draftsmith.methods.formats.registry import (
@@ -42,14 +42,16 @@ from draftsmith.methods.formats.speculators import (
 CPU_NOTE = ("vLLM cannot serve this export on its CPU build: 0.32's CPU runner is Model Runner V1, which refuses "
             "dspark speculative decoding (DSpark runs on vLLM's GPU model runner, which loads this layout)")
 MARKOV_KEYS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
+GATE_KEYS = ("markov_head.gate_proj.weight", "markov_head.gate_proj.bias")  # DeepSpec's gated head
 CONFIDENCE_KEYS = ("confidence_head.proj.weight", "confidence_head.proj.bias")
 
 
 def _head_part(config: dict[str, Any], where: str) -> tuple[type, list[str], dict[str, Any]]:
     """DSpark's own config keys of a foreign config -> (the config class, its tensors, its fields)."""
-    if config.get("markov_head_type", "vanilla") != "vanilla":
-        raise DraftsmithError(f"{where}: markov_head_type {config['markov_head_type']!r}: draftsmith runs DeepSpec's "
-                              "default, 'vanilla' (the gated and rnn variants are not implemented)")
+    markov_type = config.get("markov_head_type", "vanilla")
+    if markov_type not in MARKOV_HEAD_TYPES:
+        raise DraftsmithError(f"{where}: markov_head_type {markov_type!r}: draftsmith runs DeepSpec's "
+                              f"{' and '.join(map(repr, MARKOV_HEAD_TYPES))} heads (its rnn variant is not implemented)")
     if config.get("sample_from_anchor", True) is not True:
         raise DraftsmithError(f"{where}: sample_from_anchor false: a DSpark head drafts anchor-first (read as 1+N, "
                               "every draft is one position off and almost none is accepted)")
@@ -59,14 +61,15 @@ def _head_part(config: dict[str, Any], where: str) -> tuple[type, list[str], dic
     if not isinstance(rank, int) or rank < 0 or not isinstance(confident, bool) or not isinstance(with_markov, bool):
         raise DraftsmithError(f"{where}: markov_rank must be an integer >= 0, enable_confidence_head and "
                               "confidence_head_with_markov true or false")
-    names = (list(MARKOV_KEYS) if rank else []) + (list(CONFIDENCE_KEYS) if confident else [])
-    fields = {"markov_rank": rank, "enable_confidence_head": confident,
+    names = (list(MARKOV_KEYS) if rank else []) + (list(GATE_KEYS) if rank and markov_type == "gated" else []) \
+        + (list(CONFIDENCE_KEYS) if confident else [])
+    fields = {"markov_rank": rank, "markov_head_type": markov_type, "enable_confidence_head": confident,
               "confidence_head_with_markov": with_markov and confident}
     return DSparkConfig, names, fields
 
 
 def _head_keys(c: DSparkConfig) -> dict[str, Any]:
-    return {"markov_rank": c.markov_rank, "markov_head_type": "vanilla",
+    return {"markov_rank": c.markov_rank, "markov_head_type": c.markov_head_type,
             "enable_confidence_head": c.enable_confidence_head,
             "confidence_head_with_markov": c.confidence_head_with_markov}
 
@@ -105,6 +108,9 @@ def to_deepspec(head: NormalizedHead) -> Exported:
     adaptive = ', "enable_adaptive_verification": true' if c.enable_confidence_head else ""
     notes = [CPU_NOTE, f'serve with {{"method": "dspark", "num_speculative_tokens": {c.max_drafts()}{adaptive}}} on '
              "vLLM's GPU model runner"]
+    if c.markov_head_type != "vanilla":
+        notes = [f"vLLM (0.32) serves DSpark heads of markov_head_type 'vanilla' only and refuses this "
+                 f"{c.markov_head_type!r} one; DeepSpec and draftsmith serve it"]
     return Exported(config, dict(head.tensors), notes=notes + _last_layer_notes(c))
 
 

@@ -53,7 +53,7 @@ def block_outputs(head, target, batch, features, anchors, drafts: int):
     logits [B, A, n, V], the positions predicted [B, A, n] and whether each is a real token)."""
     hidden, predicted, real, previous, teacher = _teacher_forced(head, batch, features, anchors, drafts)
     target_logits = _target_logits(target, teacher)
-    embedded, bias = head.markov(previous)
+    embedded, bias = head.markov(previous, hidden)
     return head.readout(hidden) + bias, hidden, embedded, target_logits, predicted, real
 
 
@@ -67,7 +67,7 @@ def dspark_objective(head, target, batch, features, cfg):
     weights = trained.float() * decay
     total = weights.sum().clamp(min=1e-6)
     if cfg.tv_weight or cfg.confidence_label == "tv":
-        embedded, bias = head.markov(previous)
+        embedded, bias = head.markov(previous, hidden)
         logits = head.readout(hidden) + bias
         target_logits = _target_logits(target, teacher)
         greedy = target_logits.argmax(-1)
@@ -75,11 +75,12 @@ def dspark_objective(head, target, batch, features, cfg):
         loss = (per_position * weights).sum() / total
         hits = logits.argmax(-1) == greedy
     else:  # what the kd and ce terms read, fused with the LM head and the Markov GEMM
-        embedded = head.markov_head.embed(previous) if head.markov_head is not None else None
-        markov_weight = head.markov_head.markov_w2.weight if head.markov_head is not None else None
+        markov = head.markov_head
+        embedded = markov.embed(previous) if markov is not None else None
         loss, drafted, greedy = fused_soft_ce(hidden, teacher, head.target.lm_head.weight, weights / total,
-                                              kd=cfg.kd_weight, ce=cfg.ce_weight, markov=embedded,
-                                              markov_weight=markov_weight)
+                                              kd=cfg.kd_weight, ce=cfg.ce_weight,
+                                              markov=markov.latent(embedded, hidden) if markov is not None else None,
+                                              markov_weight=markov.markov_w2.weight if markov is not None else None)
         hits, l1 = drafted == greedy, None
     with torch.no_grad():
         logs = position_accuracy(hits, trained)

@@ -29,11 +29,12 @@ class DSparkProposer(DFlashProposer):
         width = base.shape[1]
         limit = torch.tensor(limits, device=self.device)
         kept = torch.arange(width, device=self.device) < limit[:, None]
-        greedy = self._greedy_chain(base, last) if temperature is None else None
+        greedy = self._greedy_chain(base, hidden, last) if temperature is None else None
         if greedy is not None:
             drafted, embedded = greedy
         else:
-            drafted, embedded = self._along_block(base, last, limits, rows, temperature, generators, probs_out)
+            drafted, embedded = self._along_block(base, hidden, last, limits, rows, temperature, generators,
+                                                  probs_out)
         tokens_out[rows, :width] = torch.where(kept, drafted, -1)
         if not self.adaptive_verification:
             return None
@@ -44,18 +45,19 @@ class DSparkProposer(DFlashProposer):
         return survival
 
     def _bias_adder(self):
-        """add(logits [A, V] fp32, token ids [A]) -> the logits plus the Markov bias of each row's token, added
-        in place (None: no Markov head). On a CPU each token's row is kept once computed (`MarkovBiasRows`: the
-        vocabulary-wide GEMV was most of a chain position's cost); a GPU's GEMV is cheap, and kept rows would
-        sync on every token."""
+        """add(logits [A, V] fp32, token ids [A], the positions' hidden states [A, H]) -> the logits plus the
+        Markov bias of each row's token, added in place (None: no Markov head). On a CPU a vanilla head's row
+        of each token is kept once computed (`MarkovBiasRows`: the vocabulary-wide GEMV was most of a chain
+        position's cost); a GPU's GEMV is cheap, and kept rows would sync on every token. A gated head's bias
+        depends on the hidden state too, so it is computed at every position."""
         markov = self.head.markov_head
         if markov is None:
             return None
-        if self.device.type != "cpu":
-            return lambda logits, tokens: logits.add_(markov(tokens)[1])
+        if self.device.type != "cpu" or markov.gated:
+            return lambda logits, tokens, hidden: logits.add_(markov(tokens, hidden)[1])
         if self.bias_rows is None:
             self.bias_rows = MarkovBiasRows(markov.markov_w1.weight, markov.markov_w2.weight)
-        return self.bias_rows.add_to
+        return lambda logits, tokens, hidden: self.bias_rows.add_to(logits, tokens)
 
     def _embedded(self, before: list[torch.Tensor]) -> torch.Tensor | None:
         """The Markov embeddings [A, width, r] of the tokens before each block position (what the confidence
@@ -63,7 +65,7 @@ class DSparkProposer(DFlashProposer):
         markov = self.head.markov_head
         return markov.embed(torch.stack(before, 1)) if markov is not None else None
 
-    def _greedy_chain(self, base: torch.Tensor, last: torch.Tensor):
+    def _greedy_chain(self, base: torch.Tensor, hidden: torch.Tensor, last: torch.Tensor):
         """Greedy drafts along the block, each the argmax of the block's logits plus the Markov bias of the
         draft before it -> (drafts [A, width], `_embedded`): `_along_block`'s choices in
         fewer ops a position."""
@@ -73,11 +75,11 @@ class DSparkProposer(DFlashProposer):
         previous, before, drafted = last, [], []
         for j in range(base.shape[1]):  # base is the chain's own: its positions take their bias in place
             before.append(previous)
-            previous = add_bias(base[:, j], previous).argmax(-1)
+            previous = add_bias(base[:, j], previous, hidden[:, j]).argmax(-1)
             drafted.append(previous)
         return torch.stack(drafted, 1), self._embedded(before)
 
-    def _along_block(self, base, last, limits, rows, temperature, generators, probs_out):
+    def _along_block(self, base, hidden, last, limits, rows, temperature, generators, probs_out):
         """Drafts chosen left to right over the whole vocabulary, each position's logits gaining the Markov
         bias of the draft before it -> (drafts [A, width], `_embedded`)."""
         width = base.shape[1]
@@ -86,7 +88,7 @@ class DSparkProposer(DFlashProposer):
         drafted = torch.full(base.shape[:2], -1, dtype=torch.long, device=self.device)
         for j in range(width):
             before.append(previous)
-            logits = add_bias(base[:, j], previous) if add_bias is not None else base[:, j]
+            logits = add_bias(base[:, j], previous, hidden[:, j]) if add_bias is not None else base[:, j]
             if temperature is None:
                 drafted[:, j] = logits.argmax(-1)
             else:  # only the rows that keep draft j draw it: a seeded row's draws do not depend on its batch

@@ -106,9 +106,10 @@ def to_deepspec(head: NormalizedHead) -> Exported:
               "mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.aux_layer_ids],
               "num_target_layers": c.target_num_layers, **_head_keys(c), **provenance(head)}
     adaptive = ', "enable_adaptive_verification": true' if c.enable_confidence_head else ""
-    notes = [CPU_NOTE, f'serve with {{"method": "dspark", "num_speculative_tokens": {c.max_drafts()}{adaptive}}} on '
-             "vLLM's GPU model runner"]
-    if c.markov_head_type != "vanilla":
+    if c.markov_head_type == "vanilla":
+        notes = [CPU_NOTE, f'serve with {{"method": "dspark", "num_speculative_tokens": {c.max_drafts()}{adaptive}}} '
+                 "on vLLM's GPU model runner"]
+    else:
         notes = [f"vLLM (0.32) serves DSpark heads of markov_head_type 'vanilla' only and refuses this "
                  f"{c.markov_head_type!r} one; DeepSpec and draftsmith serve it"]
     return Exported(config, dict(head.tensors), notes=notes + _last_layer_notes(c))

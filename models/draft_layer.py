@@ -136,8 +136,9 @@ class DraftDecoderLayer(nn.Module):
         self.mlp = _mlp(hidden, intermediate)
 
     def forward(self, attn_input, residual, cos, sin, cache=None, batch=None, ttt_history=None):
-        x = residual + self.self_attn(attn_input, cos, sin, cache, batch, ttt_history)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, normed = self.post_attention_layernorm.after_add(
+            residual, self.self_attn(attn_input, cos, sin, cache, batch, ttt_history))
+        return x + self.mlp(normed)
 
 
 def _mlp(hidden: int, intermediate: int) -> MLP:

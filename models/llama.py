@@ -44,6 +44,14 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def after_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, this norm of it): a residual add and the norm that reads it, one C++ op where the step
+        ops run (a pass over the rows and an op call fewer), else the add and `forward`."""
+        if self.weight.dtype == x.dtype == residual.dtype and step_ops_cpu.runs_for(x):
+            return step_ops_cpu.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return total, self(total)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: TargetConfig):
@@ -155,6 +163,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = fused(self.fused_linears()[0], x)
+        if up.dtype == gate.dtype and step_ops_cpu.runs_for(gate):
+            return self.down_proj(step_ops_cpu.silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -169,6 +179,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, cache, batch, window_mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch, window_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_normed(self, x, normed, next_norm: RMSNorm, cos, sin, cache, batch, window_mask=None):
+        """`forward` of the residual stream x given its input norm `normed` -> (the layer's output, `next_norm`
+        of it): each residual add is taken with the norm that reads it (`RMSNorm.after_add`)."""
+        attended = self.self_attn(normed, cos, sin, cache, batch, window_mask)
+        x, normed = self.post_attention_layernorm.after_add(x, attended)
+        return next_norm.after_add(x, self.mlp(normed))
 
 
 class Backbone(nn.Module):
@@ -251,12 +268,16 @@ class CausalLM(nn.Module):
         wanted = set(feature_layers)
         last = self.config.num_hidden_layers
         hidden: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        # each layer's input norm (and the final norm) is taken with the residual add before it
+        normed = layers[0].input_layernorm(x) if last else self.model.norm(x)
+        for i, layer in enumerate(layers):
             layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = layer(x, cos, sin, layer_cache, batch, window_mask)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < last else self.model.norm
+            x, normed = layer.forward_normed(x, normed, next_norm, cos, sin, layer_cache, batch, window_mask)
             if i + 1 in wanted and i + 1 < last:
                 hidden[i + 1] = x
-        x = self.model.norm(x)
+        x = normed
         if last in wanted:
             hidden[last] = x
         logits = None

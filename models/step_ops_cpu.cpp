@@ -1,5 +1,6 @@
-// The small ops of an eager decode step on CPU, each one pass in one op: RMSNorm and rotary embedding (fp32
-// and bf16; what models/llama.py's RMSNorm and models/rope.py's apply_rope_qk compute) and the write of new keys or
+// The small ops of an eager decode step on CPU, each one pass in one op: RMSNorm, a residual add with the
+// RMSNorm after it, SiLU times up (the MLP's activation) and rotary embedding (fp32 and bf16; what
+// models/llama.py's RMSNorm and MLP and models/rope.py's apply_rope_qk compute) and the write of new keys or
 // values into their cache slots (models/kv_cache.py's ForwardBatch.write). On CPU each small aten op costs a
 // few microseconds whatever its size: PyTorch runs an RMSNorm as six, a rope as five and a write as an
 // index_put with its index checks. Built into the same extension as slot_attention_cpu.cpp
@@ -15,6 +16,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+
+#include "simd_exp.h"
 
 namespace {
 
@@ -27,23 +31,42 @@ bool step_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
-// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, over the last dimension, statistics in fp32; in bf16
-// transformers' order: the normalised row rounded to bf16 before the weight multiplies it
+// dest = row / sqrt(mean(row^2) + eps) * weight, statistics in fp32; in bf16 transformers' order: the
+// normalised row rounded to bf16 before the weight multiplies it
+template <typename T>
+inline void norm_row(const T* row, const T* w_data, T* dest, int64_t dim, float epsilon) {
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < dim; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+  const float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + epsilon);
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) {
+    const float normed = static_cast<float>(T(static_cast<float>(row[i]) * scale));
+    dest[i] = T(normed * static_cast<float>(w_data[i]));
+  }
+}
+
+// out[t] = norm_row(x[t]) over the last dimension
 template <typename T>
 void rms_norm_rows(const T* in_data, const T* w_data, T* out_data, int64_t rows, int64_t dim, float epsilon) {
   at::parallel_for(0, rows, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) norm_row(in_data + t * dim, w_data, out_data + t * dim, dim, epsilon);
+  });
+}
+
+// sum[t] = x[t] + residual[t] (rounded to T, as PyTorch's add rounds it), out[t] = norm_row(sum[t]): a
+// residual add and the norm after it in one pass, the norm bit for bit rms_norm_cpu's of the sum
+template <typename T>
+void add_rms_norm_rows(const T* x_data, const T* r_data, const T* w_data, T* sum_data, T* out_data, int64_t rows,
+                       int64_t dim, float epsilon) {
+  at::parallel_for(0, rows, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* row = in_data + t * dim;
-      float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < dim; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
-      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + epsilon);
-      T* dest = out_data + t * dim;
+      const T* a = x_data + t * dim;
+      const T* b = r_data + t * dim;
+      T* sum = sum_data + t * dim;
 #pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) {
-        const float normed = static_cast<float>(T(static_cast<float>(row[i]) * scale));
-        dest[i] = T(normed * static_cast<float>(w_data[i]));
-      }
+      for (int64_t i = 0; i < dim; ++i) sum[i] = T(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+      norm_row(sum, w_data, out_data + t * dim, dim, epsilon);
     }
   });
 }
@@ -63,6 +86,82 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
                   rows.size(0), dim, epsilon);
   }
   return out.view(x.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
+                                                     const at::Tensor& weight, double eps) {
+  TORCH_CHECK(step_dtype(x) && residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: fp32 or bf16, x's dtype the residual's and the weight's");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x and residual have one shape");
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim, "add_rms_norm: weight is [last dim of x]");
+  const at::Tensor a = x.reshape({-1, dim}).contiguous(), b = residual.reshape({-1, dim}).contiguous();
+  const at::Tensor w = weight.contiguous();
+  at::Tensor sum = at::empty_like(a), out = at::empty_like(a);
+  const float epsilon = static_cast<float>(eps);
+  if (x.scalar_type() == at::kFloat) {
+    add_rms_norm_rows(a.data_ptr<float>(), b.data_ptr<float>(), w.data_ptr<float>(), sum.data_ptr<float>(),
+                      out.data_ptr<float>(), a.size(0), dim, epsilon);
+  } else {
+    add_rms_norm_rows(a.data_ptr<at::BFloat16>(), b.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
+                      sum.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), a.size(0), dim, epsilon);
+  }
+  return {sum.view(x.sizes()), out.view(x.sizes())};
+}
+
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+
+// silu(g) = g * sigmoid(g), sixteen at a time, sigmoid from e = e^-|g| (simd_exp.h, within 2 ulp):
+// 1 / (1 + e) for g >= 0, e / (1 + e) below; below -87, where e^g is under fp32's normal range (and the
+// exp's floor), a signed zero: the true value is a denormal, which bf16 rounds to zero
+inline vec16 silu_lanes(vec16 g) {
+  const vec16 e = exp_nonpositive_lanes<vec16, ivec16>(g < 0.0f ? g : -g);
+  const vec16 one = vec16{} + 1.0f;
+  const vec16 silu = g * ((g >= 0.0f ? one : e) / (one + e));
+  return g < -87.0f ? g * 0.0f : silu;
+}
+
+// out[t] = silu(gate[t]) * up[t], each rounded to T as PyTorch's F.silu(gate) * up rounds it; gate and up rows
+// `stride` apart (views into a fused gate/up projection), out contiguous
+template <typename T>
+void silu_mul_rows(const T* gate, int64_t gate_stride, const T* up, int64_t up_stride, T* out, int64_t rows,
+                   int64_t dim) {
+  at::parallel_for(0, rows, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = gate + t * gate_stride;
+      const T* u = up + t * up_stride;
+      T* dest = out + t * dim;
+      for (int64_t i = 0; i < dim; i += 16) {
+        const int64_t lanes = dim - i < 16 ? dim - i : 16;
+        vec16 gv = vec16{}, uv = vec16{};
+        for (int64_t j = 0; j < lanes; ++j) {
+          gv[j] = static_cast<float>(g[i + j]);
+          uv[j] = static_cast<float>(u[i + j]);
+        }
+        const vec16 activated = silu_lanes(gv);
+        for (int64_t j = 0; j < lanes; ++j) dest[i + j] = T(static_cast<float>(T(activated[j])) * uv[j]);
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(step_dtype(gate) && up.scalar_type() == gate.scalar_type(), "silu_mul: fp32 or bf16, gate's dtype up's");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: gate and up have one shape");
+  const int64_t dim = gate.size(-1);
+  at::Tensor g = gate.reshape({-1, dim}), u = up.reshape({-1, dim});
+  if (g.stride(1) != 1) g = g.contiguous();
+  if (u.stride(1) != 1) u = u.contiguous();
+  at::Tensor out = at::empty({g.size(0), dim}, gate.options());
+  if (gate.scalar_type() == at::kFloat) {
+    silu_mul_rows(g.data_ptr<float>(), g.stride(0), u.data_ptr<float>(), u.stride(0), out.data_ptr<float>(),
+                  g.size(0), dim);
+  } else {
+    silu_mul_rows(g.data_ptr<at::BFloat16>(), g.stride(0), u.data_ptr<at::BFloat16>(), u.stride(0),
+                  out.data_ptr<at::BFloat16>(), g.size(0), dim);
+  }
+  return out.view(gate.sizes());
 }
 
 // x [..., heads, head_dim] (head_dim contiguous) turned by cos/sin [..., head_dim], one table row per
@@ -150,12 +249,16 @@ void write_kv_cpu(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(draftsmith_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("write_kv(Tensor(a!) cache, Tensor slots, Tensor positions, Tensor new) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("add_rms_norm", &add_rms_norm_cpu);
+  m.impl("silu_mul", &silu_mul_cpu);
   m.impl("rope", &rope_cpu);
   m.impl("write_kv", &write_kv_cpu);
 }

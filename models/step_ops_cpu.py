@@ -1,7 +1,8 @@
 """The small ops of an eager forward on CPU, one C++ op each (step_ops_cpu.cpp, built with the CPU attention
-kernel): RMSNorm and rope of fp32 and bf16 tensors and the write of new keys and values into their slots. On CPU each
-small aten op of a decode step costs a few microseconds whatever its size, and PyTorch runs a norm as six, a
-rope as five and a write as an index_put. They run only where this process has loaded the build (the engine
+kernel): RMSNorm, a residual add with the RMSNorm after it, the MLP's SiLU times up and rope of fp32 and bf16
+tensors, and the write of new keys and values into their slots. On CPU each small aten op of a decode step
+costs a few microseconds whatever its size, and PyTorch runs a norm as six, a rope as five and a write as an
+index_put. They run only where this process has loaded the build (the engine
 does at start, `kernel_backend.slot_kernel_wanted`) and nothing records autograd; a compiled step traces
 PyTorch's ops, which Inductor fuses itself. `DRAFTSMITH_CPU_OPS=torch` turns them off (read once a
 process)."""
@@ -45,6 +46,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm(x, weight.shape, weight, eps) for fp32 x and weight; for bf16, transformers' LlamaRMSNorm
     (fp32 statistics, the normalised row rounded to bf16 before the weight)."""
     return torch.ops.draftsmith_cpu.rms_norm.default(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual, weight, eps)) in one pass: the sum rounded as PyTorch's add rounds
+    it, the norm bit for bit `rms_norm`'s of the sum."""
+    return torch.ops.draftsmith_cpu.add_rms_norm.default(x, residual, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up (to within a few fp32 ulp: its exp is simd_exp.h's; in bf16 rounded where PyTorch's two
+    ops round) -> a new contiguous tensor; gate and up may be views into one fused projection."""
+    return torch.ops.draftsmith_cpu.silu_mul.default(gate, up)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The C++ step ops of an eager CPU forward (models/step_ops_cpu.cpp) against PyTorch's ops: RMSNorm (to fp32
-rounding: its sum runs in another order; bf16 to within one bf16 step), rope (bit for bit, fp32 and bf16) and the
-KV write (exactly); where the model runs them (inference only, fp32 or bf16, loaded, not turned off); and the
-engine's greedy ids with and without them."""
+rounding: its sum runs in another order; bf16 to within one bf16 step), the residual add with its norm (the add
+exactly, the norm bit for bit the norm op's), SiLU times up (to a few fp32 ulp), rope (bit for bit, fp32 and
+bf16) and the KV write (exactly); where the model runs them (inference only, fp32 or bf16, loaded, not turned
+off); and the engine's greedy ids with and without them."""
 
 import pytest
 import torch
@@ -9,8 +10,9 @@ import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models import slot_attention_cpu, step_ops_cpu
+from draftsmith.models.config import TargetConfig
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
-from draftsmith.models.llama import RMSNorm
+from draftsmith.models.llama import CausalLM, RMSNorm
 from draftsmith.models.rope import _turn, apply_rope_qk
 
 pytestmark = pytest.mark.skipif(slot_attention_cpu.build_error() is not None,
@@ -38,6 +40,42 @@ def test_rms_norm_matches_pytorch(shape):
     torch.testing.assert_close(step_ops_cpu.rms_norm(strided, weight[: strided.shape[-1]], 1e-5),
                                F.rms_norm(strided, (strided.shape[-1],), weight[: strided.shape[-1]], 1e-5),
                                rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 256), (8, 1, 512), (3, 5, 256), (600, 64)])
+def test_add_rms_norm_is_the_add_then_the_norm(shape, dtype):
+    generator = torch.Generator().manual_seed(sum(shape))
+    x, residual = (3 * torch.randn(shape, generator=generator)).to(dtype), torch.randn(shape, generator=generator).to(dtype)
+    weight = torch.randn(shape[-1], generator=generator).to(dtype)
+    total, normed = step_ops_cpu.add_rms_norm(x, residual, weight, 1e-5)
+    assert total.shape == normed.shape == x.shape and total.dtype == normed.dtype == dtype
+    assert torch.equal(total, x + residual)
+    assert torch.equal(normed, step_ops_cpu.rms_norm(x + residual, weight, 1e-5))
+    strided = x.transpose(0, -2) if x.dim() == 3 else x[:, ::2]  # a view that is not contiguous
+    w = weight[: strided.shape[-1]]
+    total, normed = step_ops_cpu.add_rms_norm(strided, strided, w, 1e-5)
+    assert torch.equal(total, strided + strided) and torch.equal(normed, step_ops_cpu.rms_norm(total, w, 1e-5))
+    with pytest.raises(RuntimeError, match="one shape"):
+        step_ops_cpu.add_rms_norm(x, residual[..., :-1], weight, 1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 768), (8, 1, 1536), (3, 5, 100), (600, 37)])
+def test_silu_mul_matches_pytorch_on_a_fused_projection(shape):
+    """gate and up as `fused` leaves them: views into one [.., 2 x width] projection; values out to +-100, where
+    the sigmoid saturates."""
+    generator = torch.Generator().manual_seed(sum(shape))
+    both = 6 * torch.randn(*shape[:-1], 2 * shape[-1], generator=generator)
+    both[..., :3] = torch.tensor([-100.0, 100.0, 0.0])
+    gate, up = both.split(shape[-1], dim=-1)
+    got = step_ops_cpu.silu_mul(gate, up)
+    assert got.shape == gate.shape and got.is_contiguous()
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-7)
+    bf_gate, bf_up = gate.bfloat16(), up.bfloat16()
+    got, want = step_ops_cpu.silu_mul(bf_gate, bf_up), F.silu(bf_gate) * bf_up
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=0.0)  # within one bf16 step, and rarely off
+    assert (got != want).float().mean() < 0.01
 
 
 def test_rope_of_a_fused_projection_turns_bit_for_bit():
@@ -104,6 +142,27 @@ def _counting(monkeypatch, name: str) -> list:
     calls, real = [], getattr(step_ops_cpu, name)
     monkeypatch.setattr(step_ops_cpu, name, lambda *a: calls.append(a[0].shape) or real(*a))
     return calls
+
+
+def test_a_decoder_forward_takes_each_add_with_its_norm(monkeypatch, ops_on):
+    """A target forward at inference runs every residual add with the norm after it and every MLP's activation
+    through the ops, and computes what PyTorch's ops compute; under autograd it runs none of them."""
+    adds, activations = _counting(monkeypatch, "add_rms_norm"), _counting(monkeypatch, "silu_mul")
+    torch.manual_seed(0)
+    model = CausalLM(TargetConfig.from_hf_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                                                "intermediate_size": 48, "num_hidden_layers": 3,
+                                                "num_attention_heads": 4, "num_key_value_heads": 2}))
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    reference = model(ids, feature_layers=(1, 2, 3))
+    assert not adds and not activations
+    with torch.inference_mode():
+        out = model(ids, feature_layers=(1, 2, 3))
+    assert len(adds) == 2 * 3 and len(activations) == 3
+    torch.testing.assert_close(out.logits, reference.logits, rtol=1e-5, atol=1e-5)
+    for layer in (1, 2, 3):
+        torch.testing.assert_close(out.hidden_states[layer], reference.hidden_states[layer], rtol=1e-5, atol=1e-5)
 
 
 def test_the_model_runs_them_at_inference_only(monkeypatch, ops_on):

@@ -189,8 +189,9 @@ class DFlashHead(AttachedHead):
             if i == last:
                 q, hidden = q[:, :, outputs], hidden[:, outputs]
             out = attend(i, q, apply_rope(k, cos, sin), v)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(rows, hidden.shape[1], -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            attended = attn.o_proj(out.transpose(1, 2).reshape(rows, hidden.shape[1], -1))
+            hidden, normed = layer.post_attention_layernorm.after_add(hidden, attended)
+            hidden = hidden + layer.mlp(normed)
         return self.norm(hidden)
 
     def readout(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,13 @@ dense grid up to MM_CHECKED_ROWS (`_checked_rows`), checked once per shape, bias
 (`_mm_rows_agree`); a one-row call runs as two, and a call of more rows runs in pieces of at most
 MM_CHECKED_ROWS. `DRAFTSMITH_CPU_LINEAR=onednn` keeps every weight on oneDNN.
 
+fp32 weights on a CPU with AVX-512, where the C++ build is loaded (`models.slot_attention_cpu`), take neither:
+they are packed into column panels for a GEMM of our own (models/panel_linear_cpu.cpp), batch-invariant by
+construction (each output one chain of multiply-adds over the input in order, whatever the row count), which
+reads a weight at nearly the memory's pace at the few rows of decoding, where oneDNN reached about 60% of it,
+and keeps level with oneDNN at prompt sizes (docs/decisions/cpu-kernels.md). `DRAFTSMITH_CPU_LINEAR=onednn`
+keeps them on oneDNN too.
+
 What a call runs is decided once per layer (and per fused group) and kept as its `_Plan`; a call only checks
 that the plan still holds (the same tensors, versions and thread count). `DRAFTSMITH_CPU_LINEAR` is read when
 a plan is made. Around one-row kernels of 15-30 us,
@@ -39,6 +46,7 @@ Python is a large share of a call: deciding again on every call had cost as much
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterable
@@ -47,6 +55,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from draftsmith.models import slot_attention_cpu
 
 logger = logging.getLogger("draftsmith")
 
@@ -215,8 +225,26 @@ def _takes_mm(out_features: int, layers: tuple[Linear, ...]) -> bool:
     return agrees
 
 
+def panels_run(dtype: torch.dtype) -> bool:
+    """Whether CPU layers of this dtype run on the panel GEMM: fp32, the build loaded in this process, with
+    AVX-512, not turned off (`DRAFTSMITH_CPU_LINEAR`)."""
+    return (dtype == torch.float32 and slot_attention_cpu.LOADED
+            and os.environ.get("DRAFTSMITH_CPU_LINEAR", "").lower() not in ("onednn", "aten") and _panels_built())
+
+
+def _takes_panels(layers: tuple[Linear, ...]) -> bool:
+    return panels_run(layers[0].weight.dtype)
+
+
+@functools.cache
+def _panels_built() -> bool:
+    return bool(torch.ops.draftsmith_cpu.panel_linear_available())
+
+
 def _project(plan: _Plan, x: torch.Tensor) -> torch.Tensor:
     """The outputs of a plan's layers side by side (one layer, or a fused group's stacked weights)."""
+    if plan.form == "panel":
+        return torch.ops.draftsmith_cpu.panel_linear.default(x, plan.weight, plan.bias, plan.out_features)
     if plan.form == "onednn":
         return _run(x, plan.weight, plan.bias)
     return _mm_rows(x, plan.weight, plan.bias)
@@ -252,10 +280,14 @@ class _Plan(NamedTuple):
     # An inference tensor changed in place does not show (it keeps no version).
     tensors: tuple
     threads: int  # MKL's batch invariance, and so the form, depends on the thread count
-    form: str  # "onednn": a reordered weight; "mm": MKL's GEMM on a transposed copy (`_takes_mm`)
+    loaded: bool  # whether the C++ build was loaded (the panel form needs it)
+    # "panel": packed for the panel GEMM (`_takes_panels`); "onednn": a reordered weight; "mm": MKL's GEMM on a
+    # transposed copy (`_takes_mm`)
+    form: str
     weight: torch.Tensor  # the weights stacked, in that form
     bias: torch.Tensor | None
     sizes: list[int]  # each layer's out_features, where a fused result splits
+    out_features: int
 
 
 def _plan(layers: tuple[Linear, ...]) -> _Plan:
@@ -265,7 +297,8 @@ def _plan(layers: tuple[Linear, ...]) -> _Plan:
     tensor from the module's own dicts, not through nn.Module's attribute lookup (a microsecond each)."""
     first = layers[0]
     plan = first.__dict__.get(_PLAN_ATTRS[len(layers) > 1])
-    if plan is not None and plan.threads == torch.get_num_threads() and _unchanged(layers, plan.tensors):
+    if (plan is not None and plan.threads == torch.get_num_threads() and plan.loaded == slot_attention_cpu.LOADED
+            and _unchanged(layers, plan.tensors)):
         return plan
     return _new_plan(layers)
 
@@ -286,11 +319,12 @@ def _unchanged(layers: tuple[Linear, ...], built_from: tuple) -> bool:
 
 def _new_plan(layers: tuple[Linear, ...]) -> _Plan:
     out_features = sum(layer.out_features for layer in layers)
-    form = "mm" if _takes_mm(out_features, layers) else "onednn"
+    form = "panel" if _takes_panels(layers) else "mm" if _takes_mm(out_features, layers) else "onednn"
     weight, bias = _cached_weight(layers, form)
     tensors = tuple((t, t.data_ptr(), None if t.is_inference() else t._version, t.detach())
                     for t in _tensors_of(layers))
-    plan = _Plan(tensors, torch.get_num_threads(), form, weight, bias, [layer.out_features for layer in layers])
+    plan = _Plan(tensors, torch.get_num_threads(), slot_attention_cpu.LOADED, form, weight, bias,
+                 [layer.out_features for layer in layers], out_features)
     layers[0].__dict__[_PLAN_ATTRS[len(layers) > 1]] = plan
     return plan
 
@@ -300,7 +334,8 @@ def _weight_key(weight: torch.Tensor) -> tuple:
 
 
 def _cached_weight(layers: tuple[Linear, ...], form: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layers' weights stacked, in `form` ("onednn": reordered for oneDNN; "mm": transposed for MKL), and
+    """The layers' weights stacked, in `form` ("panel": packed in column panels; "onednn": reordered for oneDNN;
+    "mm": transposed for MKL), and
     their bias: cached on the first layer (a layer alone and a group apart) and rebuilt when any weight or
     bias changes (in-place updates bump its version, load_state_dict copies into it)."""
     first = layers[0]
@@ -314,7 +349,9 @@ def _cached_weight(layers: tuple[Linear, ...], form: str) -> tuple[torch.Tensor,
             else:
                 weight = torch.cat([layer.weight.detach() for layer in layers])
                 bias = None if first.bias is None else torch.cat([layer.bias.detach() for layer in layers])
-            if form == "mm":
+            if form == "panel":
+                cached = (key, torch.ops.draftsmith_cpu.pack_panels(weight.contiguous()), bias)
+            elif form == "mm":
                 cached = (key, weight.t().contiguous(), bias)
             else:
                 cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), REORDER_ROWS), bias)

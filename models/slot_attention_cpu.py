@@ -22,7 +22,8 @@ from draftsmith.errors import DraftsmithError
 log = logging.getLogger("draftsmith")
 
 SOURCES = [Path(__file__).with_name(name) for name in (
-    "slot_attention_cpu.cpp", "step_ops_cpu.cpp", "ngram_lookup_cpu.cpp", "prompt_attention_cpu.cpp")]
+    "slot_attention_cpu.cpp", "step_ops_cpu.cpp", "ngram_lookup_cpu.cpp", "prompt_attention_cpu.cpp",
+    "panel_linear_cpu.cpp")]
 HEADERS = [Path(__file__).with_name("simd_exp.h")]  # torch's build cache hashes the sources only: in the name
 # -ffp-contract=fast: multiply-adds fused (ISO C++ mode, which torch builds in, leaves them apart)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
@@ -57,6 +58,7 @@ def build_error() -> str | None:
         log.debug("the CPU attention kernel's build: %s", error)
         return _reason(str(error)) or type(error).__name__
     torch.library.register_fake("draftsmith_cpu::slot_attention")(_fake)
+    torch.library.register_fake("draftsmith_cpu::panel_linear")(_fake_linear)
     global LOADED
     LOADED = True
     return None
@@ -73,6 +75,10 @@ def _reason(output: str) -> str:
 def _fake(q, k_cache, v_cache, slots, positions, kv_lens, key_starts, window, tree_mask, block_starts, scale,
           query_starts=None):
     return q.new_empty(q.shape)  # [B, H, Q, D], or packed [T, H, D]
+
+
+def _fake_linear(x, panels, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def slot_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

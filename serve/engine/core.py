@@ -129,8 +129,10 @@ class LLMEngine(FaultIsolatingSteps):
         # the row counts of decode and verify steps; a prompt's compile when it comes
         k = spec_config.num_speculative_tokens if spec_config is not None else 0
         drafters = self.proposer.draft_models() if self.proposer is not None else []
+        # on CPU, builds (or loads) the C++ kernels now, not in a request, and before the linear layers' plans,
+        # which take the panel GEMM where the build is loaded
+        slot_kernel_wanted(self.device)
         warm_up_linears([model, *drafters], min(config.max_num_seqs * (k + 1), WARM_UP_ROWS))
-        slot_kernel_wanted(self.device)  # on CPU, builds (or loads) the C++ attention now, not in a request
         self.step_mode = resolve_step_mode(config.step_mode, config.enforce_eager, self.device)
         self.steps = make_step_runner(model, self.cache, config.max_num_seqs, self.feature_layers, self.step_mode)
         # grammar drafts per step at most: with captured steps, only the widths warmed below (chains' verifies)

@@ -27,8 +27,9 @@ import torch
 
 from draftsmith.cpu_load import BUSY_LIMIT, OthersBusy, wait_for_quiet
 from draftsmith.errors import DraftsmithError
+from draftsmith.models import slot_attention_cpu
 from draftsmith.models.kv_cache import ForwardBatch
-from draftsmith.models.linear import onednn_linear_available
+from draftsmith.models.linear import onednn_linear_available, panels_run
 
 ROWS = (1, 2, 4, 8, 16, 32)
 # 1..8: decodes and verifies; 32: so that longer forwards (a draft model's catch-up after plain steps, up to
@@ -112,8 +113,19 @@ def profile_key(model_dir: str | Path, model) -> dict:
             "hidden_size": model.config.hidden_size, "num_layers": model.config.num_hidden_layers,
             "device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
-            # oneDNN or aten linear layers: a table timed with one says little about the other
-            "cpu_linear": "onednn" if weight.device.type == "cpu" and onednn_linear_available(weight.dtype) else "aten"}
+            # which linear layers ran: a table timed with one says little about another
+            "cpu_linear": _cpu_linear(weight)}
+
+
+def _cpu_linear(weight: torch.Tensor) -> str:
+    """The form a CPU target's linear layers take (the C++ build loaded first, as an engine loads it, since
+    the panel GEMM needs it): "panel", "onednn" or "aten"."""
+    if weight.device.type != "cpu":
+        return "aten"
+    slot_attention_cpu.build_error()
+    if panels_run(weight.dtype):
+        return "panel"
+    return "onednn" if onednn_linear_available(weight.dtype) else "aten"
 
 
 def cache_dir() -> Path:

@@ -1,6 +1,7 @@
 """models/linear.py: the oneDNN inference path (and MKL's, for small weights where its rows agree) computes what
 nn.Linear does, row by row the same at any batch size, and follows weight updates; training keeps aten's linear
-and its gradients."""
+and its gradients. These forms run bf16 layers, and fp32 ones where the panel GEMM does not
+(tests/unit/test_panel_linear_cpu.py), so the panel form is kept off here."""
 
 import copy
 import io
@@ -16,6 +17,11 @@ from draftsmith.models.linear import Linear, fused, onednn_linear_available
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(torch.float32),
                                   reason="this torch build has no usable oneDNN linear: Linear runs aten's")
+
+
+@pytest.fixture(autouse=True)
+def without_panels(monkeypatch):
+    monkeypatch.setattr(linear_module, "_takes_panels", lambda layers: False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

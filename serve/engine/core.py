@@ -86,6 +86,9 @@ class LLMEngine(FaultIsolatingSteps):
         self.tokenizer = tokenizer
         self.config = config
         self.device = model.model.embed_tokens.weight.device
+        # on CPU, builds (or loads) the C++ kernels now, not in a request, and before anything sizes itself by
+        # them: linear layers' plans (the panel GEMM) and a head's draft dtype (`methods.heads.draft_dtype`)
+        slot_kernel_wanted(self.device)
         self.cache = model.make_cache(config.max_num_seqs, config.max_model_len)
         self.stop_checker = StopChecker(tokenizer, eos_token_ids, config.max_model_len)
         self.logits_state = SlotLogitsState(config.max_num_seqs, model.config.vocab_size, self.device, eos_token_ids,
@@ -129,9 +132,6 @@ class LLMEngine(FaultIsolatingSteps):
         # the row counts of decode and verify steps; a prompt's compile when it comes
         k = spec_config.num_speculative_tokens if spec_config is not None else 0
         drafters = self.proposer.draft_models() if self.proposer is not None else []
-        # on CPU, builds (or loads) the C++ kernels now, not in a request, and before the linear layers' plans,
-        # which take the panel GEMM where the build is loaded
-        slot_kernel_wanted(self.device)
         warm_up_linears([model, *drafters], min(config.max_num_seqs * (k + 1), WARM_UP_ROWS))
         self.step_mode = resolve_step_mode(config.step_mode, config.enforce_eager, self.device)
         self.steps = make_step_runner(model, self.cache, config.max_num_seqs, self.feature_layers, self.step_mode)

@@ -109,14 +109,22 @@ def test_a_bfloat16_head_drafts_as_well_as_a_float32_one(greedy_reference):
     assert lengths["float32"] > 2.0 and abs(lengths["bfloat16"] - lengths["float32"]) < 0.15, lengths
 
 
-def test_auto_draft_dtype():
+def test_auto_draft_dtype(monkeypatch):
     """"auto" keeps a half-precision target's dtype and an explicit choice wins; under a float32 target it
-    drafts in bfloat16 only where the device multiplies bfloat16 fast (on a CPU: where oneDNN runs it)."""
+    drafts in bfloat16 only where the device multiplies bfloat16 fast (on a CPU: where oneDNN runs it) and,
+    on a CPU, fp32 layers do not run the panel GEMM (where they do, float32 drafts faster)."""
+    from draftsmith.methods import heads
+
     cpu = torch.device("cpu")
     assert draft_dtype("auto", torch.float16, cpu) == torch.float16
     assert draft_dtype("float32", torch.float32, cpu) == torch.float32
     fast = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    monkeypatch.setattr(heads, "panels_run", lambda dtype: False)
     assert draft_dtype("auto", torch.float32, cpu) == (torch.bfloat16 if fast else torch.float32)
+    assert draft_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    monkeypatch.setattr(heads, "panels_run", lambda dtype: dtype == torch.float32)
+    assert draft_dtype("auto", torch.float32, cpu) == torch.float32
+    assert draft_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
 
 
 def test_method_and_head_must_agree(target, tmp_path):

@@ -27,7 +27,7 @@ import torch
 
 from draftsmith.cpu_load import BUSY_LIMIT, OthersBusy, wait_for_quiet
 from draftsmith.errors import DraftsmithError
-from draftsmith.models import slot_attention_cpu
+from draftsmith.models.kernel_backend import slot_kernel_wanted
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import onednn_linear_available, panels_run
 
@@ -118,11 +118,11 @@ def profile_key(model_dir: str | Path, model) -> dict:
 
 
 def _cpu_linear(weight: torch.Tensor) -> str:
-    """The form a CPU target's linear layers take (the C++ build loaded first, as an engine loads it, since
-    the panel GEMM needs it): "panel", "onednn" or "aten"."""
+    """The form a CPU target's linear layers take (the C++ build loaded first where the engine would load it,
+    since the panel GEMM needs it): "panel", "onednn" or "aten"."""
     if weight.device.type != "cpu":
         return "aten"
-    slot_attention_cpu.build_error()
+    slot_kernel_wanted(weight.device)
     if panels_run(weight.dtype):
         return "panel"
     return "onednn" if onednn_linear_available(weight.dtype) else "aten"

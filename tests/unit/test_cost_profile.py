@@ -134,6 +134,29 @@ def test_profiles_are_kept_apart_by_dtype_and_model():
     assert cache_path(key) != cache_path({**key, "model": "/elsewhere"})
 
 
+def test_the_key_names_the_linear_form_without_loading_kernels_turned_off(monkeypatch):
+    """The key says which linear layers run ("panel" where fp32 layers take the panel GEMM); working that out
+    loads the C++ build only where the engine would (not under DRAFTSMITH_ATTENTION=torch, which keeps the
+    build, and with it the panel GEMM and the step ops, out of the process)."""
+    from draftsmith.models import linear, slot_attention_cpu
+
+    model = load_target(DEMO_MODEL, dtype="float32")
+    built = slot_attention_cpu.build_error() is None  # loaded for real first: the spy below builds nothing
+    builds = []
+    monkeypatch.setattr(slot_attention_cpu, "build_error", lambda: builds.append(1))
+    monkeypatch.setattr(slot_attention_cpu, "LOADED", False)
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")
+    assert profile_key(DEMO_MODEL, model)["cpu_linear"] in ("onednn", "aten")
+    assert not builds and not slot_attention_cpu.LOADED
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "auto")
+    profile_key(DEMO_MODEL, model)
+    assert builds  # where the engine would load it, so does the key
+    if built:
+        monkeypatch.setattr(slot_attention_cpu, "LOADED", True)
+        expected = "panel" if linear.panels_run(torch.float32) else "onednn"
+        assert profile_key(DEMO_MODEL, model)["cpu_linear"] == expected
+
+
 @pytest.mark.slow
 def test_profile_command_prints_the_table_and_reuses_it(cache_dir, capsys):
     argv = ["profile", str(DEMO_MODEL), "--max-rows", "2", "--context", "16", "--device", "cpu"]

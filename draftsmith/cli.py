@@ -343,7 +343,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                        "where suffix decoding drafts from earlier outputs (default: %(default)s)")
     bench.add_argument("--rounds", type=_positive_int, default=1,
                        help="run each level this many times (all methods side by side each time) and report "
-                       "each method's median (default: %(default)s)")
+                       "each method's median tokens/s, and its speedup as the median of each round's ratio to "
+                       "no speculation in that round (default: %(default)s)")
     bench.add_argument("--quiet-wait", type=float, default=60.0,
                        help="before each round, wait up to this many seconds for other processes to leave the CPU "
                        "(0: do not wait) (default: %(default)s)")

@@ -252,18 +252,31 @@ def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) ->
     return tokens / (time.perf_counter() - start)
 
 
+def paired_ratio(speeds: list[float], reference: list[float]) -> float:
+    """The median over rounds of speeds[r] / reference[r]: the methods of a round take turns of SLICE_S seconds
+    (`drive`), so a round's ratio is free of the machine's drift between rounds, which a ratio of the two
+    medians keeps (medians from different rounds). Speeds not timed round for round beside the reference
+    (one HF round): the ratio of the medians."""
+    if len(speeds) != len(reference):
+        return statistics.median(speeds) / statistics.median(reference)
+    return statistics.median(s / r for s, r in zip(speeds, reference))
+
+
 def _row(model: str, method: str, k: int | None, c: int, speeds: list[float], metrics: dict,
          equal: bool | None, level: list[dict], whole_run: list[float] | None = None,
          grammar_share: float | None = None) -> dict:
     """One JSON row; `level` holds the rows already made at this concurrency, no speculation's first;
     `speeds` per round at c in flight, `whole_run` per round over the whole run, drain included;
-    `grammar_share`: of the last round's engine time, the structured-output matchers' (None: no grammar)."""
-    speed = statistics.median(speeds)
-    whole = statistics.median(whole_run or speeds)
+    `grammar_share`: of the last round's engine time, the structured-output matchers' (None: no grammar).
+    A speedup is the median over rounds of the round's ratio to no speculation's (`paired_ratio`)."""
+    whole_run = whole_run or speeds
+    speed, whole = statistics.median(speeds), statistics.median(whole_run)
     return {"model": model, "method": method, "k": k, "concurrency": c, "tokens_per_s": speed,
-            "speedup_vs_no_spec": speed / level[0]["tokens_per_s"] if level else 1.0,
+            "speedup_vs_no_spec": paired_ratio(speeds, level[0]["tokens_per_s_by_round"]) if level else 1.0,
             "whole_run_tokens_per_s": whole,
-            "whole_run_speedup_vs_no_spec": whole / level[0]["whole_run_tokens_per_s"] if level else 1.0,
+            "whole_run_speedup_vs_no_spec": paired_ratio(whole_run, level[0]["whole_run_tokens_per_s_by_round"])
+            if level else 1.0,
+            "tokens_per_s_by_round": speeds, "whole_run_tokens_per_s_by_round": whole_run,
             "mean_acceptance_length": metrics.get("mean_acceptance_length"), "greedy_equal": equal,
             "spec_k_histogram": metrics.get("spec_k_histogram"),
             "num_steps_without_speculation": metrics.get("num_steps_without_speculation"),

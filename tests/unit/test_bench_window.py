@@ -6,6 +6,8 @@ finish in step would be timed on a whole wave decoded with none prefilled after)
 
 from dataclasses import dataclass
 
+import pytest
+
 from draftsmith.serve.bench import matrix as bench
 from draftsmith.serve.engine.outputs import OutputDelta, RequestHeader, SampleDelta
 
@@ -153,3 +155,10 @@ def test_methods_take_turns_in_a_new_order_each_round(monkeypatch):
     follows = {(before, after) for before, after in zip(turns, turns[1:]) if before != after}
     assert follows == {(x, y) for x in "abcd" for y in "abcd" if x != y}
     assert turns_of_a_run() == turns
+
+
+def test_a_speedup_pairs_each_round_with_the_same_rounds_reference():
+    """The median of round-by-round ratios: the second round ran slow for every method alike, which a ratio of
+    the medians (120 / 100) would read as a 1.2x speedup."""
+    assert bench.paired_ratio([120.0, 99.0, 200.0], [100.0, 90.0, 190.0]) == pytest.approx(1.1)
+    assert bench.paired_ratio([300.0], [100.0, 200.0, 300.0]) == pytest.approx(1.5)  # not timed round for round

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
 #include "simd_exp.h"
 
@@ -122,6 +123,27 @@ inline vec16 silu_lanes(vec16 g) {
   return g < -87.0f ? g * 0.0f : silu;
 }
 
+// dest[j] = silu(gate[j]) * up[j] for `lanes` lanes (LANES, a constant the compiler turns into vector loads and
+// stores; 0: the run-time `lanes`, a row's tail); the activation rounded to T before the product, as PyTorch's
+// F.silu(gate) * up rounds it
+template <typename T, int LANES>
+inline void silu_mul_lanes(const T* gate, const T* up, T* dest, int64_t lanes = LANES) {
+  vec16 gv = vec16{}, uv = vec16{};
+  const int64_t n = LANES ? LANES : lanes;
+  for (int64_t j = 0; j < n; ++j) {
+    gv[j] = static_cast<float>(gate[j]);
+    uv[j] = static_cast<float>(up[j]);
+  }
+  vec16 product;
+  if constexpr (std::is_same_v<T, float>) {
+    product = silu_lanes(gv) * uv;
+  } else {
+    const vec16 activated = silu_lanes(gv);
+    for (int j = 0; j < 16; ++j) product[j] = static_cast<float>(T(activated[j])) * uv[j];
+  }
+  for (int64_t j = 0; j < n; ++j) dest[j] = T(product[j]);
+}
+
 // out[t] = silu(gate[t]) * up[t], each rounded to T as PyTorch's F.silu(gate) * up rounds it; gate and up rows
 // `stride` apart (views into a fused gate/up projection), out contiguous
 template <typename T>
@@ -132,16 +154,9 @@ void silu_mul_rows(const T* gate, int64_t gate_stride, const T* up, int64_t up_s
       const T* g = gate + t * gate_stride;
       const T* u = up + t * up_stride;
       T* dest = out + t * dim;
-      for (int64_t i = 0; i < dim; i += 16) {
-        const int64_t lanes = dim - i < 16 ? dim - i : 16;
-        vec16 gv = vec16{}, uv = vec16{};
-        for (int64_t j = 0; j < lanes; ++j) {
-          gv[j] = static_cast<float>(g[i + j]);
-          uv[j] = static_cast<float>(u[i + j]);
-        }
-        const vec16 activated = silu_lanes(gv);
-        for (int64_t j = 0; j < lanes; ++j) dest[i + j] = T(static_cast<float>(T(activated[j])) * uv[j]);
-      }
+      int64_t i = 0;
+      for (; i + 16 <= dim; i += 16) silu_mul_lanes<T, 16>(g + i, u + i, dest + i);
+      if (i < dim) silu_mul_lanes<T, 0>(g + i, u + i, dest + i, dim - i);
     }
   });
 }

@@ -22,7 +22,7 @@ from draftsmith.serve.engine.sampling import SamplingBatch
 from draftsmith.serve.speculation.plan import StepPlan
 from draftsmith.serve.speculation.tree_verify import size_trees, verify_tree
 from draftsmith.serve.speculation.verify import verified_tokens
-from draftsmith.serve.speculation.verify_length import size_chains
+from draftsmith.serve.speculation.verify_length import size_chains, size_chains_by_rates
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,8 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
         planned = drafts.counts.cpu()
         plan = policy.plan(slots, planned)
         drafts.counts.clamp_(max=plan.width)
+        if plan.row_rates is not None and len(rows) > 1:
+            size_chains_by_rates(drafts, len(rows), plan.row_rates, policy.cost, draft_s)
         return Drafted(plan, drafts, planned, draft_s)
     catch_up = proposer.catch_up(rows)
     unfed = unfed_rows_left(proposer, rows, engine.config.max_model_len) if catch_up[0] else ()
@@ -116,6 +118,9 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
         else:
             offered = drafts.counts[: len(rows)].tolist()
             size_chains(drafts, len(rows), policy.cost, draft_s)
+    elif drafts is not None and drafts.parents is None and plan.row_rates is not None and len(rows) > 1:
+        # cut by the policy's own rates, it learns from what is verified (a cut row's positions stay unmeasured)
+        size_chains_by_rates(drafts, len(rows), plan.row_rates, policy.cost, draft_s)
     return Drafted(plan, drafts, limits, draft_s, catch_up, offered)
 
 

@@ -23,6 +23,7 @@ per second.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from draftsmith.serve.speculation.cost_model import CATCH_UP_HORIZON, CostModel
 from draftsmith.serve.speculation.estimators import AcceptanceStats
@@ -230,6 +231,8 @@ class AdaptivePolicy:
             self._held_rows, self._held_slots = rows, tuple(slots)
         else:
             self._hold = self._clear_losses = self._close_calls = 0
+            if not best.explore:
+                best.row_rates = rates
         return best
 
     def _plain_hold(self, slots: list[int], caps: tuple[int, ...], seconds: list[float], ratio: float,
@@ -340,7 +343,7 @@ class AdaptivePolicy:
         if width + 1 >= len(candidates) or self.acceptance.reached_lately(width) >= THIN_POSITION:
             return best
         deeper = candidates[width + 1]
-        return deeper if deeper.tokens_per_s >= EXPLORE_WORST * best.tokens_per_s else best
+        return replace(deeper, explore=True) if deeper.tokens_per_s >= EXPLORE_WORST * best.tokens_per_s else best
 
     def _probe_due(self) -> bool:
         return not self._probing and self._plain_run >= self._probe_after
@@ -389,7 +392,7 @@ class AdaptivePolicy:
                 self._probe_after = min(2 * self._probe_after, MAX_PROBE_AFTER)
         if probe_worth and self._probing:
             self._probing -= 1
-            return speculative
+            return replace(speculative, explore=True)
         self._probing = 0
         self._plain_run += 1
         return best

@@ -12,6 +12,11 @@ class StepPlan:
     stop_below: float = 0.0  # confidence floor for proposers that stop early
     expected_tokens: float = 0.0
     expected_seconds: float = 0.0
+    # run to measure acceptance, not because it pays best (a probe, a draft deeper than pays): verified whole
+    explore: bool = False
+    # the rows' acceptance rates by draft position that the plan priced (`AcceptanceStats.rates`), by which the
+    # engine cuts each row's drafts to those that pay (`verify_length.size_chains_by_rates`); None: no cut
+    row_rates: list[list[float]] | None = None
 
     @property
     def tokens_per_s(self) -> float:

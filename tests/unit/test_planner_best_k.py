@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from draftsmith.methods.proposer_base import DraftBatch
 from draftsmith.serve.speculation.adaptive import AdaptivePolicy
 from draftsmith.serve.speculation.cost_model import CostModel
+from draftsmith.serve.speculation.verify_length import size_chains_by_rates
 from helpers import synthetic_table
 
 K = 5
@@ -79,3 +82,34 @@ def test_the_width_it_settles_on_runs_near_the_best(curve, draft_per_forward, se
     achieved = np.mean([speeds[w] for w in late])
     assert achieved >= 0.97 * speeds[best], (best, [round(s / speeds[0], 3) for s in speeds],
                                               np.bincount(late, minlength=K + 1).tolist())
+
+
+def test_a_batch_verifies_each_rows_drafts_by_its_own_rates():
+    """At 8 rows the plan sets one width; the engine then cuts each row's drafts by the rates the plan priced
+    (`size_chains_by_rates`): a row whose drafts are rejected verifies none of them, a row whose drafts are
+    accepted keeps all. A probe carries no rates: it is verified whole, to measure."""
+    rows, table = 8, synthetic_table(0.25)
+    cost = CostModel(table, per_token_drafts=False, drafts_before_plan=True)
+    cost.live_scaling = False
+    policy = AdaptivePolicy(K, rows, cost)
+    slots = list(range(rows))
+    for _ in range(60):  # rows 0-3 accept every draft, rows 4-7 none
+        policy.observe(slots, [K] * rows, [K] * 4 + [0] * 4)
+    plan = policy.plan(slots, [K] * rows)
+    assert plan.width > 0 and not plan.explore and plan.row_rates is not None
+    drafts = DraftBatch(torch.zeros(rows, K, dtype=torch.long), torch.full((rows,), K))
+    counts = size_chains_by_rates(drafts, rows, plan.row_rates, cost, 0.0)
+    assert counts[:4] == [K] * 4 and counts[4:] == [0] * 4 and drafts.counts.tolist() == counts
+    # a head whose first drafts are accepted a third of the time at one row: plain, until a probe is due
+    sequential = CostModel(table, per_token_drafts=True, drafts_before_plan=False)
+    sequential.live_scaling = False
+    policy = AdaptivePolicy(K, 1, sequential)
+    for _ in range(60):
+        policy.observe([0], [1], [int(_ % 3 == 0)])
+    plans = []
+    for _ in range(400):
+        if not policy.held((0,)):
+            plans.append(policy.plan([0], [K]))
+            policy.idle([0])
+    probes = [plan for plan in plans if plan.width]
+    assert probes and all(plan.explore and plan.row_rates is None for plan in probes)

@@ -13,14 +13,6 @@ from draftsmith.serve.speculation.plan import int_list
 # stretch that drafts well tends to go on drafting well): a guess that makes speculation worth trying; real
 # counts outweigh it in a few steps.
 INITIAL_RATE, INITIAL_LATER_RATE = 0.7, 0.8
-# A later position's guess is also at most LATER_LIFT above the long-run rate of the position before it: plans
-# narrower than k never reach the last positions, and there a fixed guess stands for good. Measured on held-out
-# code at k = 3-5 (conditional rates by position), a weak head's later drafts are accepted no more often than
-# its first (demo Medusa 0.23, 0.24, 0.05; EAGLE-1 0.38, 0.33, 0.23), a strong one's somewhat more (EAGLE-3
-# 0.66, 0.72, 0.86; MTP 0.62, 0.66, 0.77). Guessed at 0.8, the demo Medusa head's later drafts made width-2
-# and 3 plans predicted to pay that ran at 0.5-0.9x plain decoding, on 183 of 3,000 steps at one request in
-# flight; capped, on 30. A lift of 0.3 keeps EAGLE-3's rise (tests/unit/test_planner_best_k.py).
-LATER_LIFT = 0.3
 # Per row that drafted, and per step that nothing was drafted, the weight kept by the method's long-run
 # acceptance counts (what its running counts fade toward while nothing is drafted): a half-life of about 700
 LIFETIME_DECAY = 0.999
@@ -186,11 +178,10 @@ class AcceptanceStats:
 
     def _prior(self, method_accepted, method_reached, lifetime_accepted, lifetime_reached) -> list[float]:
         """The method's running rates, read OPTIMISM standard errors high, themselves shrunk toward its long-run
-        rates, whose first guesses are INITIAL_RATE and INITIAL_LATER_RATE, the latter capped by LATER_LIFT."""
-        w0, prior, guess = self.initial_weight, [], self.initial_rates[0]
+        rates."""
+        w0, prior = self.initial_weight, []
         for j, initial in enumerate(self.initial_rates):
-            anchor = (lifetime_accepted[j] + w0 * min(initial, guess)) / (lifetime_reached[j] + w0)
-            guess = anchor + LATER_LIFT  # the next position's guess at most (LATER_LIFT)
+            anchor = (lifetime_accepted[j] + w0 * initial) / (lifetime_reached[j] + w0)
             weight = method_reached[j] + w0
             rate = (method_accepted[j] + w0 * anchor) / weight
             prior.append(min(rate + OPTIMISM * math.sqrt(rate * (1 - rate) / weight), 1.0))

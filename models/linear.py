@@ -36,7 +36,8 @@ they are packed into column panels for a GEMM of our own (models/panel_linear_cp
 construction (each output one chain of multiply-adds over the input in order, whatever the row count), which
 reads a weight at nearly the memory's pace at the few rows of decoding, where oneDNN reached about 60% of it,
 and keeps level with oneDNN at prompt sizes (docs/decisions/cpu-kernels.md). `DRAFTSMITH_CPU_LINEAR=onednn`
-keeps them on oneDNN too.
+keeps them on oneDNN too. A drafter's layers may be packed in bfloat16 (`pack_weights_in`): fp32 arithmetic
+over weights that read half the bytes, for layers whose output is only a proposal.
 
 What a call runs is decided once per layer (and per fused group) and kept as its `_Plan`; a call only checks
 that the plan still holds (the same tensors, versions and thread count). `DRAFTSMITH_CPU_LINEAR` is read when
@@ -146,6 +147,30 @@ def warm_up(modules: Iterable[nn.Module], max_rows: int) -> int:
                     fused(group, torch.zeros(rows, group[0].in_features, dtype=weight.dtype))
                     calls += 1
     return calls
+
+
+def pack_weights_in(modules: Iterable[nn.Module], dtype: torch.dtype, shared: nn.Module | None = None) -> int:
+    """Packs the fp32 `Linear` layers of `modules` for the panel GEMM in `dtype` (bfloat16: each weight rounded
+    once, half the bytes a call reads; inputs, sums and outputs stay fp32), all but those whose weight is one
+    of `shared`'s parameters (a target's LM head that a head reads: the target must compute with it as it is).
+    Only a drafter's layers are packed so: what they compute is a proposal that the target checks. Plans made
+    before are dropped, to be made again. -> the layers packed so."""
+    kept = {t.data_ptr() for t in shared.parameters()} if shared is not None else set()
+    marked = 0
+    for layer in (sub for top in modules for sub in top.modules()):
+        weight = layer._parameters.get("weight") if isinstance(layer, Linear) else None
+        if (weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+                and weight.data_ptr() not in kept):
+            layer.__dict__["panel_dtype"] = dtype
+            for attr in (*_PLAN_ATTRS, "_panel_weight", "_panel_fused"):
+                layer.__dict__.pop(attr, None)
+            marked += 1
+    return marked
+
+
+def _panel_dtype(layer: Linear) -> torch.dtype:
+    """The dtype the layer's weight is packed in for the panel GEMM (`pack_weights_in`): its own unless set."""
+    return layer.__dict__.get("panel_dtype", layer._parameters["weight"].dtype)
 
 
 def make_plans(modules: Iterable[nn.Module]) -> int:
@@ -350,7 +375,7 @@ def _cached_weight(layers: tuple[Linear, ...], form: str) -> tuple[torch.Tensor,
                 weight = torch.cat([layer.weight.detach() for layer in layers])
                 bias = None if first.bias is None else torch.cat([layer.bias.detach() for layer in layers])
             if form == "panel":
-                cached = (key, torch.ops.draftsmith_cpu.pack_panels(weight.contiguous()), bias)
+                cached = (key, torch.ops.draftsmith_cpu.pack_panels(weight.to(_panel_dtype(first)).contiguous()), bias)
             elif form == "mm":
                 cached = (key, weight.t().contiguous(), bias)
             else:
@@ -397,13 +422,15 @@ def _holds_own(layer: Linear) -> bool:
 
 
 def _alike(layers: tuple[Linear, ...]) -> bool:
-    """Whether the layers hold their own weights (see `Linear.forward`), of one dtype, and all or none a bias
-    (what stacking them needs)."""
+    """Whether the layers hold their own weights (see `Linear.forward`), of one dtype, packed in one dtype, and
+    all or none a bias (what stacking them needs)."""
     if not all(_holds_own(layer) for layer in layers):
         return False
     weights = [layer._parameters["weight"] for layer in layers]
     biased = [layer._parameters["bias"] is not None for layer in layers]
-    return all(weight.dtype == weights[0].dtype for weight in weights) and all(b == biased[0] for b in biased)
+    packed = {_panel_dtype(layer) for layer in layers}
+    return (all(weight.dtype == weights[0].dtype for weight in weights) and all(b == biased[0] for b in biased)
+            and len(packed) == 1)
 
 
 class Linear(nn.Linear):

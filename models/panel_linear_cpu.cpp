@@ -11,6 +11,10 @@
 // whatever the tile, the row count or the thread that computes it. The tile shape is chosen by the row count
 // for speed only.
 //
+// Panels may hold bfloat16 weights (a draft head's, `models.linear.pack_weights_in`): each is widened to fp32
+// exactly as it is loaded (a bfloat16 is an fp32's upper 16 bits), and the sums are the fp32 ones above over
+// those values, so a layer reads half the bytes. Inputs, accumulators and outputs stay fp32.
+//
 // Built only with AVX-512 (16-float registers, 32 of them): the tiles are sized for that register file, and
 // elsewhere oneDNN runs (`panel_linear_available`).
 #include <ATen/ATen.h>
@@ -31,10 +35,22 @@ constexpr int64_t FEW_ROWS = 8;  // up to this many rows: 8 x 32 tiles (a pass o
 constexpr int64_t BLOCK_ROWS = 6;  // past it: 6 x 64 tiles over two panels at once (more arithmetic per load)
 
 #ifdef __AVX512F__
+// the 32 weights of one panel row as two 16-float vectors
+inline void load_row(const float* w, __m512& low, __m512& high) {
+  low = _mm512_loadu_ps(w);
+  high = _mm512_loadu_ps(w + 16);
+}
+
+inline void load_row(const at::BFloat16* w, __m512& low, __m512& high) {
+  const __m512i both = _mm512_loadu_si512(w);
+  low = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16));
+  high = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1)), 16));
+}
+
 // out[r, c] = sum_k x[r, k] * w[k, c] (+ bias[c]) for `ROWS` rows and the 32 columns of each of `PANELS`
 // panels (`panel_step` floats apart), `cols` of them kept (a last panel's padding is not)
-template <int ROWS, int PANELS>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_step, int64_t K, const float* bias,
+template <int ROWS, int PANELS, typename W>
+inline void tile(const float* x, int64_t ldx, const W* panel, int64_t panel_step, int64_t K, const float* bias,
                  float* out, int64_t ldo, int64_t cols) {
   constexpr int VECTORS = 2 * PANELS;
   __m512 acc[ROWS][VECTORS];
@@ -42,10 +58,7 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_
     for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[VECTORS];
-    for (int p = 0; p < PANELS; ++p) {
-      w[2 * p] = _mm512_loadu_ps(panel + p * panel_step + k * PANEL);
-      w[2 * p + 1] = _mm512_loadu_ps(panel + p * panel_step + k * PANEL + 16);
-    }
+    for (int p = 0; p < PANELS; ++p) load_row(panel + p * panel_step + k * PANEL, w[2 * p], w[2 * p + 1]);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
@@ -64,18 +77,54 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_
 }
 
 // `rows` (1..ROWS) rows through the tile of that many
-template <int ROWS, int PANELS>
-inline void tile_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t panel_step, int64_t K,
+template <int ROWS, int PANELS, typename W>
+inline void tile_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t panel_step, int64_t K,
                       const float* bias, float* out, int64_t ldo, int64_t cols) {
   if constexpr (ROWS > 1) {
-    if (rows < ROWS) return tile_rows<ROWS - 1, PANELS>(rows, x, ldx, panel, panel_step, K, bias, out, ldo, cols);
+    if (rows < ROWS) return tile_rows<ROWS - 1, PANELS, W>(rows, x, ldx, panel, panel_step, K, bias, out, ldo, cols);
   }
-  tile<ROWS, PANELS>(x, ldx, panel, panel_step, K, bias, out, ldo, cols);
+  tile<ROWS, PANELS, W>(x, ldx, panel, panel_step, K, bias, out, ldo, cols);
 }
 #endif
 
+#ifdef __AVX512F__
+// out [M, N] = rows [M, K] x the panels' weight: 8 x 32 tiles up to FEW_ROWS rows, 6 x 64 ones past it
+template <typename W>
+void panel_gemm(const float* xd, int64_t M, int64_t K, const W* pd, int64_t P, const float* bias_data, float* od,
+                int64_t N) {
+  const int64_t step = K * PANEL;
+  auto bias_at = [&](int64_t column) { return bias_data == nullptr ? nullptr : bias_data + column; };
+  if (M <= FEW_ROWS) {
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        tile_rows<FEW_ROWS, 1, W>(static_cast<int>(M), xd, K, pd + p * step, step, K, bias_at(p * PANEL),
+                                  od + p * PANEL, N, N - p * PANEL);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t p = 2 * pair, column = p * PANEL;
+      for (int64_t m = 0; m < M; m += BLOCK_ROWS) {
+        const int block = static_cast<int>(std::min<int64_t>(BLOCK_ROWS, M - m));
+        if (p + 1 < P) {
+          tile_rows<BLOCK_ROWS, 2, W>(block, xd + m * K, K, pd + p * step, step, K, bias_at(column),
+                                      od + m * N + column, N, N - column);
+        } else {
+          tile_rows<BLOCK_ROWS, 1, W>(block, xd + m * K, K, pd + p * step, step, K, bias_at(column),
+                                      od + m * N + column, N, N - column);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// weight [N, K], fp32 or bfloat16 -> panels [ceil(N / 32), K, 32] of its dtype
 at::Tensor pack_panels_cpu(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_panels: an fp32 [N, K] weight");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "pack_panels: an fp32 or bfloat16 [N, K] weight");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + PANEL - 1) / PANEL;
   // panels[p, k, c] = weight[p * 32 + c, k], zero past N
   const at::Tensor padded = at::constant_pad_nd(weight, {0, 0, 0, panels * PANEL - N});
@@ -85,7 +134,9 @@ at::Tensor pack_panels_cpu(const at::Tensor& weight) {
 at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                             int64_t out_features) {
 #ifdef __AVX512F__
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "panel_linear: fp32");
+  const bool half = panels.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (half || panels.scalar_type() == at::kFloat),
+              "panel_linear: fp32 inputs over fp32 or bfloat16 panels");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == PANEL && panels.is_contiguous(),
               "panel_linear: panels are pack_panels' [P, K, 32]");
   const int64_t K = x.size(-1), P = panels.size(0), N = out_features;
@@ -104,35 +155,11 @@ at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const
   shape.back() = N;
   at::Tensor out = at::empty(shape, x.options());
   if (M == 0) return out;
-  const float* xd = rows.data_ptr<float>();
-  const float* pd = panels.data_ptr<float>();
-  float* od = out.data_ptr<float>();
-  const int64_t step = K * PANEL;
-  auto bias_at = [&](int64_t column) { return bias_data == nullptr ? nullptr : bias_data + column; };
-  if (M <= FEW_ROWS) {
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        tile_rows<FEW_ROWS, 1>(static_cast<int>(M), xd, K, pd + p * step, step, K, bias_at(p * PANEL), od + p * PANEL,
-                               N, N - p * PANEL);
-      }
-    });
-    return out;
+  if (half) {
+    panel_gemm(rows.data_ptr<float>(), M, K, panels.data_ptr<at::BFloat16>(), P, bias_data, out.data_ptr<float>(), N);
+  } else {
+    panel_gemm(rows.data_ptr<float>(), M, K, panels.data_ptr<float>(), P, bias_data, out.data_ptr<float>(), N);
   }
-  at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t p = 2 * pair, column = p * PANEL;
-      for (int64_t m = 0; m < M; m += BLOCK_ROWS) {
-        const int block = static_cast<int>(std::min<int64_t>(BLOCK_ROWS, M - m));
-        if (p + 1 < P) {
-          tile_rows<BLOCK_ROWS, 2>(block, xd + m * K, K, pd + p * step, step, K, bias_at(column), od + m * N + column,
-                                   N, N - column);
-        } else {
-          tile_rows<BLOCK_ROWS, 1>(block, xd + m * K, K, pd + p * step, step, K, bias_at(column), od + m * N + column,
-                                   N, N - column);
-        }
-      }
-    }
-  });
   return out;
 #else
   TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (panel_linear_available)");

@@ -6,7 +6,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import load_head, resolve_method
 from draftsmith.methods.eagle.training import unroll
-from draftsmith.methods.heads import draft_dtype
+from draftsmith.methods.heads import draft_dtype, pack_draft_weights
 from draftsmith.models import DraftHeadConfig, ForwardBatch
 from draftsmith.serve import LLM, SamplingParams
 from helpers import DEMO_MODEL, REPO, spec_config
@@ -79,16 +79,16 @@ def greedy_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("requested", ["float32", "bfloat16", "auto"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_greedy_equality_with_random_head(kind, draft_dtype, target, tmp_path, greedy_reference):
+def test_greedy_equality_with_random_head(kind, requested, target, tmp_path, greedy_reference):
     """Lossless whatever the head drafts, in the target's dtype or another (a bfloat16 head under a float32
-    target: EAGLE-1 reads out through the target's float32 LM head)."""
+    target: EAGLE-1 reads out through the target's float32 LM head), or over weights packed in bfloat16."""
     _random_head(kind, target, tmp_path)
     llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
               # fixed k: a random head's drafts are rarely accepted, so the adaptive policy may stop drafting
-              speculative_config=spec_config(kind, tmp_path, 3, draft_dtype=draft_dtype))
-    expected = getattr(torch, draft_dtype)
+              speculative_config=spec_config(kind, tmp_path, 3, draft_dtype=requested))
+    expected = draft_dtype(requested, torch.float32, torch.device("cpu"))
     assert {p.dtype for p in llm.engine.proposer.head.parameters()} == {expected}
     got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
@@ -98,15 +98,31 @@ def test_greedy_equality_with_random_head(kind, draft_dtype, target, tmp_path, g
 
 @pytest.mark.slow
 def test_a_bfloat16_head_drafts_as_well_as_a_float32_one(greedy_reference):
-    """The shipped EAGLE-3 head in bfloat16 (half the bytes read per draft step) keeps its acceptance."""
+    """The shipped EAGLE-3 head in bfloat16 (half the bytes read per draft step), or over weights packed in
+    bfloat16 ("auto" on a CPU that runs the panel GEMM), keeps its acceptance."""
     lengths = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "auto"):
         llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256,
                   speculative_config=spec_config("eagle3", REPO / "assets" / "demo-code-7m-eagle3", 3, draft_dtype=dtype))
         got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == greedy_reference
         lengths[dtype] = llm.get_metrics()["mean_acceptance_length"]
     assert lengths["float32"] > 2.0 and abs(lengths["bfloat16"] - lengths["float32"]) < 0.15, lengths
+    assert abs(lengths["auto"] - lengths["float32"]) < 0.15, lengths
+
+
+def test_auto_packs_a_heads_own_layers_in_bfloat16(target):
+    """Under "auto" on a CPU running the panel GEMM, a float32 head's own layers read bfloat16 weights; the
+    target's LM head, which EAGLE-1 reads out through, and the target's layers stay float32; an explicit
+    float32 packs nothing."""
+    from draftsmith.models import linear
+    if not linear.panels_run(torch.float32):
+        pytest.skip("fp32 layers do not run the panel GEMM here (no AVX-512 or no C++ build): nothing to pack")
+    head = _random_head("eagle", target)
+    assert pack_draft_weights("float32", [head], target) == 0
+    assert pack_draft_weights("auto", [head], target) == 1 + 7  # fc, and the layer's q, k, v, o, gate, up, down
+    packed = [m for m in head.modules() if m.__dict__.get("panel_dtype") == torch.bfloat16]
+    assert head.fc in packed and not any("panel_dtype" in m.__dict__ for m in target.modules())
 
 
 def test_auto_draft_dtype(monkeypatch):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from draftsmith.models import linear as linear_module
 from draftsmith.models import slot_attention_cpu
-from draftsmith.models.linear import Linear, fused
+from draftsmith.models.linear import Linear, fused, pack_weights_in
 
 
 def _why_not() -> str | None:
@@ -57,6 +57,44 @@ def test_each_row_is_the_same_at_every_row_count():
     for rows in [*range(1, 20), 40, 72, 149]:
         assert torch.equal(_panel(x[:rows], weight, offsets), whole[:rows]), rows
     assert torch.equal(_panel(x[100:101], weight, offsets)[0], whole[100])
+
+
+@pytest.mark.parametrize("in_features, out_features", [(256, 4096), (100, 45), (7, 33)])
+def test_bfloat16_panels_compute_over_the_rounded_weights(in_features, out_features):
+    """Panels packed from a bfloat16 weight give, bit for bit, what fp32 panels of the same values give: each
+    weight is widened exactly and the sums are the fp32 chain; at every row count, in either tile."""
+    generator = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    offsets = torch.randn(out_features, generator=generator)
+    x = torch.randn(40, in_features, generator=generator)
+    half = torch.ops.draftsmith_cpu.pack_panels(weight)
+    assert half.dtype == torch.bfloat16
+    whole = torch.ops.draftsmith_cpu.panel_linear(x, half, offsets, out_features)
+    assert torch.equal(whole, _panel(x, weight.float(), offsets))
+    for rows in (1, 3, 8, 9, 13):
+        assert torch.equal(torch.ops.draftsmith_cpu.panel_linear(x[:rows], half, offsets, out_features), whole[:rows])
+
+
+def test_packing_a_drafters_layers_leaves_what_it_shares_with_the_target():
+    """`pack_weights_in` packs a drafter's own fp32 layers in bfloat16, never a layer whose weight is the
+    target's (an LM head both read), and a packed fused group still splits into its layers' columns."""
+    target = torch.nn.ModuleDict({"lm_head": Linear(64, 96, bias=False)})
+    drafter = torch.nn.ModuleDict({"q": Linear(64, 32), "k": Linear(64, 16), "readout": Linear(64, 96, bias=False)})
+    drafter["readout"].weight = target["lm_head"].weight
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        before = drafter["q"](x)
+        assert pack_weights_in([drafter], torch.bfloat16, shared=target) == 2
+        got = drafter["q"](x)
+        q, k = fused((drafter["q"], drafter["k"]), x)
+        k_alone = drafter["k"](x)
+        shared = drafter["readout"](x)
+    assert drafter["q"].__dict__["_plan"].weight.dtype == torch.bfloat16
+    assert drafter["readout"].__dict__["_plan"].weight.dtype == torch.float32
+    assert torch.equal(shared, _panel(x, target["lm_head"].weight.detach()))
+    assert torch.equal(got, _panel(x, drafter["q"].weight.detach().bfloat16(), drafter["q"].bias.detach()))
+    assert not torch.equal(got, before)  # the weights were rounded: packed anew, not the fp32 plan kept
+    assert torch.equal(q, got) and torch.equal(k, k_alone)
 
 
 def test_a_fused_group_computes_each_layer_bit_for_bit():

@@ -17,7 +17,7 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.draft_sampling import choose_block
 from draftsmith.methods.draft_trees import TreeShape, configured_tree, marginal_tree, static_marginal_tree
-from draftsmith.methods.heads import draft_dtype, load_attached_head
+from draftsmith.methods.heads import draft_dtype, load_attached_head, pack_draft_weights
 from draftsmith.methods.proposer_base import (
     CatchUpTimer,
     DraftBatch,
@@ -87,6 +87,7 @@ class DFlashProposer(Proposer):
         self.device = weight.device
         self.dtype = draft_dtype(config.draft_dtype, weight.dtype, self.device)
         self.head = load_attached_head(config, target, self.dtype)
+        pack_draft_weights(config.draft_dtype, [self.head], target)
         # the drafts' logits come from the target's LM head run in the draft dtype (a copy where they differ):
         # drafts are only proposals, and in fp32 that GEMM over the vocabulary was a fifth of a propose
         self.lm_head = _in_dtype(target.lm_head, self.dtype)

@@ -17,7 +17,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.draft_model.head import MASK_TOKEN_KEYS, TRAINED_DEPTH_KEY, mask_token_id
 from draftsmith.methods.draft_sampling import choose, choose_block
-from draftsmith.methods.heads import draft_dtype
+from draftsmith.methods.heads import draft_dtype, pack_draft_weights
 from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.loader import load_target
@@ -30,6 +30,7 @@ class DraftModelProposer(Proposer):
         self.device = weight.device
         self.draft = load_target(config.model, dtype=draft_dtype(config.draft_dtype, weight.dtype, self.device),
                                  device=self.device, max_len=max_model_len + config.num_speculative_tokens)
+        pack_draft_weights(config.draft_dtype, [self.draft], target)
         vocab, target_vocab = self.draft.config.vocab_size, target.config.vocab_size
         if vocab != target_vocab:
             raise DraftsmithError(f"draft model {config.model} has a vocabulary of {vocab} tokens, the target "

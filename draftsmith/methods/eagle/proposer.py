@@ -41,7 +41,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.methods.draft_sampling import choose, pick_greedy
 from draftsmith.methods.draft_trees import TreeShape, configured_tree
 from draftsmith.methods.eagle.tree_drafting import draft_static_tree, draft_tree
-from draftsmith.methods.heads import draft_dtype, load_attached_head
+from draftsmith.methods.heads import draft_dtype, load_attached_head, pack_draft_weights
 from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.models.kv_cache import ForwardBatch
 
@@ -75,6 +75,7 @@ class EagleFamilyProposer(Proposer):
         weight = target.model.embed_tokens.weight
         self.dtype = draft_dtype(config.draft_dtype, weight.dtype, weight.device)
         self.head = load_attached_head(config, target, self.dtype)
+        pack_draft_weights(config.draft_dtype, [self.head], target)
         self.k = config.num_speculative_tokens
         # a static tree, or EAGLE-2's dynamic one (tree_drafting), when the config asks for one
         self.tree = configured_tree(config, self.k)

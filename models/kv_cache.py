@@ -55,6 +55,24 @@ class SlotRows:
     positions: torch.Tensor | None = None
 
 
+def _positions_and_writes(slots: list[int], starts: list[int], q_lens: list[int], width: int,
+                          cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, width] each query's position (past the cache's end: its last) and the slot its key and value go to
+    (a padding query's: the scratch slot). A decode or verify step's few queries are listed on the host, one
+    tensor each: the same from tensor ops took a dozen small dispatches, a tenth of a one-row decode's host
+    work."""
+    last, scratch = cache.max_len - 1, cache.scratch_slot
+    if width <= SLOT_KERNEL_QUERIES:
+        positions = torch.tensor([[min(s + i, last) for i in range(width)] for s in starts], dtype=torch.long)
+        writes = torch.tensor([[slot] * n + [scratch] * (width - n) for slot, n in zip(slots, q_lens)],
+                              dtype=torch.long)
+        return positions, writes
+    offsets = torch.arange(width, dtype=torch.long)[None, :]
+    positions = (torch.tensor(starts, dtype=torch.long)[:, None] + offsets).clamp(max=last)
+    real = offsets < torch.tensor(q_lens, dtype=torch.long)[:, None]
+    return positions, torch.where(real, torch.tensor(slots, dtype=torch.long)[:, None], scratch)
+
+
 class KVCache:
     """k[layer], v[layer]: [num_slots + 1, num_kv_heads, max_len + 1, head_dim]; slot `num_slots` is scratch.
     Position max_len is never written or read: with it, the first max_len keys of a strip (a request at
@@ -126,19 +144,14 @@ class ForwardBatch:
         mid-sequence); default 0. `pack`: when padding is a good part of the batch, a model that supports it
         runs its per-token work (projections, MLP, norms, LM head) on the real tokens only (`tokens`)."""
         num_rows, width = len(slots), max(q_lens)
-        start = torch.tensor(starts, dtype=torch.long)[:, None]
-        offsets = torch.arange(width, dtype=torch.long)[None, :]
-        positions = start + offsets
-        real = offsets < torch.tensor(q_lens, dtype=torch.long)[:, None]
         kv_len = max(s + q for s, q in zip(starts, q_lens))
         # Keys no query can see are skipped, not masked: a draft head whose context is the last hundred
         # positions of a long sequence, or a sliding window, reads that much of the cache and no more.
         kv_start = min(key_starts) if key_starts is not None else 0
         if sliding_window is not None:
             kv_start = max(kv_start, min(starts) - sliding_window + 1)
-        positions = positions.clamp(max=cache.max_len - 1)
         read_slots = torch.tensor(slots, dtype=torch.long)
-        write_slots = torch.where(real, read_slots[:, None], torch.full_like(positions, cache.scratch_slot))
+        positions, write_slots = _positions_and_writes(slots, starts, q_lens, width, cache)
         key_positions = None
         if key_starts is not None and sliding_window is None:
             span = max(s + q - k for s, q, k in zip(starts, q_lens, key_starts))
@@ -161,7 +174,7 @@ class ForwardBatch:
         real_share = sum(q_lens) / (num_rows * width)
         by_rows = width >= ROW_ATTENTION_FROM and key_starts is None
         if pack and real_share < 1 and (real_share <= PACK_BELOW or by_rows and width >= PACK_ALWAYS_FROM):
-            tokens = real.view(-1).nonzero()[:, 0].to(device)
+            tokens = torch.tensor([b * width + i for b, n in enumerate(q_lens) for i in range(n)]).to(device)
             if by_rows:
                 row_spans = tuple((slot, s, n, s == 0 and sliding_window is None)
                                   for slot, s, n in zip(slots, starts, q_lens))

@@ -54,7 +54,7 @@ PENDING_BYTES = 64 * 2**20
 
 def _token_ids(rows: Sequence[RowState], first: list[int], counts: list[int], width: int) -> torch.Tensor:
     """[len(rows), width] long: row i's tokens at positions first[i] + 1 .. first[i] + counts[i], 0-padded."""
-    flat: list[int] = []
+    padded: list[list[int]] = []
     for row, begin, n in zip(rows, first, counts):
         begin, offset = begin + 1, len(row.prompt_token_ids)
         # decode rows need only the tail of their output: skip rebuilding the whole sequence
@@ -62,11 +62,8 @@ def _token_ids(rows: Sequence[RowState], first: list[int], counts: list[int], wi
             row.all_token_ids()[begin : begin + n]
         if len(ids) != n:
             raise DraftsmithError(f"request {row.request_id}: token ids {begin}..{begin + n - 1} are not known yet")
-        flat += ids
-    counts_t = torch.tensor(counts)
-    out = torch.zeros(len(rows), width, dtype=torch.long)
-    out[torch.arange(width)[None, :] < counts_t[:, None]] = torch.tensor(flat, dtype=torch.long)
-    return out
+        padded.append(list(ids) + [0] * (width - n))
+    return torch.tensor(padded, dtype=torch.long)
 
 
 class EagleFamilyProposer(Proposer):
@@ -212,19 +209,14 @@ class EagleFamilyProposer(Proposer):
             if kept > first:
                 self.context_start[slot] = kept
             self.pending_start[slot], self.pending_len[slot] = kept, start + count - kept
-        # One scatter writes each row's newest features into its ring (column = position mod W)
-        slot_t, start_t = torch.tensor(slots, device=self.device), torch.tensor(starts, device=self.device)
-        if max(counts) == 1:  # a decode step: one position per row
-            self.pending[slot_t, start_t % width] = features[:, 0]
-            return
-        # columns outside a row's newest W go to the scratch row
-        count = torch.tensor(counts, device=self.device)
-        skip = (count - width).clamp(min=0)
-        lo, hi = max(min(counts) - width, 0), max(counts)
-        cols = torch.arange(lo, hi, device=self.device)[None, :]
-        real = (cols >= skip[:, None]) & (cols < count[:, None])
-        to_slot = torch.where(real, slot_t[:, None], self.max_num_seqs)
-        self.pending[to_slot, (start_t[:, None] + cols) % width] = features[:, lo:hi]
+        # One scatter writes each row's newest features into its ring (column = position mod W); columns
+        # outside a row's newest W, and its padding, go to the scratch row. Indices listed on the host: a
+        # tensor each, not a dozen small ops.
+        lo, hi, scratch = max(min(counts) - width, 0), max(counts), self.max_num_seqs
+        to_slot = [[slot if n - width <= c < n else scratch for c in range(lo, hi)] for slot, n in zip(slots, counts)]
+        to_column = [[(start + c) % width for c in range(lo, hi)] for start in starts]
+        self.pending[torch.tensor(to_slot, device=self.device), torch.tensor(to_column, device=self.device)] = \
+            features[:, lo:hi]
 
     def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
         # without replaying: every decoding row is in each plain step kept since the last observe (a row
@@ -291,14 +283,16 @@ class EagleFamilyProposer(Proposer):
         n_rows = len(rows)
         tokens_out, counts_out = self.draft_tokens[:n_rows], self.draft_counts[:n_rows]
         self.last_confidence = self.confidence[:n_rows]
-        tokens_out.fill_(-1)
-        counts_out.zero_()
-        self.last_confidence.zero_()
         sampled = sampling is not None and not sampling.all_greedy
         if sampled and self.draft_probs is None:  # columns outside draft_to_target stay 0 for good
             self.draft_probs = torch.zeros(self.draft_tokens.shape + (self.vocab_size,), device=self.device)
         probs_out = self.draft_probs[:n_rows] if sampled else None
         host_active = [i for i, (r, n) in enumerate(zip(rows, max_drafts)) if n > 0 and self.pending_len[r.slot] > 0]
+        every = len(host_active) == n_rows  # then the drafts overwrite the outputs whole
+        if not every:
+            tokens_out.fill_(-1)
+            counts_out.zero_()
+            self.last_confidence.zero_()
         if not host_active:
             return DraftBatch(tokens_out, counts_out, probs_out)
         active = torch.tensor(host_active)
@@ -322,9 +316,14 @@ class EagleFamilyProposer(Proposer):
         else:
             drafted, confidence, forwards = self._draft(state, logits, slots, base, limits, temperature, draws,
                                                         q_out, n_rows, stop_below)
-        tokens_out[act_dev] = drafted
-        counts_out[act_dev] = (drafted >= 0).sum(-1)
-        self.last_confidence[act_dev] = confidence
+        if every:
+            tokens_out.copy_(drafted)
+            torch.sum(drafted >= 0, -1, out=counts_out)
+            self.last_confidence.copy_(confidence)
+        else:
+            tokens_out[act_dev] = drafted
+            counts_out[act_dev] = (drafted >= 0).sum(-1)
+            self.last_confidence[act_dev] = confidence
         if sampled:
             steps = torch.arange(self.k, device=self.device)
             probs_out[act_dev[:, None, None], steps[None, :, None], self.draft_to_target[None, None, :]] = q_out
@@ -384,9 +383,9 @@ class EagleFamilyProposer(Proposer):
         held = [self.pending_len[s] for s in slots]
         width = max(held)
         tokens = _token_ids(rows, first, held, width)
-        ring = (torch.tensor(first)[:, None] + torch.arange(width)[None, :]) % self.pending_width
-        hidden = self.pending[torch.tensor(slots)[:, None].to(self.device), ring.to(self.device)]
-        last = torch.tensor(held, device=self.device) - 1
+        ring = [[(begin + i) % self.pending_width for i in range(width)] for begin in first]
+        hidden = self.pending[torch.tensor(slots, device=self.device)[:, None], torch.tensor(ring, device=self.device)]
+        last = torch.tensor([n - 1 for n in held], device=self.device)
         q_lens, read_at = held, last
         if self.parallel_slots:
             tokens, hidden, q_lens, read_at = self._with_parallel_slots(tokens.to(self.device), hidden, held)
@@ -444,7 +443,8 @@ class EagleFamilyProposer(Proposer):
             self.draft_steps.begin(slots, base, self._key_starts(slots, base))
         elif steps > 1:
             batches = self._step_batches(slots, base, steps - 1)
-        limits = torch.tensor(host_limits, device=self.device)
+        even = min(host_limits) == steps  # every row drafts every step: nothing to mask
+        limits = None if even else torch.tensor(host_limits, device=self.device)
         drafted = torch.full((rows, self.k), -1, dtype=torch.long, device=self.device)
         probs = torch.zeros(rows, self.k, device=self.device)
         product = torch.ones(rows, device=self.device)
@@ -467,9 +467,12 @@ class EagleFamilyProposer(Proposer):
                 # verify; it gains each row's chance to get that far: go on while the batch's mean chance
                 # (0 for rows at their limit or not drafting) clears the floor. The one host sync per step.
                 product = product * probs[:, s]
-                if float(torch.where(limits > s + 1, product, 0.0).sum()) < stop_below * batch_rows:
+                going = product if even else torch.where(limits > s + 1, product, 0.0)
+                if float(going.sum()) < stop_below * batch_rows:
                     break
         # No row is cut short on its own: its drafts up to the steps run cost nothing more to verify.
-        confidence = probs.cumprod(1)
+        confidence = probs.cumprod(1)  # 0 past the steps run
+        if even:  # drafts are -1 past the steps run, and every row ran them all
+            return drafted, confidence, forwards
         keep = (torch.arange(self.k, device=self.device)[None, :] < limits[:, None]) & (drafted >= 0)
         return drafted.masked_fill_(~keep, -1), confidence.masked_fill_(~keep, 0.0), forwards

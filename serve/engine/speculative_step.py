@@ -128,10 +128,7 @@ def verify_drafts(engine, rows: list[Request], drafts: DraftBatch, num_draft: li
                   sampling: SamplingBatch) -> Verified:
     """Scores [last token, drafts] of every row in one target forward and keeps what verifies: a chain
     through the engine's decode step (graphs where it has them), a tree with its own mask and positions."""
-    width = 1 + max(num_draft)
-    ids = torch.empty(len(rows), width, dtype=torch.long, device=engine.device)
-    ids[:, 0] = torch.tensor([r.last_token for r in rows], device=engine.device)
-    ids[:, 1:] = drafts.tokens[:, : width - 1].clamp(min=0)  # -1 padding becomes token 0 in padding slots
+    ids = _verify_ids(rows, drafts.tokens, 1 + max(num_draft), engine.device)
     q_lens = [1 + n for n in num_draft]
     if drafts.parents is None:
         out, forward_at = engine.step_forward(ids, rows, q_lens)
@@ -150,6 +147,19 @@ def verify_drafts(engine, rows: list[Request], drafts: DraftBatch, num_draft: li
         kept = [row[: row[-1]] for row in packed]
     verified_at = engine.clock()
     return Verified(out, kept, [len(row) for row in kept], q_lens, verify_at - forward_at, verified_at - verify_at)
+
+
+def _verify_ids(rows: list[Request], draft_tokens: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
+    """[B, width]: each row's last token, then its drafts; -1 padding becomes token 0 in padding slots. On CPU
+    listed on the host (the drafts are a few ints a row), elsewhere made on the device without a sync."""
+    if draft_tokens.device.type == "cpu":
+        drafted = draft_tokens[:, : width - 1].tolist()
+        return torch.tensor([[r.last_token] + [max(t, 0) for t in row] for r, row in zip(rows, drafted)],
+                            dtype=torch.long, device=device)
+    ids = torch.empty(len(rows), width, dtype=torch.long, device=device)
+    ids[:, 0] = torch.tensor([r.last_token for r in rows], device=device)
+    ids[:, 1:] = draft_tokens[:, : width - 1].clamp(min=0)
+    return ids
 
 
 def finish_step(engine, rows: list[Request], num_draft: list[int], checked: Verified,

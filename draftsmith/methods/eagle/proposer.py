@@ -383,8 +383,7 @@ class EagleFamilyProposer(Proposer):
         held = [self.pending_len[s] for s in slots]
         width = max(held)
         tokens = _token_ids(rows, first, held, width)
-        ring = [[(begin + i) % self.pending_width for i in range(width)] for begin in first]
-        hidden = self.pending[torch.tensor(slots, device=self.device)[:, None], torch.tensor(ring, device=self.device)]
+        hidden = self._pending_at(slots, first, width)
         last = torch.tensor([n - 1 for n in held], device=self.device)
         q_lens, read_at = held, last
         if self.parallel_slots:
@@ -392,8 +391,18 @@ class EagleFamilyProposer(Proposer):
         out, logits = self._head_batch(slots, first, q_lens, tokens, hidden, read_at)
         for slot, begin, n in zip(slots, first, held):
             self.pending_start[slot], self.pending_len[slot] = begin + n, 0
-        state = out[torch.arange(len(rows), device=self.device), last]
+        # each row's output at its last pending position (with equal counts: the last column, a view)
+        state = out[:, width - 1] if min(held) == width else out[torch.arange(len(rows), device=self.device), last]
         return state, (logits if self.parallel_slots is not None else logits[:, 0])
+
+    def _pending_at(self, slots: list[int], first: list[int], width: int) -> torch.Tensor:
+        """[len(slots), width, F]: each slot's pending features from position first[i] on, read from its ring
+        (one row whose positions do not wrap around the ring: a view)."""
+        ring_at = first[0] % self.pending_width
+        if len(slots) == 1 and ring_at + width <= self.pending_width:
+            return self.pending[slots[0], ring_at : ring_at + width][None]
+        ring = [[(begin + i) % self.pending_width for i in range(width)] for begin in first]
+        return self.pending[torch.tensor(slots, device=self.device)[:, None], torch.tensor(ring, device=self.device)]
 
     def _with_parallel_slots(self, tokens: torch.Tensor, hidden: torch.Tensor, held: list[int]):
         """Appends P-EAGLE's k - 1 draft slots after each row's pending positions -> (tokens, features, query

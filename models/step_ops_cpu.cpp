@@ -260,6 +260,80 @@ void write_kv_cpu(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& 
   }
 }
 
+// Row t's greedy draft: the first index of its largest logit (mapped to a target id by `d2t` offsets when
+// given) and that pick's softmax probability, 1 / sum_i e^(x_i - max), the sum in fp32 over simd_exp.h's e^x
+// (what draft_pick_reference.py computes, to within a few fp32 ulp)
+template <typename T>
+void greedy_pick_rows(const T* logits, int64_t stride, int64_t rows, int64_t vocab, const int64_t* offsets,
+                      int64_t* ids, float* probs) {
+  auto lanes = [](const T* at) {
+    vec16 x;
+    for (int j = 0; j < 16; ++j) x[j] = static_cast<float>(at[j]);
+    return x;
+  };
+  ivec16 lane_index;
+  for (int j = 0; j < 16; ++j) lane_index[j] = j;
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* row = logits + t * stride;
+    float top = static_cast<float>(row[0]);
+    int64_t best = 0, i = 0;
+    if (vocab >= 16) {  // each lane keeps its first largest, then the largest of the lanes, the first on a tie
+      vec16 lane_top = lanes(row);
+      ivec16 lane_best = lane_index;
+      for (i = 16; i + 16 <= vocab; i += 16) {
+        const vec16 x = lanes(row + i);
+        const ivec16 larger = x > lane_top;
+        lane_top = larger ? x : lane_top;
+        lane_best = larger ? lane_index + static_cast<int32_t>(i) : lane_best;
+      }
+      top = lane_top[0], best = lane_best[0];
+      for (int j = 1; j < 16; ++j) {
+        if (lane_top[j] > top || (lane_top[j] == top && lane_best[j] < best)) top = lane_top[j], best = lane_best[j];
+      }
+    }
+    for (; i < vocab; ++i) {
+      const float x = static_cast<float>(row[i]);
+      if (x > top) top = x, best = i;
+    }
+    vec16 sums = vec16{};
+    for (i = 0; i + 16 <= vocab; i += 16) sums += exp_nonpositive_lanes<vec16, ivec16>(lanes(row + i) - top);
+    float sum = 0.0f;
+    for (int j = 0; j < 16; ++j) sum += sums[j];
+    if (i < vocab) {  // the tail in one vector; its unused lanes are not added
+      vec16 x = vec16{};
+      for (int64_t j = 0; i + j < vocab; ++j) x[j] = static_cast<float>(row[i + j]) - top;
+      const vec16 tail = exp_nonpositive_lanes<vec16, ivec16>(x);
+      for (int64_t j = 0; i + j < vocab; ++j) sum += tail[j];
+    }
+    ids[t] = offsets == nullptr ? best : best + offsets[best];
+    probs[t] = 1.0f / sum;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> greedy_pick_cpu(const at::Tensor& logits, const std::optional<at::Tensor>& d2t) {
+  TORCH_CHECK(step_dtype(logits) && logits.dim() == 2 && logits.size(1) > 0,
+              "greedy_pick: fp32 or bf16 logits [rows, vocab]");
+  const at::Tensor rows = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const int64_t count = rows.size(0), vocab = rows.size(1);
+  at::Tensor offsets;
+  if (d2t.has_value() && d2t->defined()) {
+    offsets = d2t->contiguous();
+    TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.numel() == vocab,
+                "greedy_pick: d2t is int64 offsets, one per logit");
+  }
+  at::Tensor ids = at::empty({count}, logits.options().dtype(at::kLong));
+  at::Tensor probs = at::empty({count}, logits.options().dtype(at::kFloat));
+  const int64_t* offset_data = offsets.defined() ? offsets.data_ptr<int64_t>() : nullptr;
+  if (logits.scalar_type() == at::kFloat) {
+    greedy_pick_rows(rows.data_ptr<float>(), rows.stride(0), count, vocab, offset_data, ids.data_ptr<int64_t>(),
+                     probs.data_ptr<float>());
+  } else {
+    greedy_pick_rows(rows.data_ptr<at::BFloat16>(), rows.stride(0), count, vocab, offset_data,
+                     ids.data_ptr<int64_t>(), probs.data_ptr<float>());
+  }
+  return {ids, probs};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(draftsmith_cpu, m) {
@@ -268,6 +342,7 @@ TORCH_LIBRARY_FRAGMENT(draftsmith_cpu, m) {
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("write_kv(Tensor(a!) cache, Tensor slots, Tensor positions, Tensor new) -> ()");
+  m.def("greedy_pick(Tensor logits, Tensor? d2t) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) {
@@ -276,4 +351,5 @@ TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) {
   m.impl("silu_mul", &silu_mul_cpu);
   m.impl("rope", &rope_cpu);
   m.impl("write_kv", &write_kv_cpu);
+  m.impl("greedy_pick", &greedy_pick_cpu);
 }

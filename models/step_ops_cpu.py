@@ -1,6 +1,6 @@
 """The small ops of an eager forward on CPU, one C++ op each (step_ops_cpu.cpp, built with the CPU attention
 kernel): RMSNorm, a residual add with the RMSNorm after it, the MLP's SiLU times up and rope of fp32 and bf16
-tensors, and the write of new keys and values into their slots. On CPU each small aten op of a decode step
+tensors, the write of new keys and values into their slots, and a draft's greedy pick. On CPU each small aten op of a decode step
 costs a few microseconds whatever its size, and PyTorch runs a norm as six, a rope as five and a write as an
 index_put. They run only where this process has loaded the build (the engine
 does at start, `kernel_backend.slot_kernel_wanted`) and nothing records autograd; a compiled step traces
@@ -71,3 +71,12 @@ def write_kv(cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, 
     """cache[slots[b, q], :, positions[b, q]] = new[b, :, q]: new [B, heads, Q, head_dim] into cache [S, heads,
     L, head_dim] (head_dim contiguous in both), in place."""
     torch.ops.draftsmith_cpu.write_kv.default(cache, slots, positions, new)
+
+
+def greedy_pick(logits: torch.Tensor, d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draft_pick_reference.greedy_pick_reference` in one pass a row: logits [A, V] (fp32 or bf16) -> (the
+    first index of each row's largest logit, plus d2t's offset there when given [A] int64; its softmax
+    probability [A] fp32, to within a few fp32 ulp). Softmax, max and the offset's gather were four ops,
+    16 us a one-row draft step on a 4096-token draft vocabulary."""
+    return torch.ops.draftsmith_cpu.greedy_pick.default(logits, d2t)
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.methods.draft_pick_reference import greedy_pick_reference
+from draftsmith.models import step_ops_cpu
 from draftsmith.models.kernel_backend import draft_pick_wanted
 
 
@@ -31,11 +32,13 @@ def choose(logits: torch.Tensor, temperature: torch.Tensor | None,
 def pick_greedy(logits: torch.Tensor, d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row greedy: (argmax ids [A], mapped by EAGLE-3's `d2t` offsets when given, and the softmax
     probability of each [A]), from one Triton kernel where it runs (CUDA: `draft_pick_triton`, no softmax
-    written out), else PyTorch's."""
+    written out), on CPU from one C++ op where the build is loaded (`models.step_ops_cpu`), else PyTorch's."""
     if draft_pick_wanted(logits.device):
         from draftsmith.methods import draft_pick_triton
 
         return draft_pick_triton.greedy_pick(logits, d2t)
+    if logits.dim() == 2 and step_ops_cpu.runs_for(logits):
+        return step_ops_cpu.greedy_pick(logits, d2t)
     return greedy_pick_reference(logits, d2t)
 
 

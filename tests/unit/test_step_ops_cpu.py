@@ -1,7 +1,8 @@
 """The C++ step ops of an eager CPU forward (models/step_ops_cpu.cpp) against PyTorch's ops: RMSNorm (to fp32
 rounding: its sum runs in another order; bf16 to within one bf16 step), the residual add with its norm (the add
 exactly, the norm bit for bit the norm op's), SiLU times up (to a few fp32 ulp), rope (bit for bit, fp32 and
-bf16) and the KV write (exactly); where the model runs them (inference only, fp32 or bf16, loaded, not turned
+bf16), the KV write (exactly) and a draft's greedy pick (the reference's ids, its probability to fp32 ulp);
+where the model runs them (inference only, fp32 or bf16, loaded, not turned
 off); and the engine's greedy ids with and without them."""
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.methods.draft_pick_reference import greedy_pick_reference
+from draftsmith.methods.draft_sampling import pick_greedy
 from draftsmith.models import slot_attention_cpu, step_ops_cpu
 from draftsmith.models.config import TargetConfig
 from draftsmith.models.kv_cache import ForwardBatch, KVCache
@@ -122,6 +125,42 @@ def test_bf16_rope_turns_bit_for_bit():
     assert got.dtype == torch.bfloat16 and torch.equal(got, _turn(both, cos[..., None, :], sin[..., None, :]))
     with pytest.raises(RuntimeError, match="x's dtype the tables'"):
         step_ops_cpu.rope(both, cos.float(), sin.float())
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 4096), (8, 4096), (3, 37), (2, 8192), (1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_d2t", [False, True])
+def test_greedy_pick_matches_the_reference(rows, vocab, dtype, with_d2t):
+    """Peaked and flat rows, vocabularies with and without a tail past 16 lanes, bf16 logits, with and without
+    EAGLE-3's d2t offsets, and rows of a wider tensor (a draft step's logits at its last query)."""
+    generator = torch.Generator().manual_seed(rows * vocab)
+    logits = (torch.randn(rows, vocab, generator=generator) * torch.linspace(0.5, 8, rows)[:, None]).to(dtype)
+    d2t = torch.randint(0, 50, (vocab,), generator=generator) if with_d2t else None
+    want_ids, want_probs = greedy_pick_reference(logits, d2t)
+    for view in (logits, torch.stack([logits, logits.flip(0)], 1)[:, 0]):
+        ids, probs = step_ops_cpu.greedy_pick(view, d2t)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
+
+
+def test_greedy_pick_takes_the_first_of_a_tie_and_drafts_through_it(monkeypatch, ops_on):
+    """The first index of the largest logit wins (torch.max's choice); a draft step's pick runs the op at
+    inference, the reference where autograd records."""
+    logits = torch.zeros(2, 3000)
+    logits[0, [5, 2000]] = 3.0
+    logits[1, [1500, 2999]] = 2.0
+    assert step_ops_cpu.greedy_pick(logits, None)[0].tolist() == [5, 1500]
+    calls = []
+    real = step_ops_cpu.greedy_pick
+    monkeypatch.setattr(step_ops_cpu, "greedy_pick", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.inference_mode():
+        ids, probs = pick_greedy(logits)
+    assert calls == [(2, 3000)] and ids.tolist() == [5, 1500]
+    torch.testing.assert_close(probs, greedy_pick_reference(logits)[1])
+    pick_greedy(logits.requires_grad_())
+    assert len(calls) == 1
+    with pytest.raises(RuntimeError, match="d2t is int64 offsets"):
+        step_ops_cpu.greedy_pick(logits, torch.zeros(7, dtype=torch.long))
 
 
 def test_kv_write_puts_each_query_at_its_slot_and_position():

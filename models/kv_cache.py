@@ -35,6 +35,8 @@ GATHER_KEYS_FROM = 1.5
 # Queries per row up to which the Triton slot attention kernel runs (decode, verify, draft steps): its tile
 # stacks a KV group's query heads times the row's queries
 SLOT_KERNEL_QUERIES = 16
+# queries (rows x width) up to which a batch's positions and slots are listed on the host (`_positions_and_writes`)
+LISTED_UP_TO = 256
 
 
 @dataclass
@@ -56,21 +58,22 @@ class SlotRows:
 
 
 def _positions_and_writes(slots: list[int], starts: list[int], q_lens: list[int], width: int,
-                          cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                          cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """[B, width] each query's position (past the cache's end: its last) and the slot its key and value go to
-    (a padding query's: the scratch slot). A decode or verify step's few queries are listed on the host, one
+    (a padding query's: the scratch slot), and which queries are real ([B, width] bool; None when listed). A
+    batch of up to LISTED_UP_TO queries (decode and verify steps, draft steps) is listed on the host, one
     tensor each: the same from tensor ops took a dozen small dispatches, a tenth of a one-row decode's host
     work."""
     last, scratch = cache.max_len - 1, cache.scratch_slot
-    if width <= SLOT_KERNEL_QUERIES:
+    if len(slots) * width <= LISTED_UP_TO:
         positions = torch.tensor([[min(s + i, last) for i in range(width)] for s in starts], dtype=torch.long)
         writes = torch.tensor([[slot] * n + [scratch] * (width - n) for slot, n in zip(slots, q_lens)],
                               dtype=torch.long)
-        return positions, writes
+        return positions, writes, None
     offsets = torch.arange(width, dtype=torch.long)[None, :]
     positions = (torch.tensor(starts, dtype=torch.long)[:, None] + offsets).clamp(max=last)
     real = offsets < torch.tensor(q_lens, dtype=torch.long)[:, None]
-    return positions, torch.where(real, torch.tensor(slots, dtype=torch.long)[:, None], scratch)
+    return positions, torch.where(real, torch.tensor(slots, dtype=torch.long)[:, None], scratch), real
 
 
 class KVCache:
@@ -151,7 +154,7 @@ class ForwardBatch:
         if sliding_window is not None:
             kv_start = max(kv_start, min(starts) - sliding_window + 1)
         read_slots = torch.tensor(slots, dtype=torch.long)
-        positions, write_slots = _positions_and_writes(slots, starts, q_lens, width, cache)
+        positions, write_slots, real = _positions_and_writes(slots, starts, q_lens, width, cache)
         key_positions = None
         if key_starts is not None and sliding_window is None:
             span = max(s + q - k for s, q, k in zip(starts, q_lens, key_starts))
@@ -174,7 +177,9 @@ class ForwardBatch:
         real_share = sum(q_lens) / (num_rows * width)
         by_rows = width >= ROW_ATTENTION_FROM and key_starts is None
         if pack and real_share < 1 and (real_share <= PACK_BELOW or by_rows and width >= PACK_ALWAYS_FROM):
-            tokens = torch.tensor([b * width + i for b, n in enumerate(q_lens) for i in range(n)]).to(device)
+            flat = real.view(-1).nonzero()[:, 0] if real is not None else \
+                torch.tensor([b * width + i for b, n in enumerate(q_lens) for i in range(n)])
+            tokens = flat.to(device)
             if by_rows:
                 row_spans = tuple((slot, s, n, s == 0 and sliding_window is None)
                                   for slot, s, n in zip(slots, starts, q_lens))

@@ -139,3 +139,25 @@ def test_long_rows_pack_at_any_padding_and_short_rows_past_a_fifth():
     assert ForwardBatch.build([0, 1], [9, 9], [4, 3], cache, pack=True).tokens is None  # 7 of 8: padded
     short = ForwardBatch.build([0, 1], [9, 9], [4, 2], cache, pack=True)
     assert short.tokens is not None and short.row_spans is None
+
+
+def test_listed_and_tensor_built_batches_are_the_same(monkeypatch):
+    """A small batch's positions, write slots and packed token index are listed on the host, a large one's made
+    by tensor ops: the same values either way (positions past the cache's end at its last, padding queries
+    writing the scratch slot)."""
+    from draftsmith.models import kv_cache
+
+    cache = KVCache(1, 8, 64, 2, 8, torch.float32, "cpu")
+    cases = [([0], [10], [1]), ([3, 1], [5, 60], [4, 2]), ([0, 1, 2], [0, 7, 62], [9, 1, 5]),
+             ([4, 6], [20, 30], [16, 3])]
+    for slots, starts, q_lens in cases:
+        listed = ForwardBatch.build(slots, starts, q_lens, cache, pack=True)
+        monkeypatch.setattr(kv_cache, "LISTED_UP_TO", 0)
+        made = ForwardBatch.build(slots, starts, q_lens, cache, pack=True)
+        monkeypatch.undo()
+        for field in ("positions", "write_slots", "read_slots", "mask", "tokens"):
+            a, b = getattr(listed, field), getattr(made, field)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (field, slots, starts, q_lens)
+        width = max(q_lens)
+        assert listed.positions.max() <= cache.max_len - 1
+        assert listed.write_slots.tolist() == [[s] * n + [cache.scratch_slot] * (width - n) for s, n in zip(slots, q_lens)]

@@ -98,8 +98,7 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
         planned = drafts.counts.cpu()
         plan = policy.plan(slots, planned)
         drafts.counts.clamp_(max=plan.width)
-        if plan.row_rates is not None and len(rows) > 1:
-            size_chains_by_rates(drafts, len(rows), plan.row_rates, policy.cost, draft_s)
+        _cut_by_rates(drafts, len(rows), plan, policy, draft_s)
         return Drafted(plan, drafts, planned, draft_s)
     catch_up = proposer.catch_up(rows)
     unfed = unfed_rows_left(proposer, rows, engine.config.max_model_len) if catch_up[0] else ()
@@ -118,10 +117,17 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
         else:
             offered = drafts.counts[: len(rows)].tolist()
             size_chains(drafts, len(rows), policy.cost, draft_s)
-    elif drafts is not None and drafts.parents is None and plan.row_rates is not None and len(rows) > 1:
-        # cut by the policy's own rates, it learns from what is verified (a cut row's positions stay unmeasured)
-        size_chains_by_rates(drafts, len(rows), plan.row_rates, policy.cost, draft_s)
+    elif drafts is not None and drafts.parents is None:
+        _cut_by_rates(drafts, len(rows), plan, policy, draft_s)
     return Drafted(plan, drafts, limits, draft_s, catch_up, offered)
+
+
+def _cut_by_rates(drafts: DraftBatch, rows: int, plan: StepPlan, policy, draft_s: float) -> None:
+    """Cuts each of the rows' chains by the acceptance rates the plan priced, where it priced them and there is
+    more than one row (`size_chains_by_rates`); the policy learns from what is verified (a cut row's positions
+    stay unmeasured)."""
+    if plan.row_rates is not None and rows > 1:
+        size_chains_by_rates(drafts, rows, plan.row_rates, policy.cost, draft_s)
 
 
 def verify_drafts(engine, rows: list[Request], drafts: DraftBatch, num_draft: list[int],

@@ -57,6 +57,24 @@ def test_each_head_is_resblocks_then_its_lm_head(target):
             torch.testing.assert_close(got[:, i], h @ readout.T, atol=1e-4, rtol=0)
 
 
+def test_heads_reading_out_through_the_target_share_one_lm_head_call(target):
+    """Heads without LM heads of their own run the target's once over their stacked outputs, at inference bit
+    for bit what a call per head gives (each row's logits are one chain of sums whatever the rows beside it)."""
+    head = _random_head(target, own_lm_heads=False)
+    calls = []
+    hook = target.lm_head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+    x = torch.randn(2, 256)
+    try:
+        with torch.inference_mode():
+            got = head(x)
+            alone = [target.lm_head(head.blocks[i](x)) for i in range(3)]
+    finally:
+        hook.remove()
+    assert calls[0] == (2, 3, 256) and len(calls) == 1 + 3
+    for i in range(3):
+        assert torch.equal(got[:, i], alone[i])
+
+
 def test_saved_head_reloads_bit_exactly_and_round_trips_through_vllm(target, tmp_path):
     head = _random_head(target, directory=tmp_path / "native")
     again = load_head(tmp_path / "native")

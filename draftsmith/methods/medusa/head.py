@@ -47,12 +47,16 @@ class MedusaHead(FinalHiddenHead):
                                           for _ in range(config.num_heads))
 
     def forward(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., heads, V] of the first `heads` heads (all by default)."""
-        outs = []
-        for i in range(heads or self.config.num_heads):
-            x = self.blocks[i](hidden)
-            lm_head = self.lm_heads[i] if self.config.own_lm_heads else self.target.lm_head
-            outs.append(lm_head(x.to(lm_head.weight.dtype)).float())
+        """hidden [..., H] -> logits [..., heads, V] of the first `heads` heads (all by default). Heads reading
+        out through the target's LM head share one call of it over their stacked outputs: the LM head is
+        most of what a head reads, and a call reads it once for all its rows."""
+        count = heads or self.config.num_heads
+        if not self.config.own_lm_heads:
+            lm_head = self.target.lm_head
+            states = torch.stack([self.blocks[i](hidden) for i in range(count)], dim=-2)
+            return lm_head(states.to(lm_head.weight.dtype)).float()
+        outs = [self.lm_heads[i](self.blocks[i](hidden).to(self.lm_heads[i].weight.dtype)).float()
+                for i in range(count)]
         return torch.stack(outs, dim=-2)
 
     @torch.no_grad()

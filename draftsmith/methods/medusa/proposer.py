@@ -26,4 +26,6 @@ class MedusaProposer(LastHiddenProposer):
             depth = self.tree.depths[width - 1]
             return static_marginal_tree(self.head(hidden, heads=depth), self.tree, width)
         logits = self.head(hidden, heads=width)  # [n, width, V]
+        if self._sampling is None:  # greedy: every head's argmax at once
+            return logits.argmax(-1)
         return torch.stack([self._pick(logits[:, i]) for i in range(width)], dim=1)

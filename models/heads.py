@@ -22,7 +22,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.config import RopeConfig, TargetConfig
 from draftsmith.models.head_configs import HeadConfig
 from draftsmith.models.kv_cache import KVCache
-from draftsmith.models.linear import Linear
+from draftsmith.models.linear import Linear, make_plans, pack_weights_in
 from draftsmith.models.rope import rope_tables
 
 
@@ -160,12 +160,15 @@ class RecurrentHead(AttachedHead):
     per-slot cache (EAGLE family, MTP): one `step` used by training (with TTT history) and serving.
     `layer_shape` describes that layer (rope, head_dim, num_key_value_heads, max_position_embeddings)."""
 
+    reads_out_through_target = False  # its logits come from the target's LM head (`readout`)
+
     def __init__(self, config: HeadConfig, layer_shape):
         super().__init__(config)
         self.layer_shape = layer_shape
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self._readout: list = []  # (the target's LM head in the head's dtype, the weight it copies)
+        self._packed_readout: list = []  # (a Linear on the target's LM head weight, packed narrower; that weight)
 
     # -- wiring ----------------------------------------------------------------------------------------
     @property
@@ -215,6 +218,8 @@ class RecurrentHead(AttachedHead):
         made once (the LM head is the largest matrix a draft step reads; not saved); otherwise x is cast to
         the LM head's dtype."""
         lm_head = self.target.lm_head
+        if self._packed_readout and self._packed_readout[1] is lm_head.weight and x.dtype == lm_head.weight.dtype:
+            return self._packed_readout[0](x)
         if x.dtype == lm_head.weight.dtype or x.element_size() >= lm_head.weight.element_size():
             return lm_head(x.to(lm_head.weight.dtype))  # never a wider copy of a big matrix
         if not self._readout or self._readout[0].weight.dtype != x.dtype or self._readout[1] is not lm_head.weight:
@@ -222,6 +227,22 @@ class RecurrentHead(AttachedHead):
             copy.weight = nn.Parameter(lm_head.weight.detach().to(x.dtype), requires_grad=False)
             self._readout[:] = [copy, lm_head.weight]
         return self._readout[0](x)
+
+    def pack_readout(self, dtype: torch.dtype) -> int:
+        """Reads drafts' logits out through the target's LM head packed in `dtype` for the panel GEMM
+        (`models.linear.pack_weights_in`): the same parameter, its own packed copy, which the target's forwards
+        do not read. A head that reads out so (EAGLE-1, MTP) reads that matrix, most of its bytes, at every
+        draft step; packed in bfloat16 it costs half its fp32 size more memory. -> 1 if packed, else 0."""
+        lm_head = self.target.lm_head
+        packed = Linear(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None, device="meta")
+        packed.weight = lm_head.weight
+        if lm_head.bias is not None:
+            packed.bias = lm_head.bias
+        if not pack_weights_in([packed], dtype):
+            return 0
+        make_plans([packed])  # packed now, not in the first draft step
+        self._packed_readout[:] = [packed, lm_head.weight]
+        return 1
 
     # -- the model ---------------------------------------------------------------------------------------
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, from_target: bool,

@@ -13,7 +13,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.methods.registry import head_method, method_names
 from draftsmith.methods.speculative_config import TreeSpeculativeConfig
 from draftsmith.models.head_configs import HEAD_TYPE_KEY, HeadConfig
-from draftsmith.models.heads import load_head_weights
+from draftsmith.models.heads import RecurrentHead, load_head_weights
 from draftsmith.models.linear import pack_weights_in, panels_run
 
 
@@ -87,13 +87,17 @@ def draft_dtype(requested: str, target_dtype: torch.dtype, device: torch.device)
 
 def pack_draft_weights(requested: str, drafters: list[torch.nn.Module], target: torch.nn.Module) -> int:
     """Under "auto" `draft_dtype`, a float32 drafter whose layers run the panel GEMM reads its own weights in
-    bfloat16 (`models.linear.pack_weights_in`); what it shares with the target (an LM head) stays as it is.
+    bfloat16 (`models.linear.pack_weights_in`); what it shares with the target stays as it is, but a head
+    that reads out through the target's LM head (EAGLE-1, MTP) reads it through a packed copy of its own.
     At one request in flight a draft step reads its weights from memory, not cache: the target and a head
     together outgrow the CPU's cache, so half the bytes is most of a step's time saved (the demo EAGLE-3
     head's 256 x 4096 LM head: 109 us in fp32, 37 us in bfloat16, one row, out of cache). -> layers packed."""
     if requested != "auto" or not panels_run(torch.float32):
         return 0
-    return pack_weights_in(drafters, torch.bfloat16, shared=target)
+    packed = pack_weights_in(drafters, torch.bfloat16, shared=target)
+    # a head reading out through the target's LM head reads it through a packed copy of its own
+    return packed + sum(d.pack_readout(torch.bfloat16) for d in drafters if isinstance(d, RecurrentHead)
+                        and d.reads_out_through_target)
 
 
 def default_mask_token(model_dir: str | Path, key: str) -> int:

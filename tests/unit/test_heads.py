@@ -112,17 +112,26 @@ def test_a_bfloat16_head_drafts_as_well_as_a_float32_one(greedy_reference):
 
 
 def test_auto_packs_a_heads_own_layers_in_bfloat16(target):
-    """Under "auto" on a CPU running the panel GEMM, a float32 head's own layers read bfloat16 weights; the
-    target's LM head, which EAGLE-1 reads out through, and the target's layers stay float32; an explicit
-    float32 packs nothing."""
+    """Under "auto" on a CPU running the panel GEMM, a float32 head's own layers read bfloat16 weights, and
+    EAGLE-1, which reads out through the target's LM head, through a packed copy of it; the target's own
+    layers, its LM head included, stay float32; an explicit float32 packs nothing."""
     from draftsmith.models import linear
     if not linear.panels_run(torch.float32):
         pytest.skip("fp32 layers do not run the panel GEMM here (no AVX-512 or no C++ build): nothing to pack")
     head = _random_head("eagle", target)
+    x = torch.randn(3, 256)
+    with torch.inference_mode():
+        exact = head.readout(x)
     assert pack_draft_weights("float32", [head], target) == 0
-    assert pack_draft_weights("auto", [head], target) == 1 + 7  # fc, and the layer's q, k, v, o, gate, up, down
+    # fc, the layer's q, k, v, o, gate, up and down, and the read-out copy
+    assert pack_draft_weights("auto", [head], target) == 1 + 7 + 1
     packed = [m for m in head.modules() if m.__dict__.get("panel_dtype") == torch.bfloat16]
     assert head.fc in packed and not any("panel_dtype" in m.__dict__ for m in target.modules())
+    with torch.inference_mode():
+        read = head.readout(x)
+        assert torch.equal(target.lm_head(x), exact)  # the target reads its own, unpacked
+    rounded = torch.ops.draftsmith_cpu.pack_panels(target.lm_head.weight.detach().bfloat16())
+    assert torch.equal(read, torch.ops.draftsmith_cpu.panel_linear(x, rounded, None, 8192))
 
 
 def test_auto_draft_dtype(monkeypatch):

@@ -18,6 +18,7 @@ from draftsmith.models.linear import Linear
 class EagleHead(DraftHead):
     head_type = "eagle"
     default_fc_bias = True  # yuhuili's constructor default; LLaMA-3 heads were trained without it
+    reads_out_through_target = True
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)

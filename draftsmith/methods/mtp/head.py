@@ -45,6 +45,7 @@ class MTPLayer(nn.Module):
 
 class MTPHead(RecurrentHead):
     head_type = "mtp"
+    reads_out_through_target = True
 
     def __init__(self, config: MTPConfig):
         super().__init__(config, config.block_config())

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "simd_exp.h"
 
@@ -260,43 +261,70 @@ void write_kv_cpu(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& 
   }
 }
 
-// Row t's greedy draft: the first index of its largest logit (mapped to a target id by `d2t` offsets when
-// given) and that pick's softmax probability, 1 / sum_i e^(x_i - max), the sum in fp32 over simd_exp.h's e^x
-// (what draft_pick_reference.py computes, to within a few fp32 ulp)
+// 16 values of a row as fp32 lanes
+template <typename T>
+inline vec16 load_lanes(const T* at) {
+  vec16 x;
+  for (int j = 0; j < 16; ++j) x[j] = static_cast<float>(at[j]);
+  return x;
+}
+
+// whether x at index i comes before top at index best as a row's argmax: larger, or equal and earlier; a NaN
+// counts as larger than any number (torch.argmax's choice)
+inline bool beats(float x, int64_t i, float top, int64_t best) {
+  const bool x_nan = x != x, top_nan = top != top;
+  if (x_nan || top_nan) return x_nan && (!top_nan || i < best);
+  return x > top || (x == top && i < best);
+}
+
+// The first index of the row's largest value: every lane keeps its own first largest over four vectors a
+// step (independent chains), then the lanes' largest wins, the first index on a tie
+template <typename T>
+int64_t first_largest(const T* row, int64_t vocab) {
+  constexpr int64_t STEP = 64;
+  float top = static_cast<float>(row[0]);
+  int64_t best = 0, i = 0;
+  if (vocab >= STEP) {
+    ivec16 lane_index;
+    for (int j = 0; j < 16; ++j) lane_index[j] = j;
+    vec16 lane_top[4];
+    ivec16 lane_best[4];
+    for (int a = 0; a < 4; ++a) lane_top[a] = load_lanes(row + 16 * a), lane_best[a] = lane_index + 16 * a;
+    for (i = STEP; i + STEP <= vocab; i += STEP) {
+      for (int a = 0; a < 4; ++a) {
+        const vec16 x = load_lanes(row + i + 16 * a);
+        // larger, or the lane's first NaN
+        const ivec16 take = (x > lane_top[a]) | ((x != x) & (lane_top[a] == lane_top[a]));
+        lane_top[a] = take ? x : lane_top[a];
+        lane_best[a] = take ? lane_index + static_cast<int32_t>(i + 16 * a) : lane_best[a];
+      }
+    }
+    for (int a = 0; a < 4; ++a) {
+      for (int j = 0; j < 16; ++j) {
+        if (beats(lane_top[a][j], lane_best[a][j], top, best)) top = lane_top[a][j], best = lane_best[a][j];
+      }
+    }
+  }
+  for (; i < vocab; ++i) {
+    const float x = static_cast<float>(row[i]);
+    if (beats(x, i, top, best)) top = x, best = i;
+  }
+  return best;
+}
+
+// Row t's greedy draft: the first index of its largest logit (`first_largest`; mapped to a target id by `d2t`
+// offsets when given) and that pick's softmax probability, 1 / sum_i e^(x_i - max), the sum in fp32 over
+// simd_exp.h's e^x (what draft_pick_reference.py computes, to within a few fp32 ulp)
 template <typename T>
 void greedy_pick_rows(const T* logits, int64_t stride, int64_t rows, int64_t vocab, const int64_t* offsets,
                       int64_t* ids, float* probs) {
-  auto lanes = [](const T* at) {
-    vec16 x;
-    for (int j = 0; j < 16; ++j) x[j] = static_cast<float>(at[j]);
-    return x;
-  };
-  ivec16 lane_index;
-  for (int j = 0; j < 16; ++j) lane_index[j] = j;
   for (int64_t t = 0; t < rows; ++t) {
     const T* row = logits + t * stride;
-    float top = static_cast<float>(row[0]);
-    int64_t best = 0, i = 0;
-    if (vocab >= 16) {  // each lane keeps its first largest, then the largest of the lanes, the first on a tie
-      vec16 lane_top = lanes(row);
-      ivec16 lane_best = lane_index;
-      for (i = 16; i + 16 <= vocab; i += 16) {
-        const vec16 x = lanes(row + i);
-        const ivec16 larger = x > lane_top;
-        lane_top = larger ? x : lane_top;
-        lane_best = larger ? lane_index + static_cast<int32_t>(i) : lane_best;
-      }
-      top = lane_top[0], best = lane_best[0];
-      for (int j = 1; j < 16; ++j) {
-        if (lane_top[j] > top || (lane_top[j] == top && lane_best[j] < best)) top = lane_top[j], best = lane_best[j];
-      }
-    }
-    for (; i < vocab; ++i) {
-      const float x = static_cast<float>(row[i]);
-      if (x > top) top = x, best = i;
-    }
+    const int64_t best = first_largest(row, vocab);
+    const float top = static_cast<float>(row[best]);
     vec16 sums = vec16{};
-    for (i = 0; i + 16 <= vocab; i += 16) sums += exp_nonpositive_lanes<vec16, ivec16>(lanes(row + i) - top);
+    int64_t i = 0;
+    for (; i + 16 <= vocab; i += 16) sums += exp_nonpositive_lanes<vec16, ivec16>(load_lanes(row + i) - top);
     float sum = 0.0f;
     for (int j = 0; j < 16; ++j) sum += sums[j];
     if (i < vocab) {  // the tail in one vector; its unused lanes are not added
@@ -334,6 +362,28 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick_cpu(const at::Tensor& logits, con
   return {ids, probs};
 }
 
+// each row's `first_largest`
+template <typename T>
+void greedy_ids_rows(const T* logits, int64_t stride, int64_t rows, int64_t vocab, int64_t* ids) {
+  for (int64_t t = 0; t < rows; ++t) ids[t] = first_largest(logits + t * stride, vocab);
+}
+
+at::Tensor greedy_ids_cpu(const at::Tensor& logits) {
+  TORCH_CHECK(step_dtype(logits) && logits.dim() >= 1 && logits.size(-1) > 0,
+              "greedy_ids: fp32 or bf16 logits [..., vocab]");
+  const int64_t vocab = logits.size(-1);
+  const at::Tensor rows = logits.reshape({-1, vocab});
+  const at::Tensor dense = rows.stride(1) == 1 ? rows : rows.contiguous();
+  std::vector<int64_t> shape(logits.sizes().begin(), logits.sizes().end() - 1);
+  at::Tensor ids = at::empty({dense.size(0)}, logits.options().dtype(at::kLong));
+  if (logits.scalar_type() == at::kFloat) {
+    greedy_ids_rows(dense.data_ptr<float>(), dense.stride(0), dense.size(0), vocab, ids.data_ptr<int64_t>());
+  } else {
+    greedy_ids_rows(dense.data_ptr<at::BFloat16>(), dense.stride(0), dense.size(0), vocab, ids.data_ptr<int64_t>());
+  }
+  return ids.view(shape);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(draftsmith_cpu, m) {
@@ -343,6 +393,7 @@ TORCH_LIBRARY_FRAGMENT(draftsmith_cpu, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("write_kv(Tensor(a!) cache, Tensor slots, Tensor positions, Tensor new) -> ()");
   m.def("greedy_pick(Tensor logits, Tensor? d2t) -> (Tensor, Tensor)");
+  m.def("greedy_ids(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) {
@@ -352,4 +403,5 @@ TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) {
   m.impl("rope", &rope_cpu);
   m.impl("write_kv", &write_kv_cpu);
   m.impl("greedy_pick", &greedy_pick_cpu);
+  m.impl("greedy_ids", &greedy_ids_cpu);
 }

@@ -80,3 +80,10 @@ def greedy_pick(logits: torch.Tensor, d2t: torch.Tensor | None = None) -> tuple[
     16 us a one-row draft step on a 4096-token draft vocabulary."""
     return torch.ops.draftsmith_cpu.greedy_pick.default(logits, d2t)
 
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) (fp32 or bf16 [..., V] -> int64 [...]): the first index of each row's largest value, a
+    NaN counting as larger than any number, as torch's. aten's took 142 us over a verify's [8, 5, 8192] logits
+    on this CPU's two threads."""
+    return torch.ops.draftsmith_cpu.greedy_ids.default(logits)
+

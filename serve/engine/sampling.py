@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.models import step_ops_cpu
 from draftsmith.serve.engine.logits_processing import DraftPrefix, LogitsAdjust
 from draftsmith.serve.engine.sampling_params import SamplingParams
 
@@ -155,7 +156,7 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Processed logits [B, N, V] (`SamplingBatch.processed`) for N consecutive positions -> the token each
     row samples there [B, N]: argmax for greedy rows, the exponential race over the filtered p with
     position-keyed noise otherwise."""
-    greedy = logits.argmax(dim=-1)
+    greedy = step_ops_cpu.greedy_ids(logits) if step_ops_cpu.runs_for(logits) else logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
     probs = logits_to_probs(logits, batch)

@@ -163,6 +163,23 @@ def test_greedy_pick_takes_the_first_of_a_tie_and_drafts_through_it(monkeypatch,
         step_ops_cpu.greedy_pick(logits, torch.zeros(7, dtype=torch.long))
 
 
+@pytest.mark.parametrize("shape", [(8, 5, 8192), (1, 4096), (3, 37), (2, 64), (5, 1000), (4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_are_torch_argmax(shape, dtype):
+    """Random rows, rows of ties (bf16 rounds many values alike; a tie inside and across the four vectors a
+    step and in the tail), a NaN (counted largest, as torch's) and strided rows: torch.argmax's ids."""
+    generator = torch.Generator().manual_seed(sum(shape))
+    logits = torch.randn(shape, generator=generator).to(dtype)
+    flat = logits.view(-1, shape[-1])
+    if shape[-1] >= 64:
+        flat[0].fill_(1.0)
+        flat[0, [7, 40, shape[-1] - 1]] = 3.0  # a three-way tie: the first wins
+        flat[-1, [shape[-1] // 2, shape[-1] - 2]] = float("nan")
+    assert torch.equal(step_ops_cpu.greedy_ids(logits), logits.argmax(-1))
+    wide = torch.stack([logits, logits], -2)[..., 0, :]  # rows a stride apart
+    assert torch.equal(step_ops_cpu.greedy_ids(wide), wide.argmax(-1))
+
+
 def test_kv_write_puts_each_query_at_its_slot_and_position():
     cache = torch.randn(5, 2, 50, 64)
     want = cache.clone()

@@ -98,7 +98,11 @@ def plan_and_propose(engine, rows: list[Request], limits: list[int], sampling: S
         planned = drafts.counts.cpu()
         plan = policy.plan(slots, planned)
         drafts.counts.clamp_(max=plan.width)
-        _cut_by_rates(drafts, len(rows), plan, policy, draft_s)
+        if drafts.confidence is not None and policy.cost is not None and plan.width and not plan.explore:
+            # the policy learns from the drafts verified: the cut, not its plan, weighs each row's confidence
+            size_chains(drafts, len(rows), policy.cost, draft_s)
+        else:
+            _cut_by_rates(drafts, len(rows), plan, policy, draft_s)
         return Drafted(plan, drafts, planned, draft_s)
     catch_up = proposer.catch_up(rows)
     unfed = unfed_rows_left(proposer, rows, engine.config.max_model_len) if catch_up[0] else ()

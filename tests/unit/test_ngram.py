@@ -114,3 +114,47 @@ def test_proposer_drafts_what_the_written_out_lookup_finds(ops, monkeypatch):
             start = _reference(history, min_n, max_n)
             expected.append([] if start < 0 else history[start : start + min(limit, 4)])
         assert _rows(proposer.propose(rows, limits)) == expected, (trial, ops)
+
+
+def _reference_match_length(history, start, cap):
+    """Tokens before `start` equal to the history's last ones, newest first, up to cap; 0 without a match."""
+    if start < 0:
+        return 0
+    length = 0
+    while length < cap and start - 1 - length >= 0 and history[start - 1 - length] == history[-1 - length]:
+        length += 1
+    return length
+
+
+@pytest.mark.parametrize("ops", ["torch", "cpp"])
+def test_match_lengths_are_the_written_out_run_before_the_proposal(ops, monkeypatch):
+    """`NgramProposer.agreed`, by either implementation: how far the matched occurrence agrees with the
+    history's end, at least the n that matched and at most max(AGREE_CAP, prompt_lookup_max); 0 where nothing
+    matched."""
+    from draftsmith.methods.ngram.calibration import AGREE_CAP
+    from draftsmith.models import slot_attention_cpu
+
+    if ops == "cpp" and slot_attention_cpu.build_error() is not None:
+        pytest.skip(f"the CPU kernels did not build: {slot_attention_cpu.build_error()}")
+    monkeypatch.setattr(slot_attention_cpu, "LOADED", ops == "cpp")
+    generator = torch.Generator().manual_seed(2)
+    seen = set()
+    for trial in range(100):
+        min_n = int(torch.randint(1, 3, (1,), generator=generator))
+        max_n = min_n + int(torch.randint(0, 3, (1,), generator=generator))
+        config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
+                                           "prompt_lookup_min": min_n, "prompt_lookup_max": max_n})
+        proposer = NgramProposer(config, None, max_num_seqs=4, max_model_len=80)
+        vocab = int(torch.randint(2, 4, (1,), generator=generator))
+        unit = torch.randint(0, vocab, (int(torch.randint(2, 9, (1,), generator=generator)),), generator=generator)
+        # a repeated unit and some noise: runs longer and shorter than the cap
+        histories = [(unit.repeat(int(torch.randint(1, 8, (1,), generator=generator))).tolist()
+                      + torch.randint(0, vocab, (int(torch.randint(0, 4, (1,), generator=generator)),),
+                                      generator=generator).tolist())[:70] for _ in range(3)]
+        rows = [_request(i, h, slot) for i, (h, slot) in enumerate(zip(histories, [3, 0, 2]))]
+        proposer.propose(rows, [3] * len(rows))
+        expected = [_reference_match_length(h, _reference(h, min_n, max_n), max(AGREE_CAP, max_n))
+                    for h in histories]
+        assert proposer.agreed[: len(rows)].tolist() == expected, (trial, ops, histories, min_n, max_n)
+        seen.update(expected)
+    assert 0 in seen and AGREE_CAP in seen and any(0 < n < AGREE_CAP for n in seen)

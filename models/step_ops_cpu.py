@@ -1,6 +1,6 @@
 """The small ops of an eager forward on CPU, one C++ op each (step_ops_cpu.cpp, built with the CPU attention
 kernel): RMSNorm, a residual add with the RMSNorm after it, the MLP's SiLU times up and rope of fp32 and bf16
-tensors, the write of new keys and values into their slots, and a draft's greedy pick. On CPU each small aten op of a decode step
+tensors, the write of new keys and values into their slots, a draft's greedy pick and greedy token ids. On CPU each small aten op of a decode step
 costs a few microseconds whatever its size, and PyTorch runs a norm as six, a rope as five and a write as an
 index_put. They run only where this process has loaded the build (the engine
 does at start, `kernel_backend.slot_kernel_wanted`) and nothing records autograd; a compiled step traces
@@ -87,3 +87,8 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     on this CPU's two threads."""
     return torch.ops.draftsmith_cpu.greedy_ids.default(logits)
 
+
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), by `greedy_ids` where these ops run for the logits: every greedy choice of a token
+    (the target's verify and decode, a parallel drafter's block, Medusa's heads) takes it."""
+    return greedy_ids(logits) if runs_for(logits) else logits.argmax(-1)

@@ -52,7 +52,7 @@ def choose_block(logits: torch.Tensor, limits: list[int], rows: torch.Tensor, te
     if temperature is None:  # all greedy: one argmax over the block, not a pick (and a softmax) per position
         width = logits.shape[1]
         kept = torch.arange(width, device=logits.device) < torch.tensor(limits, device=logits.device)[:, None]
-        tokens_out[rows, :width] = torch.where(kept, logits.argmax(-1), -1)
+        tokens_out[rows, :width] = torch.where(kept, step_ops_cpu.argmax_ids(logits), -1)
         return
     for step in range(logits.shape[1]):
         live = [r for r, limit in enumerate(limits) if limit > step]

@@ -156,7 +156,7 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Processed logits [B, N, V] (`SamplingBatch.processed`) for N consecutive positions -> the token each
     row samples there [B, N]: argmax for greedy rows, the exponential race over the filtered p with
     position-keyed noise otherwise."""
-    greedy = step_ops_cpu.greedy_ids(logits) if step_ops_cpu.runs_for(logits) else logits.argmax(dim=-1)
+    greedy = step_ops_cpu.argmax_ids(logits)
     if batch.all_greedy:
         return greedy
     probs = logits_to_probs(logits, batch)

@@ -180,6 +180,25 @@ def test_greedy_ids_are_torch_argmax(shape, dtype):
     assert torch.equal(step_ops_cpu.greedy_ids(wide), wide.argmax(-1))
 
 
+def test_greedy_choices_of_tokens_go_through_the_op(monkeypatch, ops_on):
+    """`argmax_ids` runs the op at inference and torch's argmax where autograd records; a parallel drafter's
+    greedy block takes it."""
+    from draftsmith.methods.draft_sampling import choose_block
+
+    calls = []
+    real = step_ops_cpu.greedy_ids
+    monkeypatch.setattr(step_ops_cpu, "greedy_ids", lambda x: calls.append(tuple(x.shape)) or real(x))
+    logits = torch.randn(3, 4, 300, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(step_ops_cpu.argmax_ids(logits), logits.argmax(-1))
+        out = torch.full((3, 4), -7, dtype=torch.long)
+        choose_block(logits, [4, 2, 0], torch.arange(3), None, {}, out, None)
+        want = torch.where(torch.arange(4) < torch.tensor([4, 2, 0])[:, None], logits.argmax(-1), -1)
+        assert torch.equal(out, want)
+    assert calls == [(3, 4, 300)] * 2
+    assert torch.equal(step_ops_cpu.argmax_ids(logits.requires_grad_()), logits.argmax(-1)) and len(calls) == 2
+
+
 def test_kv_write_puts_each_query_at_its_slot_and_position():
     cache = torch.randn(5, 2, 50, 64)
     want = cache.clone()

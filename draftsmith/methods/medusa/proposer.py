@@ -10,6 +10,7 @@ import torch
 
 from draftsmith.methods.draft_trees import static_marginal_tree
 from draftsmith.methods.last_hidden import LastHiddenProposer
+from draftsmith.models import step_ops_cpu
 
 
 class MedusaProposer(LastHiddenProposer):
@@ -27,5 +28,5 @@ class MedusaProposer(LastHiddenProposer):
             return static_marginal_tree(self.head(hidden, heads=depth), self.tree, width)
         logits = self.head(hidden, heads=width)  # [n, width, V]
         if self._sampling is None:  # greedy: every head's argmax at once
-            return logits.argmax(-1)
+            return step_ops_cpu.argmax_ids(logits)
         return torch.stack([self._pick(logits[:, i]) for i in range(width)], dim=1)

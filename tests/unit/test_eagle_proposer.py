@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from draftsmith.methods import resolve_method
-from draftsmith.methods.eagle import proposer as proposer_module
+from draftsmith.methods.eagle import pending as pending_module
 from draftsmith.models import DraftHeadConfig, ForwardBatch, load_target
 from draftsmith.serve import LLM, SamplingParams
 from draftsmith.serve.engine.sampling import SamplingBatch
@@ -160,7 +160,7 @@ def check_against_reference(proposer, rows, limits, drafts, sampling=None, tempe
     for b, (row, limit) in enumerate(zip(rows, limits)):
         generator = torch.Generator().manual_seed(SEED + b) if sampling else None
         tokens, probs, qs = reference(proposer, row, limit, temperatures[b] if sampling else 0.0, generator,
-                                      int(proposer.context_start[row.slot]))
+                                      int(proposer.pending.context_start[row.slot]))
         assert drafts.counts[b] == limit
         assert drafts.tokens[b].tolist() == tokens + [-1] * (K - limit), f"row {b}"
         expected = torch.tensor(probs).cumprod(0) if probs else torch.zeros(0)
@@ -206,16 +206,16 @@ def test_mixed_batch_matches_the_per_row_reference(head, sampled, monkeypatch, r
     then starts at the prompt's last W positions), slots out of order, several rounds with random
     acceptance (pending lengths 1..k+1), and a row whose limit 0 makes its pending accumulate; an EAGLE-3
     head and an MTP layer."""
-    monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
+    monkeypatch.setattr(pending_module, "MAX_PENDING", 2 * (K + 1))
     gen = torch.Generator().manual_seed(1)
     proposer = make_proposer(request.getfixturevalue(head), sampled=sampled)
     rows = random_rows(gen, [3, 30, 7, 12], [2, 0, 3, 1])
     temperatures = [0.0, 0.7, 1.0, 1.3] if sampled else None
     prefill(proposer, rows, gen)
-    width = proposer.pending_width
+    width = proposer.pending.width
     assert width == 2 * (K + 1)
-    assert proposer.pending_len == [width, width, 3, 7]  # by slot
-    assert proposer.context_start == [30 - width, 12 - width, 0, 0]
+    assert proposer.pending.length == [width, width, 3, 7]  # by slot
+    assert proposer.pending.context_start == [30 - width, 12 - width, 0, 0]
     for limits in ([0, 1, K, 2], [K, 0, 3, K], [2, K, 0, 1], [K, K, K, 0]):
         sampling = sampling_for(temperatures) if sampled else None
         drafts = proposer.propose(rows, limits, sampling)
@@ -250,7 +250,7 @@ def test_a_windowed_head_drafts_as_trained(windowed_models, monkeypatch):
     """A head with a window shorter than the rows' contexts: the catch-up slides it by position, and draft
     step s reads the verified prefix's newest W positions plus its own drafts, as speculators' training mask
     has it (see `_step_batches`)."""
-    monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
+    monkeypatch.setattr(pending_module, "MAX_PENDING", 2 * (K + 1))
     gen = torch.Generator().manual_seed(2)
     proposer = make_proposer(windowed_models)
     rows = random_rows(gen, [3, 30, 7, 12], [2, 0, 3, 1])
@@ -286,7 +286,7 @@ def test_observe_accumulates_until_propose(models, monkeypatch):
     """Steps that skip speculation keep handing over positions: twice below the buffer width, then a
     verify step whose accepted drafts overflow a partly filled buffer, then single positions that overflow
     it again and again (each overflow flushed), and the next propose drafts what the reference drafts."""
-    monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
+    monkeypatch.setattr(pending_module, "MAX_PENDING", 2 * (K + 1))
     gen = torch.Generator().manual_seed(2)
     proposer = make_proposer(models)
     rows = random_rows(gen, [4, K], [0, 1])  # no longer than a verify step: left pending, not flushed
@@ -300,17 +300,17 @@ def test_observe_accumulates_until_propose(models, monkeypatch):
 
     for _ in range(2):
         skipped_step([1, 1])
-    assert proposer.pending_len[:2] == [4 + 2, K + 2]  # two observes, one pending run each
-    width = proposer.pending_width
+    assert proposer.pending.length[:2] == [4 + 2, K + 2]  # two observes, one pending run each
+    width = proposer.pending.width
     skipped_step([K + 1, 2])
     # row 0 overflowed by one: it keeps the newest W positions, and the head's context starts at them
-    assert proposer.pending_len[:2] == [width, K + 4]
-    assert proposer.context_start[:2] == [1, 0]
+    assert proposer.pending.length[:2] == [width, K + 4]
+    assert proposer.pending.context_start[:2] == [1, 0]
     for _ in range(3 * width):
         skipped_step([1, 1])
-    assert proposer.pending_len[:2] == [width, width]
+    assert proposer.pending.length[:2] == [width, width]
     # the newest W verified positions are pending: the last one is the row's second-to-last token
-    assert proposer.context_start[:2] == [r.num_tokens - 1 - width for r in rows]
+    assert proposer.pending.context_start[:2] == [r.num_tokens - 1 - width for r in rows]
     assert proposer.catch_up(rows) == (2, width - (K + 1))  # what the policy prices
     drafts = proposer.propose(rows, [K, K])
     check_against_reference(proposer, rows, [K, K], drafts)
@@ -361,19 +361,19 @@ def test_released_slot_starts_clean(models, monkeypatch):
     """A slot reused by another request drafts from that request's features only, and over its whole
     context, whether its previous owner left pending positions behind, had them consumed by a propose, or
     had a context starting mid-sequence."""
-    monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
+    monkeypatch.setattr(pending_module, "MAX_PENDING", 2 * (K + 1))
     gen = torch.Generator().manual_seed(4)
     proposer = make_proposer(models)
     first = random_rows(gen, [14, 6], [0, 1])
     prefill(proposer, first, gen)
-    assert proposer.context_start[:2] == [14 - proposer.pending_width, 0]
+    assert proposer.pending.context_start[:2] == [14 - proposer.pending.width, 0]
     proposer.propose(first[:1], [K])  # slot 0 consumed its pending, slot 1 still holds some
     for row in first:
         proposer.release(row)
     second = [Row("new0", 0, torch.randint(0, 128, (5,), generator=gen).tolist()),
               Row("new1", 1, torch.randint(0, 128, (14,), generator=gen).tolist())]
     prefill(proposer, second, gen)
-    assert proposer.context_start[:2] == [0, 14 - proposer.pending_width]
+    assert proposer.pending.context_start[:2] == [0, 14 - proposer.pending.width]
     drafts = proposer.propose(second, [K, 3])
     check_against_reference(proposer, second, [K, 3], drafts)
 
@@ -384,7 +384,7 @@ def test_plain_steps_kept_for_later_replay_as_if_observed(models, monkeypatch):
     the context restarts after the gap, as the ring keeps no more anyway), with a row released and its slot
     reused in between. The policy's catch-up estimate is right before the replay, and the next propose
     drafts what the per-row reference drafts from the same context."""
-    monkeypatch.setattr(proposer_module, "MAX_PENDING", 2 * (K + 1))
+    monkeypatch.setattr(pending_module, "MAX_PENDING", 2 * (K + 1))
     gen = torch.Generator().manual_seed(5)
     eager, lazy = make_proposer(models), make_proposer(models)
     rows = random_rows(gen, [5, 7], [0, 1])
@@ -410,7 +410,7 @@ def test_plain_steps_kept_for_later_replay_as_if_observed(models, monkeypatch):
         assert lazy.catch_up(rows) == eager.catch_up(rows)
         drafts = lazy.propose(rows, [K, K])  # replays first
         expected = eager.propose(rows, [K, K])
-        assert lazy.context_start[:2] == eager.context_start[:2]
+        assert lazy.pending.context_start[:2] == eager.pending.context_start[:2]
         assert torch.equal(drafts.tokens, expected.tokens)
         check_against_reference(lazy, rows, [K, K], drafts)
         for proposer in (eager, lazy):  # the drafts are all rejected: the last token and a new one
@@ -445,12 +445,12 @@ def test_engine_prefill_hands_over_each_prompts_newest_positions():
     while any(r.prefilling for r in engine.running):
         engine._prefill([r for r in engine.running if r.prefilling])
     assert any(asked) and not all(asked)  # the 300-token prompt in chunks of 256 and 44: windowed, then not
-    width = proposer.pending_width
+    width = proposer.pending.width
     for request, ids in zip(sorted(engine.running, key=lambda r: r.slot), prompts):
         slot, kept = request.slot, min(len(ids), width)
-        assert (proposer.pending_start[slot], proposer.pending_len[slot]) == (len(ids) - kept, kept)
+        assert (proposer.pending.start[slot], proposer.pending.length[slot]) == (len(ids) - kept, kept)
         positions = torch.arange(len(ids) - kept, len(ids))
-        torch.testing.assert_close(proposer.pending[slot, positions % width], features_of(proposer, ids)[positions],
+        torch.testing.assert_close(proposer.pending.ring[slot, positions % width], features_of(proposer, ids)[positions],
                                    atol=2e-2, rtol=2e-2)  # bf16 features, batched differently
 
 

@@ -100,7 +100,7 @@ def test_tree_nodes_score_as_the_chain_along_their_path(target, monkeypatch, sta
     long_prompt = "def walk(tree):\n" + "".join(f"    visit(tree.child_{i})\n" for i in range(24)) + "    ret"
     llm.generate([long_prompt, *CODE_PROMPTS[:2]], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert len(checked) == 6 and max(checked) == 3
-    assert max(llm.engine.proposer.context_start) > 0
+    assert max(llm.engine.proposer.pending.context_start) > 0
 
 
 @pytest.mark.slow

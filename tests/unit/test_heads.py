@@ -93,7 +93,7 @@ def test_greedy_equality_with_random_head(kind, requested, target, tmp_path, gre
     got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == greedy_reference
     assert llm.get_metrics()["num_draft_tokens"] > 0
-    assert llm.engine.proposer.pending.dtype == expected  # target features are kept in the head's dtype
+    assert llm.engine.proposer.pending.ring.dtype == expected  # target features are kept in the head's dtype
 
 
 @pytest.mark.slow

@@ -199,7 +199,7 @@ def test_static_draft_steps_draft_what_eager_steps_draft(kernel_target, monkeypa
                      metrics["num_accepted_tokens"], confidences))
         assert not static or (steps and max(steps) == 3), "the static steps did not run"
         if not static:
-            assert max(proposer.context_start) > 0, "no row's head context started mid-prompt"
+            assert max(proposer.pending.context_start) > 0, "no row's head context started mid-prompt"
     assert runs[1][:3] == runs[0][:3]
     # the drafts' probabilities, not only their argmax: a key read or missed shifts them
     assert len(runs[1][3]) == len(runs[0][3])

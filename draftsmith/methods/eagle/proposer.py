@@ -7,14 +7,8 @@ p+1, filling the head's cache and yielding draft 1 from the last one. Drafts 2..
 output. Draft-step entries past the verified prefix are overwritten next round, like the target's rejected
 entries: nothing is copied.
 
-The pending buffer is a ring `[max_num_seqs, W, F]` (position p in column p mod W), W at most MAX_PENDING,
-not max_model_len wide: a whole prompt of EAGLE-3 features (3 x hidden each) for every slot would cost
-hundreds of MB. A row whose pending positions would outgrow W (a prompt, or a long stretch of steps the
-policy ran without speculation) keeps the newest W, and the head's context starts at the first of them
-(`context_start`; its attention masks keys before it). So a prompt costs the head at most W positions, paid
-at the first propose, and nothing at all while speculation stays off (running the head over whole prompts
-had made 16 prompts' prefill 0.55 s instead of 0.34); on the demo EAGLE-3 head, W = 64 moved the mean
-acceptance length from 3.61 (whole prompt in context) to 3.58.
+The pending buffer (`pending.PendingFeatures`) is a ring of each slot's newest W positions; the head's
+context starts at the first it kept.
 
 The draft loop runs at a fixed width: every row that caught up takes part in every step, and rows that hit
 their limit keep computing with their outputs masked. It stops early once the rows' mean chance of getting
@@ -31,7 +25,6 @@ rows always take the argmax.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -40,16 +33,11 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.draft_sampling import choose, pick_greedy
 from draftsmith.methods.draft_trees import TreeShape, configured_tree
+from draftsmith.methods.eagle.pending import PendingFeatures
 from draftsmith.methods.eagle.tree_drafting import draft_static_tree, draft_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head, pack_draft_weights
 from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer, RowState
 from draftsmith.models.kv_cache import ForwardBatch
-
-# Pending positions kept per slot, at most: the head's context when a row starts or resumes drafting (64 keeps
-# acceptance within 1% of the whole prompt on the demo head; 16 loses 8%), few enough that the catch-up over
-# them stays one small forward. The buffer also stays within PENDING_BYTES.
-MAX_PENDING = 64
-PENDING_BYTES = 64 * 2**20
 
 
 def _token_ids(rows: Sequence[RowState], first: list[int], counts: list[int], width: int) -> torch.Tensor:
@@ -100,20 +88,10 @@ class EagleFamilyProposer(Proposer):
         self.last_confidence = self.confidence[:0]  # [B, k] running probability products of the last call
         self.draft_probs: torch.Tensor | None = None  # [max_num_seqs, k, V], allocated on first sampled draft
         self.max_model_len = max_model_len
-        self.pending_width = 0  # W, set with the buffer once the feature width is known
-        self.observe_window = max(MAX_PENDING, 2 * (self.k + 1))  # W is at most this
-        self.pending: torch.Tensor | None = None  # [max_num_seqs + 1, W, F] (last row: scratch), on first observe
-        # Host metadata per slot, in Python lists: a decode step updates a handful of ints per row, which
-        # tensor ops would turn into some twenty dispatches per step. The first pending position (-1: slot
-        # unused), how many are pending, and where the head's context starts.
-        self.pending_start = [-1] * max_num_seqs
-        self.pending_len = [0] * max_num_seqs
-        self.context_start = [0] * max_num_seqs
-        # plain steps' hidden states not yet observed (observe_later), newest observe_window of them; a
-        # slot's generation moves on at release, so that a finished request's steps are not replayed
-        self._later: deque = deque(maxlen=self.observe_window)
-        self._later_total = 0
-        self._generation = [0] * max_num_seqs
+        self.pending = PendingFeatures(max_num_seqs, self.k, max_model_len, self.device,
+                                       lambda hidden_states: self.features(hidden_states),
+                                       self.feature_layers)
+        self.observe_window = self.pending.window
         # P-EAGLE: drafts 2..k from k - 1 slots appended to the catch-up forward (`parallel_inputs`)
         self.parallel_slots = self._parallel_slots(config)
         if self.parallel_slots is not None:
@@ -135,106 +113,25 @@ class EagleFamilyProposer(Proposer):
         return self.head.features(hidden_states).to(self.dtype)  # kept pending in the head's dtype
 
     def observe_later(self, rows: Sequence[RowState], starts: list[int], hidden_states) -> bool:
-        """Keeps a plain decode step's hidden states (one position per row) by reference and builds their
-        features only when drafting needs them: while the policy keeps speculation off, the cat and the
-        ring scatter of every step (about 4% of a plain step at 8 rows) are skipped, and steps older than
-        the ring's width are never built at all."""
-        if self.pending is None:  # the first observe sizes the ring
-            return False
-        slots = [r.slot for r in rows]
-        self._later.append((slots, [self._generation[s] for s in slots], starts, hidden_states))
-        self._later_total += 1
-        return True
-
-    @torch.inference_mode()
-    def _replay(self) -> None:
-        """Observes the kept plain steps in order; rows released since are skipped. Steps of the same live rows
-        at consecutive positions are observed as one: one features build and one scatter (step by step, a
-        P-EAGLE resume after 58 held steps took 2.46 ms here, 1.91 ms so). Past the ring's width the oldest were
-        dropped, so a row's run may resume after a gap: its context then starts after it, as the ring would
-        have kept no more anyway."""
-        if not self._later:
-            return
-        later, gaps = list(self._later), self._later_total > len(self._later)
-        self._later.clear()
-        self._later_total = 0
-        run: list = []  # (live row indices, hidden states) of steps continuing the run's first
-        run_slots: list[int] = []
-        run_starts: list[int] = []
-        for slots, generations, starts, hidden in later:
-            live = [i for i, (s, g) in enumerate(zip(slots, generations)) if self._generation[s] == g]
-            if not live:
-                continue
-            live_slots, live_starts = [slots[i] for i in live], [starts[i] for i in live]
-            if run and (live_slots != run_slots or live_starts != [s + len(run) for s in run_starts]):
-                self._observe_run(run_slots, run_starts, run, gaps)
-                run = []
-            if not run:
-                run_slots, run_starts = live_slots, live_starts
-            run.append((live if len(live) < len(slots) else None, hidden))
-        if run:
-            self._observe_run(run_slots, run_starts, run, gaps)
-
-    def _observe_run(self, slots: list[int], starts: list[int], run: list, gaps: bool) -> None:
-        """Kept plain steps of these rows at consecutive positions from `starts`, observed as one."""
-        def layer(i: int) -> torch.Tensor:
-            parts = [h[i] if live is None else h[i][torch.tensor(live, device=h[i].device)] for live, h in run]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-        features = self.features({i: layer(i) for i in self.feature_layers})
-        self._observe(slots, starts, [len(run)] * len(slots), features, gaps)
+        return self.pending.observe_later(rows, starts, hidden_states)
 
     @torch.inference_mode()
     def observe(self, rows: Sequence[RowState], starts: list[int], counts: list[int], features: torch.Tensor) -> None:
-        self._replay()
-        self._observe([r.slot for r in rows], starts, counts, features)
-
-    def _observe(self, slots: list[int], starts: list[int], counts: list[int], features: torch.Tensor,
-                 gaps: bool = False) -> None:
-        if self.pending is None:
-            # at least 2(k+1), whatever the budget: a context of two verify steps' positions after a pause
-            fit = PENDING_BYTES // ((self.max_num_seqs + 1) * features.shape[-1] * features.element_size())
-            self.pending_width = min(max(min(fit, MAX_PENDING), 2 * (self.k + 1)), self.max_model_len)
-            self.pending = features.new_zeros(self.max_num_seqs + 1, self.pending_width, features.shape[-1])
-        width = self.pending_width
-        for slot, start, count in zip(slots, starts, counts):
-            first, held = self.pending_start[slot], self.pending_len[slot]
-            if first < 0 or (gaps and start > first + held):
-                first = self.context_start[slot] = start
-            elif start != first + held:
-                raise DraftsmithError("observed positions must continue each request's earlier ones")
-            # Keep the newest W positions; when older ones fall out, the head's context starts at the first
-            # kept: what it forgets is far back (a prompt's start, or a long stretch without speculation).
-            kept = max(first, start + count - width)
-            if kept > first:
-                self.context_start[slot] = kept
-            self.pending_start[slot], self.pending_len[slot] = kept, start + count - kept
-        # One scatter writes each row's newest features into its ring (column = position mod W); columns
-        # outside a row's newest W, and its padding, go to the scratch row. Indices listed on the host: a
-        # tensor each, not a dozen small ops.
-        lo, hi, scratch = max(min(counts) - width, 0), max(counts), self.max_num_seqs
-        to_slot = [[slot if n - width <= c < n else scratch for c in range(lo, hi)] for slot, n in zip(slots, counts)]
-        to_column = [[(start + c) % width for c in range(lo, hi)] for start in starts]
-        self.pending[torch.tensor(to_slot, device=self.device), torch.tensor(to_column, device=self.device)] = \
-            features[:, lo:hi]
+        self.pending.replay()
+        self.pending.observe([r.slot for r in rows], starts, counts, features)
 
     def catch_up(self, rows: Sequence[RowState]) -> tuple[int, int]:
-        # without replaying: every decoding row is in each plain step kept since the last observe (a row
-        # joins decoding right after its prompt's observe, which replays them)
-        later = len(self._later)
-        extra = [min(self.pending_len[r.slot] + later, self.pending_width) - (self.k + 1) for r in rows]
+        extra = [n - (self.k + 1) for n in self.pending.owed([r.slot for r in rows])]
         extra = [n for n in extra if n > 0]
         return len(extra), max(extra, default=0)
 
     def release(self, request: RowState) -> None:
         if request.slot is not None:  # a request aborted while waiting never had one
-            self._generation[request.slot] += 1  # its plain steps kept for later are not replayed
-            self.pending_start[request.slot] = -1
-            self.pending_len[request.slot] = 0
+            self.pending.release(request.slot)
 
     def _head_batch(self, slots: list[int], starts, q_lens, tokens, hidden, logits_at):
         batch = ForwardBatch.build(slots, starts, q_lens, self.cache, self.window, self.device,
-                                   key_starts=[self.context_start[s] for s in slots])
+                                   key_starts=[self.pending.context_start[s] for s in slots])
         return self.head.step(tokens.to(self.device), hidden, batch.positions, True, self.cache, batch,
                               logits_at=logits_at)
 
@@ -256,9 +153,10 @@ class EagleFamilyProposer(Proposer):
         mask) with draft step s seeing the verified prefix's newest W positions plus its own s - 1 drafts: so
         every draft step reads from W before its row's first draft on, rather than the W newest positions of
         its own."""
+        context_start = self.pending.context_start
         if self.window is None:
-            return [self.context_start[s] for s in slots]
-        return [max(self.context_start[s], b - self.window) for s, b in zip(slots, base)]
+            return [context_start[s] for s in slots]
+        return [max(context_start[s], b - self.window) for s, b in zip(slots, base)]
 
     def _step_batches(self, slots: list[int], base: list[int], steps: int) -> list[ForwardBatch]:
         """One-token batches for draft steps 2..steps+1: step s sits at base + s - 1 in every row's own slot.
@@ -279,7 +177,7 @@ class EagleFamilyProposer(Proposer):
     @torch.inference_mode()
     def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling: DraftSampling | None = None,
                 stop_below: float = 0.0) -> DraftBatch:
-        self._replay()
+        self.pending.replay()
         n_rows = len(rows)
         tokens_out, counts_out = self.draft_tokens[:n_rows], self.draft_counts[:n_rows]
         self.last_confidence = self.confidence[:n_rows]
@@ -287,7 +185,7 @@ class EagleFamilyProposer(Proposer):
         if sampled and self.draft_probs is None:  # columns outside draft_to_target stay 0 for good
             self.draft_probs = torch.zeros(self.draft_tokens.shape + (self.vocab_size,), device=self.device)
         probs_out = self.draft_probs[:n_rows] if sampled else None
-        host_active = [i for i, (r, n) in enumerate(zip(rows, max_drafts)) if n > 0 and self.pending_len[r.slot] > 0]
+        host_active = [i for i, (r, n) in enumerate(zip(rows, max_drafts)) if n > 0 and self.pending.length[r.slot] > 0]
         every = len(host_active) == n_rows  # then the drafts overwrite the outputs whole
         if not every:
             tokens_out.fill_(-1)
@@ -302,7 +200,7 @@ class EagleFamilyProposer(Proposer):
             temps = sampling.temperature.tolist()
             draws = [(j, sampling.generators[i]) for j, i in enumerate(host_active) if temps[i] > 0]
         slots = [rows[i].slot for i in host_active]
-        base = [self.pending_start[s] + self.pending_len[s] for s in slots]  # where draft step 2 sits
+        base = [self.pending.start[s] + self.pending.length[s] for s in slots]  # where draft step 2 sits
         state, logits, steady = self._catch_up([rows[i] for i in host_active], slots)
         act_dev = active.to(self.device)
         if self.tree is not None:
@@ -362,7 +260,7 @@ class EagleFamilyProposer(Proposer):
         proposes only: a long catch-up is a one-off, priced apart). Rows with more pending than one verify step brings (a
         prompt, or a pause) run in a forward of their own: padded into one forward, a single new request's 64
         positions made 32 rows' catch-up cost 100 ms instead of 10."""
-        long = [self.pending_len[s] > self.k + 1 for s in slots]
+        long = [self.pending.length[s] > self.k + 1 for s in slots]
         steady = not any(long)
         if steady or all(long):
             return *self._catch_up_rows(rows, slots), steady
@@ -379,30 +277,20 @@ class EagleFamilyProposer(Proposer):
     def _catch_up_rows(self, rows: list[RowState], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (head output [A, H] and logits [A, Vd] at each row's last pending position; under P-EAGLE the
         logits [A, k, Vd] of that position and of the k - 1 draft slots after it, from the same forward)."""
-        first = [self.pending_start[s] for s in slots]
-        held = [self.pending_len[s] for s in slots]
+        first = [self.pending.start[s] for s in slots]
+        held = [self.pending.length[s] for s in slots]
         width = max(held)
         tokens = _token_ids(rows, first, held, width)
-        hidden = self._pending_at(slots, first, width)
+        hidden = self.pending.read(slots, first, width)
         last = torch.tensor([n - 1 for n in held], device=self.device)
         q_lens, read_at = held, last
         if self.parallel_slots:
             tokens, hidden, q_lens, read_at = self._with_parallel_slots(tokens.to(self.device), hidden, held)
         out, logits = self._head_batch(slots, first, q_lens, tokens, hidden, read_at)
-        for slot, begin, n in zip(slots, first, held):
-            self.pending_start[slot], self.pending_len[slot] = begin + n, 0
+        self.pending.consumed(slots)
         # each row's output at its last pending position (with equal counts: the last column, a view)
         state = out[:, width - 1] if min(held) == width else out[torch.arange(len(rows), device=self.device), last]
         return state, (logits if self.parallel_slots is not None else logits[:, 0])
-
-    def _pending_at(self, slots: list[int], first: list[int], width: int) -> torch.Tensor:
-        """[len(slots), width, F]: each slot's pending features from position first[i] on, read from its ring
-        (one row whose positions do not wrap around the ring: a view)."""
-        ring_at = first[0] % self.pending_width
-        if len(slots) == 1 and ring_at + width <= self.pending_width:
-            return self.pending[slots[0], ring_at : ring_at + width][None]
-        ring = [[(begin + i) % self.pending_width for i in range(width)] for begin in first]
-        return self.pending[torch.tensor(slots, device=self.device)[:, None], torch.tensor(ring, device=self.device)]
 
     def _with_parallel_slots(self, tokens: torch.Tensor, hidden: torch.Tensor, held: list[int]):
         """Appends P-EAGLE's k - 1 draft slots after each row's pending positions -> (tokens, features, query

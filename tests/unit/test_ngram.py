@@ -86,23 +86,33 @@ def test_matches_a_written_out_lookup_on_random_histories():
             trial, histories, min_n, max_n)
 
 
-@pytest.mark.parametrize("ops", ["torch", "cpp"])
-def test_proposer_drafts_what_the_written_out_lookup_finds(ops, monkeypatch):
-    """The proposer's drafts, by PyTorch's ops or the C++ op (models/ngram_lookup_cpu.cpp), on random histories
-    of rows in any slot order: the written-out lookup's continuation, up to each row's limit, k and the
-    history's end."""
+def _use_ops(ops: str, monkeypatch) -> None:
+    """The lookup by PyTorch's ops ("torch") or by the C++ op ("cpp", skipped where it did not build)."""
     from draftsmith.models import slot_attention_cpu
 
     if ops == "cpp" and slot_attention_cpu.build_error() is not None:
         pytest.skip(f"the CPU kernels did not build: {slot_attention_cpu.build_error()}")
     monkeypatch.setattr(slot_attention_cpu, "LOADED", ops == "cpp")
+
+
+def _random_proposer(generator, k: int, slots: int, max_model_len: int):
+    """A proposer with a random lookup window (min_n 1-3, max_n up to 2 more) -> (it, min_n, max_n)."""
+    min_n = int(torch.randint(1, 4, (1,), generator=generator))
+    max_n = min_n + int(torch.randint(0, 3, (1,), generator=generator))
+    config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k,
+                                       "prompt_lookup_min": min_n, "prompt_lookup_max": max_n})
+    return NgramProposer(config, None, max_num_seqs=slots, max_model_len=max_model_len), min_n, max_n
+
+
+@pytest.mark.parametrize("ops", ["torch", "cpp"])
+def test_proposer_drafts_what_the_written_out_lookup_finds(ops, monkeypatch):
+    """The proposer's drafts, by PyTorch's ops or the C++ op (models/ngram_lookup_cpu.cpp), on random histories
+    of rows in any slot order: the written-out lookup's continuation, up to each row's limit, k and the
+    history's end."""
+    _use_ops(ops, monkeypatch)
     generator = torch.Generator().manual_seed(1)
     for trial in range(100):
-        min_n = int(torch.randint(1, 4, (1,), generator=generator))
-        max_n = min_n + int(torch.randint(0, 3, (1,), generator=generator))
-        config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4,
-                                           "prompt_lookup_min": min_n, "prompt_lookup_max": max_n})
-        proposer = NgramProposer(config, None, max_num_seqs=6, max_model_len=40)
+        proposer, min_n, max_n = _random_proposer(generator, 4, 6, 40)
         slots = torch.randperm(6, generator=generator)[: int(torch.randint(1, 7, (1,), generator=generator))]
         vocab = int(torch.randint(2, 6, (1,), generator=generator))
         rows = [_request(i, torch.randint(0, vocab, (int(torch.randint(1, 36, (1,), generator=generator)),),
@@ -132,19 +142,12 @@ def test_match_lengths_are_the_written_out_run_before_the_proposal(ops, monkeypa
     history's end, at least the n that matched and at most max(AGREE_CAP, prompt_lookup_max); 0 where nothing
     matched."""
     from draftsmith.methods.ngram.calibration import AGREE_CAP
-    from draftsmith.models import slot_attention_cpu
 
-    if ops == "cpp" and slot_attention_cpu.build_error() is not None:
-        pytest.skip(f"the CPU kernels did not build: {slot_attention_cpu.build_error()}")
-    monkeypatch.setattr(slot_attention_cpu, "LOADED", ops == "cpp")
+    _use_ops(ops, monkeypatch)
     generator = torch.Generator().manual_seed(2)
     seen = set()
     for trial in range(100):
-        min_n = int(torch.randint(1, 3, (1,), generator=generator))
-        max_n = min_n + int(torch.randint(0, 3, (1,), generator=generator))
-        config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
-                                           "prompt_lookup_min": min_n, "prompt_lookup_max": max_n})
-        proposer = NgramProposer(config, None, max_num_seqs=4, max_model_len=80)
+        proposer, min_n, max_n = _random_proposer(generator, 3, 4, 80)
         vocab = int(torch.randint(2, 4, (1,), generator=generator))
         unit = torch.randint(0, vocab, (int(torch.randint(2, 9, (1,), generator=generator)),), generator=generator)
         # a repeated unit and some noise: runs longer and shorter than the cap

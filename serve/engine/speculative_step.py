@@ -138,14 +138,17 @@ def verify_drafts(engine, rows: list[Request], drafts: DraftBatch, num_draft: li
                   sampling: SamplingBatch) -> Verified:
     """Scores [last token, drafts] of every row in one target forward and keeps what verifies: a chain
     through the engine's decode step (graphs where it has them), a tree with its own mask and positions."""
-    ids = _verify_ids(rows, drafts.tokens, 1 + max(num_draft), engine.device)
+    width = 1 + max(num_draft)
+    # on CPU the drafts are listed on the host once: a few ints a row, for the ids and for matching
+    host_drafts = drafts.tokens[:, : width - 1].tolist() if drafts.tokens.device.type == "cpu" else None
+    ids = _verify_ids(rows, drafts.tokens, host_drafts, width, engine.device)
     q_lens = [1 + n for n in num_draft]
     if drafts.parents is None:
         out, forward_at = engine.step_forward(ids, rows, q_lens)
         verify_at = engine.clock()
         with torch.inference_mode():
             kept = verified_tokens(out.logits, drafts, num_draft, sampling, engine.rejection_sampler,
-                                   engine.spec_config.synthetic_acceptance_rate)
+                                   engine.spec_config.synthetic_acceptance_rate, host_drafts)
     else:  # a tree: its mask and rotary positions, its accepted path's K/V moved into place; eager
         engine.stats["num_forward_passes"] += 1
         forward_at = engine.clock()
@@ -159,12 +162,12 @@ def verify_drafts(engine, rows: list[Request], drafts: DraftBatch, num_draft: li
     return Verified(out, kept, [len(row) for row in kept], q_lens, verify_at - forward_at, verified_at - verify_at)
 
 
-def _verify_ids(rows: list[Request], draft_tokens: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
-    """[B, width]: each row's last token, then its drafts; -1 padding becomes token 0 in padding slots. On CPU
-    listed on the host (the drafts are a few ints a row), elsewhere made on the device without a sync."""
-    if draft_tokens.device.type == "cpu":
-        drafted = draft_tokens[:, : width - 1].tolist()
-        return torch.tensor([[r.last_token] + [max(t, 0) for t in row] for r, row in zip(rows, drafted)],
+def _verify_ids(rows: list[Request], draft_tokens: torch.Tensor, host_drafts: list[list[int]] | None, width: int,
+                device: torch.device) -> torch.Tensor:
+    """[B, width]: each row's last token, then its drafts; -1 padding becomes token 0 in padding slots. From
+    `host_drafts` where the drafts were listed on the host (CPU), else made on the device without a sync."""
+    if host_drafts is not None:
+        return torch.tensor([[r.last_token] + [max(t, 0) for t in row] for r, row in zip(rows, host_drafts)],
                             dtype=torch.long, device=device)
     ids = torch.empty(len(rows), width, dtype=torch.long, device=device)
     ids[:, 0] = torch.tensor([r.last_token for r in rows], device=device)

@@ -42,6 +42,9 @@ def test_host_matching_keeps_what_the_tensor_path_keeps(temperatures, width):
         num_draft = counts.tolist()
         kept = verified_tokens(logits, drafts, num_draft, _batch(temperatures), rejection_sample_reference, None)
         assert kept == _tensor_path(logits, drafts, num_draft, _batch(temperatures)), trial
+        listed = verified_tokens(logits, drafts, num_draft, _batch(temperatures), rejection_sample_reference,
+                                 None, tokens.tolist())  # the drafts as the verify step lists them
+        assert listed == kept, trial
         assert all(1 <= len(row) <= n + 1 for row, n in zip(kept, num_draft))
         if not any(temperatures):  # greedy: drafts kept while they are the argmax, then the argmax
             for row, n, a in zip(kept, num_draft, agree.tolist()):

@@ -64,6 +64,7 @@ class PendingFeatures:
         self._later_total += 1
         return True
 
+    @torch.inference_mode()
     def replay(self) -> None:
         """Observes the kept plain steps in order; rows released since are skipped. Steps of the same live rows
         at consecutive positions are observed as one: one features build and one scatter (step by step, a

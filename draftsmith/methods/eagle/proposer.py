@@ -89,7 +89,7 @@ class EagleFamilyProposer(Proposer):
         self.draft_probs: torch.Tensor | None = None  # [max_num_seqs, k, V], allocated on first sampled draft
         self.max_model_len = max_model_len
         self.pending = PendingFeatures(max_num_seqs, self.k, max_model_len, self.device,
-                                       lambda hidden_states: self.features(hidden_states),
+                                       self.features,
                                        self.feature_layers)
         self.observe_window = self.pending.window
         # P-EAGLE: drafts 2..k from k - 1 slots appended to the catch-up forward (`parallel_inputs`)

@@ -384,6 +384,51 @@ at::Tensor greedy_ids_cpu(const at::Tensor& logits) {
   return ids.view(shape);
 }
 
+// The first index of the largest of row + bias, each sum rounded to fp32 as PyTorch's add rounds it (summed
+// into `scratch`, then `first_largest`)
+int64_t first_largest_sum(const float* row, const float* bias, int64_t vocab, float* scratch) {
+  for (int64_t i = 0; i < vocab; ++i) scratch[i] = row[i] + bias[i];
+  return first_largest(scratch, vocab);
+}
+
+// A greedy Markov chain along a block: drafted[a, j] is the first largest of base[a, j] + table[row_of[t]],
+// t the token before position j (start_tokens[a] for j = 0, else drafted[a, j - 1]), from position `start`
+// on. Stops at the first position where some row's token has no kept row (row_of < 0) and returns it (the
+// positions before it done), or the block's width when all are done.
+int64_t markov_chain_cpu(const at::Tensor& base, const at::Tensor& table, const at::Tensor& row_of,
+                         const at::Tensor& start_tokens, at::Tensor& drafted, int64_t start) {
+  TORCH_CHECK(base.scalar_type() == at::kFloat && base.dim() == 3 && base.stride(2) == 1,
+              "markov_chain: fp32 base logits [rows, width, vocab], vocab contiguous");
+  const int64_t rows = base.size(0), width = base.size(1), vocab = base.size(2);
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.size(1) == vocab && table.is_contiguous(),
+              "markov_chain: fp32 kept rows [capacity, vocab]");
+  TORCH_CHECK(row_of.scalar_type() == at::kLong && row_of.is_contiguous() && row_of.numel() == vocab,
+              "markov_chain: row_of is int64, one per token");
+  TORCH_CHECK(start_tokens.scalar_type() == at::kLong && start_tokens.is_contiguous() && start_tokens.numel() == rows,
+              "markov_chain: start_tokens is int64 [rows]");
+  TORCH_CHECK(drafted.scalar_type() == at::kLong && drafted.is_contiguous() && drafted.size(0) == rows &&
+              drafted.size(1) == width, "markov_chain: drafted is int64 [rows, width]");
+  const float* base_data = base.data_ptr<float>();
+  const float* table_data = table.data_ptr<float>();
+  const int64_t* rows_of = row_of.data_ptr<int64_t>();
+  const int64_t* first = start_tokens.data_ptr<int64_t>();
+  int64_t* out = drafted.data_ptr<int64_t>();
+  std::vector<float> scratch(vocab);
+  for (int64_t j = start; j < width; ++j) {
+    for (int64_t a = 0; a < rows; ++a) {
+      const int64_t token = j == 0 ? first[a] : out[a * width + j - 1];
+      TORCH_CHECK(token >= 0 && token < vocab, "markov_chain: a token outside the vocabulary");
+      if (rows_of[token] < 0) return j;
+    }
+    for (int64_t a = 0; a < rows; ++a) {
+      const int64_t token = j == 0 ? first[a] : out[a * width + j - 1];
+      out[a * width + j] = first_largest_sum(base_data + a * base.stride(0) + j * base.stride(1),
+                                             table_data + rows_of[token] * vocab, vocab, scratch.data());
+    }
+  }
+  return width;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(draftsmith_cpu, m) {
@@ -394,6 +439,8 @@ TORCH_LIBRARY_FRAGMENT(draftsmith_cpu, m) {
   m.def("write_kv(Tensor(a!) cache, Tensor slots, Tensor positions, Tensor new) -> ()");
   m.def("greedy_pick(Tensor logits, Tensor? d2t) -> (Tensor, Tensor)");
   m.def("greedy_ids(Tensor logits) -> Tensor");
+  m.def("markov_chain(Tensor base, Tensor table, Tensor row_of, Tensor start_tokens, Tensor(a!) drafted, "
+        "int start) -> int");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) {
@@ -404,4 +451,5 @@ TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) {
   m.impl("write_kv", &write_kv_cpu);
   m.impl("greedy_pick", &greedy_pick_cpu);
   m.impl("greedy_ids", &greedy_ids_cpu);
+  m.impl("markov_chain", &markov_chain_cpu);
 }

@@ -1,6 +1,6 @@
 """The small ops of an eager forward on CPU, one C++ op each (step_ops_cpu.cpp, built with the CPU attention
 kernel): RMSNorm, a residual add with the RMSNorm after it, the MLP's SiLU times up and rope of fp32 and bf16
-tensors, the write of new keys and values into their slots, a draft's greedy pick and greedy token ids. On CPU each small aten op of a decode step
+tensors, the write of new keys and values into their slots, a draft's greedy pick, greedy token ids and a greedy Markov chain (DSpark). On CPU each small aten op of a decode step
 costs a few microseconds whatever its size, and PyTorch runs a norm as six, a rope as five and a write as an
 index_put. They run only where this process has loaded the build (the engine
 does at start, `kernel_backend.slot_kernel_wanted`) and nothing records autograd; a compiled step traces
@@ -92,3 +92,12 @@ def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1), by `greedy_ids` where these ops run for the logits: every greedy choice of a token
     (the target's verify and decode, a parallel drafter's block, Medusa's heads) takes it."""
     return greedy_ids(logits) if runs_for(logits) else logits.argmax(-1)
+
+
+def markov_chain(base: torch.Tensor, table: torch.Tensor, row_of: torch.Tensor, start_tokens: torch.Tensor,
+                 drafted: torch.Tensor, start: int) -> int:
+    """Greedy drafts along a block (`MarkovBiasRows.greedy_chain`): drafted[a, j] = (base[a, j] + table[row_of[t]])
+    .argmax(), t the token before position j (start_tokens[a], then drafted[a, j - 1]), from position `start`
+    on, in place; base fp32 [A, W, V], table fp32 [C, V], row_of int64 [V] (-1: no kept row). -> the first
+    position where some row's token had no kept row (the ones before it drafted), or W when all are."""
+    return torch.ops.draftsmith_cpu.markov_chain.default(base, table, row_of, start_tokens, drafted, start)

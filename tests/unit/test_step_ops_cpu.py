@@ -298,3 +298,30 @@ def test_the_engine_decodes_alike_with_and_without_them(monkeypatch, ops_on, tar
                 enforce_eager=True)
     assert greedy_token_ids(plain) == greedy_reference
     assert not norms
+
+
+@pytest.mark.parametrize("rows,width,vocab,budget_rows", [(1, 7, 300, 512), (8, 7, 300, 16), (3, 5, 97, 4)])
+def test_markov_chain_drafts_as_bias_rows_then_argmax(ops_on, rows, width, vocab, budget_rows):
+    """The C++ greedy Markov chain (`MarkovBiasRows.greedy_chain`) drafts what adding each position's kept bias
+    row and taking the argmax drafts, including when the budget makes it stop, fetch rows and evict."""
+    from draftsmith.methods.dspark.markov_cache import MarkovBiasRows
+
+    generator = torch.Generator().manual_seed(rows * width + vocab)
+    w1, w2 = torch.randn(vocab, 8, generator=generator), torch.randn(vocab, 8, generator=generator)
+    for trial in range(6):
+        base = 3 * torch.randn(rows, width, vocab, generator=generator)
+        base[0, 0, :3] = base[0, 0, :3].max() + 1  # a tie before the bias: the first index wins unless it moves
+        last = torch.randint(0, vocab, (rows,), generator=generator)
+        reference_rows = MarkovBiasRows(w1, w2, budget_bytes=budget_rows * vocab * 4)
+        previous, expected = last, []
+        logits = base.clone()
+        for j in range(width):
+            previous = reference_rows.add_to(logits[:, j], previous).argmax(-1)
+            expected.append(previous)
+        chained_rows = MarkovBiasRows(w1, w2, budget_bytes=budget_rows * vocab * 4)
+        with torch.no_grad():  # the ops run where nothing records autograd
+            got = chained_rows.greedy_chain(base, last)
+        assert got is not None and torch.equal(got, torch.stack(expected, 1)), trial
+        kept = chained_rows.row_of >= 0  # the tensor map agrees with the dict, evictions included
+        assert sorted(kept.nonzero().flatten().tolist()) == sorted(chained_rows.where)
+        assert all(chained_rows.row_of[t].item() == r for t, r in chained_rows.where.items())

@@ -13,6 +13,8 @@ from collections import OrderedDict
 
 import torch
 
+from draftsmith.models import step_ops_cpu
+
 BUDGET_BYTES = 64 * 2**20  # 2048 rows of an 8192-token vocabulary in fp32
 
 
@@ -24,6 +26,28 @@ class MarkovBiasRows:
         # fp32 rows, as the head's logits; untouched rows take no memory until written
         self.table = torch.empty(self.capacity, vocab, dtype=torch.float32, device=markov_w2.device)
         self.where: OrderedDict[int, int] = OrderedDict()  # token -> its row of `table`, least recent first
+        # the same map as a tensor for the C++ chain: each token's row of `table`, -1 where it has none
+        self.row_of = torch.full((vocab,), -1, dtype=torch.long, device=markov_w2.device)
+
+    def greedy_chain(self, base: torch.Tensor, last: torch.Tensor) -> torch.Tensor | None:
+        """Greedy drafts along the block in one C++ op (`step_ops_cpu.markov_chain`): drafted[:, j] the argmax
+        of base[:, j] plus the bias of the token before it (`last` for j = 0), as `add_to` then argmax give
+        them -> drafted [A, W]; None where the op does not run (not loaded, not fp32) or the rows' tokens at a
+        position are more than the budget holds. The op stops where a token has no kept row; that position's
+        tokens get theirs (`_rows`) and it goes on. The tokens read count as used (least recently used out)."""
+        if base.dtype != torch.float32 or not step_ops_cpu.runs_for(base) or base.dim() != 3 or base.stride(-1) != 1:
+            return None
+        rows, width = base.shape[:2]
+        drafted = torch.empty(rows, width, dtype=torch.long, device=base.device)
+        start = 0
+        last = last.contiguous()
+        while (start := step_ops_cpu.markov_chain(base, self.table, self.row_of, last, drafted, start)) < width:
+            if self._rows(last if start == 0 else drafted[:, start - 1]) is None:
+                return None
+        for token in dict.fromkeys(torch.cat([last[:, None], drafted[:, :-1]], 1).flatten().tolist()):
+            if token in self.where:  # a small budget may have let a later position's rows evict it
+                self.where.move_to_end(token)
+        return drafted
 
     def add_to(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """logits [A, V] (fp32) plus the bias each of token ids [A] gives the position after it, added in place
@@ -52,7 +76,12 @@ class MarkovBiasRows:
         if missing:
             biases = torch.mm(self.w1[torch.tensor(missing, device=tokens.device)], self.w2_t).float()
             for token, bias in zip(missing, biases):
-                row = len(self.where) if len(self.where) < self.capacity else self.where.popitem(last=False)[1]
+                if len(self.where) < self.capacity:
+                    row = len(self.where)
+                else:
+                    evicted, row = self.where.popitem(last=False)
+                    self.row_of[evicted] = -1
                 self.table[row] = bias
                 self.where[token] = row
+                self.row_of[token] = row
         return [self.where[t] for t in ids]

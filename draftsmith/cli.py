@@ -159,6 +159,11 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     tr.add_argument("--no-check", action="store_true",
                     help="skip the acceptance gate on the saved head (`draftsmith check` against its training "
                     "record; exit status 1 when it fails)")
+    tr.add_argument("--eval-only", action="store_true",
+                    help="train nothing: evaluate the run's newest checkpoint (simulated acceptance, as the "
+                    "epoch evals) on the recipe's eval data, e.g. another file with "
+                    "data.eval_files=[held-out.jsonl] training.eval_max_k=7, into "
+                    "OUTPUT_DIR/reeval_step<N>.json")
     tr.set_defaults(handler="draftsmith.serve.check.hooks:train_then_check")
 
 
@@ -466,13 +471,24 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.set_defaults(handler="draftsmith.serve.apps.demo:run")
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; `section.key=value` overrides after a flag (`train RECIPE --no-check a.b=1`)
+    still go to the command's overrides, which argparse alone would refuse once a flag came between."""
+    args, extras = parser.parse_known_args(argv)
+    if extras and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extras):
+        args.overrides = [*args.overrides, *extras]
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()  # lists the registered methods, which finds the plugins'
     except DraftsmithError as exc:
         print(f"draftsmith: error: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # which flags were given, where a command asks
     if args.command is None:
         parser.print_help()

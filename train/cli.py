@@ -16,7 +16,8 @@ def train_recipe(args: argparse.Namespace):
     from draftsmith.train.trainer import train
 
     recipe = load_recipe(args.recipe, args.overrides)
-    return recipe, Path(train(recipe, ["draftsmith", "train", args.recipe, *args.overrides]))
+    return recipe, Path(train(recipe, ["draftsmith", "train", args.recipe, *args.overrides],
+                              eval_only=getattr(args, "eval_only", False)))
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -246,8 +246,9 @@ class PreparedRun:
 _HELD_UNTIL_EXIT: list = []
 
 
-def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
-    """Runs (or resumes) the recipe; returns the directory of the final head."""
+def train(recipe: Recipe, argv: list[str] | None = None, eval_only: bool = False) -> Path:
+    """Runs (or resumes) the recipe; returns the directory of the final head. `eval_only`: evaluates the run's
+    newest checkpoint on the recipe's eval data instead (`evaluate_checkpoint`) and returns its report's path."""
     output = Path(recipe.training.output_dir)
     log_with = "tensorboard" if _has_tensorboard() else None
     accelerator = _start_run(recipe, output, log_with)
@@ -258,12 +259,28 @@ def train(recipe: Recipe, argv: list[str] | None = None) -> Path:
     if accelerator.num_processes > 1:
         _HELD_UNTIL_EXIT.append((accelerator, run))
     progress = _resume(accelerator, output)
+    if eval_only:
+        return evaluate_checkpoint(accelerator, recipe, output, run, progress)
     if log_with:
         accelerator.init_trackers("draftsmith", config={"head_type": recipe.model.head_type})
     accelerator.print(f"training {recipe.model.head_type} head: {num_parameters:,} "
                       f"parameters, {len(train_ds)} samples, {run.total_steps} optimizer steps")
     progress = _train_epochs(accelerator, recipe, output, argv, run, progress)
     return _finish(accelerator, recipe, output, argv, run, progress)
+
+
+def evaluate_checkpoint(accelerator, recipe: Recipe, output: Path, run: PreparedRun, progress: Progress) -> Path:
+    """The simulated acceptance of the checkpoint `progress` was resumed from, on the recipe's eval data (as
+    overridden: another eval file, `training.eval_max_k`), written as `reeval_step<N>.json` beside the run's
+    `eval_*.json` (which stay the head's training record) -> that file."""
+    if not progress.step:
+        raise DraftsmithError(f"{output / 'checkpoints'} holds no checkpoint to evaluate: train the recipe first")
+    if run.eval_loader is None:
+        raise DraftsmithError("the recipe has no eval data: set data.eval_files (or data.eval_fraction)")
+    report = evaluate(accelerator, run.trainee, run.eval_loader, recipe.training.eval_max_k)
+    _report(accelerator, output, f"step{progress.step:08d}", report, progress.step, prefix="reeval")
+    accelerator.end_training()
+    return output / f"reeval_step{progress.step:08d}.json"
 
 
 def _start_run(recipe: Recipe, output: Path, log_with: str | None):
@@ -424,10 +441,10 @@ def _write_training_record(output: Path, head_dir: Path) -> None:
         write_record(head_dir, record)
 
 
-def _report(accelerator, output: Path, name: str, report: dict[str, float], step: int) -> None:
+def _report(accelerator, output: Path, name: str, report: dict[str, float], step: int, prefix: str = "eval") -> None:
     accelerator.log(report, step=step)
     if accelerator.is_main_process:
-        (output / f"eval_{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (output / f"{prefix}_{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     ks = [k for k in report if k.startswith("sim_mean_acceptance_length_k")]
     accelerator.print(f"eval {name}: simulated mean acceptance length " +
                       ", ".join(f"k={k.rsplit('k', 1)[1]}: {report[k]:.2f}" for k in ks) +

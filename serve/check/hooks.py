@@ -37,7 +37,7 @@ def train_then_check(args: argparse.Namespace) -> int:
     from draftsmith.train.cli import train_recipe
 
     recipe, head = train_recipe(args)
-    if args.no_check:
+    if args.no_check or args.eval_only:  # an eval writes no head to check
         return 0
     with tempfile.TemporaryDirectory(prefix="draftsmith-check-") as workdir:
         return _gate("train", head, Path(recipe.model.target), Path(workdir))

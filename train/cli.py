@@ -16,8 +16,10 @@ def train_recipe(args: argparse.Namespace):
     from draftsmith.train.trainer import train
 
     recipe = load_recipe(args.recipe, args.overrides)
-    return recipe, Path(train(recipe, ["draftsmith", "train", args.recipe, *args.overrides],
-                              eval_only=getattr(args, "eval_only", False)))
+    argv = ["draftsmith", "train", args.recipe, *args.overrides]
+    if getattr(args, "eval_only", False):  # `-m draftsmith.train` has no such flag
+        return recipe, Path(train(recipe, argv, eval_only=True))
+    return recipe, Path(train(recipe, argv))
 
 
 def run_train(args: argparse.Namespace) -> int:

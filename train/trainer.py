@@ -251,7 +251,8 @@ def train(recipe: Recipe, argv: list[str] | None = None, eval_only: bool = False
     newest checkpoint on the recipe's eval data instead (`evaluate_checkpoint`) and returns its report's path."""
     output = Path(recipe.training.output_dir)
     log_with = "tensorboard" if _has_tensorboard() else None
-    accelerator = _start_run(recipe, output, log_with)
+    # an eval leaves the run's recipe.yaml the one it trained with (its overrides name other eval data)
+    accelerator = _start_run(recipe, output, log_with, record=not eval_only)
     argv = argv or sys.argv
     trainee, train_ds, eval_ds, pad = _build_trainee(accelerator, recipe)
     num_parameters = sum(p.numel() for p in trainee.head.parameters())  # before prepare shards them
@@ -283,8 +284,8 @@ def evaluate_checkpoint(accelerator, recipe: Recipe, output: Path, run: Prepared
     return output / f"reeval_step{progress.step:08d}.json"
 
 
-def _start_run(recipe: Recipe, output: Path, log_with: str | None):
-    """The run's one `Accelerator`, seeded, with the resolved recipe written into the run directory."""
+def _start_run(recipe: Recipe, output: Path, log_with: str | None, record: bool = True):
+    """The run's one `Accelerator`, seeded, with the resolved recipe written into the run directory (`record`)."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
@@ -293,7 +294,7 @@ def _start_run(recipe: Recipe, output: Path, log_with: str | None):
                               mixed_precision=t.mixed_precision, log_with=log_with, project_dir=str(output),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     set_seed(t.seed)
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and record:
         output.mkdir(parents=True, exist_ok=True)
         (output / "recipe.yaml").write_text(dump_recipe(recipe))
     return accelerator

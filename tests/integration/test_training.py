@@ -244,14 +244,15 @@ def test_a_checkpoint_with_pickled_progress_and_no_json_resumes(finished_run, tm
 
 def test_eval_only_scores_the_newest_checkpoint_and_trains_nothing(finished_run, workspace, tmp_path):
     """`train --eval-only` with an override after the flag (another eval file, another depth): the newest
-    checkpoint's simulated acceptance as reeval_step<N>.json; no step, checkpoint, head or epoch eval is
-    written. A run without a checkpoint is one line of error."""
+    checkpoint's simulated acceptance as reeval_step<N>.json; no step, checkpoint, head, epoch eval or
+    recipe.yaml is written. A run without a checkpoint is one line of error."""
     recipe_path, checkpoint = _copy_of(finished_run, tmp_path)
     _, _, data = workspace
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("".join(line + "\n" for line in data.read_text().splitlines()[:3]))
     run = tmp_path / "run"
-    before = {path.name: path.stat().st_mtime_ns for path in [*run.glob("eval_*.json"), run / "head" / "model.safetensors"]}
+    written = [*run.glob("eval_*.json"), run / "head" / "model.safetensors", run / "recipe.yaml"]
+    before = {path.name: path.stat().st_mtime_ns for path in written}
     evaluated = _run_cli(recipe_path, "--eval-only", f"data.eval_files=[{held_out}]", "training.eval_max_k=3",
                          launcher=DRAFTSMITH_TRAIN[:-1])
     log = evaluated.communicate(timeout=300)[0]
@@ -261,7 +262,7 @@ def test_eval_only_scores_the_newest_checkpoint_and_trains_nothing(finished_run,
         f"sim_mean_acceptance_length_k{k}" for k in (1, 2, 3)]
     assert 1.0 <= report["sim_mean_acceptance_length_k3"] <= 4.0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
-    assert {path.name: path.stat().st_mtime_ns for path in [*run.glob("eval_*.json"), run / "head" / "model.safetensors"]} == before
+    assert {path.name: path.stat().st_mtime_ns for path in written} == before  # the run's record untouched
     shutil.rmtree(run / "checkpoints")
     fresh = _run_cli(recipe_path, "--eval-only", launcher=DRAFTSMITH_TRAIN[:-1])
     log = fresh.communicate(timeout=300)[0]

@@ -124,6 +124,9 @@ bench-peer: $(STAMP) $(PEER_STAMP)
 	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --concurrency 1,8 \
 		--rounds 3 --no-hf --no-plot --control --peer vllm --peer-python $(PEER_VENV)/bin/python \
 		--peer-threads $(PEER_THREADS) --json build/bench-peer.json
+	$(VENV)/bin/draftsmith bench --shared $(SHARED) --models demo-code-7m,house-code-28m --methods ngram \
+		--concurrency 1,8 --rounds 3 --no-hf --no-plot --peer vllm --peer-python $(PEER_VENV)/bin/python \
+		--peer-threads $(PEER_THREADS) --peer-binding threads,one,own --json build/bench-peer-best.json
 
 # The standing server fuzz at length: 10,000 requests of boundary values against a live speculating server while
 # a canary streams (`make test` runs 150 of them); prints the status counts, 5xx, canary changes, restarts.

@@ -397,6 +397,12 @@ def _add_bench_peer_args(bench: argparse.ArgumentParser) -> None:
     peer.add_argument("--peer-threads", type=_positive_int, default=None,
                       help="compute threads for each engine: draftsmith's torch threads, vLLM's OpenMP threads bound "
                       "to cores 0..N-1 (default: torch's thread count)")
+    peer.add_argument("--peer-binding", default="threads",
+                      help="comma-separated vLLM bindings, each row taking the fastest: threads (default: thread for "
+                      "thread, --peer-threads OpenMP threads bound to cores 0..N-1, the engine core in the worker's "
+                      "process), one (one thread bound to core 0), own (vLLM's CPU defaults: its own binding, its "
+                      "engine core and worker processes of their own); draftsmith runs --peer-threads threads. "
+                      "threads,one,own: each engine at its best binding")
     peer.add_argument("--peer-compile", action="store_true",
                       help="let vLLM compile its forward at start (its default; tens of seconds a method here): "
                       "without it, vLLM runs eager (enforce_eager), as draftsmith does on CPU")

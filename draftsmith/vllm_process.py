@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -57,21 +58,31 @@ def bind_threads(threads: int | None, option: str = "threads") -> tuple[int, str
     return threads, "0" if threads == 1 else f"0-{threads - 1}"
 
 
+OWN_BINDING = "own"  # PeerWorker's `bind` for vLLM's CPU defaults: it binds its threads and runs its processes
+
+
 class PeerWorker:
     """One worker process (a script of the vLLM venv: the bench's peer, datagen's or capture's worker) with
     vLLM's CPU settings: `reply` reads its next protocol line; what else it prints goes to its log, which
     every error names."""
 
     def __init__(self, python: Path, job: dict, bind: str | None, threads: int, workdir: Path, worker: Path,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, pausable: bool = False):
         """`bind`: vLLM's CPU settings, its OpenMP threads bound to these cores (VLLM_CPU_OMP_THREADS_BIND) and
-        the engine core in this process; None: vLLM picks its device and processes itself (GPUs); `env`: more
-        of the worker's environment (CUDA_VISIBLE_DEVICES for a data-parallel rank)."""
+        the engine core in this process; OWN_BINDING: vLLM's CPU build as it starts by default, its binding
+        and its processes its own (`threads` unused); None: vLLM picks its device and processes itself (GPUs);
+        `env`: more of the worker's environment (CUDA_VISIBLE_DEVICES for a data-parallel rank); `pausable`:
+        the worker leads a process group of its own, which `pause` and `resume` stop and continue."""
         workdir.mkdir(parents=True, exist_ok=True)
         job_path, self.log_path = workdir / "job.json", workdir / "worker.log"
         job_path.write_text(json.dumps(job))
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        if bind is not None:
+        if bind == OWN_BINDING:
+            env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"})
+            for key in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
+                        "VLLM_ENABLE_V1_MULTIPROCESSING"):
+                env.pop(key, None)
+        elif bind is not None:
             # NUMBA_NUM_THREADS: vLLM's n-gram proposer sets numba's thread count around each lookup and restores
             # numba's default (the machine's cores) after; numba's OpenMP layer is torch's runtime, so a worker
             # bound to 1 thread computed on 2 from its first propose on
@@ -79,8 +90,10 @@ class PeerWorker:
                         "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads),
                         "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         self.log = open(self.log_path, "w")
+        self.pausable = pausable
         self.process = subprocess.Popen([str(python), str(worker), str(job_path)], env=env, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        start_new_session=pausable)
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -125,7 +138,25 @@ class PeerWorker:
         except BrokenPipeError:
             pass  # it is gone: `reply` says how, naming its log
 
+    def pause(self) -> None:
+        """Stops the worker and the processes it started until `resume`. An idle vLLM worker is not idle: at
+        one thread bound to a core its gloo threads poll it (half a core each, two such workers a whole one),
+        and at its own binding its processes poll for about a second after each round; stopped, they take no
+        CPU from the engine being timed."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, number: int) -> None:
+        if self.pausable and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, number)
+            except ProcessLookupError:
+                pass  # gone between the poll and the signal: `reply` says how
+
     def close(self) -> None:
+        self.resume()  # a stopped worker reads no end of input
         if self.process.poll() is None:
             try:
                 self.process.stdin.close()  # the worker's loop ends at end of input
@@ -134,6 +165,7 @@ class PeerWorker:
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)  # with the processes it started, where it leads their group
                 self.process.kill()
                 self.process.wait()
         self.log.close()

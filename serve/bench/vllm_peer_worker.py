@@ -17,7 +17,9 @@ right after draftsmith's round of it, so that both engines are timed seconds apa
 
 Concurrency c = c requests in flight, the next prompt added as one finishes, through vLLM's own step loop
 (`LLMEngine.add_request` / `step`) with the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
-set by the caller), so that a step's time is the step's work, as in draftsmith's loop. Tokens/s counts the
+set by the caller), so that a step's time is the step's work, as in draftsmith's loop; under the bench's
+`--peer-binding own` the caller leaves vLLM's defaults, and `step` collects what the engine core's own
+process decoded meanwhile (its torch_threads are then this process's, not the core's). Tokens/s counts the
 steps that begin with c requests in flight once the first c have their first tokens; the whole run's, drain
 included, is reported beside it.
 Requests are not detokenized (draftsmith's engine does not detokenize without stop strings either).

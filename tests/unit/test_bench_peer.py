@@ -8,6 +8,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.serve.bench import peer
 from draftsmith.serve.bench import vllm_peer_worker as worker
+from draftsmith.vllm_process import OWN_BINDING
 from helpers import REPO
 
 
@@ -128,8 +130,8 @@ def test_a_refusal_is_the_first_sentence_of_vllms_pydantic_error():
 FAKE_WORKER = textwrap.dedent("""
     import itertools, json, os, sys
     job = json.load(open(sys.argv[1]))
-    env = {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
-                                      "VLLM_TARGET_DEVICE")}
+    env = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
+                                          "VLLM_TARGET_DEVICE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     open(sys.argv[1] + ".env", "w").write(json.dumps(env))
     def say(message):
         print("\\nDRAFTSMITH-PEER " + json.dumps(message), flush=True)
@@ -173,7 +175,7 @@ def test_a_job_goes_to_the_worker_and_each_round_comes_back(tmp_path, fake_worke
     try:
         env = json.loads((Path(session.tmp.name) / "none" / "job.json.env").read_text())
         assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
-                       "VLLM_TARGET_DEVICE": "cpu"}
+                       "VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         assert list(session.workers) == ["none"]  # the refusal's worker is gone, its reason kept
         for _ in range(3):
             session.run_round(2)
@@ -198,6 +200,106 @@ def test_a_peer_computing_on_more_threads_than_bound_says_it_is_not_thread_for_t
         session.close()
     assert "torch threads 1, started" in peer._summary(session.results["none"])
     assert "torch threads 2 of 1 asked (not thread for thread)" in peer._summary(session.results["ngram"])
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_peer_workers_are_stopped_except_in_their_rounds(fake_worker):
+    """Idle vLLM workers poll (gloo threads, its own processes): each is stopped, with its process group,
+    from its start to its next round and after it, and closes from there."""
+    session = _session(fake_worker, {"none": None})
+    try:
+        worker = session.workers["none"]
+        assert _state(worker.process.pid) == "T"
+        ran = []
+        orig_round = worker.round
+        worker.round = lambda c: ran.append(_state(worker.process.pid)) or orig_round(c)
+        session.run_round(1)
+        assert ran and ran[0] != "T", ran  # running in its round
+        assert _state(worker.process.pid) == "T"
+    finally:
+        session.close()
+    assert worker.process.poll() is not None  # a stopped worker still closes
+
+
+def _peer(binding: str, threads: int = 1) -> peer.Peer:
+    from draftsmith.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--peer", "vllm", "--peer-python", sys.executable, "--peer-threads",
+                                      str(threads), "--peer-binding", binding, "--max-tokens", "2"])
+    saved = torch.get_num_threads()
+    try:
+        return peer.Peer(args)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_at_its_own_binding_vllm_starts_with_its_cpu_defaults(fake_worker, monkeypatch, capsys):
+    """--peer-binding own: vLLM binds its threads and runs its engine core as it does by default, whatever the
+    bench's own environment says, and neither the summary nor the table calls that thread for thread."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    own = _peer("own")
+    [binding] = own.bindings
+    assert binding.bind == OWN_BINDING and own.threads == 1
+    session = _session(fake_worker, {"ngram": {"method": "ngram", "num_speculative_tokens": 4}}, bind=binding.bind)
+    try:
+        env = json.loads((Path(session.tmp.name) / "ngram" / "job.json.env").read_text())
+        session.run_round(1)
+    finally:
+        session.close()
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": None, "OMP_NUM_THREADS": None, "NUMBA_NUM_THREADS": None,
+                   "VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": None}
+    assert "not thread for thread" not in peer._summary(session.results["ngram"])
+    own.print_table("demo-code-7m", [], [1])
+    assert "vLLM at its own CPU binding" in capsys.readouterr().out
+
+
+def test_peer_bindings_parse_in_order_without_repeats():
+    from draftsmith.serve.bench.peer_bindings import parse_bindings
+
+    assert [(b.name, b.threads, b.bind) for b in parse_bindings("threads,one,own", 2)] == [
+        ("threads", 2, "0-1"), ("one", 1, "0"), ("own", 2, OWN_BINDING)]
+    assert [b.name for b in parse_bindings("threads, one", 1)] == ["threads"]  # one thread: the same binding
+    assert _peer("threads").bindings == parse_bindings("threads", 1)  # the default
+    with pytest.raises(DraftsmithError, match="--peer-binding 'threads,all': a comma-separated list of threads, one"):
+        parse_bindings("threads,all", 2)
+
+
+def test_each_row_takes_its_fastest_binding(fake_worker, monkeypatch, capsys):
+    """Every binding's worker runs every round; a row's peer figures are its fastest binding's, named."""
+    speeds = {"0": 100.0, OWN_BINDING: 50.0}  # by the worker's bind: threads fast, own slow
+
+    class Fixed(peer.PeerSession):
+        def run_round(self, concurrency):
+            super().run_round(concurrency)
+            for result in self.results.values():
+                for level in result.levels:
+                    level.tokens_per_s = [speeds[self.bind]] * len(level.tokens_per_s)
+
+    def session(python, model_dir, configs, batches, max_tokens, threads, bind, compiled=False):
+        made = Fixed(python, model_dir, configs, batches, max_tokens, threads, bind, worker=fake_worker)
+        made.bind = bind
+        return made
+
+    monkeypatch.setattr(peer, "PeerSession", session)
+    both = _peer("threads,own")
+    sessions = both.session(SimpleNamespace(max_tokens=2), REPO / "assets" / "demo-code-7m", {"none": None}, BATCHES)
+    try:
+        sessions.run_round(1)
+    finally:
+        sessions.close()
+    assert set(sessions.by_binding) == {"threads", "own"}
+    [row] = both.merge(Path("demo-code-7m"), sessions, {}, [{"method": "none", "concurrency": 1, "k": None,
+                                                            "tokens_per_s": 200.0}])
+    assert row["peer_binding"] == "threads" and row["peer_tokens_per_s"] == 100.0 and row["vs_peer"] == 2.0
+    assert row["peer_tokens_per_s_by_binding"] == {"threads": 100.0, "own": 50.0}
+    assert "vLLM's fastest: c=1 threads" in "\n".join(peer.table_lines([row], [1]))
+    both.print_table("demo-code-7m", [row], [1])
+    assert "vLLM at the fastest of its bindings in each cell" in capsys.readouterr().out
 
 
 def test_a_worker_that_dies_without_a_result_is_one_line_naming_its_log(tmp_path):

@@ -4,7 +4,8 @@ generator (`serve/apps`) and capture's hidden states (`train`) all start one.
 vLLM lives in a venv of its own (`make peer-vllm`: it pins a transformers apart from ours), so its python runs
 a worker script that imports no draftsmith: it answers in lines on stdout that begin with PREFIX
 (`serve/bench/vllm_peer_worker.say` writes them), one per command line on its stdin. On CPU, vLLM's OpenMP
-threads are bound to cores 0..N-1 (`bind_threads`) and its engine core runs in the worker's own process.
+threads are bound to cores 0..N-1 (`bind_threads`) and its engine core runs in the worker's own process,
+unless the bench asks for vLLM's own defaults (OWN_BINDING).
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ class PeerWorker:
         the engine core in this process; OWN_BINDING: vLLM's CPU build as it starts by default, its binding
         and its processes its own (`threads` unused); None: vLLM picks its device and processes itself (GPUs);
         `env`: more of the worker's environment (CUDA_VISIBLE_DEVICES for a data-parallel rank); `pausable`:
-        the worker leads a process group of its own, which `pause` and `resume` stop and continue."""
+        the worker leads a process group of its own, which `pause` and `resume` stop and continue. The group
+        stays in this process's session: should this process die while the group is stopped, the kernel
+        hangs up the orphaned group (SIGHUP, then SIGCONT), where a session of its own would leave it stopped
+        for good, weights and KV cache held."""
         workdir.mkdir(parents=True, exist_ok=True)
         job_path, self.log_path = workdir / "job.json", workdir / "worker.log"
         job_path.write_text(json.dumps(job))
@@ -93,7 +97,7 @@ class PeerWorker:
         self.pausable = pausable
         self.process = subprocess.Popen([str(python), str(worker), str(job_path)], env=env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        start_new_session=pausable)
+                                        preexec_fn=os.setpgrp if pausable else None)
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

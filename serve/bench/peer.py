@@ -3,15 +3,16 @@ build, side by side with draftsmith in one run (issue 39).
 
 vLLM lives in a venv of its own (`make peer-vllm`: it pins transformers apart from ours), so it runs as a
 subprocess of that venv's python on `vllm_peer_worker.py`, one process per (model, method), loaded once before
-anything is timed and kept for the model's whole matrix. Both engines get the same number of compute threads
-(`--peer-threads N`: draftsmith runs N torch threads, vLLM binds N OpenMP threads to cores 0..N-1, as it binds
-them always), or with `--peer-binding own` each engine runs at its own binding: draftsmith on N threads, vLLM
-as it starts by default (its binding, its engine core in a process of its own). Heads are exported with draftsmith's own converter (`draftsmith convert --to vllm`) into a
-temporary folder; a method vLLM will not load is a row saying why, not a failed run.
+anything is timed and kept for the model's whole matrix. By default both engines get the same number of
+compute threads (`--peer-threads N`: draftsmith runs N torch threads, vLLM binds N OpenMP threads to cores
+0..N-1); `--peer-binding` runs vLLM at other bindings too, each row taking the fastest (`peer_bindings.py`).
+Heads are exported with draftsmith's own converter (`draftsmith convert --to vllm`) into a temporary folder;
+a method vLLM will not load is a row saying why, not a failed run.
 
 Each round of a level runs through every peer worker right after draftsmith's round of it (`PeerSession`):
 the machine's speed drifts by up to a third over minutes, and two engines timed minutes apart had given
-ratios that moved by half between runs. Idle workers wait on their stdin and take no CPU.
+ratios that moved by half between runs. Outside its rounds a worker is stopped (`PeerWorker.pause`): idle
+vLLM workers poll, and would take CPU from the engine being timed.
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ class Peer:
     def print_table(self, name: str, rows: list[dict], levels: list[int]) -> None:
         mode = "compiled" if self.compiled else "eager"
         if len(self.bindings) == 1:
-            binding = _binding(self.threads, self.bindings[0].bind)
+            binding = _binding(self.bindings[0].threads, self.bindings[0].bind)
         else:
             binding = (f"draftsmith on {self.threads} torch thread(s), vLLM at the fastest of its bindings in each "
                        "cell: " + "; ".join(b.describe() for b in self.bindings))

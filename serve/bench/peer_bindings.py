@@ -54,7 +54,9 @@ def parse_bindings(spec: str, threads: int) -> list[Binding]:
 
 def fastest(merged: dict[str, list[dict]]) -> list[dict]:
     """Rows merged with each binding's results (`peer.merge`, same rows in the same order) -> each row with
-    the peer figures of its fastest binding, `peer_binding` naming it and `peer_tokens_per_s_by_binding`."""
+    the peer figures of its fastest binding, `peer_binding` naming it (None where none was timed) and
+    `peer_tokens_per_s_by_binding`; its greedy mismatches are the most any binding had, so that "ids equal"
+    holds for every binding."""
     names = list(merged)
     rows = []
     for versions in zip(*(merged[name] for name in names)):
@@ -63,8 +65,11 @@ def fastest(merged: dict[str, list[dict]]) -> list[dict]:
         if "peer" not in versions[0]:
             rows.append(versions[0])
             continue
-        best = max(timed, key=lambda name: speeds[name]) if timed else names[0]
-        row = dict(versions[names.index(best)])
+        best = max(timed, key=lambda name: speeds[name]) if timed else None
+        row = dict(versions[names.index(best) if best else 0])
         row.update(peer_binding=best, peer_tokens_per_s_by_binding={name: speeds[name] for name in timed})
+        counted = [v["peer_greedy_mismatches"] for v in versions if v.get("peer_greedy_mismatches") is not None]
+        if counted:
+            row["peer_greedy_mismatches"] = max(counted)
         rows.append(row)
     return rows

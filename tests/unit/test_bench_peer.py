@@ -4,8 +4,11 @@ rows and table. tests/integration/test_bench_peer.py runs the real peer."""
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -207,19 +210,104 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+def _stopped(pid: int, want: bool = True) -> bool:
+    """Whether the process is (or, with `want` False, is not) stopped within a few seconds: a signal is
+    delivered when the kernel next schedules its target."""
+    for _ in range(100):
+        if (_state(pid) == "T") == want:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+PARENT_WORKER = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    open(sys.argv[1] + ".child", "w").write(str(child.pid))
+    sys.stdin.read()  # until the end of input
+    child.kill()
+""")
+
+
+def _pid_file(path: Path) -> int:
+    for _ in range(200):
+        if path.exists() and path.read_text():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never written")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return _state(pid) == "Z"  # exited, not yet reaped by its new parent
+    except FileNotFoundError:
+        return True
+
+
+def test_a_paused_worker_stops_with_the_processes_it_started(tmp_path):
+    from draftsmith.vllm_process import PeerWorker
+
+    script = tmp_path / "parent_worker.py"
+    script.write_text(PARENT_WORKER)
+    worker = PeerWorker(Path(sys.executable), {}, "0", 1, tmp_path / "w", script, pausable=True)
+    child = _pid_file(tmp_path / "w" / "job.json.child")
+    try:
+        worker.pause()
+        assert _stopped(worker.process.pid) and _stopped(child)
+        worker.resume()
+        assert _stopped(worker.process.pid, False) and _stopped(child, False)
+        worker.pause()
+    finally:
+        worker.close()  # from stopped
+    assert worker.process.poll() is not None
+
+
+BENCH_THAT_DIES = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from draftsmith.vllm_process import PeerWorker
+    workdir = Path(sys.argv[1])
+    worker = PeerWorker(Path(sys.executable), {}, "0", 1, workdir, Path(sys.argv[2]), pausable=True)
+    while not (workdir / "job.json.child").exists():
+        pass
+    worker.pause()
+    stat = Path(f"/proc/{worker.process.pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        pass  # it dies with the worker stopped, as a bench between rounds
+    print(worker.process.pid, flush=True)
+    os._exit(1)  # no close, no finally: as a bench killed by SIGKILL or the OOM killer
+""")
+
+
+def test_stopped_workers_do_not_outlive_a_bench_that_dies(tmp_path):
+    """The kernel hangs up a stopped process group its parent's death orphans, in the same session only."""
+    script, bench = tmp_path / "parent_worker.py", tmp_path / "bench.py"
+    script.write_text(PARENT_WORKER)
+    bench.write_text(BENCH_THAT_DIES)
+    done = subprocess.run([sys.executable, str(bench), str(tmp_path / "w"), str(script)], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    pid, child = int(done.stdout.split()[0]), _pid_file(tmp_path / "w" / "job.json.child")
+    for _ in range(100):
+        if _gone(pid):
+            break
+        time.sleep(0.05)
+    assert _gone(pid), f"the stopped worker {pid} outlived its bench (state {_state(pid)})"
+    os.kill(child, signal.SIGKILL) if not _gone(child) else None  # its own child is orphaned, not stopped
+
+
 def test_peer_workers_are_stopped_except_in_their_rounds(fake_worker):
     """Idle vLLM workers poll (gloo threads, its own processes): each is stopped, with its process group,
     from its start to its next round and after it, and closes from there."""
     session = _session(fake_worker, {"none": None})
     try:
         worker = session.workers["none"]
-        assert _state(worker.process.pid) == "T"
+        assert _stopped(worker.process.pid)
         ran = []
         orig_round = worker.round
-        worker.round = lambda c: ran.append(_state(worker.process.pid)) or orig_round(c)
+        worker.round = lambda c: ran.append(_stopped(worker.process.pid, False)) or orig_round(c)
         session.run_round(1)
-        assert ran and ran[0] != "T", ran  # running in its round
-        assert _state(worker.process.pid) == "T"
+        assert ran == [True]  # running in its round
+        assert _stopped(worker.process.pid)
     finally:
         session.close()
     assert worker.process.poll() is not None  # a stopped worker still closes
@@ -271,7 +359,7 @@ def test_peer_bindings_parse_in_order_without_repeats():
 
 def test_each_row_takes_its_fastest_binding(fake_worker, monkeypatch, capsys):
     """Every binding's worker runs every round; a row's peer figures are its fastest binding's, named."""
-    speeds = {"0": 100.0, OWN_BINDING: 50.0}  # by the worker's bind: threads fast, own slow
+    speeds = {"0": 50.0, OWN_BINDING: 100.0}  # by the worker's bind: threads (listed first) slow, own fast
 
     class Fixed(peer.PeerSession):
         def run_round(self, concurrency):
@@ -279,6 +367,8 @@ def test_each_row_takes_its_fastest_binding(fake_worker, monkeypatch, capsys):
             for result in self.results.values():
                 for level in result.levels:
                     level.tokens_per_s = [speeds[self.bind]] * len(level.tokens_per_s)
+                    if self.bind == "0":  # the slow binding's ids differ from draftsmith's on one prompt
+                        level.outputs = [[9, 9]] + level.outputs[1:]
 
     def session(python, model_dir, configs, batches, max_tokens, threads, bind, compiled=False):
         made = Fixed(python, model_dir, configs, batches, max_tokens, threads, bind, worker=fake_worker)
@@ -293,13 +383,24 @@ def test_each_row_takes_its_fastest_binding(fake_worker, monkeypatch, capsys):
     finally:
         sessions.close()
     assert set(sessions.by_binding) == {"threads", "own"}
-    [row] = both.merge(Path("demo-code-7m"), sessions, {}, [{"method": "none", "concurrency": 1, "k": None,
-                                                            "tokens_per_s": 200.0}])
-    assert row["peer_binding"] == "threads" and row["peer_tokens_per_s"] == 100.0 and row["vs_peer"] == 2.0
-    assert row["peer_tokens_per_s_by_binding"] == {"threads": 100.0, "own": 50.0}
-    assert "vLLM's fastest: c=1 threads" in "\n".join(peer.table_lines([row], [1]))
+    reference = {1: [ids[:2] for ids in BATCHES[1]]}  # the fake worker's greedy "ids"
+    [row] = both.merge(Path("demo-code-7m"), sessions, reference, [{"method": "none", "concurrency": 1, "k": None,
+                                                                   "tokens_per_s": 200.0}])
+    assert row["peer_binding"] == "own" and row["peer_tokens_per_s"] == 100.0 and row["vs_peer"] == 2.0
+    assert row["peer_tokens_per_s_by_binding"] == {"threads": 50.0, "own": 100.0}
+    assert row["peer_greedy_mismatches"] == 1  # the slower binding's mismatch is not hidden by the faster's
+    assert "vLLM's fastest: c=1 own" in "\n".join(peer.table_lines([row], [1]))
     both.print_table("demo-code-7m", [row], [1])
     assert "vLLM at the fastest of its bindings in each cell" in capsys.readouterr().out
+
+
+def test_a_row_no_binding_timed_names_none():
+    from draftsmith.serve.bench.peer_bindings import fastest
+
+    failed = {"method": "none", "concurrency": 1, "peer": "vllm", "peer_problem": "failed in vLLM: x"}
+    [row] = fastest({"threads": [dict(failed)], "own": [dict(failed)]})
+    assert row["peer_binding"] is None and row["peer_tokens_per_s_by_binding"] == {}
+    assert peer._fastest_bindings({1: row}) == ""
 
 
 def test_a_worker_that_dies_without_a_result_is_one_line_naming_its_log(tmp_path):

@@ -252,8 +252,8 @@ class Peer:
     def __init__(self, args: argparse.Namespace):
         self.name = args.peer
         self.python = peer_python(args)
-        self.threads, _ = bind_threads(args.peer_threads, "--peer-threads")
-        self.bindings = parse_bindings(getattr(args, "peer_binding", "threads"), self.threads)
+        self.threads, cores = bind_threads(args.peer_threads, "--peer-threads")
+        self.bindings = parse_bindings(getattr(args, "peer_binding", "threads"), self.threads, cores)
         self.compiled = bool(getattr(args, "peer_compile", False))
         self.version: str | None = None
 
@@ -287,7 +287,7 @@ class Peer:
     def print_table(self, name: str, rows: list[dict], levels: list[int]) -> None:
         mode = "compiled" if self.compiled else "eager"
         if len(self.bindings) == 1:
-            binding = _binding(self.bindings[0].threads, self.bindings[0].bind)
+            binding = self.bindings[0].title()
         else:
             binding = (f"draftsmith on {self.threads} torch thread(s), vLLM at the fastest of its bindings in each "
                        "cell: " + "; ".join(b.describe() for b in self.bindings))
@@ -295,15 +295,6 @@ class Peer:
               f"their ratio; acc = mean acceptance length draftsmith/vLLM")
         for line in table_lines(rows, levels):
             print(line, flush=True)
-
-
-def _binding(threads: int, bind: str) -> str:
-    """The threads each engine computes on, as the table's title says it."""
-    if bind == OWN_BINDING:
-        return (f"draftsmith on {threads} torch thread(s), vLLM at its own CPU binding (its default: it binds its "
-                "threads and runs its engine core in a process of its own)")
-    cores = f"core {bind}" if threads == 1 else f"cores {bind}"
-    return f"{threads} compute thread(s) each (vLLM's bound to {cores})"
 
 
 def _cell(row: dict | None) -> str:

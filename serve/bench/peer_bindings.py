@@ -28,21 +28,31 @@ class Binding:
     threads: int  # vLLM's OpenMP threads (for `own`, draftsmith's count: the worker leaves vLLM to choose)
     bind: str  # `PeerWorker`'s bind: cores, or OWN_BINDING
 
+    def cores(self) -> str:
+        return f"core {self.bind}" if self.threads == 1 else f"cores {self.bind}"
+
     def describe(self) -> str:
         if self.bind == OWN_BINDING:
             return "own (vLLM's default: it binds its threads, its engine core a process of its own)"
-        cores = f"core {self.bind}" if self.threads == 1 else f"cores {self.bind}"
-        return f"{self.name} ({self.threads} thread(s) bound to {cores})"
+        return f"{self.name} ({self.threads} thread(s) bound to {self.cores()})"
+
+    def title(self) -> str:
+        """The table's words for this binding where it is the only one (draftsmith on `threads` threads)."""
+        if self.bind == OWN_BINDING:
+            return (f"draftsmith on {self.threads} torch thread(s), vLLM at its own CPU binding (its default: it "
+                    "binds its threads and runs its engine core in a process of its own)")
+        return f"{self.threads} compute thread(s) each (vLLM's bound to {self.cores()})"
 
 
-def parse_bindings(spec: str, threads: int) -> list[Binding]:
+def parse_bindings(spec: str, threads: int, cores: str) -> list[Binding]:
     """--peer-binding's comma-separated names -> the bindings, in order, without repeats (`one` is `threads`
-    where draftsmith runs one thread); a one-line error for a name that is none of BINDINGS."""
+    where draftsmith runs one thread); `cores`: the cores `threads` threads bind (`bind_threads`); a one-line
+    error for a name that is none of BINDINGS."""
     names = [name.strip() for name in spec.split(",") if name.strip()]
     unknown = [name for name in names if name not in BINDINGS]
     if unknown or not names:
         raise DraftsmithError(f"--peer-binding {spec!r}: a comma-separated list of {', '.join(BINDINGS)}")
-    made = {"threads": Binding("threads", threads, "0" if threads == 1 else f"0-{threads - 1}"),
+    made = {"threads": Binding("threads", threads, cores),
             "one": Binding("one", 1, "0"), "own": Binding("own", threads, OWN_BINDING)}
     bindings: list[Binding] = []
     for name in names:

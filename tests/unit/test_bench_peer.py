@@ -349,12 +349,12 @@ def test_at_its_own_binding_vllm_starts_with_its_cpu_defaults(fake_worker, monke
 def test_peer_bindings_parse_in_order_without_repeats():
     from draftsmith.serve.bench.peer_bindings import parse_bindings
 
-    assert [(b.name, b.threads, b.bind) for b in parse_bindings("threads,one,own", 2)] == [
+    assert [(b.name, b.threads, b.bind) for b in parse_bindings("threads,one,own", 2, "0-1")] == [
         ("threads", 2, "0-1"), ("one", 1, "0"), ("own", 2, OWN_BINDING)]
-    assert [b.name for b in parse_bindings("threads, one", 1)] == ["threads"]  # one thread: the same binding
-    assert _peer("threads").bindings == parse_bindings("threads", 1)  # the default
+    assert [b.name for b in parse_bindings("threads, one", 1, "0")] == ["threads"]  # one thread: the same binding
+    assert _peer("threads").bindings == parse_bindings("threads", 1, "0")  # the default
     with pytest.raises(DraftsmithError, match="--peer-binding 'threads,all': a comma-separated list of threads, one"):
-        parse_bindings("threads,all", 2)
+        parse_bindings("threads,all", 2, "0-1")
 
 
 def test_each_row_takes_its_fastest_binding(fake_worker, monkeypatch, capsys):

@@ -260,9 +260,11 @@ def recorded_draft_forwards(llm) -> list[int]:
     return seen
 
 
-def random_dflash_head(target, block_size=5, layers=2, seed=0, sample_from_anchor=False, dspark: dict | None = None):
+def random_dflash_head(target, block_size=5, layers=2, seed=0, sample_from_anchor=False, dspark: dict | None = None,
+                       window: int | None = None):
     """A DFlash head on `target` with weights drawn around 0 (norms around 1), fused layer ids 1, 3, 5; with
-    `dspark` (DSparkConfig's own fields), a DSpark head (anchor-first) of those layers."""
+    `dspark` (DSparkConfig's own fields), a DSpark head (anchor-first) of those layers; `window`: its
+    sliding_window."""
     from draftsmith.methods.dflash.head import DFlashConfig, DFlashHead
     from draftsmith.methods.dspark.head import DSparkConfig, DSparkHead
 
@@ -273,7 +275,7 @@ def random_dflash_head(target, block_size=5, layers=2, seed=0, sample_from_ancho
                           num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
                           head_dim=t.head_dim, vocab_size=t.vocab_size, target_hidden_size=t.hidden_size,
                           target_num_layers=t.num_hidden_layers, aux_layer_ids=(1, 3, 5), block_size=block_size,
-                          mask_token_id=3, rms_norm_eps=t.rms_norm_eps, rope=t.rope,
+                          mask_token_id=3, rms_norm_eps=t.rms_norm_eps, rope=t.rope, sliding_window=window,
                           **({"sample_from_anchor": sample_from_anchor} if dspark is None else {}))
     torch.manual_seed(seed)
     head = head_class(config)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +57,10 @@ HEADS = {
     # vLLM must slide it as draftsmith does, or the first draft's acceptance parts
     "peagle-window": {"method": "eagle3", "model": "build/oracle-heads/peagle-window",
                       "num_speculative_tokens": 5, "parallel_drafting": True, **FP32},
+    # the shipped DFlash head with a window far shorter than the prompts (its own, 256, is about as long): each
+    # block position's window must end at its own position in vLLM as in draftsmith
+    "dflash-window": {"method": "dflash", "model": "build/oracle-heads/dflash-window", "num_speculative_tokens": 8,
+                      **FP32},
 }
 
 
@@ -75,6 +81,15 @@ def built_heads() -> None:
         peagle_head(REPO / HEADS["peagle-2-layers"]["model"], layers=2)
     if not (REPO / HEADS["peagle-window"]["model"] / "config.json").is_file():
         peagle_head(REPO / HEADS["peagle-window"]["model"], layers=2, window=16)
+    if not (REPO / HEADS["dflash-window"]["model"] / "config.json").is_file():
+        _windowed_copy(REPO / HEADS["dflash"]["model"], REPO / HEADS["dflash-window"]["model"], 16)
+
+
+def _windowed_copy(head: Path, directory: Path, window: int) -> None:
+    """A copy of a block head's directory with its `sliding_window` set to `window`."""
+    shutil.copytree(head, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "sliding_window": window}, indent=2))
 
 
 @dataclass

@@ -16,6 +16,7 @@ from draftsmith.models.attention import cached_attention
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.rope import apply_rope
 from draftsmith.serve import LLM, SamplingParams
+from draftsmith.serve.speculation.config import parse_speculative_config
 from draftsmith.train.recipe import validate_recipe
 from draftsmith.train.trainer import train
 from helpers import (
@@ -423,6 +424,56 @@ def test_round_trips_are_lossless(demo_target, tmp_path, to, anchor_first, capsy
     assert all(torch.equal(tensors[k], tensors_back[k]) for k in tensors)
 
 
+@pytest.mark.parametrize("to", ["vllm", "speculators"])
+def test_a_window_survives_both_exports_in_each_readers_keys(demo_target, tmp_path, to):
+    """A windowed head's export keeps its block non-causal in the reader's own keys: vLLM's
+    dflash_config.use_swa (its layer_types windows are causal within the block), speculators' layer_types with
+    sliding_window_non_causal; both read back as the same head."""
+    import public_checkpoints as pub
+
+    head = random_dflash_head(demo_target, seed=3, window=64)
+    head.config.target_model = str(DEMO_MODEL)
+    head.save_pretrained(tmp_path / "native")
+    config = pub.read_native(tmp_path / "native")[0]
+    assert pub.convert(tmp_path / "native", tmp_path / to, "--to", to) == 0
+    exported = json.loads((tmp_path / to / "config.json").read_text())
+    if to == "vllm":
+        assert exported["dflash_config"]["use_swa"] is True and exported["dflash_config"]["swa_window_size"] == 64
+        assert exported["dflash_config"]["causal"] is False and exported["use_sliding_window"] is False
+        assert "layer_types" not in exported
+    else:
+        layer = exported["transformer_layer_config"]
+        assert layer["layer_types"] == ["sliding_attention"] * 2 and layer["sliding_window"] == 64
+        assert exported["sliding_window_non_causal"] is True
+    assert pub.convert(tmp_path / to, tmp_path / "back") == 0
+    assert pub.read_native(tmp_path / "back")[0] == config and config["sliding_window"] == 64
+
+
+def test_a_window_read_as_causal_is_refused(demo_target, tmp_path, capsys):
+    """Sliding layers that their readers run causal within the block (z-lab's layer_types, speculators' without
+    sliding_window_non_causal) are a one-line error: draftsmith's block sees all of itself."""
+    import public_checkpoints as pub
+
+    head = random_dflash_head(demo_target, seed=3)
+    source = _zlab_checkpoint(head, tmp_path / "zlab")
+    config = json.loads((source / "config.json").read_text())
+    config.update(layer_types=["sliding_attention"] * 2, sliding_window=64)
+    (source / "config.json").write_text(json.dumps(config))
+    assert pub.convert(source, tmp_path / "a") == 2
+    assert "sliding layers, which vLLM runs causal within the block" in capsys.readouterr().err
+    config["dflash_config"]["causal"] = False
+    (source / "config.json").write_text(json.dumps(config))
+    assert pub.convert(source, tmp_path / "b") == 0
+    assert pub.read_native(tmp_path / "b")[0]["sliding_window"] == 64
+    assert pub.convert(tmp_path / "b", tmp_path / "spec", "--to", "speculators") == 0
+    exported = json.loads((tmp_path / "spec" / "config.json").read_text())
+    del exported["sliding_window_non_causal"]
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(exported))
+    capsys.readouterr()
+    assert pub.convert(tmp_path / "spec", tmp_path / "c") == 2
+    assert "without sliding_window_non_causal attend causally" in capsys.readouterr().err
+
+
 def test_sglangs_layout_key_reads_as_anchor_first(demo_target, tmp_path, capsys):
     import public_checkpoints as pub
 
@@ -517,6 +568,94 @@ def test_served_blocks_are_the_teacher_forced_blocks_step_after_step(demo_target
         _, feats = features(row.all_token_ids())
         proposer.observe([row], [start], [keep + 1], feats[:, start : start + keep + 1])
     assert accepted == 3
+
+
+@pytest.mark.parametrize("attention", ["cpp", "torch"])
+def test_a_windowed_block_drafts_what_training_teaches_from_the_prompts_newest_positions(demo_target, attention,
+                                                                                        monkeypatch):
+    """With `sliding_window` W each block position attends over the newest W positions up to its own and the
+    rest of its block, in training and serving alike (through the C++ slot kernel and PyTorch's attention): a
+    proposer fed only the prompt's newest W positions (what the engine hands over, `observe_window`) drafts,
+    step after step, the windowed teacher-forced block over the whole text; and the window changes what the
+    block computes there."""
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", attention)
+    from draftsmith.models.tokenizer import load_tokenizer
+    from helpers import Row
+
+    window = 16
+    head = random_dflash_head(demo_target, seed=4, window=window)
+    whole = random_dflash_head(demo_target, seed=4)
+    config = parse_speculative_config({"method": "dflash", "model": "unused", "num_speculative_tokens": 4,
+                                       "draft_dtype": "float32"})
+    proposer = _proposer_of(head, config, demo_target)
+    assert proposer.observe_window == window
+    prompt = load_tokenizer(DEMO_MODEL)(CODE_PROMPTS[3] * 3, add_special_tokens=False).input_ids
+    assert len(prompt) > 2 * window
+
+    def features(ids):
+        with torch.no_grad():
+            return head.features(demo_target(torch.tensor([ids]), feature_layers=head.feature_layers).hidden_states)
+
+    row = Row("a", 0, prompt, [7])
+    feats = features(prompt)
+    proposer.observe([row], [len(prompt) - window], [window], feats[:, -window:])
+    differs = False
+    for _ in range(3):
+        drafts = proposer.propose([row], [4]).tokens[0].tolist()
+        ids = row.all_token_ids()
+        feats = features(ids)
+        anchor = torch.tensor([[len(ids) - 1]])
+        with torch.no_grad():
+            taught = head.readout(head.training_forward(feats, torch.tensor([ids]), anchor)[:, 1:])
+            unwindowed = whole.readout(whole.training_forward(feats, torch.tensor([ids]), anchor)[:, 1:])
+        assert drafts == taught.argmax(-1)[0].tolist()
+        differs = differs or not torch.allclose(taught, unwindowed, atol=1e-3)
+        start = len(ids) - 1
+        row.output_token_ids += drafts[:1] + [(drafts[1] + 1) % 8000 + 4]
+        feats = features(row.all_token_ids())
+        proposer.observe([row], [start], [2], feats[:, start : start + 2])
+    assert differs, "the window changed nothing: the test does not reach past it"
+
+
+def _proposer_of(head, config, target):
+    """A DFlash proposer drafting with `head` as it is (not loaded from a directory)."""
+    import draftsmith.methods.dflash.proposer as dflash
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dflash, "load_attached_head", lambda *args: head)
+        return dflash.DFlashProposer(config, target, 2, 256)
+
+
+def test_a_window_leaves_no_gap_it_would_read(demo_target):
+    """A windowed proposer takes a prompt chunk that starts past the positions observed before it only where the
+    chunk holds a whole window (the skipped positions are older than any window reads); a window no wider than
+    the block is a one-line error."""
+    from helpers import Row
+
+    config = parse_speculative_config({"method": "dflash", "model": "unused", "num_speculative_tokens": 4})
+    proposer = _proposer_of(random_dflash_head(demo_target, window=8), config, demo_target)
+    row = Row("a", 0, list(range(4, 40)), [])
+    features = torch.zeros(1, 36, 3 * demo_target.config.hidden_size)
+    with pytest.raises(DraftsmithError, match="must continue each request's earlier ones"):
+        proposer.observe([row], [30], [6], features[:, :6])
+    proposer.observe([row], [28], [8], features[:, :8])
+    assert proposer.context_len[0] == 36
+    with pytest.raises(DraftsmithError, match="sliding_window 5: more than block_size 5"):
+        random_dflash_head(demo_target, window=5)
+
+
+def test_a_windowed_head_keeps_greedy_equality_fed_only_its_window(demo_target, tmp_path, greedy_reference):
+    """An engine hands a windowed head only the newest `sliding_window` positions of each prompt, and decodes
+    what plain decoding does."""
+    window = 8
+    llm = _serve(_save(random_dflash_head(demo_target, seed=6, window=window), tmp_path / "head"))
+    observed, observe = [], llm.engine.proposer.observe
+    llm.engine.proposer.observe = lambda rows, starts, counts, features: (
+        observed.append(list(counts)) or observe(rows, starts, counts, features))
+    got = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == greedy_reference
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+    assert max(max(counts) for counts in observed) <= window
 
 
 def test_kept_plain_steps_are_the_catch_up_the_policy_prices(demo_target):

@@ -43,8 +43,8 @@ def demo_target():
     return load_target(DEMO_MODEL, dtype="float32")
 
 
-def _head(target, seed=0, **fields):
-    head = random_dflash_head(target, block_size=5, seed=seed, dspark={**DSPARK, **fields})
+def _head(target, seed=0, window=None, **fields):
+    head = random_dflash_head(target, block_size=5, seed=seed, dspark={**DSPARK, **fields}, window=window)
     with torch.no_grad():  # a Markov term large enough to change drafts
         head.markov_head.markov_w1.weight.normal_(std=1.0)
         head.markov_head.markov_w2.weight.normal_(std=1.0)
@@ -59,13 +59,15 @@ def _serve(head_dir, k=5, engine: dict | None = None, **extra):
                **engine)
 
 
-@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated"])
-def test_served_drafts_are_the_taught_block_with_the_markov_term_along_it(demo_target, tmp_path, markov_head_type):
+@pytest.mark.parametrize("markov_head_type,window", [("vanilla", None), ("gated", None), ("vanilla", 8)])
+def test_served_drafts_are_the_taught_block_with_the_markov_term_along_it(demo_target, tmp_path, markov_head_type,
+                                                                          window):
     """The proposer's drafts equal the teacher-forced block's greedy choices wherever the drafts before them
     are the text (here: the text is made of the drafts), and its survival chances are the running product of
     the confidence head's, which the Markov term of each previous draft feeds. A gated head's term reads each
-    position's hidden state: a proposer gating by another position's fails this."""
-    head = _head(demo_target, markov_head_type=markov_head_type)
+    position's hidden state: a proposer gating by another position's fails this. A windowed head (fed, as the
+    engine feeds it, only the prompt's newest `window` positions) drafts the windowed teacher-forced block."""
+    head = _head(demo_target, markov_head_type=markov_head_type, window=window)
     head.save_pretrained(tmp_path / "head")
     config = parse_speculative_config({"method": "dspark", "model": str(tmp_path / "head"),
                                        "num_speculative_tokens": 5, "draft_dtype": "float32"})
@@ -74,7 +76,8 @@ def test_served_drafts_are_the_taught_block_with_the_markov_term_along_it(demo_t
     with torch.no_grad():
         out = demo_target(ids, feature_layers=head.feature_layers)
         features = head.features(out.hidden_states)
-    proposer.observe([Row("a", 0, ids[0, :19].tolist(), [])], [0], [19], features[:, :19])
+    fed = 19 if window is None else window
+    proposer.observe([Row("a", 0, ids[0, :19].tolist(), [])], [19 - fed], [fed], features[:, 19 - fed : 19])
     drafted = proposer.propose([Row("a", 0, ids[0, :19].tolist(), [int(ids[0, 19])])], [5])
     drafts = drafted.tokens[0].tolist()
     # the text the drafts continue: the block's own choices, so teacher forcing reads the drafts

@@ -35,6 +35,10 @@ class DFlashRecipe(RecipeModelSection):
         "DSpark's anchor-first (position i predicts the token after it, the anchor's output is the first draft)"))
     num_draft_layers: int = Field(default=1, gt=0, description="decoder layers (z-lab's Qwen3 drafts have 5)")
     mask_token_id: int | None = Field(default=None, description="default: the target tokenizer's pad token")
+    sliding_window: int | None = Field(default=None, gt=0, description=(
+        "each block position attends over the newest this many positions up to its own and the rest of its block, "
+        "in training and serving, as vLLM's dflash_config.use_swa (set it to data.max_length to serve no wider a "
+        "context than the head trained on); default: the whole context"))
     CONFIG_NAMES: ClassVar[dict[str, str]] = {"num_draft_layers": "num_hidden_layers"}
 
 
@@ -88,7 +92,7 @@ class DFlashMethod(SpecMethod):
                               sample_from_anchor=section.sample_from_anchor,
                               rms_norm_eps=t.rms_norm_eps, rope=t.rope, max_position_embeddings=t.max_position_embeddings,
                               attention_bias=t.qkv_bias, target_model=section.target,
-                              **cls.head_fields(section))
+                              sliding_window=section.sliding_window, **cls.head_fields(section))
         config.check_target(t)
         head = cls.head_module(config).attach_target(target)
         if section.intermediate_size in (None, t.intermediate_size) and section.num_draft_layers <= t.num_hidden_layers:

@@ -61,10 +61,13 @@ def _layer_count(names: list[str], where: str) -> int:
 
 def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], feature_layers: list[int], block_size,
                mask_token_id, num_target_layers, target_name: str, where: str, ignorable=(),
-               sample_from_anchor=False, head: tuple[type, list[str], dict[str, Any]] = (DFlashConfig, [], {})
-               ) -> NormalizedHead:
-    """`head`: the config class of a head built on DFlash's, the tensors it adds and its config fields."""
+               sample_from_anchor=False, head: tuple[type, list[str], dict[str, Any]] = (DFlashConfig, [], {}),
+               window=None) -> NormalizedHead:
+    """`head`: the config class of a head built on DFlash's, the tensors it adds and its config fields;
+    `window`: the block's attention window (`sliding_window`), None for the whole context."""
     config_class, head_names, head_fields = head
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= block_size):
+        raise DraftsmithError(f"{where}: the attention window {window!r} must be an integer above block_size")
     if not isinstance(sample_from_anchor, bool):
         raise DraftsmithError(f"{where}: sample_from_anchor {sample_from_anchor!r} must be true or false")
     if mask_token_id is None:
@@ -90,8 +93,34 @@ def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], featu
     config = config_class(**fields, **head_fields, num_hidden_layers=layers, vocab_size=vocab,
                           target_hidden_size=fc_in // len(feature_layers), target_num_layers=target_layers,
                           aux_layer_ids=tuple(feature_layers), block_size=block_size, mask_token_id=mask,
-                          sample_from_anchor=sample_from_anchor, attention_bias=biased, target_model=target_name)
+                          sample_from_anchor=sample_from_anchor, attention_bias=biased, target_model=target_name,
+                          sliding_window=window)
     return NormalizedHead(config.to_json(), tensors, [f"dropped {n} (the target's own)" for n in dropped])
+
+
+def _zlab_window(dflash: dict[str, Any], where: str) -> int | None:
+    """vLLM's DFlash window keys (`dflash_config.use_swa`, `swa_window_size`): every layer windowed or none.
+    Checkpoints that window some layers only (`layer_types`) are refused in `_layer_window`."""
+    if not dflash.get("use_swa"):
+        return None
+    if dflash.get("swa_window_size") is None:
+        raise DraftsmithError(f"{where}: dflash_config.use_swa without swa_window_size")
+    return dflash["swa_window_size"]
+
+
+def _layer_window(layer_config: dict[str, Any], where: str) -> int | None:
+    """A Qwen3 layer config's window: `sliding_window` where `use_sliding_window` or every `layer_types` entry
+    says so; draftsmith windows all of a block's layers alike, so a mix is refused."""
+    types = layer_config.get("layer_types") or []
+    sliding = [t == "sliding_attention" for t in types]
+    if any(sliding) and not all(sliding):
+        raise DraftsmithError(f"{where}: layer_types windows some DFlash layers only; draftsmith's block windows "
+                              "all of them or none")
+    if not (all(sliding) and sliding) and not layer_config.get("use_sliding_window"):
+        return None
+    if layer_config.get("sliding_window") is None:
+        raise DraftsmithError(f"{where}: sliding attention without a sliding_window")
+    return layer_config["sliding_window"]
 
 
 def _target_layers(config: dict, ctx: ReadContext, given) -> tuple[int, str]:
@@ -120,8 +149,13 @@ class ZLabDFlash:
         mask = dflash.get("mask_token_id", config.get("mask_token_id"))
         block = dflash.get("block_size", config.get("block_size"))
         anchor_first = dflash.get("sample_from_anchor", dflash.get("query_zero_predicts_next", False))
+        window = _zlab_window(dflash, where)
+        if window is None and _layer_window(config, where) is not None and dflash.get("causal") is not False:
+            raise DraftsmithError(f"{where}: sliding layers, which vLLM runs causal within the block; draftsmith's "
+                                  "DFlash block is not (a non-causal window is dflash_config.use_swa)")
         return _normalize(checkpoint, config, [i + 1 for i in ids], block, mask, layers, target, where,
-                          sample_from_anchor=anchor_first)
+                          sample_from_anchor=anchor_first,
+                          window=window if window is not None else _layer_window(config, where))
 
 
 @register_speculators_reader("dflash")
@@ -141,19 +175,33 @@ def read_speculators(checkpoint: SourceCheckpoint, ctx: ReadContext, where: str,
         raise DraftsmithError(f"{where}: aux_hidden_state_layer_ids must be a non-empty list of layer ids")
     ctx = _with_verifier(ctx, config, checkpoint.directory)
     layers, target = _target_layers(config, ctx, None)
+    window = _layer_window(layer, where)
+    if window is not None and not config.get("sliding_window_non_causal"):
+        raise DraftsmithError(f"{where}: windowed layers without sliding_window_non_causal attend causally within "
+                              "the block, which draftsmith's DFlash block does not")
     return _normalize(checkpoint, layer, ids, config.get("block_size"), config.get("mask_token_id"), layers, target,
                       where, ignorable=VERIFIER_COPIES + ("d2t", "t2d", "verifier_"),
                       sample_from_anchor=head is not None or config.get("sample_from_anchor", False),
-                      head=head if head is not None else (DFlashConfig, [], {}))
+                      head=head if head is not None else (DFlashConfig, [], {}), window=window)
 
 
-def _qwen3_layer(c: DFlashConfig, dtype: str, architectures: list[str]) -> dict[str, Any]:
+def _qwen3_layer(c: DFlashConfig, dtype: str, architectures: list[str], window_keys: bool = False) -> dict[str, Any]:
+    """The Qwen3 config of the block's layers; `window_keys`: the window as HF's per-layer keys (speculators'
+    reading; vLLM takes a layer_types window as causal, so z-lab's layout keeps it in dflash_config)."""
     return {"architectures": architectures, "model_type": "qwen3", "hidden_size": c.hidden_size,
             "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
             "head_dim": c.head_dim, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
             "max_position_embeddings": c.max_position_embeddings, **rope_keys(c.rope), "attention_bias": c.attention_bias,
-            "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": dtype}
+            "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": dtype,
+            **(_window_keys(c) if window_keys else {})}
+
+
+def _window_keys(c: DFlashConfig) -> dict[str, Any]:
+    """HF's per-layer window keys of the block's layers (speculators reads them): every layer windowed, or none."""
+    if c.sliding_window is None:
+        return {}
+    return {"sliding_window": c.sliding_window, "layer_types": ["sliding_attention"] * c.num_hidden_layers}
 
 
 def _last_layer_notes(c: DFlashConfig) -> list[str]:
@@ -186,6 +234,8 @@ def to_zlab(head: NormalizedHead) -> Exported:
         raise DraftsmithError("the head reads the target's embedding output (hidden_states index 0), which z-lab's "
                               "target_layer_ids (decoder-layer outputs) cannot name")
     dflash = {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.aux_layer_ids]}
+    if c.sliding_window is not None:  # vLLM's keys of a windowed, non-causal DFlash block (`qwen3_dflash.py`)
+        dflash.update(use_swa=True, swa_window_size=c.sliding_window, causal=False)
     notes = _layout_notes(c) or [f'serve with {{"method": "dflash", "num_speculative_tokens": {c.max_drafts()}}}']
     if c.sample_from_anchor:
         dflash.update(sample_from_anchor=True, query_zero_predicts_next=True)
@@ -202,10 +252,12 @@ def to_speculators(head: NormalizedHead) -> Exported:
     config = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
               "speculators_version": f"draftsmith-{__version__}",
               "speculators_config": _speculators_config(head, "dflash", c.max_drafts()),
-              "transformer_layer_config": _qwen3_layer(c, dtype, ["Qwen3ForCausalLM"]),
+              "transformer_layer_config": _qwen3_layer(c, dtype, ["Qwen3ForCausalLM"], window_keys=True),
               "draft_vocab_size": c.vocab_size, "block_size": c.block_size, "target_hidden_size": c.target_hidden_size,
               "aux_hidden_state_layer_ids": list(c.aux_layer_ids), "mask_token_id": c.mask_token_id,
               "sample_from_anchor": c.sample_from_anchor, **provenance(head)}
+    if c.sliding_window is not None:
+        config["sliding_window_non_causal"] = True  # the windowed block sees all of itself, as DFlash's does
     tensors, notes = dict(head.tensors), _layout_notes(c) + _last_layer_notes(c)
     embedding = target_embedding(c.target_model, (c.vocab_size, c.target_hidden_size))
     if embedding is None:

@@ -56,10 +56,17 @@ class DFlashConfig(HeadConfig):
     max_position_embeddings: int = 2048
     attention_bias: bool = False
     target_model: str = ""
+    # Block position j (at p) attends over the newest `sliding_window` positions up to p and the rest of its
+    # block (vLLM's non-causal window: `dflash_config.use_swa`), in training and serving alike; None: the whole
+    # context. A head trained on sequences of L tokens saw at most L - block_size context positions.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
             raise DraftsmithError(f"DFlash block_size {self.block_size}: at least 2 (the bonus token and one mask)")
+        if self.sliding_window is not None and self.sliding_window <= self.block_size:
+            raise DraftsmithError(f"DFlash sliding_window {self.sliding_window}: more than block_size "
+                                  f"{self.block_size}, or the block sees no context")
 
     @classmethod
     def _parse_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -214,7 +221,10 @@ class DFlashHead(AttachedHead):
         positions = (anchors[:, :, None] + offsets).view(rows, -1)
         block_anchor = anchors[:, :, None].expand(-1, -1, size).reshape(rows, -1)  # [B, T]
         block_id = torch.arange(anchors.shape[1], device=device).repeat_interleave(size)
-        sees_context = torch.arange(length, device=device)[None, None, :] < block_anchor[:, :, None]
+        keys = torch.arange(length, device=device)[None, None, :]
+        sees_context = keys < block_anchor[:, :, None]
+        if self.config.sliding_window is not None:  # the newest sliding_window positions up to the query's own
+            sees_context &= keys > positions[:, :, None] - self.config.sliding_window
         sees_block = (block_id[:, None] == block_id[None, :]).expand(rows, -1, -1)
         mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]  # [B, 1, T, L + T]
         outputs = slice(None)

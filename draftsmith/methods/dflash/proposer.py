@@ -93,15 +93,22 @@ class DFlashProposer(Proposer):
         self.lm_head = _in_dtype(target.lm_head, self.dtype)
         self.feature_layers = self.head.feature_layers
         self.block_size = self.head.config.block_size
+        # a windowed head's block query reads the newest `window` positions up to its own: of a prompt, the
+        # engine hands over only those (`observe_window`), and a chunk may start past the positions observed
+        # before it
+        self.window = self.head.config.sliding_window
+        self.observe_window = self.window
         # a block of block_size tokens a row through the draft layers, the LM head on its drafts
         self.draft_query_len = self.block_size
         self.draft_cost_guess = self.head.config.num_hidden_layers / target.config.num_hidden_layers
         self.k = config.num_speculative_tokens
         self.cache = self.head.make_cache(max_num_seqs, max_model_len + self.block_size)
         self.head.init_rope(max_model_len + self.block_size, self.device)  # a block may run past max_model_len
-        # per slot: the request whose context it holds and how many positions of it (0..n-1) are written
+        # per slot: the request whose context it holds and the end of its written positions (all of 0..n-1, or a
+        # window's newest); `observed_end`: the end of its observed ones, written or kept for later
         self.owner: list[str | None] = [None] * max_num_seqs
         self.context_len = [0] * max_num_seqs
+        self.observed_end = [0] * max_num_seqs
         # per slot, bumped whenever it changes hands: kept plain steps of an earlier holder are stale (a request
         # id may come back in the same slot)
         self.generation = [0] * max_num_seqs
@@ -145,8 +152,9 @@ class DFlashProposer(Proposer):
         self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), [1] * len(slots),
                                  list(range(len(slots))), size, hidden_states))
         self._later_bytes += size
-        for slot in slots:
+        for slot, start in zip(slots, starts):
             self._kept[slot] += 1
+            self.observed_end[slot] = start + 1
         return True
 
     def observe_prompt_later(self, rows: Sequence[RowState], starts: list[int], counts: list[int],
@@ -159,18 +167,26 @@ class DFlashProposer(Proposer):
         size = _nbytes(hidden_states)
         if not self._make_room(size):
             return False
-        for row, start in zip(rows, starts):
+        for row, start, count in zip(rows, starts, counts):
             self._claim(row)
-            if start != self.context_len[row.slot] + self._kept[row.slot]:
-                raise DraftsmithError("observed positions must continue each request's earlier ones")
+            self._check_continues(row.slot, start, count)
         slots = [r.slot for r in rows]
         reads = list(range(len(slots))) if reads is None else list(reads)
         self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), list(counts), reads,
                                  size, hidden_states, chunk=True))
-        for slot, count in zip(slots, counts):
+        for slot, start, count in zip(slots, starts, counts):
             self._kept[slot] += count
+            self.observed_end[slot] = start + count
         self._later_bytes += size
         return True
+
+    def _check_continues(self, slot: int, start: int, count: int) -> None:
+        """Observed positions continue the slot's earlier ones; a windowed head's may start past them where the
+        positions skipped are older than any window reads (`count` at least the window: a prompt chunk's newest)."""
+        end = self.observed_end[slot]
+        if start == end or (self.window is not None and start > end and count >= self.window):
+            return
+        raise DraftsmithError("observed positions must continue each request's earlier ones")
 
     def _make_room(self, size: int) -> bool:
         """Whether `size` more bytes fit in MAX_LATER_BYTES, once what finished requests left is dropped."""
@@ -182,7 +198,7 @@ class DFlashProposer(Proposer):
     def _claim(self, row: RowState) -> None:
         """The slot's context becomes `row`'s request's (empty) if it held another's."""
         if self.owner[row.slot] != row.request_id:
-            self.owner[row.slot], self.context_len[row.slot] = row.request_id, 0
+            self.owner[row.slot], self.context_len[row.slot], self.observed_end[row.slot] = row.request_id, 0, 0
             self.generation[row.slot] += 1
             self._kept[row.slot] = 0
 
@@ -271,11 +287,8 @@ class DFlashProposer(Proposer):
             live = self._live(kept)
             if not live:
                 continue
-            for i in live:
-                slot = kept.slots[i]
-                if kept.starts[i] != expected.setdefault(slot, self.context_len[slot]):
-                    raise DraftsmithError("observed positions must continue each request's earlier ones")
-                expected[slot] += kept.counts[i]
+            for i in live:  # checked as they were kept (`_check_continues`)
+                expected[kept.slots[i]] = kept.starts[i] + kept.counts[i]
             reads = torch.tensor([kept.reads[i] for i in live], device=self.device)
             if kept.chunk:
                 counts = [kept.counts[i] for i in live]
@@ -301,14 +314,13 @@ class DFlashProposer(Proposer):
         # kept positions go first where they come before these (a prefill's new requests have none)
         if any(self._kept[r.slot] and self.owner[r.slot] == r.request_id for r in rows):
             self._replay()
-        for row, start in zip(rows, starts):
+        for row, start, count in zip(rows, starts, counts):
             self._claim(row)
-            if start != self.context_len[row.slot]:
-                raise DraftsmithError("observed positions must continue each request's earlier ones")
+            self._check_continues(row.slot, start, count)
         slots = [r.slot for r in rows]
         self._write_context(slots, starts, counts, features[:, : max(counts)])
         for slot, start, count in zip(slots, starts, counts):
-            self.context_len[slot] = start + count
+            self.context_len[slot] = self.observed_end[slot] = start + count
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[RowState], max_drafts: list[int], sampling: DraftSampling | None = None,
@@ -330,27 +342,38 @@ class DFlashProposer(Proposer):
             if self.owner[rows[b].slot] != rows[b].request_id or self.context_len[rows[b].slot] != start:
                 raise DraftsmithError(f"request {rows[b].request_id}: the DFlash context does not reach the block")
         size = self.block_size
+        outputs = self.head.config.draft_slots(width)  # the last layer's queries
         batch = ForwardBatch.build(slots, starts, [size] * len(active), self.cache, None, self.device)
         # not causal within the block: every block token sees every key up to the block's end
         keys = torch.arange(batch.kv_start, batch.kv_len, device=self.device)
         ends = torch.tensor(starts, device=self.device) + size - 1
-        mask = (keys[None, :] <= ends[:, None])[:, None, None, :].expand(-1, 1, size, -1)
+        seen = (keys[None, :] <= ends[:, None])[:, None, :]
+        if self.window is not None:  # and a windowed one the newest `window` positions up to its own
+            seen = seen & (keys[None, None, :] > batch.positions[:, :, None] - self.window)
+        mask = seen[:, None].expand(-1, 1, size, -1)
         batch = dataclasses.replace(batch, mask=mask)
+        whole_block = torch.ones(len(active), size, size, dtype=torch.bool, device=self.device)
+        block_starts = torch.tensor(starts, device=self.device)
 
         def attend(layer, q, k, v):
             batch.write(self.cache.k[layer], k)
             batch.write(self.cache.v[layer], v)
-            # the last layer queries only the drafts' positions; every block row sees the same keys
-            if batch.slot_rows is not None:  # a slot kernel: a causal mask at the block's end is this one
+            queried = slice(None) if q.shape[2] == size else outputs
+            if batch.slot_rows is None:
+                return cached_attention(q, batch.read(self.cache.k[layer]), batch.read(self.cache.v[layer]),
+                                        batch.mask[:, :, queried], batch.memo)
+            if self.window is None:  # a slot kernel: a causal mask at the block's end is the block's
                 return slot_kernel_attention(q, self.cache.k[layer], self.cache.v[layer], batch.read_slots,
                                              ends[:, None].expand(-1, q.shape[2]), batch.slot_rows.kv_lens)
-            return cached_attention(q, batch.read(self.cache.k[layer]), batch.read(self.cache.v[layer]),
-                                    batch.mask[:, :, : q.shape[2]], batch.memo)
+            # windowed: each query's window ends at its own position, and the whole block is a "tree" it sees
+            return slot_kernel_attention(q, self.cache.k[layer], self.cache.v[layer], batch.read_slots,
+                                         batch.positions[:, queried], batch.slot_rows.kv_lens, window=self.window,
+                                         tree_mask=whole_block[:, queried], block_starts=block_starts)
 
         last = torch.tensor([(rows[b].output_token_ids or rows[b].prompt_token_ids)[-1] for b in active],
                             device=self.device)
         hidden = self.head.block_forward(self.head.embed_block(last[:, None]), batch.positions, attend,
-                                         outputs=self.head.config.draft_slots(width))
+                                         outputs=outputs)
         if self.tree is not None:
             return dataclasses.replace(self._tree(self.readout(hidden), active, limits, n), steady=steady)
         temperature, generators = None, {}

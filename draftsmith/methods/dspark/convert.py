@@ -112,6 +112,9 @@ def to_deepspec(head: NormalizedHead) -> Exported:
     else:
         notes = [f"vLLM (0.32) serves DSpark heads of markov_head_type 'vanilla' only and refuses this "
                  f"{c.markov_head_type!r} one; DeepSpec and draftsmith serve it"]
+    if c.sliding_window is not None:
+        notes.append(f"vLLM's dspark attends over the whole context, not the window of {c.sliding_window} positions "
+                     "the head was trained and is served with here: its acceptance may differ on long contexts")
     return Exported(config, dict(head.tensors), notes=notes + _last_layer_notes(c))
 
 
@@ -122,10 +125,12 @@ def to_speculators(head: NormalizedHead) -> Exported:
     config = {"architectures": ["DSparkSpeculator"], "speculators_model_type": "dspark",
               "speculators_version": f"draftsmith-{__version__}",
               "speculators_config": _speculators_config(head, "dspark", c.max_drafts()),
-              "transformer_layer_config": _qwen3_layer(c, dtype, ["Qwen3ForCausalLM"]),
+              "transformer_layer_config": _qwen3_layer(c, dtype, ["Qwen3ForCausalLM"], window_keys=True),
               "draft_vocab_size": c.vocab_size, "block_size": c.block_size, "target_hidden_size": c.target_hidden_size,
               "aux_hidden_state_layer_ids": list(c.aux_layer_ids), "mask_token_id": c.mask_token_id,
               "sample_from_anchor": True, **_head_keys(c), **provenance(head)}
+    if c.sliding_window is not None:
+        config["sliding_window_non_causal"] = True
     tensors, notes = dict(head.tensors), _last_layer_notes(c)
     embedding = target_embedding(c.target_model, (c.vocab_size, c.target_hidden_size))
     if embedding is not None:

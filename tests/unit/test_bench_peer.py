@@ -221,9 +221,11 @@ def _stopped(pid: int, want: bool = True) -> bool:
 
 
 PARENT_WORKER = textwrap.dedent("""
-    import subprocess, sys, time
+    import os, subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    open(sys.argv[1] + ".child", "w").write(str(child.pid))
+    with open(sys.argv[1] + ".child.tmp", "w") as written:  # whole when it appears: a stop may come at once
+        written.write(str(child.pid))
+    os.replace(sys.argv[1] + ".child.tmp", sys.argv[1] + ".child")
     sys.stdin.read()  # until the end of input
     child.kill()
 """)
@@ -287,7 +289,7 @@ def test_stopped_workers_do_not_outlive_a_bench_that_dies(tmp_path):
     done = subprocess.run([sys.executable, str(bench), str(tmp_path / "w"), str(script)], capture_output=True,
                           text=True, timeout=60, cwd=REPO)
     pid, child = int(done.stdout.split()[0]), _pid_file(tmp_path / "w" / "job.json.child")
-    for _ in range(100):
+    for _ in range(200):
         if _gone(pid):
             break
         time.sleep(0.05)

@@ -149,6 +149,8 @@ class DFlashProposer(Proposer):
         if not self._make_room(size):
             self._replay()
         slots = [r.slot for r in rows]
+        for slot, start in zip(slots, starts):
+            self._check_continues(slot, start, 1)
         self._later.append(_Kept(slots, [self.generation[s] for s in slots], list(starts), [1] * len(slots),
                                  list(range(len(slots))), size, hidden_states))
         self._later_bytes += size

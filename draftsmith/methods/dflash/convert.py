@@ -66,8 +66,8 @@ def _normalize(checkpoint: SourceCheckpoint, layer_config: dict[str, Any], featu
     """`head`: the config class of a head built on DFlash's, the tensors it adds and its config fields;
     `window`: the block's attention window (`sliding_window`), None for the whole context."""
     config_class, head_names, head_fields = head
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= block_size):
-        raise DraftsmithError(f"{where}: the attention window {window!r} must be an integer above block_size")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
+        raise DraftsmithError(f"{where}: the attention window {window!r} must be an integer")
     if not isinstance(sample_from_anchor, bool):
         raise DraftsmithError(f"{where}: sample_from_anchor {sample_from_anchor!r} must be true or false")
     if mask_token_id is None:
@@ -150,12 +150,13 @@ class ZLabDFlash:
         block = dflash.get("block_size", config.get("block_size"))
         anchor_first = dflash.get("sample_from_anchor", dflash.get("query_zero_predicts_next", False))
         window = _zlab_window(dflash, where)
-        if window is None and _layer_window(config, where) is not None and dflash.get("causal") is not False:
-            raise DraftsmithError(f"{where}: sliding layers, which vLLM runs causal within the block; draftsmith's "
-                                  "DFlash block is not (a non-causal window is dflash_config.use_swa)")
+        if window is None:
+            window = _layer_window(config, where)
+            if window is not None and dflash.get("causal") is not False:
+                raise DraftsmithError(f"{where}: sliding layers, which vLLM runs causal within the block; "
+                                      "draftsmith's DFlash block is not (a non-causal window is dflash_config.use_swa)")
         return _normalize(checkpoint, config, [i + 1 for i in ids], block, mask, layers, target, where,
-                          sample_from_anchor=anchor_first,
-                          window=window if window is not None else _layer_window(config, where))
+                          sample_from_anchor=anchor_first, window=window)
 
 
 @register_speculators_reader("dflash")

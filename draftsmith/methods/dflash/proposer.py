@@ -354,8 +354,9 @@ class DFlashProposer(Proposer):
             seen = seen & (keys[None, None, :] > batch.positions[:, :, None] - self.window)
         mask = seen[:, None].expand(-1, 1, size, -1)
         batch = dataclasses.replace(batch, mask=mask)
-        whole_block = torch.ones(len(active), size, size, dtype=torch.bool, device=self.device)
-        block_starts = torch.tensor(starts, device=self.device)
+        if self.window is not None and batch.slot_rows is not None:  # the slot kernel's form of that window
+            whole_block = torch.ones(len(active), size, size, dtype=torch.bool, device=self.device)
+            block_starts = torch.tensor(starts, device=self.device)
 
         def attend(layer, q, k, v):
             batch.write(self.cache.k[layer], k)

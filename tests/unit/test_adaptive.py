@@ -547,6 +547,24 @@ def test_a_head_that_never_pays_is_not_retried_on_fading_evidence_alone():
     assert len(late) <= 4, late
 
 
+@pytest.mark.parametrize("first_rate,w2_seconds,explores", [(0.8, 1.5, True), (0.2, 1.2, False)])
+def test_a_plan_drafts_one_deeper_only_where_drafts_reach_that_deep(first_rate, w2_seconds, explores):
+    """With no evidence yet at the position after the best width (a fresh policy), a plan drafts one more to
+    measure it, if predicted within EXPLORE_WORST of the best; but not where the rows' first drafts are
+    rejected so often that the deeper one is seldom reached (EXPLORE_REACH): that plan measures little and
+    costs a wider verify on every step it runs."""
+    from draftsmith.serve.speculation.adaptive import EXPLORE_REACH, EXPLORE_WORST
+
+    policy = _policy(CHEAP, sequential=True, num_slots=1)
+    rates = [[first_rate] + [0.9] * (K - 1)]
+    seconds = [1.0, 1.0, w2_seconds, 4.0, 5.0]  # width 1 pays best, width 2 within EXPLORE_WORST of it
+    gain, best, _, _ = policy._choose(rates, (K,), seconds)
+    one, two = (1 + gain[0][w] for w in (1, 2))
+    assert one / seconds[1] > two / seconds[2] >= EXPLORE_WORST * one / seconds[1]  # only the reach differs
+    assert (first_rate >= EXPLORE_REACH) == explores
+    assert (best.width, best.explore) == ((2, True) if explores else (1, False))
+
+
 def test_acceptance_counts_each_position_reached():
     stats = AcceptanceStats(num_slots=3, k=3, decay=1.0)
     stats.observe(torch.tensor([0, 1, 2]), torch.tensor([3, 2, 0]), torch.tensor([1, 2, 0]))

@@ -61,6 +61,10 @@ HEADS = {
     # block position's window must end at its own position in vLLM as in draftsmith
     "dflash-window": {"method": "dflash", "model": "build/oracle-heads/dflash-window", "num_speculative_tokens": 8,
                       **FP32},
+    # the shipped EAGLE-1 head with a window far shorter than the prompts: vLLM's llama_eagle reads layer_types
+    # at its layer's number after the target's, and must slide it as draftsmith does
+    "eagle-window": {"method": "eagle", "model": "build/oracle-heads/eagle-window", "num_speculative_tokens": 3,
+                     **FP32},
 }
 
 
@@ -83,10 +87,12 @@ def built_heads() -> None:
         peagle_head(REPO / HEADS["peagle-window"]["model"], layers=2, window=16)
     if not (REPO / HEADS["dflash-window"]["model"] / "config.json").is_file():
         _windowed_copy(REPO / HEADS["dflash"]["model"], REPO / HEADS["dflash-window"]["model"], 16)
+    if not (REPO / HEADS["eagle-window"]["model"] / "config.json").is_file():
+        _windowed_copy(REPO / HEADS["eagle"]["model"], REPO / HEADS["eagle-window"]["model"], 16)
 
 
 def _windowed_copy(head: Path, directory: Path, window: int) -> None:
-    """A copy of a block head's directory with its `sliding_window` set to `window`."""
+    """A copy of a head's directory with its `sliding_window` set to `window`."""
     shutil.copytree(head, directory)
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "sliding_window": window}, indent=2))

@@ -297,7 +297,8 @@ def test_accelerate_launch_ddp_on_two_cpu_processes(workspace, tmp_path):
 
 def test_init_from_keeps_the_saved_architecture_and_says_so(workspace, tmp_path):
     """Continuing a saved head, the recipe cannot ask for another shape or variant: it would be ignored silently.
-    A window it names is taken (the weights do not depend on it: P-EAGLE heads continue a sequential one)."""
+    A window it names is taken (the weights do not depend on it: P-EAGLE heads continue a sequential one), by
+    EAGLE-3 and EAGLE-1 heads alike."""
     from draftsmith.errors import DraftsmithError
     from draftsmith.models import DraftHeadConfig
 
@@ -314,6 +315,18 @@ def test_init_from_keeps_the_saved_architecture_and_says_so(workspace, tmp_path)
     with pytest.raises(DraftsmithError, match=r"the recipe sets norm_output: False \(the head has True\), but "
                                               r"model.init_from continues a saved head"):
         build_head(validate_recipe(raw), target, None)
+    eagle1 = DraftHeadConfig.for_target("eagle", target.config, (target.config.num_hidden_layers,), None,
+                                         str(target_dir))
+    saved = resolve_method("eagle").head_module(eagle1).attach_target(target)
+    saved.save_pretrained(tmp_path / "eagle1")
+    raw = tiny_recipe(target_dir, data, tmp_path / "out1", "eagle")
+    raw["model"].update(init_from=str(tmp_path / "eagle1"), intermediate_size=None, sliding_window=32)
+    windowed = build_head(validate_recipe(raw), target, None)
+    assert windowed.config.sliding_window == 32 and windowed.layers[0].self_attn.window == 32
+    assert all(torch.equal(value, saved.state_dict()[name]) for name, value in windowed.state_dict().items())
+    raw["model"].update(init_from=None, fc_bias=False)  # a new EAGLE-1 head as vLLM computes it: no fc bias
+    fresh = build_head(validate_recipe(raw), target, None)
+    assert fresh.fc.bias is None and fresh.config.sliding_window == 32
 
 
 def test_max_minutes_stops_at_the_first_step_past_the_budget_and_saves(workspace, tmp_path, monkeypatch):

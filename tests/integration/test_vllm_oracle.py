@@ -23,7 +23,7 @@ POSITION_TOLERANCE = 0.05  # absolute, of each position's acceptance rate
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "dflash", "medusa", "pard", "draft_model", "peagle",
-                                  "peagle-2-layers", "peagle-window", "dflash-window"])
+                                  "peagle-2-layers", "peagle-window", "dflash-window", "eagle-window"])
 def test_vllm_accepts_each_export_as_draftsmith_does(name):
     ours, theirs = oracle.compare(name, oracle.PEER_PYTHON)
     assert theirs.refused is None, theirs.refused

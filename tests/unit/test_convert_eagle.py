@@ -122,6 +122,31 @@ def test_a_vllm_eagle_export_builds_no_bias_its_file_lacks(qwen2, tmp_path):
     assert "layers.0.self_attn.o_proj.bias" not in source_tensors(tmp_path / "vllm")
 
 
+def test_a_windowed_eagle_head_keeps_its_window_in_vllms_keys(tmp_path, capsys):
+    """vLLM's EAGLE-1 numbers its draft layer after the target's (`layers.6` on the demo model) and reads
+    `layer_types` at that number less `target_layer_count`, which only its EAGLE-3 sets: the export sets it
+    (transformers wants one entry per layer); the export reads back as the same head. SGLang's
+    EAGLE-1 and the legacy speculators layout attend over the whole context: a windowed head is refused there."""
+    src = pub.yuhuili_eagle(tmp_path / "src", weights="model.safetensors")
+    source_config = json.loads((src / "config.json").read_text())
+    source_config.update(layer_types=["sliding_attention"], sliding_window=64)
+    (src / "config.json").write_text(json.dumps(source_config))
+    assert convert(src, tmp_path / "n", "--target", DEMO_MODEL) == 0
+    config = native(tmp_path / "n")[0]
+    assert config["sliding_window"] == 64
+    assert convert(tmp_path / "n", tmp_path / "vllm", "--to", "vllm") == 0
+    assert "sliding window 64: needs vLLM 0.32 or later" in capsys.readouterr().out
+    exported = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert exported["layer_types"] == ["sliding_attention"] and exported["sliding_window"] == 64
+    assert exported["target_layer_count"] == 6
+    assert convert(tmp_path / "vllm", tmp_path / "back") == 0
+    assert native(tmp_path / "back")[0] == config
+    for to in ("sglang", "speculators"):
+        assert convert(tmp_path / "n", tmp_path / to, "--to", to) == 2
+        assert "has no attention window" in capsys.readouterr().err
+        assert not (tmp_path / to).exists()
+
+
 def test_exported_configs_follow_each_loader(tmp_path):
     assert convert(pub.specforge_eagle3(tmp_path / "src"), tmp_path / "n", "--target", DEMO_MODEL) == 0
     for to in ("vllm", "sglang", "speculators"):

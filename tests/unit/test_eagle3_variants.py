@@ -167,9 +167,34 @@ def test_variant_flags_change_the_computation(target):
         assert not torch.allclose(logits, reference, atol=1e-4), variants
 
 
+def test_an_eagle1_window_trains_as_it_serves(target):
+    """EAGLE-1's one variant, a window: the objective's forward (no cache: the layer's causal window mask) and
+    the serving catch-up (a windowed ForwardBatch over the head's cache) give the same logits at every
+    position; the window changes them once the prefix outgrows it, and only then."""
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    config = DraftHeadConfig.for_target("eagle", target.config, (6,), None, "demo", sliding_window=4)
+    head = resolve_method("eagle").head_module(config).attach_target(target)
+    whole = resolve_method("eagle").head_module(replace(config, sliding_window=None)).attach_target(target)
+    whole.load_state_dict(head.state_dict())
+    ids = torch.randint(0, 8192, (1, 16))
+    feats = head.features(target(ids, feature_layers=head.feature_layers).hidden_states)
+    n = ids.shape[1] - 1
+    with torch.no_grad():
+        _, trained = head.step(ids[:, 1:], feats[:, :n], torch.arange(n)[None], True)
+        _, unwindowed = whole.step(ids[:, 1:], feats[:, :n], torch.arange(n)[None], True)
+        cache = head.make_cache(2, 64)
+        batch = ForwardBatch.build([1], [0], [n], cache, 4)
+        _, served = head.step(ids[:, 1:], feats[:, :n], batch.positions, True, cache, batch)
+    torch.testing.assert_close(served, trained, atol=1e-4, rtol=0)
+    torch.testing.assert_close(unwindowed[:, :4], trained[:, :4], atol=1e-5, rtol=0)
+    assert not torch.allclose(unwindowed[:, 4:], trained[:, 4:], atol=1e-3)
+
+
 def test_eagle1_heads_refuse_eagle3_variants(target):
-    config = DraftHeadConfig.for_target("eagle", target.config, (6,), None, "demo", norm_output=True)
-    with pytest.raises(DraftsmithError, match="eagle heads have no variant norm_output"):
+    config = DraftHeadConfig.for_target("eagle", target.config, (6,), None, "demo", norm_output=True, sliding_window=8)
+    with pytest.raises(DraftsmithError, match="eagle heads have no variant norm_output$"):
         resolve_method("eagle").head_module(config)
     with pytest.raises(DraftsmithError, match="exclude each other"):
         DraftHeadConfig.for_target("eagle3", target.config, (1, 3, 5), None, "demo", norm_before_fc=True, fc_norm=True)

@@ -88,6 +88,19 @@ def windowed_models(models, tmp_path_factory):
     return target, head_dir
 
 
+@pytest.fixture(scope="module")
+def windowed_eagle1_models(models, tmp_path_factory):
+    """The same target with an EAGLE-1 head (its one variant: a window of 5) reading out through the
+    target's LM head."""
+    target, _ = models
+    head_dir = tmp_path_factory.mktemp("windowed_eagle1")
+    torch.manual_seed(0)
+    config = DraftHeadConfig.for_target("eagle", target.config, (target.config.num_hidden_layers,), None, "tiny",
+                                        sliding_window=5)
+    resolve_method("eagle").head_module(config).attach_target(target).save_pretrained(head_dir)
+    return target, head_dir
+
+
 def make_proposer(models, max_num_seqs: int = 4, sampled: bool = False):
     import json
 
@@ -246,13 +259,14 @@ def test_drafts_are_what_training_unrolls(head, request):
             assert unrolled == drafted, f"row {b}"
 
 
-def test_a_windowed_head_drafts_as_trained(windowed_models, monkeypatch):
-    """A head with a window shorter than the rows' contexts: the catch-up slides it by position, and draft
-    step s reads the verified prefix's newest W positions plus its own drafts, as speculators' training mask
-    has it (see `_step_batches`)."""
+@pytest.mark.parametrize("head", ["windowed_models", "windowed_eagle1_models"])
+def test_a_windowed_head_drafts_as_trained(head, monkeypatch, request):
+    """A head with a window shorter than the rows' contexts (EAGLE-3's variant, and EAGLE-1's one): the catch-up
+    slides it by position, and draft step s reads the verified prefix's newest W positions plus its own
+    drafts, as speculators' training mask has it (see `_step_batches`)."""
     monkeypatch.setattr(pending_module, "MAX_PENDING", 2 * (K + 1))
     gen = torch.Generator().manual_seed(2)
-    proposer = make_proposer(windowed_models)
+    proposer = make_proposer(request.getfixturevalue(head))
     rows = random_rows(gen, [3, 30, 7, 12], [2, 0, 3, 1])
     prefill(proposer, rows, gen)
     for limits in ([K, 1, K, 2], [K, K, 3, K], [2, K, K, 1]):

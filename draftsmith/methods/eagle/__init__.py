@@ -68,6 +68,12 @@ class EagleConfig(EagleTreeConfig):
 
 class EagleRecipe(RecipeModelSection):
     head_type: Literal["eagle"]
+    sliding_window: int | None = Field(default=None, gt=0, description=(
+        "draft attention window, in positions: the head trains, serves and exports (vLLM's layer_types) attending "
+        "over the newest this many"))
+    fc_bias: bool | None = Field(default=None, description=(
+        "a bias on fc (default: true, as yuhuili's EAGLE trains it); vLLM's EAGLE fc has none and serves a head "
+        "without it, so a head for vLLM trains with false"))
 
 
 class EagleTraining(RecipeTrainingSection):
@@ -108,6 +114,21 @@ class EagleMethod(EagleFamilyMethod):
     head_module = EagleHead
     converters = (".convert", "draftsmith.methods.formats.speculators")
     objective_ref = ".objective:eagle_objective"
+
+    @classmethod
+    def head_config_overrides(cls, section: EagleRecipe) -> dict:
+        return {"sliding_window": section.sliding_window, "fc_bias": section.fc_bias}
+
+    @classmethod
+    def continue_head(cls, head, section: EagleRecipe, target):
+        """`init_from` a saved head: a `sliding_window` the recipe names replaces the saved head's (the weights
+        do not depend on it); left out, the saved head's holds."""
+        window = section.sliding_window
+        if "sliding_window" not in section.model_fields_set or window == head.config.sliding_window:
+            return head
+        windowed = type(head)(replace(head.config, sliding_window=window))
+        windowed.load_state_dict(head.state_dict())
+        return windowed
 
     @classmethod
     def default_feature_layers(cls, num_layers: int) -> tuple[int, ...]:

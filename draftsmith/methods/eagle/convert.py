@@ -4,14 +4,24 @@ are, and draftsmith's native layout, which keeps yuhuili's key names.
 Read: `pytorch_model.bin` or safetensors; `fc.bias` and Qwen2's q/k/v biases decided from the keys (the
 config's `bias` flag is known to disagree with some files); the frozen copy of the target's embedding
 (and the target LM head a vLLM-V0 conversion added) dropped, since the head shares the target's; the
-vLLM-V0 wrapper config `{"model_type": "eagle", "model": {...}}` unwrapped.
+vLLM-V0 wrapper config `{"model_type": "eagle", "model": {...}}` unwrapped; a sliding window read as
+transformers builds the layer (`layer_types`, or Qwen2's `use_sliding_window`).
+
+Written: a windowed head for vLLM as `layer_types` and `sliding_window`, with `target_layer_count` (vLLM's EAGLE-1
+numbers its draft layer after the target's, and reads `layer_types` at that number less this count);
+SGLang's EAGLE-1 and the legacy speculators layout have no window, so a windowed head is refused there.
 """
 
 from __future__ import annotations
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods.formats.checkpoint import SourceCheckpoint
-from draftsmith.methods.formats.layer_config import layer_fields, llama_layer_config, native_config
+from draftsmith.methods.formats.layer_config import (
+    layer_fields,
+    llama_layer_config,
+    native_config,
+    sliding_window,
+)
 from draftsmith.methods.formats.registry import (
     PROVENANCE_KEY,
     Exported,
@@ -88,7 +98,8 @@ class YuhuiliEagle:
             notes.append("config says bias=false but the weights have fc.bias; following the weights")
         native = native_config("eagle", layer, vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=h,
                                target_num_layers=layers, aux_layer_ids=(layers,), target_model=target_name,
-                               fc_bias="fc.bias" in tensors, attention_bias=attention_bias)
+                               fc_bias="fc.bias" in tensors, attention_bias=attention_bias,
+                               sliding_window=sliding_window(config))
         return NormalizedHead(native, tensors, notes)
 
 
@@ -111,9 +122,29 @@ def to_vllm(head: NormalizedHead) -> Exported:
                      "word and serves the head without it (the demo head accepts the same either way)")
     config = {**_yuhuili_config(head, ["LlamaForCausalLM"]), "bias": False, "attention_bias": False,
               "qkv_bias": bool(head.config["attention_bias"])}
+    window = head.config.get("sliding_window")
+    if window is not None:
+        # vLLM's llama_eagle numbers its layer `layers.{target layers + i}`, and its attention reads layer_types
+        # at that number less `target_layer_count` (which llama_eagle3 sets and llama_eagle does not);
+        # transformers wants one layer_types entry per num_hidden_layers
+        layers = head.config.get("num_hidden_layers", 1)
+        config.update(layer_types=["sliding_attention"] * layers, sliding_window=window,
+                      target_layer_count=head.config["target_num_layers"])
+        notes.append(f"sliding window {window}: needs vLLM 0.32 or later (older releases attend over every "
+                     "position); draft steps after the first see up to k - 1 fewer of the verified prefix's keys "
+                     "there than draftsmith gives them")
     return Exported(config, dict(head.tensors), notes=notes)
+
+
+def refuse_window(head: NormalizedHead, layout: str) -> None:
+    """A DraftsmithError for a windowed head in a layout that attends over the whole context."""
+    if head.config.get("sliding_window") is not None:
+        raise DraftsmithError(f"{layout} has no attention window: served there, this head (trained to attend over "
+                              f"its newest {head.config['sliding_window']} positions) would draft as another one; "
+                              "--to vllm keeps the window")
 
 
 @register_exporter("sglang", "eagle")
 def to_sglang(head: NormalizedHead) -> Exported:
+    refuse_window(head, "SGLang's EAGLE-1 layer")
     return Exported(_yuhuili_config(head, ["LlamaForCausalLMEagle"]), dict(head.tensors))

@@ -1,4 +1,5 @@
 """EAGLE-1/2 head: fc over [embedding of token t+1; target feature at t], one decoder layer, target's LM head.
+Its one variant is a sliding attention window (`sliding_window`), in training, serving and vLLM's layout alike.
 
 The feature is the target's final-normed hidden state (HF hidden_states[L]), which is what the frozen LM
 head reads, so the head's output (a predicted next feature) goes straight to that LM head. Key names follow
@@ -19,6 +20,7 @@ class EagleHead(DraftHead):
     head_type = "eagle"
     default_fc_bias = True  # yuhuili's constructor default; LLaMA-3 heads were trained without it
     reads_out_through_target = True
+    variants = ("sliding_window",)
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
@@ -26,7 +28,8 @@ class EagleHead(DraftHead):
         self.fc = Linear(2 * h, h, bias=config.fc_bias)
         self.layers = nn.ModuleList([DraftDecoderLayer(h, h, config.intermediate_size, config.num_attention_heads,
                                                        config.num_key_value_heads, config.head_dim,
-                                                       config.rms_norm_eps, attention_bias=config.attention_bias)])
+                                                       config.rms_norm_eps, attention_bias=config.attention_bias,
+                                                       window=config.sliding_window)])
 
     def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None,
              logits_at=None):

@@ -22,7 +22,13 @@ from draftsmith.methods.eagle.convert import head_dtype, target_layers_from
 from draftsmith.methods.eagle3 import Eagle3Method
 from draftsmith.methods.eagle3.vocab import check_vocab_maps
 from draftsmith.methods.formats.checkpoint import SourceCheckpoint, target_embedding
-from draftsmith.methods.formats.layer_config import layer_fields, llama_layer_config, native_config
+from draftsmith.methods.formats.layer_config import (
+    layer_count,
+    layer_fields,
+    llama_layer_config,
+    native_config,
+    sliding_window,
+)
 from draftsmith.methods.formats.registry import (
     PROVENANCE_KEY,
     Exported,
@@ -76,14 +82,6 @@ def later_layer_names(layers: int) -> tuple[list[str], tuple[str, ...]]:
             tuple(p + k for p in prefixes for k in MID_BIAS + QK_NORMS))
 
 
-def layer_count(config: dict, where: str) -> int:
-    """The head's decoder layers (`num_hidden_layers`, 1 when absent)."""
-    layers = config.get("num_hidden_layers", 1)
-    if not isinstance(layers, int) or layers < 1:
-        raise DraftsmithError(f"{where}: num_hidden_layers must be a positive integer, not {layers!r}")
-    return layers
-
-
 def source_feature_layers(config: dict, layers: int, n_aux: int) -> tuple[tuple[int, ...], str]:
     """(hs indices, where they came from)."""
     if config.get("eagle_aux_hidden_state_layer_ids"):
@@ -111,27 +109,6 @@ def _trained_embedding(config: dict, embedding: torch.Tensor, ctx: ReadContext) 
     if theirs is None:
         return None
     return None if torch.equal(theirs.to(embedding.dtype), embedding) else "it differs from the target's"
-
-
-def sliding_window(config: dict) -> int | None:
-    """The window of the draft layers an HF layer config describes, as transformers builds it:
-    `layer_types[0]` when given (what speculators' trainer writes: all draft layers slide by default), else
-    Qwen2/3's `use_sliding_window` from layer `max_window_layers` on; None for full attention."""
-    window, types, layers = config.get("sliding_window"), config.get("layer_types"), layer_count(config, "config.json")
-    if types and len(set(types[:layers])) > 1:
-        raise DraftsmithError(f"the draft layers mix attention types ({types}); draftsmith's stacked EAGLE-3 heads "
-                              "attend alike in every layer")
-    if types:
-        sliding = types[0] == "sliding_attention"
-    else:
-        first_sliding = int(config.get("max_window_layers", 28))  # Qwen2/3: layers from this one on slide
-        if config.get("use_sliding_window") and 0 < first_sliding < layers:
-            raise DraftsmithError(f"the draft layers mix attention types (layers from {first_sliding} on slide); "
-                                  "draftsmith's stacked EAGLE-3 heads attend alike in every layer")
-        sliding = bool(config.get("use_sliding_window")) and first_sliding <= 0
-    if sliding and not window:
-        raise DraftsmithError("the draft layer uses sliding-window attention but the config gives no sliding_window")
-    return int(window) if sliding else None
 
 
 def _variants(config: dict, tensors: dict[str, torch.Tensor], n_aux: int, where: str,

@@ -66,3 +66,32 @@ def native_config(head_type: str, layer: dict[str, Any], **fields: Any) -> dict[
     except TypeError as exc:
         raise DraftsmithError(f"cannot build a {head_type} head config: {exc}") from None
     return config.to_json()
+
+
+def layer_count(config: dict, where: str) -> int:
+    """The head's decoder layers (`num_hidden_layers`, 1 when absent)."""
+    layers = config.get("num_hidden_layers", 1)
+    if not isinstance(layers, int) or layers < 1:
+        raise DraftsmithError(f"{where}: num_hidden_layers must be a positive integer, not {layers!r}")
+    return layers
+
+
+def sliding_window(config: dict) -> int | None:
+    """The window of the draft layers an HF layer config describes, as transformers builds it:
+    `layer_types[0]` when given (what speculators' trainer writes: all draft layers slide by default), else
+    Qwen2/3's `use_sliding_window` from layer `max_window_layers` on; None for full attention."""
+    window, types, layers = config.get("sliding_window"), config.get("layer_types"), layer_count(config, "config.json")
+    if types and len(set(types[:layers])) > 1:
+        raise DraftsmithError(f"the draft layers mix attention types ({types}); draftsmith's draft heads attend "
+                              "alike in every layer")
+    if types:
+        sliding = types[0] == "sliding_attention"
+    else:
+        first_sliding = int(config.get("max_window_layers", 28))  # Qwen2/3: layers from this one on slide
+        if config.get("use_sliding_window") and 0 < first_sliding < layers:
+            raise DraftsmithError(f"the draft layers mix attention types (layers from {first_sliding} on slide); "
+                                  "draftsmith's draft heads attend alike in every layer")
+        sliding = bool(config.get("use_sliding_window")) and first_sliding <= 0
+    if sliding and not window:
+        raise DraftsmithError("the draft layer uses sliding-window attention but the config gives no sliding_window")
+    return int(window) if sliding else None

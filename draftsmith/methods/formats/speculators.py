@@ -211,6 +211,7 @@ def to_speculators_eagle3(head: NormalizedHead) -> Exported:
 @register_exporter("speculators", "eagle")
 def to_speculators_eagle(head: NormalizedHead) -> Exported:
     c = head.config
+    eagle.refuse_window(head, "the legacy speculators EAGLE layout")
     layer = llama_layer_config(c, ["LlamaForCausalLM"], eagle.head_dtype(head.tensors), "qwen2" if c["attention_bias"] else "llama")
     config = {"architectures": ["EagleSpeculator", "LlamaDecoderLayer"], "speculators_model_type": "eagle",
               "speculators_version": f"draftsmith-{__version__}",

@@ -73,12 +73,12 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     heads = q.shape[-2]
     if _follows(q, k):
         both = q.as_strided(q.shape[:-2] + (heads + k.shape[-2], q.shape[-1]), q.stride(), q.storage_offset())
-        turned = _turn_heads(both, cos, sin)
+        turned = apply_rope_heads(both, cos, sin)
         return turned[..., :heads, :], turned[..., heads:, :]
-    return _turn_heads(q, cos, sin), _turn_heads(k, cos, sin)
+    return apply_rope_heads(q, cos, sin), apply_rope_heads(k, cos, sin)
 
 
-def _turn_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., heads, head_dim] rotated by cos/sin [..., head_dim]: one C++ op where it is loaded and the
     tables have a row per position of x (`models.step_ops_cpu`), else five aten ops."""
     if step_ops_cpu.runs_for(x) and cos.shape[:-1] == x.shape[:-2] and cos.dtype == sin.dtype == x.dtype:

@@ -32,7 +32,7 @@ from draftsmith.models.heads import AttachedHead
 from draftsmith.models.kv_cache import KVCache
 from draftsmith.models.linear import Linear, fused
 from draftsmith.models.llama import DecoderLayer, RMSNorm
-from draftsmith.models.rope import apply_rope, rope_tables
+from draftsmith.models.rope import apply_rope_heads, apply_rope_qk, rope_tables
 
 
 @dataclass
@@ -165,9 +165,10 @@ class DFlashHead(AttachedHead):
         projected = fused(self.fused_linears()[0], context)  # k, v of layer 0, k, v of layer 1, ...
         out = []
         for layer, k, v in zip(self.layers, projected[0::2], projected[1::2]):
-            k = layer.self_attn.k_norm(k.view(*lead, c.num_key_value_heads, c.head_dim))
+            # turned per head before the transpose: one C++ op on CPU (`apply_rope_heads`), not five aten ones
+            k = apply_rope_heads(layer.self_attn.k_norm(k.view(*lead, c.num_key_value_heads, c.head_dim)), cos, sin)
             v = v.view(*lead, c.num_key_value_heads, c.head_dim)
-            out.append((apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)))
+            out.append((k.transpose(1, 2), v.transpose(1, 2)))
         return out
 
     def embed_block(self, first_tokens: torch.Tensor) -> torch.Tensor:
@@ -191,11 +192,12 @@ class DFlashHead(AttachedHead):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = (t.transpose(1, 2) for t in attn._project(layer.input_layernorm(hidden)))
-            q = apply_rope(q, cos, sin)
+            q, k, v = attn._project(layer.input_layernorm(hidden))  # [B, T, heads, head_dim]
+            q, k = apply_rope_qk(q, k, cos, sin)  # on CPU one or two C++ ops a layer, not ten aten ones
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if i == last:
                 q, hidden = q[:, :, outputs], hidden[:, outputs]
-            out = attend(i, q, apply_rope(k, cos, sin), v)
+            out = attend(i, q, k, v)
             attended = attn.o_proj(out.transpose(1, 2).reshape(rows, hidden.shape[1], -1))
             hidden, normed = layer.post_attention_layernorm.after_add(hidden, attended)
             hidden = hidden + layer.mlp(normed)

@@ -21,6 +21,7 @@ from draftsmith.methods.formats.layer_config import (
     llama_layer_config,
     native_config,
     sliding_window,
+    vllm_window,
 )
 from draftsmith.methods.formats.registry import (
     PROVENANCE_KEY,
@@ -122,17 +123,13 @@ def to_vllm(head: NormalizedHead) -> Exported:
                      "word and serves the head without it (the demo head accepts the same either way)")
     config = {**_yuhuili_config(head, ["LlamaForCausalLM"]), "bias": False, "attention_bias": False,
               "qkv_bias": bool(head.config["attention_bias"])}
-    window = head.config.get("sliding_window")
-    if window is not None:
+    window, window_notes = vllm_window(head.config)
+    if window:
         # vLLM's llama_eagle numbers its layer `layers.{target layers + i}`, and its attention reads layer_types
         # at that number less `target_layer_count` (which llama_eagle3 sets and llama_eagle does not);
         # transformers wants one layer_types entry per num_hidden_layers
-        layers = head.config.get("num_hidden_layers", 1)
-        config.update(layer_types=["sliding_attention"] * layers, sliding_window=window,
-                      target_layer_count=head.config["target_num_layers"])
-        notes.append(f"sliding window {window}: needs vLLM 0.32 or later (older releases attend over every "
-                     "position); draft steps after the first see up to k - 1 fewer of the verified prefix's keys "
-                     "there than draftsmith gives them")
+        config.update(window, target_layer_count=head.config["target_num_layers"])
+        notes += window_notes
     return Exported(config, dict(head.tensors), notes=notes)
 
 

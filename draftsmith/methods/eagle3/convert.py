@@ -28,6 +28,7 @@ from draftsmith.methods.formats.layer_config import (
     llama_layer_config,
     native_config,
     sliding_window,
+    vllm_window,
 )
 from draftsmith.methods.formats.registry import (
     PROVENANCE_KEY,
@@ -318,25 +319,10 @@ def _engine_variants(head: NormalizedHead, engine: str) -> tuple[dict, list[str]
     if missing:
         raise DraftsmithError(f"{engine}'s llama_eagle3 does not compute {', '.join(missing)}: served there, this "
                               "head would draft as another one; --to speculators keeps every variant")
-    flags = [name for name in on if name != "sliding_window"]  # a window is keys of its own (`_vllm_window`)
+    flags = [name for name in on if name != "sliding_window"]  # a window is keys of its own (`vllm_window`)
     notes = [f"{', '.join(flags)}: older {engine} releases ignore these flags (and serve a different head); check "
              "that yours reads them"] if flags else []
     return dict.fromkeys(flags, True), notes
-
-
-def _vllm_window(head: NormalizedHead) -> tuple[dict, list[str]]:
-    """(config keys, notes) of the head's window in vLLM's layout: every draft layer `sliding_attention`. vLLM
-    slides each query's window at its own position: as draftsmith serves step 1 and P-EAGLE's slots; a
-    sequential head's later draft steps, which draftsmith gives the verified prefix's newest W keys (the
-    window speculators trains), see up to k - 1 fewer there."""
-    window = head.config.get("sliding_window")
-    if window is None:
-        return {}, []
-    layers = head.config.get("num_hidden_layers", 1)
-    note = (f"sliding window {window}: needs vLLM 0.32 or later (older releases attend over every position); "
-            "a sequential head's draft steps after the first see up to k - 1 fewer of the verified prefix's keys "
-            "there than draftsmith gives them")
-    return {"layer_types": ["sliding_attention"] * layers, "sliding_window": window}, [note]
 
 
 @register_exporter("vllm", "eagle3")
@@ -347,7 +333,7 @@ def to_vllm(head: NormalizedHead) -> Exported:
     # speculators path defaults a missing flag to true.
     config.update(eagle_aux_hidden_state_layer_ids=list(head.config["aux_layer_ids"]), norm_before_residual=False)
     config.update(flags)
-    window, window_notes = _vllm_window(head)
+    window, window_notes = vllm_window(head.config)
     config.update(window)
     notes += window_notes
     if head.config.get("parallel_drafting"):  # P-EAGLE: vLLM reads the slot token, mask_hidden by its name

@@ -95,3 +95,18 @@ def sliding_window(config: dict) -> int | None:
     if sliding and not window:
         raise DraftsmithError("the draft layer uses sliding-window attention but the config gives no sliding_window")
     return int(window) if sliding else None
+
+
+def vllm_window(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(config keys, notes) of a native head config's window in vLLM's layout: every draft layer
+    `sliding_attention`. vLLM slides each query's window at its own position: as draftsmith serves step 1 and
+    P-EAGLE's slots; a sequential head's later draft steps, which draftsmith gives the verified prefix's newest
+    W keys (the window speculators trains), see up to k - 1 fewer there."""
+    window = config.get("sliding_window")
+    if window is None:
+        return {}, []
+    layers = config.get("num_hidden_layers", 1)
+    note = (f"sliding window {window}: needs vLLM 0.32 or later (older releases attend over every position); "
+            "a sequential head's draft steps after the first see up to k - 1 fewer of the verified prefix's keys "
+            "there than draftsmith gives them")
+    return {"layer_types": ["sliding_attention"] * layers, "sliding_window": window}, [note]

@@ -37,7 +37,9 @@ construction (each output one chain of multiply-adds over the input in order, wh
 reads a weight at nearly the memory's pace at the few rows of decoding, where oneDNN reached about 60% of it,
 and keeps level with oneDNN at prompt sizes (docs/decisions/cpu-kernels.md). `DRAFTSMITH_CPU_LINEAR=onednn`
 keeps them on oneDNN too. A drafter's layers may be packed in bfloat16 (`pack_weights_in`): fp32 arithmetic
-over weights that read half the bytes, for layers whose output is only a proposal.
+over weights that read half the bytes, for layers whose output is only a proposal. Any fp32 weight whose
+values are all bfloat16 ones (a checkpoint stored in bfloat16) is packed in bfloat16 too: exactly, so its
+results are the fp32 ones bit for bit, from half the bytes.
 
 What a call runs is decided once per layer (and per fused group) and kept as its `_Plan`; a call only checks
 that the plan still holds (the same tensors, versions and thread count). `DRAFTSMITH_CPU_LINEAR` is read when
@@ -171,6 +173,18 @@ def pack_weights_in(modules: Iterable[nn.Module], dtype: torch.dtype, shared: nn
 def _panel_dtype(layer: Linear) -> torch.dtype:
     """The dtype the layer's weight is packed in for the panel GEMM (`pack_weights_in`): its own unless set."""
     return layer.__dict__.get("panel_dtype", layer._parameters["weight"].dtype)
+
+
+def _panel_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as its panels hold it: in `dtype`, and in bfloat16 also where it is fp32 whose every value is
+    a bfloat16 (a checkpoint stored in bfloat16, loaded in fp32). The panel GEMM widens bfloat16 exactly, so
+    those panels compute bit for bit what fp32 ones do, reading half the bytes."""
+    weight = weight.to(dtype).contiguous()
+    if dtype == torch.float32:
+        rounded = weight.to(torch.bfloat16)
+        if torch.equal(rounded.float(), weight):
+            return rounded
+    return weight
 
 
 def make_plans(modules: Iterable[nn.Module]) -> int:
@@ -375,7 +389,7 @@ def _cached_weight(layers: tuple[Linear, ...], form: str) -> tuple[torch.Tensor,
                 weight = torch.cat([layer.weight.detach() for layer in layers])
                 bias = None if first.bias is None else torch.cat([layer.bias.detach() for layer in layers])
             if form == "panel":
-                cached = (key, torch.ops.draftsmith_cpu.pack_panels(weight.to(_panel_dtype(first)).contiguous()), bias)
+                cached = (key, torch.ops.draftsmith_cpu.pack_panels(_panel_weight(weight, _panel_dtype(first))), bias)
             elif form == "mm":
                 cached = (key, weight.t().contiguous(), bias)
             else:

@@ -11,9 +11,10 @@
 // whatever the tile, the row count or the thread that computes it. The tile shape is chosen by the row count
 // for speed only.
 //
-// Panels may hold bfloat16 weights (a draft head's, `models.linear.pack_weights_in`): each is widened to fp32
-// exactly as it is loaded (a bfloat16 is an fp32's upper 16 bits), and the sums are the fp32 ones above over
-// those values, so a layer reads half the bytes. Inputs, accumulators and outputs stay fp32.
+// Panels may hold bfloat16 weights (a draft head's, `models.linear.pack_weights_in`, or any fp32 weight whose
+// values are all bfloat16 ones: a checkpoint stored in bfloat16): each is widened to fp32 exactly as it is
+// loaded (a bfloat16 is an fp32's upper 16 bits), and the sums are the fp32 ones above over those values, so
+// a layer reads half the bytes. Inputs, accumulators and outputs stay fp32.
 //
 // Built only with AVX-512 (16-float registers, 32 of them): the tiles are sized for that register file, and
 // elsewhere oneDNN runs (`panel_linear_available`).
@@ -26,13 +27,18 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t PANEL = 32;  // output columns a panel holds: two 16-float vectors
-constexpr int64_t FEW_ROWS = 8;  // up to this many rows: 8 x 32 tiles (a pass over the weight for all rows)
-constexpr int64_t BLOCK_ROWS = 6;  // past it: 6 x 64 tiles over two panels at once (more arithmetic per load)
+// fp32 panels: up to this many rows, 8 x 32 tiles (a pass over the weight for all rows)
+constexpr int64_t FEW_ROWS = 8;
+// past it, and bfloat16 panels at any row count: 6 x 64 tiles over two panels at once (more arithmetic per
+// load). A bfloat16 panel row takes two more ops to widen, and an 8 x 32 tile (a broadcast per two
+// multiply-adds) then ran 0.75-0.9x as fast as 6 x 64 ones at 4-8 rows (house shapes, weights from memory)
+constexpr int64_t BLOCK_ROWS = 6;
 
 #ifdef __AVX512F__
 // the 32 weights of one panel row as two 16-float vectors
@@ -41,10 +47,13 @@ inline void load_row(const float* w, __m512& low, __m512& high) {
   high = _mm512_loadu_ps(w + 16);
 }
 
+// bfloat16 panel rows are stored interleaved (`pack_panels_cpu`: columns 0, 16, 1, 17, ..., 15, 31), so that
+// each 32-bit lane holds column c in its low half and column c + 16 in its high half: a shift and a mask widen
+// them, where widening 32 consecutive columns took two cross-lane conversions, an extract and two shifts
 inline void load_row(const at::BFloat16* w, __m512& low, __m512& high) {
   const __m512i both = _mm512_loadu_si512(w);
-  low = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16));
-  high = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1)), 16));
+  low = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+  high = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 // out[r, c] = sum_k x[r, k] * w[k, c] (+ bias[c]) for `ROWS` rows and the 32 columns of each of `PANELS`
@@ -88,13 +97,13 @@ inline void tile_rows(int rows, const float* x, int64_t ldx, const W* panel, int
 #endif
 
 #ifdef __AVX512F__
-// out [M, N] = rows [M, K] x the panels' weight: 8 x 32 tiles up to FEW_ROWS rows, 6 x 64 ones past it
+// out [M, N] = rows [M, K] x the panels' weight: fp32 panels in 8 x 32 tiles up to FEW_ROWS rows, else 6 x 64 ones
 template <typename W>
 void panel_gemm(const float* xd, int64_t M, int64_t K, const W* pd, int64_t P, const float* bias_data, float* od,
                 int64_t N) {
   const int64_t step = K * PANEL;
   auto bias_at = [&](int64_t column) { return bias_data == nullptr ? nullptr : bias_data + column; };
-  if (M <= FEW_ROWS) {
+  if (std::is_same_v<W, float> && M <= FEW_ROWS) {
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         tile_rows<FEW_ROWS, 1, W>(static_cast<int>(M), xd, K, pd + p * step, step, K, bias_at(p * PANEL),
@@ -126,8 +135,12 @@ at::Tensor pack_panels_cpu(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
               "pack_panels: an fp32 or bfloat16 [N, K] weight");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + PANEL - 1) / PANEL;
-  // panels[p, k, c] = weight[p * 32 + c, k], zero past N
+  // panels[p, k, c] = weight[p * 32 + c, k], zero past N; bfloat16 ones interleave each panel row's two
+  // halves (`load_row`): panels[p, k, 2 i + h] = weight[p * 32 + 16 h + i, k]
   const at::Tensor padded = at::constant_pad_nd(weight, {0, 0, 0, panels * PANEL - N});
+  if (weight.scalar_type() == at::kBFloat16) {
+    return padded.view({panels, 2, PANEL / 2, K}).permute({0, 3, 2, 1}).contiguous().view({panels, K, PANEL});
+  }
   return padded.view({panels, PANEL, K}).transpose(1, 2).contiguous();
 }
 

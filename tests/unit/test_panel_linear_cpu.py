@@ -75,6 +75,38 @@ def test_bfloat16_panels_compute_over_the_rounded_weights(in_features, out_featu
         assert torch.equal(torch.ops.draftsmith_cpu.panel_linear(x[:rows], half, offsets, out_features), whole[:rows])
 
 
+def test_bfloat16_panels_store_each_row_interleaved():
+    """A bfloat16 panel row holds columns 0, 16, 1, 17, ..., 15, 31 (so a shift and a mask widen it); fp32
+    panels hold them in order."""
+    weight = torch.arange(64 * 3, dtype=torch.float32).view(64, 3)
+    half = torch.ops.draftsmith_cpu.pack_panels(weight.bfloat16())
+    columns = torch.stack([torch.arange(16), torch.arange(16, 32)], dim=1).flatten()
+    for p in range(2):
+        assert torch.equal(half[p].float(), weight[p * 32 + columns].t())
+        assert torch.equal(torch.ops.draftsmith_cpu.pack_panels(weight)[p], weight[p * 32:(p + 1) * 32].t())
+
+
+def test_fp32_weights_of_bfloat16_values_are_packed_in_bfloat16_exactly():
+    """A target loaded in fp32 from a bfloat16 checkpoint: its layers read half the bytes and compute, bit for
+    bit, what fp32 panels of the same weight compute. A weight with one value off the bfloat16 grid stays
+    fp32, and so does every layer when the packed copy would not be exact."""
+    generator = torch.Generator().manual_seed(3)
+    stored = Linear(96, 70)
+    with torch.no_grad():
+        stored.weight.copy_(torch.randn(70, 96, generator=generator).bfloat16().float())
+    off_grid = Linear(96, 70)
+    with torch.no_grad():
+        off_grid.weight.copy_(stored.weight)
+        off_grid.weight[5, 7] += 2.0**-20  # below a bfloat16 step of a value near 1
+    x = torch.randn(11, 96, generator=generator)
+    with torch.inference_mode():
+        for rows in (1, 4, 8, 11):
+            assert torch.equal(stored(x[:rows]), _panel(x[:rows], stored.weight.detach(), stored.bias.detach()))
+        off_grid(x)
+    assert stored.__dict__["_plan"].weight.dtype == torch.bfloat16
+    assert off_grid.__dict__["_plan"].weight.dtype == torch.float32
+
+
 def test_packing_a_drafters_layers_leaves_what_it_shares_with_the_target():
     """`pack_weights_in` packs a drafter's own fp32 layers in bfloat16, never a layer whose weight is the
     target's (an LM head both read), and a packed fused group still splits into its layers' columns."""

@@ -135,6 +135,16 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = _mlp(hidden, intermediate)
 
+    def fused_step_projections(self) -> tuple[tuple[Linear, ...], ...] | None:
+        """(q, k, v), (o,), (gate, up), (down,) as its forward groups them, for a head's one-token step run as
+        one op (`models.draft_step_cpu`); None where its attention has q/k norms, which the op does not run. A
+        window needs nothing of the op: over a cache, a step reads keys from each row's first key on, which the
+        proposer sets from the window (`EagleFamilyProposer._key_starts`)."""
+        attention, mlp = self.self_attn, self.mlp
+        if hasattr(attention, "q_norm"):
+            return None
+        return (*attention.fused_linears(), (attention.o_proj,), *mlp.fused_linears(), (mlp.down_proj,))
+
     def forward(self, attn_input, residual, cos, sin, cache=None, batch=None, ttt_history=None):
         x, normed = self.post_attention_layernorm.after_add(
             residual, self.self_attn(attn_input, cos, sin, cache, batch, ttt_history))

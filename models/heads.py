@@ -217,16 +217,25 @@ class RecurrentHead(AttachedHead):
         """Logits from the target's own LM head: a bfloat16 head under a float32 target reads a bfloat16 copy,
         made once (the LM head is the largest matrix a draft step reads; not saved); otherwise x is cast to
         the LM head's dtype."""
+        layer = self.readout_layer(x.dtype)
+        if layer is not None:
+            return layer(x)
         lm_head = self.target.lm_head
-        if self._packed_readout and self._packed_readout[1] is lm_head.weight and x.dtype == lm_head.weight.dtype:
-            return self._packed_readout[0](x)
-        if x.dtype == lm_head.weight.dtype or x.element_size() >= lm_head.weight.element_size():
+        if x.element_size() >= lm_head.weight.element_size():
             return lm_head(x.to(lm_head.weight.dtype))  # never a wider copy of a big matrix
         if not self._readout or self._readout[0].weight.dtype != x.dtype or self._readout[1] is not lm_head.weight:
             copy = Linear(lm_head.in_features, lm_head.out_features, bias=False, device="meta")
             copy.weight = nn.Parameter(lm_head.weight.detach().to(x.dtype), requires_grad=False)
             self._readout[:] = [copy, lm_head.weight]
         return self._readout[0](x)
+
+    def readout_layer(self, dtype: torch.dtype) -> Linear | None:
+        """The layer `readout` reads inputs of `dtype` out through as they are: the target's LM head, or its
+        copy packed for drafts (`pack_readout`); None where readout casts them or copies the matrix."""
+        lm_head = self.target.lm_head
+        if self._packed_readout and self._packed_readout[1] is lm_head.weight and dtype == lm_head.weight.dtype:
+            return self._packed_readout[0]
+        return lm_head if dtype == lm_head.weight.dtype else None
 
     def pack_readout(self, dtype: torch.dtype) -> int:
         """Reads drafts' logits out through the target's LM head packed in `dtype` for the panel GEMM
@@ -291,9 +300,13 @@ class DraftHead(RecurrentHead):
     def sliding_window(self) -> int | None:
         return self.config.sliding_window
 
+    @property
+    def embedding_table(self) -> nn.Embedding:
+        """The table draft tokens are embedded with: the head's own, or the target's."""
+        return self.embed_tokens if self.config.own_embedding else self.target.model.embed_tokens
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.config.own_embedding else self.target.model.embed_tokens
-        return table(token_ids)
+        return self.embedding_table(token_ids)
 
 
 def load_head_weights(head: nn.Module, directory: str | Path) -> nn.Module:

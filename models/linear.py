@@ -207,6 +207,19 @@ def make_plans(modules: Iterable[nn.Module]) -> int:
     return made
 
 
+def panel_plan(layers: tuple[Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """(panels, bias, out_features) of what the fast path runs for these layers (one, or a fused group) where
+    that is the panel GEMM: what a caller that runs `draftsmith_cpu::panel_linear` itself passes it, the
+    same call a layer makes. None where the layers take another form (or autograd is on)."""
+    weight = layers[0]._parameters.get("weight")
+    if (weight is None or weight.device.type != "cpu" or torch.is_grad_enabled()
+            or not onednn_linear_available(weight.dtype) or not all(_holds_own(layer) for layer in layers)
+            or len(layers) > 1 and not _alike(layers)):
+        return None
+    plan = _plan(layers)
+    return (plan.weight, plan.bias, plan.out_features) if plan.form == "panel" else None
+
+
 def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # Under autocast aten's linear computes in the autocast dtype; the fast path would not, so it steps aside.
     return (x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()

@@ -23,7 +23,7 @@ log = logging.getLogger("draftsmith")
 
 SOURCES = [Path(__file__).with_name(name) for name in (
     "slot_attention_cpu.cpp", "step_ops_cpu.cpp", "ngram_lookup_cpu.cpp", "prompt_attention_cpu.cpp",
-    "panel_linear_cpu.cpp")]
+    "panel_linear_cpu.cpp", "draft_step_cpu.cpp")]
 HEADERS = [Path(__file__).with_name("simd_exp.h")]  # torch's build cache hashes the sources only: in the name
 # -ffp-contract=fast: multiply-adds fused (ISO C++ mode, which torch builds in, leaves them apart)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]

@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.methods import DraftBatch, SpeculativeConfig, resolve_method
+from draftsmith.models.draft_step_cpu import FusedDraftSteps
 from draftsmith.models.kernel_backend import slot_kernel_wanted
 from draftsmith.models.kv_cache import ForwardBatch
 from draftsmith.models.linear import warm_up as warm_up_linears
@@ -148,6 +149,10 @@ class LLMEngine(FaultIsolatingSteps):
             ) if self.proposer is not None and not tree and k > 1 else None
             if runner is not None:
                 logger.info("draft steps: %s, %d buckets ready", self.step_mode, runner.warm_up())
+        elif self.proposer is not None and not tree and k > 1:
+            # eager on CPU: a head whose one-token steps the fused C++ op runs takes it (models.draft_step_cpu)
+            if self.proposer.use_static_steps(FusedDraftSteps.for_head) is not None:
+                logger.info("draft steps: one fused C++ op each")
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,

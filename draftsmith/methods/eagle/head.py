@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from draftsmith.models.draft_layer import DraftDecoderLayer
+from draftsmith.models.draft_step_cpu import FusedStepParts
 from draftsmith.models.heads import DraftHead, DraftHeadConfig
 from draftsmith.models.linear import Linear
 
@@ -30,6 +31,16 @@ class EagleHead(DraftHead):
                                                        config.num_key_value_heads, config.head_dim,
                                                        config.rms_norm_eps, attention_bias=config.attention_bias,
                                                        window=config.sliding_window)])
+
+    def fused_step_parts(self) -> FusedStepParts | None:
+        """What `models.draft_step_cpu` runs `step` from at one query a row (drafts 2..k) as one op: fc over
+        [embedding; state], the layer, the target's LM head; None where the readout casts."""
+        layer = self.layers[0]
+        projections, readout = layer.fused_step_projections(), self.readout_layer(self.fc.weight.dtype)
+        if projections is None or readout is None:
+            return None
+        return FusedStepParts(self.embedding_table.weight, (None, None, None, layer.post_attention_layernorm, None),
+                              ((self.fc,), *projections, (readout,)), layer.self_attn.heads, layer.self_attn.kv_heads)
 
     def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None,
              logits_at=None):

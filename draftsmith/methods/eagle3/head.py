@@ -21,6 +21,7 @@ from torch import nn
 
 from draftsmith.methods.eagle3.vocab import check_vocab_maps
 from draftsmith.models.draft_layer import DraftDecoderLayer, TTTHistory
+from draftsmith.models.draft_step_cpu import FusedStepParts
 from draftsmith.models.heads import DraftHead, DraftHeadConfig
 from draftsmith.models.linear import Linear
 from draftsmith.models.llama import RMSNorm
@@ -119,6 +120,18 @@ class Eagle3Head(DraftHead):
             out = self.norm(out)
             return out, self.lm_head(self._at(out, logits_at))
         return out, self.lm_head(self.norm(self._at(out, logits_at)))
+
+    def fused_step_parts(self) -> FusedStepParts | None:
+        """What `models.draft_step_cpu` runs `step` from at one query a row (drafts 2..k) as one op; None for
+        the variants it does not run (q/k norms, later layers)."""
+        c, layer = self.config, self.midlayer
+        projections = layer.fused_step_projections()
+        if projections is None or c.num_hidden_layers > 1:
+            return None
+        return FusedStepParts(self.embedding_table.weight, (layer.input_layernorm, layer.hidden_norm, None,
+                                             layer.post_attention_layernorm, self.norm),
+                              (None, *projections, (self.lm_head,)), layer.self_attn.heads, layer.self_attn.kv_heads,
+                              normed_residual=c.norm_before_residual, feed_back_normed=c.norm_output)
 
     @staticmethod
     def _cache_at(cache, layer: int):

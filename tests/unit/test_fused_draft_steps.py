@@ -1,0 +1,156 @@
+"""An EAGLE-3 head's one-token draft steps as one C++ op (models/draft_step_cpu.cpp, `FusedDraftSteps`): the
+eager step's head outputs, logits and cache writes bit for bit, for the variants it runs, over rows of their
+own slots, positions and first keys; the eager CPU engine drafts with it and decodes as plain decoding;
+the variants it does not run, and `DRAFTSMITH_CPU_OPS=torch`, keep the eager steps."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from draftsmith.methods import resolve_method
+from draftsmith.models import DraftHeadConfig, ForwardBatch, kv_cache, slot_attention_cpu, step_ops_cpu
+from draftsmith.models.draft_step_cpu import FusedDraftSteps
+from draftsmith.serve import LLM, SamplingParams
+from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config
+
+pytestmark = pytest.mark.skipif(slot_attention_cpu.build_error() is not None,
+                                reason=f"the CPU kernels did not build: {slot_attention_cpu.build_error()}")
+
+MAX_LEN = 96
+
+
+def _head(target, head_type: str = "eagle3", seed: int = 0, **variant):
+    """A random one-layer head on the demo target: EAGLE-3 (a draft vocabulary of every other id), EAGLE-1 or
+    MTP."""
+    torch.manual_seed(seed)
+    if head_type == "mtp":
+        from draftsmith.methods.mtp.head import MTPHead
+
+        source = json.loads((DEMO_MODEL / "config.json").read_text())
+        head = MTPHead.for_target(target.config, source).attach_target(target)
+    else:
+        layers = (1, 3, 5) if head_type == "eagle3" else (target.config.num_hidden_layers,)
+        vocab = target.config.vocab_size // 2 if head_type == "eagle3" else None
+        config = DraftHeadConfig.for_target(head_type, target.config, layers, vocab, **variant)
+        head = resolve_method(head_type).head_module(config).attach_target(target)
+        if head_type == "eagle3":
+            head.set_vocab(torch.arange(0, target.config.vocab_size, 2))
+    head.init_rope(MAX_LEN)
+    return head.eval()
+
+
+def _next_ids(head, logits: torch.Tensor) -> torch.Tensor:
+    """Greedy drafts as target ids (an EAGLE-3 head's logits are over its draft vocabulary)."""
+    ids = logits.argmax(-1)
+    return head.to_target_ids(ids) if hasattr(head, "d2t") else ids
+
+
+def _eager_steps(head, cache, slots, base, key_starts, ids, state, steps):
+    """The proposer's eager draft loop (`_step_batches`, `Eagle3Head.step`) -> [(output, logits)] per step."""
+    whole = ForwardBatch.build(slots, base, [steps] * len(slots), cache, None, "cpu", key_starts=key_starts)
+    out = []
+    for s in range(steps):
+        step = {"positions": whole.positions[:, s : s + 1], "write_slots": whole.write_slots[:, s : s + 1],
+                "mask": whole.mask[:, :, s : s + 1]}
+        if whole.key_positions is None:
+            kv_len = min(max(base) + s + 1, whole.kv_len)
+            step.update(mask=step["mask"][..., : kv_len - whole.kv_start], kv_len=kv_len)
+        batch = replace(whole, **step)
+        state, logits = (t[:, 0] for t in head.step(ids[:, None], state[:, None], batch.positions, False, cache, batch))
+        out.append((state, logits))
+        ids = _next_ids(head, logits)
+    return out
+
+
+VARIANTS = {"EAGLE-3": {}, "EAGLE-3, normed residual and output": {"norm_before_residual": True, "norm_output": True},
+            "EAGLE-3, biased attention": {"attention_bias": True}, "EAGLE-3, a window": {"sliding_window": 8},
+            "EAGLE-1": {"head_type": "eagle"}, "EAGLE-1, a window": {"head_type": "eagle", "sliding_window": 8},
+            "MTP": {"head_type": "mtp"}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_steps_compute_the_eager_steps_bit_for_bit(target, variant, monkeypatch):
+    """Rows whose contexts lie far apart, which an eager step's ForwardBatch would gather keys for (PyTorch's
+    attention, summing in another order): here it attends through the slot kernel too, as the fused op does."""
+    monkeypatch.setattr(kv_cache, "GATHER_KEYS_FROM", float("inf"))
+    head = _head(target, **VARIANTS[variant])
+    if variant == "EAGLE-3, biased attention":
+        with torch.no_grad():
+            for proj in (head.midlayer.self_attn.q_proj, head.midlayer.self_attn.k_proj, head.midlayer.self_attn.v_proj):
+                proj.bias.normal_()
+    generator = torch.Generator().manual_seed(1)
+    slots, base, key_starts = [2, 0, 3], [17, 40, 63], [0, 9, 30]  # rows whose context starts mid-sequence
+    caches = []
+    for _ in range(2):
+        cache = head.make_cache(4, MAX_LEN)
+        caches.append(cache)
+    for layer in range(len(caches[0].k)):
+        for name in ("k", "v"):
+            filled = torch.randn(getattr(caches[0], name)[layer].shape, generator=generator)
+            for cache in caches:
+                getattr(cache, name)[layer].copy_(filled)
+    ids = torch.tensor([5, 901, 77])
+    state = torch.randn(3, target.config.hidden_size, generator=generator)
+    with torch.inference_mode():
+        want = _eager_steps(head, caches[0], slots, base, key_starts, ids, state, steps=3)
+        runner = FusedDraftSteps.for_head(head, caches[1])
+        assert runner is not None, "the fused steps do not run this head"
+        runner.begin(slots, base, key_starts)
+        got_state, got_ids = state, ids
+        for s, (want_state, want_logits) in enumerate(want):
+            got_state, logits = runner.step(got_ids, got_state)
+            assert torch.equal(got_state, want_state), f"step {s}: head output differs"
+            assert torch.equal(logits, want_logits), f"step {s}: logits differ"
+            got_ids = _next_ids(head, logits)
+    assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+
+
+@pytest.mark.parametrize("variant", [{"qk_norm": True}, {"num_hidden_layers": 2}])
+def test_variants_the_op_does_not_run_keep_eager_steps(target, variant):
+    head = _head(target, **variant)
+    assert FusedDraftSteps.for_head(head, head.make_cache(2, MAX_LEN)) is None
+
+
+def test_cpu_ops_turned_off_keep_eager_steps(target, monkeypatch):
+    head = _head(target)
+    monkeypatch.setenv(step_ops_cpu.VARIABLE, "torch")
+    step_ops_cpu._allowed.cache_clear()
+    try:
+        assert FusedDraftSteps.for_head(head, head.make_cache(2, MAX_LEN)) is None
+    finally:
+        monkeypatch.delenv(step_ops_cpu.VARIABLE)
+        step_ops_cpu._allowed.cache_clear()
+
+
+SHIPPED = {"eagle3": DEMO_MODEL.parent / "demo-code-7m-eagle3", "eagle": DEMO_MODEL.parent / "demo-code-7m-eagle",
+           "mtp": DEMO_MODEL.parent / "demo-code-7m-mtp"}
+
+
+@pytest.mark.parametrize("method", SHIPPED)
+def test_eager_engine_drafts_with_fused_steps_as_with_eager_ones(target, greedy_reference, method):
+    """A shipped demo head at fixed k = 4 on the eager CPU engine: its one-token steps are the fused op's, its
+    drafts and their probabilities those of eager steps, and its output plain decoding's."""
+    runs = []
+    for fused in (True, False):
+        llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
+                  speculative_config=spec_config(method, SHIPPED[method], 4))
+        proposer = llm.engine.proposer
+        assert isinstance(proposer.draft_steps, FusedDraftSteps)
+        if not fused:
+            proposer.draft_steps = None
+        seen, propose = [], proposer.propose
+
+        def recording(*args, propose=propose, seen=seen, proposer=proposer, **kwargs):
+            out = propose(*args, **kwargs)
+            seen.append((out.tokens.clone(), proposer.last_confidence.clone()))
+            return out
+
+        proposer.propose = recording
+        outputs = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outputs], seen))
+    assert runs[0][0] == runs[1][0] == greedy_reference
+    assert len(runs[0][1]) == len(runs[1][1]) and runs[0][1]
+    for (tokens, confidence), (eager_tokens, eager_confidence) in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(tokens, eager_tokens) and torch.equal(confidence, eager_confidence)

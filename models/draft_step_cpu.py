@@ -1,20 +1,23 @@
-"""A recurrent head's one-token draft steps on CPU as one C++ op each (draft_step_cpu.cpp): `FusedDraftSteps`.
+"""A recurrent head's forwards while drafting on CPU as one C++ op each (draft_step_cpu.cpp): `FusedDraftSteps`.
 
-The steps after a head's catch-up (EAGLE-3, EAGLE-1 and MTP drafts 2..k) run at one query a row: about 300
-us each on two cores for the demo EAGLE-3 head, of which its kernels were about 110. The rest was Python:
-around each part (a norm, a projection, the rope, the cache writes, the attention) the eager step made a
-module call and a few op calls, and the draft loop built each step's ForwardBatch. The fused op runs the
-same kernels in the same order from C++ (108 us a step), so its drafts are the eager step's bit for bit
-wherever the eager step attends through the slot kernel too (tests/unit/test_fused_draft_steps.py). Where
-an eager batch gathers its rows' keys instead (rows whose contexts lie far apart: `ForwardBatch.build`),
-PyTorch's attention sums in another order, and the drafts may differ in the last bits of their logits; they
-are proposals the target checks either way.
+A propose of an EAGLE-3, EAGLE-1 or MTP head runs the head over each row's newly verified positions (the
+catch-up, a few queries a row, whose last yields draft 1), then one query a row per draft 2..k. On two cores
+an eager draft step of the demo EAGLE-3 head took about 300 us, of which its kernels were about 110, and its
+catch-up about 600. The rest was Python: around each part (a norm, a projection, the rope, the cache writes,
+the attention) the eager forward made a module call and a few op calls, and each built its ForwardBatch.
+The fused op runs the same kernels in the same order from C++ (draft steps 108 us, the catch-up 300 with its
+host work), so its drafts are the eager forward's bit for bit wherever that attends through the slot kernel
+too (tests/unit/test_fused_draft_steps.py). Where an eager batch gathers its rows' keys instead (rows whose
+contexts lie far apart: `ForwardBatch.build`), PyTorch's attention sums in another order, and the drafts may
+differ in the last bits of their logits; they are proposals the target checks either way. A catch-up of more
+than CATCH_UP_QUERIES positions (a new prompt's) stays eager: an eager forward attends those otherwise.
 
-It runs where the eager step would run these kernels: a CPU process that loaded the build, fp32 throughout,
-every projection on the panel GEMM (`models.linear.panel_plan`), and a head that declares its parts
-(`fused_step_parts`; None for the variants the op does not run: q/k norms, more than one layer). An attention
-window asks nothing more of it: each row's steps read keys from a first key the proposer sets by the window. Elsewhere the proposer's eager steps run. `DRAFTSMITH_CPU_OPS=torch` turns it off with the other step
-ops.
+It runs where the eager forward would run these kernels: a CPU process that loaded the build, fp32
+throughout, every projection on the panel GEMM (`models.linear.panel_plan`), and a head that declares its
+parts (`fused_step_parts`; None for the variants the op does not run: q/k norms, more than one layer). An
+attention window asks nothing more of a draft step: each row reads keys from a first key the proposer sets
+by the window. Elsewhere the proposer's eager forwards run (and P-EAGLE and trees, which take no runner).
+`DRAFTSMITH_CPU_OPS=torch` turns it off with the other step ops.
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.models import step_ops_cpu
-from draftsmith.models.kv_cache import KVCache
+from draftsmith.models.kv_cache import SLOT_KERNEL_QUERIES, KVCache
 from draftsmith.models.linear import Linear, panel_plan
+
+# the most positions a row's catch-up runs through the op: past them an eager forward attends otherwise (the
+# prompt kernel, PyTorch's), and a long catch-up (a new prompt) is a one-off
+CATCH_UP_QUERIES = SLOT_KERNEL_QUERIES
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class FusedStepParts:
     state_first: bool = False  # the state comes before the embedding where they are joined
     normed_residual: bool = False  # without an input projection: the layer's residual is the normed state
     feed_back_normed: bool = False  # the final norm's output is what is fed back
+    zero_first_embedding: bool = False  # the embedding at position 0 is zero (MTP: no token before the first)
 
 
 class FusedDraftSteps:
@@ -55,7 +63,8 @@ class FusedDraftSteps:
         self.head, self.cache, self.parts = head, cache, parts
         norms = [norm for norm in parts.norms if norm is not None]
         self.eps = norms[0].eps
-        self.flags = [int(parts.state_first), int(parts.normed_residual), int(parts.feed_back_normed)]
+        self.flags = [int(parts.state_first), int(parts.normed_residual), int(parts.feed_back_normed),
+                      int(parts.zero_first_embedding)]
         self._loop: tuple | None = None
 
     @classmethod
@@ -90,20 +99,35 @@ class FusedDraftSteps:
     def begin(self, slots: list[int], base: list[int], key_starts: list[int]) -> None:
         """A draft loop over rows in `slots` whose first step sits at `base` and reads keys from
         `key_starts` on."""
-        weights = self._weights()
-        if weights is None:
-            raise RuntimeError("a draft head's projection left the panel GEMM while its engine served")
-        self._loop = (torch.tensor(base), torch.tensor(slots), torch.tensor(key_starts), weights, 0)
+        self._loop = (torch.tensor(base), torch.tensor(slots), torch.tensor(key_starts), self._checked_weights(), 0)
 
     def step(self, ids: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [rows] (the last drafts, target ids), state [rows, H] (the head's last outputs) -> (head output
         [rows, H], logits [rows, vocab]) one position further on."""
         base, slots, key_starts, weights, step = self._loop
         self._loop = (base, slots, key_starts, weights, step + 1)
+        return self._run(ids, state, base, step, None, slots, key_starts, None, weights)
+
+    def catch_up(self, ids: torch.Tensor, features: torch.Tensor, first: list[int], held: list[int],
+                 slots: list[int], key_starts: list[int], window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over each row's pending positions (ids [rows, W], target features [rows, W, F]; row b's
+        first held[b] real, from position first[b]) -> (head output [rows, H], logits [rows, vocab]) at each
+        row's last one, which yield draft 1. Only for rows of at most CATCH_UP_QUERIES positions."""
+        counts = None if min(held) == ids.shape[1] else torch.tensor(held)
+        return self._run(ids, self.head.state_from_target(features), torch.tensor(first), 0, counts,
+                         torch.tensor(slots), torch.tensor(key_starts), window, self._checked_weights())
+
+    def _checked_weights(self) -> tuple[list, list, list, list]:
+        weights = self._weights()
+        if weights is None:
+            raise RuntimeError("a draft head's projection left the panel GEMM while its engine served")
+        return weights
+
+    def _run(self, ids, state, base, step, held, slots, key_starts, window, weights):
         norms, panels, biases, widths = weights
         parts, head = self.parts, self.head
         return torch.ops.draftsmith_cpu.recurrent_draft_step.default(
-            ids, state, base, step, slots, key_starts, parts.embedding, norms, panels, biases, widths,
+            ids, state, base, step, held, slots, key_starts, window, parts.embedding, norms, panels, biases, widths,
             self.cache.k[0], self.cache.v[0], head.rope_cos, head.rope_sin, parts.heads, parts.kv_heads, self.eps,
             self.flags)
 

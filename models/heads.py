@@ -188,6 +188,11 @@ class RecurrentHead(AttachedHead):
         """The target features this head reads, [B, T, F], from a target forward's hidden states."""
         return torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1)
 
+    def state_from_target(self, features: torch.Tensor) -> torch.Tensor:
+        """What `step` reads as its state from target features (`from_target`): the features themselves unless
+        the head maps them first (EAGLE-3's fc)."""
+        return features
+
     def init_rope(self, max_len: int) -> None:
         device = next(self.parameters()).device
         self.rope_cos, self.rope_sin = rope_tables(self.layer_shape.rope, self.layer_shape.head_dim, max_len, device)

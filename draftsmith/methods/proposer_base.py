@@ -113,7 +113,9 @@ class Proposer:
     def use_static_steps(self, make_runner: Callable[[torch.nn.Module, Any], Any]):
         """Where drafting runs one head one token a row at a time after a first forward (EAGLE drafts 2..k),
         runs those steps with `make_runner(head, its KV cache)` (`serve.engine.step_graphs.DraftStepRunner`,
-        at static shapes) from now on and returns that runner; None where it drafts no such steps."""
+        at static shapes; `models.draft_step_cpu.FusedDraftSteps`, one C++ op each, whose `catch_up` runs the
+        first forward too) from now on and returns that runner (None where `make_runner` gives none); None
+        where it drafts no such steps."""
         return None
 
     def draft_models(self) -> list[torch.nn.Module]:

@@ -150,9 +150,9 @@ class LLMEngine(FaultIsolatingSteps):
             if runner is not None:
                 logger.info("draft steps: %s, %d buckets ready", self.step_mode, runner.warm_up())
         elif self.proposer is not None and not tree and k > 1:
-            # eager on CPU: a head whose one-token steps the fused C++ op runs takes it (models.draft_step_cpu)
+            # eager on CPU: a head whose forwards the fused C++ op runs takes it (models.draft_step_cpu)
             if self.proposer.use_static_steps(FusedDraftSteps.for_head) is not None:
-                logger.info("draft steps: one fused C++ op each")
+                logger.info("draft steps and catch-up: one C++ op each")
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,

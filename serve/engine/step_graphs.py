@@ -22,6 +22,8 @@ A recurrent draft head's one-token steps (EAGLE drafts 2..k) run the same way (`
 padded to a bucket, each row's position, slot and first key in a static buffer, the head's input token and
 state in two more; each step moves the positions on by one on the device. Prefill chunks and a head's
 catch-up over newly verified positions stay eager: their shapes change with every prompt and step.
+An eager engine on CPU runs those steps, and the catch-up, as one C++ op each instead
+(`models.draft_step_cpu`).
 """
 
 from __future__ import annotations

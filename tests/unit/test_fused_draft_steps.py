@@ -1,7 +1,8 @@
-"""An EAGLE-3 head's one-token draft steps as one C++ op (models/draft_step_cpu.cpp, `FusedDraftSteps`): the
-eager step's head outputs, logits and cache writes bit for bit, for the variants it runs, over rows of their
-own slots, positions and first keys; the eager CPU engine drafts with it and decodes as plain decoding;
-the variants it does not run, and `DRAFTSMITH_CPU_OPS=torch`, keep the eager steps."""
+"""A recurrent head's draft steps and catch-up as one C++ op (models/draft_step_cpu.cpp, `FusedDraftSteps`):
+the eager forward's head outputs, logits and cache writes bit for bit, for EAGLE-3 (and its variants the op
+runs), EAGLE-1 and MTP heads, over rows of their own slots, positions, first keys and pending counts; the
+eager CPU engine drafts with it as with eager forwards and decodes as plain decoding; the variants it does
+not run, and `DRAFTSMITH_CPU_OPS=torch`, keep eager forwards."""
 
 import json
 from dataclasses import replace
@@ -47,6 +48,17 @@ def _next_ids(head, logits: torch.Tensor) -> torch.Tensor:
     return head.to_target_ids(ids) if hasattr(head, "d2t") else ids
 
 
+def _filled_caches(head, count: int, generator: torch.Generator):
+    """`count` caches of the head holding the same random keys and values."""
+    caches = [head.make_cache(4, MAX_LEN) for _ in range(count)]
+    for layer in range(len(caches[0].k)):
+        for name in ("k", "v"):
+            filled = torch.randn(getattr(caches[0], name)[layer].shape, generator=generator)
+            for cache in caches:
+                getattr(cache, name)[layer].copy_(filled)
+    return caches
+
+
 def _eager_steps(head, cache, slots, base, key_starts, ids, state, steps):
     """The proposer's eager draft loop (`_step_batches`, `Eagle3Head.step`) -> [(output, logits)] per step."""
     whole = ForwardBatch.build(slots, base, [steps] * len(slots), cache, None, "cpu", key_starts=key_starts)
@@ -82,15 +94,7 @@ def test_fused_steps_compute_the_eager_steps_bit_for_bit(target, variant, monkey
                 proj.bias.normal_()
     generator = torch.Generator().manual_seed(1)
     slots, base, key_starts = [2, 0, 3], [17, 40, 63], [0, 9, 30]  # rows whose context starts mid-sequence
-    caches = []
-    for _ in range(2):
-        cache = head.make_cache(4, MAX_LEN)
-        caches.append(cache)
-    for layer in range(len(caches[0].k)):
-        for name in ("k", "v"):
-            filled = torch.randn(getattr(caches[0], name)[layer].shape, generator=generator)
-            for cache in caches:
-                getattr(cache, name)[layer].copy_(filled)
+    caches = _filled_caches(head, 2, generator)
     ids = torch.tensor([5, 901, 77])
     state = torch.randn(3, target.config.hidden_size, generator=generator)
     with torch.inference_mode():
@@ -105,6 +109,32 @@ def test_fused_steps_compute_the_eager_steps_bit_for_bit(target, variant, monkey
             assert torch.equal(logits, want_logits), f"step {s}: logits differ"
             got_ids = _next_ids(head, logits)
     assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_catch_up_computes_the_eager_catch_up_bit_for_bit(target, variant, monkeypatch):
+    """Rows of 4, 1 and 6 pending positions (padded to 6; one from position 0, where MTP's embedding is zero)
+    through the head from target features, as the proposer's eager catch-up runs them (its head's window
+    included): the output and logits at each row's last position, and the cache writes."""
+    monkeypatch.setattr(kv_cache, "GATHER_KEYS_FROM", float("inf"))
+    head = _head(target, **VARIANTS[variant])
+    generator = torch.Generator().manual_seed(2)
+    slots, first, held, key_starts = [1, 3, 0], [0, 30, 51], [4, 1, 6], [0, 12, 40]
+    caches = _filled_caches(head, 2, generator)
+    width, features = max(held), len(head.feature_layers) * target.config.hidden_size
+    ids = torch.randint(0, target.config.vocab_size, (3, width), generator=generator)
+    hidden = torch.randn(3, width, features, generator=generator)
+    window = head.sliding_window
+    with torch.inference_mode():
+        batch = ForwardBatch.build(slots, first, held, caches[0], window, "cpu", key_starts=key_starts)
+        last = torch.tensor([n - 1 for n in held])
+        out, logits = head.step(ids, hidden, batch.positions, True, caches[0], batch, logits_at=last)
+        runner = FusedDraftSteps.for_head(head, caches[1])
+        got_state, got_logits = runner.catch_up(ids, hidden, first, held, slots, key_starts, window)
+    assert torch.equal(got_state, out[torch.arange(3), last])
+    assert torch.equal(got_logits, logits[:, 0])
+    for eager, fused in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):  # the scratch slot aside
+        assert torch.equal(eager[:-1], fused[:-1])
 
 
 @pytest.mark.parametrize("variant", [{"qk_norm": True}, {"num_hidden_layers": 2}])

@@ -37,6 +37,7 @@ from draftsmith.methods.eagle.pending import PendingFeatures
 from draftsmith.methods.eagle.tree_drafting import draft_static_tree, draft_tree
 from draftsmith.methods.heads import draft_dtype, load_attached_head, pack_draft_weights
 from draftsmith.methods.proposer_base import DraftBatch, DraftSampling, Proposer, RowState
+from draftsmith.models.draft_step_cpu import CATCH_UP_QUERIES
 from draftsmith.models.kv_cache import ForwardBatch
 
 
@@ -282,6 +283,12 @@ class EagleFamilyProposer(Proposer):
         width = max(held)
         tokens = _token_ids(rows, first, held, width)
         hidden = self.pending.read(slots, first, width)
+        fused = getattr(self.draft_steps, "catch_up", None)  # models.draft_step_cpu: the forward as one op
+        if fused is not None and width <= CATCH_UP_QUERIES and not self.parallel_slots:
+            state, logits = fused(tokens.to(self.device), hidden, first, held, slots,
+                                  [self.pending.context_start[s] for s in slots], self.window)
+            self.pending.consumed(slots)
+            return state, logits
         last = torch.tensor([n - 1 for n in held], device=self.device)
         q_lens, read_at = held, last
         if self.parallel_slots:

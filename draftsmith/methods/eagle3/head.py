@@ -105,7 +105,7 @@ class Eagle3Head(DraftHead):
     def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None,
              logits_at=None):
         if from_target:
-            hidden = self.fc(self._fc_input(hidden))
+            hidden = self.state_from_target(hidden)
         emb = self.embed(token_ids).to(hidden.dtype)
         layer, c = self.midlayer, self.config
         normed = layer.hidden_norm(hidden)
@@ -146,6 +146,9 @@ class Eagle3Head(DraftHead):
             rows, at_query = getattr(ttt_history, "rows", None), getattr(ttt_history, "window_at_query", False)
             ttt_history.extend(TTTHistory(rows, at_query) for _ in range(self.config.num_hidden_layers))
         return ttt_history
+
+    def state_from_target(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(self._fc_input(features))
 
     def parallel_inputs(self, rows: int, slots: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """P-EAGLE's draft slots after the first: (token ids [rows, slots], all `ptd_token_id`, and their fused

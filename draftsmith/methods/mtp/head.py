@@ -81,8 +81,8 @@ class MTPHead(RecurrentHead):
         return self.layer_shape.sliding_window
 
     def fused_step_parts(self) -> FusedStepParts | None:
-        """What `models.draft_step_cpu` runs `step` from at one query a row (drafts 2..k, never at position 0,
-        where the embedding is masked) as one op; None with q/k norms, or a readout that casts."""
+        """What `models.draft_step_cpu` runs `step` from as one op; None with q/k norms, or a readout that
+        casts."""
         layer = self.layers[0]
         projections, readout = layer.block.fused_step_projections(), self.readout_layer(layer.input_proj.weight.dtype)
         if projections is None or readout is None:
@@ -93,7 +93,7 @@ class MTPHead(RecurrentHead):
                                block.post_attention_layernorm, layer.final_norm),
                               ((layer.input_proj,), *projections, (readout,)), block.self_attn.heads,
                               block.self_attn.kv_heads, state_first=self.config.concat_order != "embedding_first",
-                              feed_back_normed=self.config.feeds_back_normed)
+                              feed_back_normed=self.config.feeds_back_normed, zero_first_embedding=True)
 
     def step(self, token_ids, hidden, positions, from_target, cache=None, batch=None, ttt_history=None,
              logits_at=None):

@@ -95,6 +95,8 @@ struct Queries {
 Queries place_queries(const at::Tensor& base, int64_t step, const std::optional<at::Tensor>& held,
                       const at::Tensor& slots, int64_t width, const at::Tensor& k_cache) {
   const int64_t rows = base.size(0), last_position = k_cache.size(2) - 2, scratch = k_cache.size(0) - 1;
+  TORCH_CHECK(base.dim() == 1 && slots.numel() == rows && (!held.has_value() || held->numel() == rows),
+              "recurrent_draft_step: base, slots and held are [A]");
   const at::Tensor starts = base.to(at::kLong).contiguous(), slot_ids = slots.to(at::kLong).contiguous();
   const at::Tensor counts = held.has_value() ? held->to(at::kLong).contiguous() : at::full({rows}, width, at::kLong);
   Queries q{at::empty({rows, width}, at::kLong), at::empty({rows, width}, at::kLong), at::empty({rows}, at::kLong),
@@ -147,6 +149,7 @@ std::tuple<at::Tensor, at::Tensor> recurrent_draft_step(
   const int64_t rows = base.size(0), width = ids.dim() == 2 ? ids.size(1) : 1, hidden_size = state.size(-1);
   TORCH_CHECK(state.scalar_type() == at::kFloat && ids.numel() == rows * width && state.numel() == ids.numel() * hidden_size,
               "recurrent_draft_step: fp32 state [A, W, H] and ids [A, W] of base's A rows");
+  TORCH_CHECK(key_starts.numel() == rows, "recurrent_draft_step: key_starts is [A]");
   const int64_t dim = k_cache.size(3), per_head = heads + kv_heads, tokens = rows * width;
   TORCH_CHECK(out_features[QKV] == (heads + 2 * kv_heads) * dim && out_features[GATE_UP] % 2 == 0,
               "recurrent_draft_step: qkv's and gate_up's widths");

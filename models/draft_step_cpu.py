@@ -14,7 +14,8 @@ than CATCH_UP_QUERIES positions (a new prompt's) stays eager: an eager forward a
 
 It runs where the eager forward would run these kernels: a CPU process that loaded the build, fp32
 throughout, every projection on the panel GEMM (`models.linear.panel_plan`), and a head that declares its
-parts (`fused_step_parts`; None for the variants the op does not run: q/k norms, more than one layer). An
+parts (`fused_step_parts`; None for the variants the op does not run: q/k norms, more than one layer), with the
+C++ slot kernel wanted for attention (`DRAFTSMITH_ATTENTION`). An
 attention window asks nothing more of a draft step: each row reads keys from a first key the proposer sets
 by the window. Elsewhere the proposer's eager forwards run (and P-EAGLE and trees, which take no runner).
 `DRAFTSMITH_CPU_OPS=torch` turns it off with the other step ops.
@@ -26,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.models import step_ops_cpu
+from draftsmith.models.kernel_backend import slot_kernel_wanted
 from draftsmith.models.kv_cache import SLOT_KERNEL_QUERIES, KVCache
 from draftsmith.models.linear import Linear, panel_plan
 
@@ -73,7 +76,9 @@ class FusedDraftSteps:
         docstring): the caller keeps its eager steps."""
         parts_of = getattr(head, "fused_step_parts", None)
         parts = parts_of() if parts_of is not None else None
-        if parts is None or not step_ops_cpu.enabled() or cache.k[0].device.type != "cpu":
+        # the op attends through the C++ slot kernel, as the eager forward does only where that is wanted
+        if (parts is None or not step_ops_cpu.enabled() or cache.k[0].device.type != "cpu"
+                or not slot_kernel_wanted(cache.k[0].device)):
             return None
         if head.rope_cos is None:
             head.init_rope(head.layer_shape.max_position_embeddings)
@@ -119,8 +124,9 @@ class FusedDraftSteps:
 
     def _checked_weights(self) -> tuple[list, list, list, list]:
         weights = self._weights()
-        if weights is None:
-            raise RuntimeError("a draft head's projection left the panel GEMM while its engine served")
+        if weights is None:  # the panel GEMM turned off (DRAFTSMITH_CPU_LINEAR) in a serving process
+            raise DraftsmithError("a draft head's projections left the panel GEMM while its engine served: "
+                                  "restart the engine")
         return weights
 
     def _run(self, ids, state, base, step, held, slots, key_starts, window, weights):

@@ -2,7 +2,7 @@
 the eager forward's head outputs, logits and cache writes bit for bit, for EAGLE-3 (and its variants the op
 runs), EAGLE-1 and MTP heads, over rows of their own slots, positions, first keys and pending counts; the
 eager CPU engine drafts with it as with eager forwards and decodes as plain decoding; the variants it does
-not run, and `DRAFTSMITH_CPU_OPS=torch`, keep eager forwards."""
+not run, `DRAFTSMITH_ATTENTION=torch` and `DRAFTSMITH_CPU_OPS=torch` keep eager forwards."""
 
 import json
 from dataclasses import replace
@@ -16,8 +16,17 @@ from draftsmith.models.draft_step_cpu import FusedDraftSteps
 from draftsmith.serve import LLM, SamplingParams
 from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config
 
-pytestmark = pytest.mark.skipif(slot_attention_cpu.build_error() is not None,
-                                reason=f"the CPU kernels did not build: {slot_attention_cpu.build_error()}")
+
+def _why_not() -> str | None:
+    error = slot_attention_cpu.build_error()
+    if error is not None:
+        return f"the CPU kernels did not build: {error}"
+    if not torch.ops.draftsmith_cpu.panel_linear_available():
+        return "this CPU has no AVX-512: a head's projections stay on oneDNN, and its forwards eager"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
 
 MAX_LEN = 96
 
@@ -76,7 +85,10 @@ def _eager_steps(head, cache, slots, base, key_starts, ids, state, steps):
     return out
 
 
-VARIANTS = {"EAGLE-3": {}, "EAGLE-3, normed residual and output": {"norm_before_residual": True, "norm_output": True},
+VARIANTS = {"EAGLE-3": {}, "EAGLE-3, normed residual": {"norm_before_residual": True},
+            "EAGLE-3, normed output": {"norm_output": True},
+            "EAGLE-3, normed features and its own embedding": {"norm_before_fc": True, "own_embedding": True},
+            "EAGLE-3, a norm per feature layer": {"fc_norm": True},
             "EAGLE-3, biased attention": {"attention_bias": True}, "EAGLE-3, a window": {"sliding_window": 8},
             "EAGLE-1": {"head_type": "eagle"}, "EAGLE-1, a window": {"head_type": "eagle", "sliding_window": 8},
             "MTP": {"head_type": "mtp"}}
@@ -93,10 +105,11 @@ def test_fused_steps_compute_the_eager_steps_bit_for_bit(target, variant, monkey
             for proj in (head.midlayer.self_attn.q_proj, head.midlayer.self_attn.k_proj, head.midlayer.self_attn.v_proj):
                 proj.bias.normal_()
     generator = torch.Generator().manual_seed(1)
-    slots, base, key_starts = [2, 0, 3], [17, 40, 63], [0, 9, 30]  # rows whose context starts mid-sequence
+    # rows whose context starts mid-sequence, the last one's steps past the cache's end (its last position)
+    slots, base, key_starts = [2, 0, 3, 1], [17, 40, 63, MAX_LEN - 2], [0, 9, 30, 60]
     caches = _filled_caches(head, 2, generator)
-    ids = torch.tensor([5, 901, 77])
-    state = torch.randn(3, target.config.hidden_size, generator=generator)
+    ids = torch.tensor([5, 901, 77, 1200])
+    state = torch.randn(4, target.config.hidden_size, generator=generator)
     with torch.inference_mode():
         want = _eager_steps(head, caches[0], slots, base, key_starts, ids, state, steps=3)
         runner = FusedDraftSteps.for_head(head, caches[1])
@@ -143,6 +156,13 @@ def test_variants_the_op_does_not_run_keep_eager_steps(target, variant):
     assert FusedDraftSteps.for_head(head, head.make_cache(2, MAX_LEN)) is None
 
 
+def test_attention_other_than_the_slot_kernel_keeps_eager_steps(target, monkeypatch):
+    """`DRAFTSMITH_ATTENTION=torch`: eager forwards attend through PyTorch, so the op (the slot kernel) stays out."""
+    monkeypatch.setenv("DRAFTSMITH_ATTENTION", "torch")
+    head = _head(target)
+    assert FusedDraftSteps.for_head(head, head.make_cache(2, MAX_LEN)) is None
+
+
 def test_cpu_ops_turned_off_keep_eager_steps(target, monkeypatch):
     head = _head(target)
     monkeypatch.setenv(step_ops_cpu.VARIABLE, "torch")
@@ -159,16 +179,22 @@ SHIPPED = {"eagle3": DEMO_MODEL.parent / "demo-code-7m-eagle3", "eagle": DEMO_MO
 
 
 @pytest.mark.parametrize("method", SHIPPED)
-def test_eager_engine_drafts_with_fused_steps_as_with_eager_ones(target, greedy_reference, method):
-    """A shipped demo head at fixed k = 4 on the eager CPU engine: its one-token steps are the fused op's, its
-    drafts and their probabilities those of eager steps, and its output plain decoding's."""
+def test_eager_engine_drafts_with_fused_steps_as_with_eager_ones(target, greedy_reference, method, monkeypatch):
+    """A shipped demo head at fixed k = 4 on the eager CPU engine: its catch-ups and one-token steps are the
+    fused op's, its drafts and their probabilities those of eager forwards (which attend through the slot
+    kernel here too), and its output plain decoding's."""
+    monkeypatch.setattr(kv_cache, "GATHER_KEYS_FROM", float("inf"))
     runs = []
     for fused in (True, False):
         llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
                   speculative_config=spec_config(method, SHIPPED[method], 4))
         proposer = llm.engine.proposer
         assert isinstance(proposer.draft_steps, FusedDraftSteps)
-        if not fused:
+        fused_calls = []
+        if fused:
+            catch_up = proposer.draft_steps.catch_up
+            proposer.draft_steps.catch_up = lambda *args, calls=fused_calls, run=catch_up: calls.append(1) or run(*args)
+        else:
             proposer.draft_steps = None
         seen, propose = [], proposer.propose
 
@@ -180,6 +206,7 @@ def test_eager_engine_drafts_with_fused_steps_as_with_eager_ones(target, greedy_
         proposer.propose = recording
         outputs = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outputs], seen))
+        assert not fused or fused_calls, "no catch-up ran through the fused op"
     assert runs[0][0] == runs[1][0] == greedy_reference
     assert len(runs[0][1]) == len(runs[1][1]) and runs[0][1]
     for (tokens, confidence), (eager_tokens, eager_confidence) in zip(runs[0][1], runs[1][1]):

@@ -7,7 +7,8 @@
 // are the eager step's bit for bit wherever that attends through the slot kernel too. On two cores an eager
 // one-row step of the demo EAGLE-3 head took about 300 us, of which its kernels were about 110: the rest was
 // Python, a module call and a few op calls per part. models/draft_step_cpu.py holds the rules of when it
-// runs. Built into the same extension as slot_attention_cpu.cpp (slot_attention_cpu.py loads it).
+// runs. `recurrent_draft_loop` runs a greedy draft loop's later steps, their picks and its early stop, as one
+// op. Built into the same extension as slot_attention_cpu.cpp (slot_attention_cpu.py loads it).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -79,6 +80,12 @@ at::Tensor slot_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
 enum Projection { INPUT, QKV, O, GATE_UP, DOWN, LM_HEAD, PROJECTIONS };  // panels, biases, out_features
 enum Norm { EMBEDDING, STATE, ATTENTION_INPUT, POST_ATTENTION, FINAL, NORMS };
 enum Flag { STATE_FIRST, NORMED_RESIDUAL, FEED_BACK_NORMED, ZERO_FIRST_EMBEDDING, FLAGS };
+
+std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits, const std::optional<at::Tensor>& d2t) {
+  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&)>(
+      "draftsmith_cpu::greedy_pick");
+  return op.call(logits, d2t);
+}
 
 at::Tensor normed_or_same(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
   return weight.has_value() ? rms_norm(x, *weight, eps) : x;
@@ -190,6 +197,45 @@ std::tuple<at::Tensor, at::Tensor> recurrent_draft_step(
   return {flags[FEED_BACK_NORMED] ? read : at_last, project(read, LM_HEAD)};
 }
 
+// Greedy draft steps first..steps - 1 of a draft loop, whose step first - 1 chose `ids` [A] (target ids) and
+// gave the head's output `state` [A, H]: step s runs `recurrent_draft_step` (step index s - 1 from the loop's
+// `base`, one query a row) and picks as `greedy_pick` does (each row's first largest logit, plus d2t's offset
+// there; its softmax probability), into drafted[:, s] and probs[:, s]. With stop_below > 0 the loop ends where
+// the proposer's own loop would: after step s (while s + 1 < steps), `product` [A] (each row's running product
+// of probabilities, through step s - 1 on entry) takes step s's, rows at their limit (`limits` [A], None:
+// every row drafts every step) count 0, and below stop_below x batch_rows in all the loop stops. -> the draft
+// steps run in all, the steps before `first` included.
+int64_t recurrent_draft_loop(
+    const at::Tensor& ids, const at::Tensor& state, const at::Tensor& base, int64_t first, int64_t steps,
+    const at::Tensor& slots, const at::Tensor& key_starts, const at::Tensor& embedding,
+    const c10::List<std::optional<at::Tensor>>& norms, const c10::List<std::optional<at::Tensor>>& panels,
+    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef out_features, at::Tensor& k_cache,
+    at::Tensor& v_cache, const at::Tensor& cos_table, const at::Tensor& sin_table, int64_t heads, int64_t kv_heads,
+    double eps, at::IntArrayRef flags, const std::optional<at::Tensor>& d2t, at::Tensor& drafted, at::Tensor& probs,
+    at::Tensor& product, const std::optional<at::Tensor>& limits, double stop_below, int64_t batch_rows) {
+  const int64_t rows = base.size(0);
+  TORCH_CHECK(1 <= first && first <= steps && steps <= drafted.size(1) && drafted.size(0) == rows &&
+                  probs.sizes() == drafted.sizes() && product.numel() == rows && ids.numel() == rows,
+              "recurrent_draft_loop: ids and product [A], drafted and probs [A, k] with k >= steps > first - 1 >= 0");
+  at::Tensor chosen = ids, fed = state, running = product;
+  for (int64_t s = first; s < steps; ++s) {
+    const auto [output, logits] = recurrent_draft_step(
+        chosen, fed, base, s - 1, std::nullopt, slots, key_starts, std::nullopt, embedding, norms, panels, biases,
+        out_features, k_cache, v_cache, cos_table, sin_table, heads, kv_heads, eps, flags);
+    const auto [picked, probability] = greedy_pick(logits, d2t);
+    drafted.select(1, s).copy_(picked);
+    probs.select(1, s).copy_(probability);
+    chosen = picked;
+    fed = output;
+    if (stop_below > 0 && s + 1 < steps) {
+      running = running * probability;
+      const at::Tensor going = limits.has_value() ? at::where(*limits > s + 1, running, 0.0) : running;
+      if (going.sum().item<double>() < stop_below * static_cast<double>(batch_rows)) return s + 1;
+    }
+  }
+  return steps;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(draftsmith_cpu, m) {
@@ -197,6 +243,14 @@ TORCH_LIBRARY_FRAGMENT(draftsmith_cpu, m) {
         "Tensor key_starts, int? window, Tensor embedding, Tensor?[] norms, Tensor?[] panels, Tensor?[] biases, int[] out_features, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, Tensor sin, int heads, int kv_heads, float eps, "
         "int[] flags) -> (Tensor, Tensor)");
+  m.def("recurrent_draft_loop(Tensor ids, Tensor state, Tensor base, int first, int steps, Tensor slots, "
+        "Tensor key_starts, Tensor embedding, Tensor?[] norms, Tensor?[] panels, Tensor?[] biases, int[] out_features, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, Tensor sin, int heads, int kv_heads, float eps, "
+        "int[] flags, Tensor? d2t, Tensor(c!) drafted, Tensor(d!) probs, Tensor product, Tensor? limits, "
+        "float stop_below, int batch_rows) -> int");
 }
 
-TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) { m.impl("recurrent_draft_step", &recurrent_draft_step); }
+TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) {
+  m.impl("recurrent_draft_step", &recurrent_draft_step);
+  m.impl("recurrent_draft_loop", &recurrent_draft_loop);
+}

@@ -12,6 +12,10 @@ contexts lie far apart: `ForwardBatch.build`), PyTorch's attention sums in anoth
 differ in the last bits of their logits; they are proposals the target checks either way. A catch-up of more
 than CATCH_UP_QUERIES positions (a new prompt's) stays eager: an eager forward attends those otherwise.
 
+A greedy draft loop runs its steps 2..k as one op more (`greedy_steps`, `draftsmith_cpu::recurrent_draft_loop`):
+each step, the pick (`greedy_pick`, as the proposer's `_choose`) and the proposer's rule for stopping early,
+in C++: at k = 5 on the demo EAGLE-3 head, a propose took 0.89 ms against 1.06 stepping from Python.
+
 It runs where the eager forward would run these kernels: a CPU process that loaded the build, fp32
 throughout, every projection on the panel GEMM (`models.linear.panel_plan`), and a head that declares its
 parts (`fused_step_parts`; None for the variants the op does not run: q/k norms, more than one layer), with the
@@ -112,6 +116,23 @@ class FusedDraftSteps:
         base, slots, key_starts, weights, step = self._loop
         self._loop = (base, slots, key_starts, weights, step + 1)
         return self._run(ids, state, base, step, None, slots, key_starts, None, weights)
+
+    def greedy_steps(self, ids: torch.Tensor, state: torch.Tensor, first: int, steps: int, d2t: torch.Tensor | None,
+                     drafted: torch.Tensor, probs: torch.Tensor, product: torch.Tensor, limits: torch.Tensor | None,
+                     stop_below: float, batch_rows: int) -> int:
+        """Greedy draft steps first..steps - 1 of the loop `begin` opened, each picked as `greedy_pick` picks
+        (d2t: the draft-to-target offsets), as one op (`draftsmith_cpu::recurrent_draft_loop`): ids [A] and state
+        [A, H], step first - 1's choices and head output; into drafted and probs [A, k] at each step's column.
+        With stop_below > 0 it stops where the proposer's loop would (`product`: the rows' running product of
+        probabilities through step first - 1; `limits`: each row's most drafts, None where all draft every
+        step) -> the draft steps run in all."""
+        base, slots, key_starts, weights, _ = self._loop
+        norms, panels, biases, widths = weights
+        parts, head = self.parts, self.head
+        return torch.ops.draftsmith_cpu.recurrent_draft_loop.default(
+            ids, state, base, first, steps, slots, key_starts, parts.embedding, norms, panels, biases, widths,
+            self.cache.k[0], self.cache.v[0], head.rope_cos, head.rope_sin, parts.heads, parts.kv_heads, self.eps,
+            self.flags, d2t, drafted, probs, product, limits, stop_below, batch_rows)
 
     def catch_up(self, ids: torch.Tensor, features: torch.Tensor, first: list[int], held: list[int],
                  slots: list[int], key_starts: list[int], window: int | None) -> tuple[torch.Tensor, torch.Tensor]:

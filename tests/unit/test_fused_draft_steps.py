@@ -150,6 +150,55 @@ def test_fused_catch_up_computes_the_eager_catch_up_bit_for_bit(target, variant,
         assert torch.equal(eager[:-1], fused[:-1])
 
 
+def _stepwise_loop(runner, head, ids, state, steps, limits, stop_below, batch_rows):
+    """The proposer's greedy loop over the runner's one-token steps (`EagleFamilyProposer._draft` from its
+    second step): -> (drafted, probs, steps run); ids and state are step 0's."""
+    rows, k = ids.shape[0], 6
+    drafted, probs = torch.full((rows, k), -1, dtype=torch.long), torch.zeros(rows, k)
+    product = torch.ones(rows)
+    for s in range(1, steps):
+        state, logits = runner.step(ids, state)
+        ids, probs[:, s] = step_ops_cpu.greedy_pick(logits, head.draft_offsets())
+        drafted[:, s] = ids
+        if stop_below > 0 and s + 1 < steps:
+            product = product * probs[:, s]
+            going = product if limits is None else torch.where(limits > s + 1, product, 0.0)
+            if float(going.sum()) < stop_below * batch_rows:
+                return drafted, probs, s + 1
+    return drafted, probs, steps
+
+
+@pytest.mark.parametrize("variant", ["EAGLE-3", "EAGLE-3, normed output", "EAGLE-1", "MTP"])
+def test_fused_greedy_loop_drafts_as_its_steps_one_by_one(target, variant):
+    """`greedy_steps` (one op for draft steps 2..k) against the same runner stepped one step at a time with the
+    proposer's pick and stopping rule: the same drafts, probabilities, steps run and cache writes, with every
+    row drafting every step, with rows at their limits, and stopping early (stop_below between the batch's
+    chances after steps 2 and 3)."""
+    head = _head(target, **VARIANTS[variant])
+    generator = torch.Generator().manual_seed(3)
+    slots, base, key_starts = [2, 0, 3], [17, 40, 63], [0, 9, 30]
+    ids = torch.tensor([5, 901, 77])
+    state = torch.randn(3, target.config.hidden_size, generator=generator)
+    steps, limits = 5, torch.tensor([5, 2, 3])
+    with torch.inference_mode():
+        caches = _filled_caches(head, 2, generator)
+        runners = [FusedDraftSteps.for_head(head, cache) for cache in caches]
+        runners[0].begin(slots, base, key_starts)
+        _, full_probs, _ = _stepwise_loop(runners[0], head, ids, state, steps, None, 0.0, 3)
+        chances = full_probs[:, 1:].cumprod(1).sum(0)  # the batch's chance after steps 2, 3, ...
+        early = float(chances[1] + chances[2]) / 2 / 3
+        for row_limits, stop_below in ((None, 0.0), (limits, 0.0), (None, early)):
+            for runner in runners:
+                runner.begin(slots, base, key_starts)
+            want = _stepwise_loop(runners[0], head, ids, state, steps, row_limits, stop_below, 3)
+            drafted, probs = torch.full((3, 6), -1, dtype=torch.long), torch.zeros(3, 6)
+            ran = runners[1].greedy_steps(ids, state, 1, steps, head.draft_offsets(), drafted, probs, torch.ones(3),
+                                          row_limits, stop_below, 3)
+            assert ran == want[2] and torch.equal(drafted, want[0]) and torch.equal(probs, want[1])
+            assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+        assert ran == 4 < steps, "the early stop did not stop after step 3 (the fourth draft)"
+
+
 @pytest.mark.parametrize("variant", [{"qk_norm": True}, {"num_hidden_layers": 2}])
 def test_variants_the_op_does_not_run_keep_eager_steps(target, variant):
     head = _head(target, **variant)
@@ -190,10 +239,11 @@ def test_eager_engine_drafts_with_fused_steps_as_with_eager_ones(target, greedy_
                   speculative_config=spec_config(method, SHIPPED[method], 4))
         proposer = llm.engine.proposer
         assert isinstance(proposer.draft_steps, FusedDraftSteps)
-        fused_calls = []
+        fused_calls, loop_calls = [], []
         if fused:
-            catch_up = proposer.draft_steps.catch_up
+            catch_up, loop = proposer.draft_steps.catch_up, proposer.draft_steps.greedy_steps
             proposer.draft_steps.catch_up = lambda *args, calls=fused_calls, run=catch_up: calls.append(1) or run(*args)
+            proposer.draft_steps.greedy_steps = lambda *args, calls=loop_calls, run=loop: calls.append(1) or run(*args)
         else:
             proposer.draft_steps = None
         seen, propose = [], proposer.propose
@@ -207,6 +257,7 @@ def test_eager_engine_drafts_with_fused_steps_as_with_eager_ones(target, greedy_
         outputs = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outputs], seen))
         assert not fused or fused_calls, "no catch-up ran through the fused op"
+        assert not fused or loop_calls, "no draft loop ran through the fused op"
     assert runs[0][0] == runs[1][0] == greedy_reference
     assert len(runs[0][1]) == len(runs[1][1]) and runs[0][1]
     for (tokens, confidence), (eager_tokens, eager_confidence) in zip(runs[0][1], runs[1][1]):

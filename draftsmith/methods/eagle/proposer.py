@@ -353,7 +353,13 @@ class EagleFamilyProposer(Proposer):
         probs = torch.zeros(rows, self.k, device=self.device)
         product = torch.ones(rows, device=self.device)
         ids, forwards = None, 0
+        # greedy steps 2.. of a runner that loops them itself (models.draft_step_cpu): one call for them all
+        loops = temperature is None and getattr(self.draft_steps, "greedy_steps", None) is not None
         for s in range(steps):
+            if s and loops:
+                forwards = self.draft_steps.greedy_steps(ids, state, s, steps, self.head.draft_offsets(), drafted,
+                                                         probs, product, limits, stop_below, batch_rows)
+                break
             if s and self.draft_steps is not None:
                 state, logits = self.draft_steps.step(ids, state)
             elif s:  # the head's own output and draft stand in for the target's feature and token

@@ -44,6 +44,19 @@ def slot_kernel_or_skip():
     return module
 
 
+def panel_gemm_missing(without: str) -> str | None:
+    """Why the C++ panel GEMM (models/panel_linear_cpu.cpp) cannot run here, None where it can; `without`: what
+    runs instead, for the skip's reason."""
+    from draftsmith.models import slot_attention_cpu
+
+    error = slot_attention_cpu.build_error()
+    if error is not None:
+        return f"the CPU kernels did not build: {error}"
+    if not torch.ops.draftsmith_cpu.panel_linear_available():
+        return f"this CPU has no AVX-512: {without}"
+    return None
+
+
 def model_device(model) -> torch.device:
     """Where a loaded target's weights are."""
     return model.model.embed_tokens.weight.device

@@ -11,22 +11,13 @@ import pytest
 import torch
 
 from draftsmith.methods import resolve_method
-from draftsmith.models import DraftHeadConfig, ForwardBatch, kv_cache, slot_attention_cpu, step_ops_cpu
+from draftsmith.models import DraftHeadConfig, ForwardBatch, kv_cache, step_ops_cpu
 from draftsmith.models.draft_step_cpu import FusedDraftSteps
 from draftsmith.serve import LLM, SamplingParams
-from helpers import CODE_PROMPTS, DEMO_MODEL, spec_config
+from helpers import CODE_PROMPTS, DEMO_MODEL, panel_gemm_missing, spec_config
 
-
-def _why_not() -> str | None:
-    error = slot_attention_cpu.build_error()
-    if error is not None:
-        return f"the CPU kernels did not build: {error}"
-    if not torch.ops.draftsmith_cpu.panel_linear_available():
-        return "this CPU has no AVX-512: a head's projections stay on oneDNN, and its forwards eager"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+WHY_NOT = panel_gemm_missing("a head's projections stay on oneDNN, and its forwards eager")
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 MAX_LEN = 96
 

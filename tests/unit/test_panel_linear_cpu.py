@@ -10,18 +10,10 @@ import torch.nn.functional as F
 from draftsmith.models import linear as linear_module
 from draftsmith.models import slot_attention_cpu
 from draftsmith.models.linear import Linear, fused, pack_weights_in
+from helpers import panel_gemm_missing
 
-
-def _why_not() -> str | None:
-    error = slot_attention_cpu.build_error()
-    if error is not None:
-        return f"the CPU kernels did not build: {error}"
-    if not torch.ops.draftsmith_cpu.panel_linear_available():
-        return "this CPU has no AVX-512: fp32 linear layers stay on oneDNN"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+WHY_NOT = panel_gemm_missing("fp32 linear layers stay on oneDNN")
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 
 def _panel(x, weight, bias=None):

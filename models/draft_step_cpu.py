@@ -105,6 +105,11 @@ class FusedDraftSteps:
         return (norms, [p[0] if p else None for p in plans], [p[1] if p else None for p in plans],
                 [p[2] if p else 0 for p in plans])
 
+    @property
+    def state_width(self) -> int:
+        """The width of the state a step takes (the head's output fed back): its embedding's."""
+        return self.parts.embedding.shape[1]
+
     def begin(self, slots: list[int], base: list[int], key_starts: list[int]) -> None:
         """A draft loop over rows in `slots` whose first step sits at `base` and reads keys from
         `key_starts` on."""

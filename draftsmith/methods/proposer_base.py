@@ -165,10 +165,11 @@ class Proposer:
         return None
 
     def draft_timer(self, context: int) -> DraftTimer | None:
-        """Where one forward drafts any width (`per_token_drafts` False) and its cost grows with the rows
-        otherwise than the target's forward of `draft_query_len` tokens does: how to run a steady draft step
-        over `context` positions a row, which the policy times by rows into the table that prices drafting.
-        None: drafting is priced as `draft_cost_guess` times the target's forward until it is timed live."""
+        """Where a draft forward's cost grows with the rows otherwise than the target's forward of
+        `draft_query_len` tokens does: how to run one over `context` positions a row (a one-pass drafter's
+        steady step, `per_token_drafts` False; a per-token drafter's one-token step), which the policy times by
+        rows into the table that prices drafting. None: drafting is priced as `draft_cost_guess` times the
+        target's forward until it is timed live."""
         return None
 
     def catch_up_timer(self) -> CatchUpTimer | None:

@@ -115,12 +115,6 @@ class LLMEngine(FaultIsolatingSteps):
             self.rejection_sampler = pick_sampler(self.device)
             self.spec_metrics = SpecMetrics(spec_config.num_speculative_tokens)
             self.sample_drafts = spec_config.draft_sample_method == "probabilistic"
-            self.policy = make_policy(spec_config, self.proposer, config.max_num_seqs, cost_table, model)
-            logger.info("speculation: %s, k=%d, %s drafts, rejection sampler %s", spec_config.method,
-                        spec_config.num_speculative_tokens, spec_config.draft_sample_method,
-                        self.rejection_sampler.__name__)
-        timed = self.proposer is not None and self.policy.needs_timing
-        self.clock = StepClock(self.device, timed or config.profile_steps)
         # target layers the proposer reads (EAGLE: last, EAGLE-3: three): the method declares that it reads
         # some, its proposer (from the loaded head) says which
         self.feature_layers: tuple[int, ...] = ()
@@ -153,6 +147,13 @@ class LLMEngine(FaultIsolatingSteps):
             # eager on CPU: a head whose forwards the fused C++ op runs takes it (models.draft_step_cpu)
             if self.proposer.use_static_steps(FusedDraftSteps.for_head) is not None:
                 logger.info("draft steps and catch-up: one C++ op each")
+        if spec_config is not None:  # after the draft steps' runner: the policy may time its steps (`draft_timer`)
+            self.policy = make_policy(spec_config, self.proposer, config.max_num_seqs, cost_table, model)
+            logger.info("speculation: %s, k=%d, %s drafts, rejection sampler %s", spec_config.method,
+                        spec_config.num_speculative_tokens, spec_config.draft_sample_method,
+                        self.rejection_sampler.__name__)
+        timed = self.proposer is not None and self.policy.needs_timing
+        self.clock = StepClock(self.device, timed or config.profile_steps)
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,

@@ -182,9 +182,14 @@ class CostModel:
             first = self.draft_query_len
             table = self.catch_up_table
             return max(table.estimate(rows, first + positions) - table.estimate(rows, first), 0.0)
-        # the target's forward of that shape, times what one draft forward costs next to a target decode
+        # the target's forward of that shape, times what one draft forward costs next to a target decode (or,
+        # where a draft forward was timed, `draft_table`: the ratios are in its unit, which grows with the
+        # positions as the target's decode does)
         per_forward = max(self._draft_ratio(2) - self._draft_ratio(1), self.draft_guess / 4)
-        return per_forward * self.forward(rows, 1 + positions)
+        forward = self.forward(rows, 1 + positions)
+        if self.draft_table is not None:
+            forward *= self._draft_unit(rows) / max(self.forward(rows, 1), 1e-12)
+        return per_forward * forward
 
     def observe_catch_up(self, catch_up: tuple[int, int], rows: int, forwards: int, seconds: float) -> None:
         """A propose that ran a catch-up forward for `catch_up` (rows, positions): what it took beyond a

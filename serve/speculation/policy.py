@@ -145,9 +145,10 @@ def make_policy(spec_config, proposer, num_slots: int, cost_table: ForwardCostTa
 
 
 def _draft_table(proposer, num_slots: int) -> ForwardCostTable | None:
-    """The table of a one-pass drafter's steady draft step by rows (`Proposer.draft_timer`), timed now; None:
-    drafting is priced from the target's table until it is timed live."""
-    timer = None if proposer.per_token_drafts else proposer.draft_timer(DRAFT_GRID["context"])
+    """The table of a proposer's draft forward by rows (`Proposer.draft_timer`: a one-pass drafter's steady
+    step, a per-token drafter's one-token step), timed now; None: drafting is priced from the target's table
+    until it is timed live."""
+    timer = proposer.draft_timer(DRAFT_GRID["context"])
     if timer is None:
         return None
     rows = [r for r in DRAFT_GRID["rows"] if r <= num_slots] or [1]

@@ -190,6 +190,35 @@ def test_fused_greedy_loop_drafts_as_its_steps_one_by_one(target, variant):
         assert ran == 4 < steps, "the early stop did not stop after step 3 (the fourth draft)"
 
 
+def test_the_adaptive_policy_prices_draft_steps_by_timing_the_fused_step(target, greedy_reference):
+    """An adaptive engine whose head drafts through the fused op prices a draft forward by the fused step timed
+    at load for each batch size up to its slots (`EagleFamilyProposer.draft_timer`), not by a third of the
+    target's decode; the timing writes only scratch positions: the output is plain decoding's."""
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
+              speculative_config=spec_config("eagle3", SHIPPED["eagle3"], 4, adaptive=True))
+    cost = llm.engine.policy.cost
+    assert isinstance(llm.engine.proposer.draft_steps, FusedDraftSteps)
+    assert cost.draft_table is not None and cost.draft_table.rows == [1, 2]
+    steps = [cost.draft_table.estimate(rows, 1) for rows in (1, 2)]
+    assert all(0 < seconds < cost.forward(rows, 1) for seconds, rows in zip(steps, (1, 2)))
+    assert cost.drafting(2, 3) == pytest.approx(3 * steps[1])  # before any live timing
+    outputs = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference
+
+
+def test_eager_draft_steps_are_not_timed_at_load(target, monkeypatch):
+    """Without the fused op (`DRAFTSMITH_CPU_OPS=torch`), drafting is priced from the first guess until timed live."""
+    monkeypatch.setenv(step_ops_cpu.VARIABLE, "torch")
+    step_ops_cpu._allowed.cache_clear()
+    try:
+        llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256, target=target,
+                  speculative_config=spec_config("eagle3", SHIPPED["eagle3"], 4, adaptive=True))
+        assert llm.engine.proposer.draft_steps is None and llm.engine.policy.cost.draft_table is None
+    finally:
+        monkeypatch.delenv(step_ops_cpu.VARIABLE)
+        step_ops_cpu._allowed.cache_clear()
+
+
 @pytest.mark.parametrize("variant", [{"qk_norm": True}, {"num_hidden_layers": 2}])
 def test_variants_the_op_does_not_run_keep_eager_steps(target, variant):
     head = _head(target, **variant)

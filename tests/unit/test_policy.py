@@ -109,7 +109,8 @@ def test_a_proposers_own_catch_up_is_timed_into_the_table_that_prices_it():
 def test_a_one_pass_drafters_step_is_timed_by_rows_into_the_table_that_prices_it():
     """A proposer drafting any width in one forward that can time its steady step (`Proposer.draft_timer`) is
     priced by that table, timed within the engine's slots at the target table's context, its slots handed back
-    after; one drafting a forward a token is not timed so (its steps are priced by the forwards they run)."""
+    after; one drafting a forward a token that times its one-token step is priced that per draft forward, and
+    one without a timer is not timed."""
     from draftsmith.methods.proposer_base import DraftTimer
     from draftsmith.serve.speculation.cost_profile import CONTEXT
 
@@ -127,5 +128,7 @@ def test_a_one_pass_drafters_step_is_timed_by_rows_into_the_table_that_prices_it
     table = policy.cost.draft_table
     assert contexts == [CONTEXT] and table.rows == [1, 2] and sorted(set(calls)) == [1, 2] and done == [True]
     assert policy.cost.draft(2, 4) == pytest.approx(table.estimate(2, 1))
-    Timed.per_token_drafts = True
-    assert make_policy(config, Timed(), 3, synthetic_table(0.1), None).cost.draft_table is None
+    Timed.per_token_drafts, Timed.draft_query_len = True, 1
+    per_token = make_policy(config, Timed(), 3, synthetic_table(0.1), None).cost
+    assert per_token.draft(2, 3) == pytest.approx(3 * per_token.draft_table.estimate(2, 1))
+    assert make_policy(config, _Proposer(), 3, synthetic_table(0.1), None).cost.draft_table is None

@@ -178,7 +178,7 @@ def test_fused_greedy_loop_drafts_as_its_steps_one_by_one(target, variant):
         _, full_probs, _ = _stepwise_loop(runners[0], head, ids, state, steps, None, 0.0, 3)
         chances = full_probs[:, 1:].cumprod(1).sum(0)  # the batch's chance after steps 2, 3, ...
         early = float(chances[1] + chances[2]) / 2 / 3
-        for row_limits, stop_below in ((None, 0.0), (limits, 0.0), (None, early)):
+        for row_limits, stop_below in ((None, 0.0), (limits, 0.0), (None, early), (limits, early)):
             for runner in runners:
                 runner.begin(slots, base, key_starts)
             want = _stepwise_loop(runners[0], head, ids, state, steps, row_limits, stop_below, 3)
@@ -187,7 +187,37 @@ def test_fused_greedy_loop_drafts_as_its_steps_one_by_one(target, variant):
                                           row_limits, stop_below, 3)
             assert ran == want[2] and torch.equal(drafted, want[0]) and torch.equal(probs, want[1])
             assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
-        assert ran == 4 < steps, "the early stop did not stop after step 3 (the fourth draft)"
+            if stop_below and row_limits is None:
+                assert ran == 4 < steps, "the early stop did not stop after step 3 (the fourth draft)"
+            elif stop_below:  # rows at their limits count nothing toward going on: it stops no later
+                assert ran <= 4
+
+
+def test_the_proposers_draft_loop_through_the_op_drafts_as_stepping_from_python(target):
+    """`EagleFamilyProposer._draft` with rows of uneven limits and a confidence floor that stops it early: through
+    the loop op and stepping the runner from Python, the same drafts, confidences and draft forwards (the
+    product handed over after the first draft, the limits masking the floor)."""
+    llm = LLM(DEMO_MODEL, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=256, target=target,
+              speculative_config=spec_config("eagle3", SHIPPED["eagle3"], 5))
+    proposer = llm.engine.proposer
+    generator = torch.Generator().manual_seed(4)
+    state = torch.randn(3, target.config.hidden_size, generator=generator)
+    logits = torch.randn(3, proposer.head.draft_vocab_size, generator=generator)
+    slots, base, limits = [0, 1, 2], [12, 30, 47], [5, 2, 4]
+
+    def draft(stop_below: float, loop: bool):
+        proposer.draft_steps.greedy_steps = FusedDraftSteps.greedy_steps.__get__(proposer.draft_steps) if loop else None
+        with torch.inference_mode():
+            return proposer._draft(state, logits, slots, base, limits, None, [], None, 3, stop_below)
+
+    _, full, forwards = draft(0.0, loop=False)
+    assert forwards == 5
+    going = full * (torch.tensor(limits)[:, None] > torch.arange(1, 6)[None, :])  # rows still drafting after step s
+    floor = float(going[:, 2].sum() + going[:, 3].sum()) / 2 / 3  # between the chances after steps 2 and 3
+    for stop_below in (0.0, floor):
+        stepped, looped = draft(stop_below, loop=False), draft(stop_below, loop=True)
+        assert looped[2] == stepped[2] and torch.equal(looped[0], stepped[0]) and torch.equal(looped[1], stepped[1])
+    assert looped[2] == 4, "the floor did not stop the loop after its fourth draft"
 
 
 def test_the_adaptive_policy_prices_draft_steps_by_timing_the_fused_step(target, greedy_reference):
@@ -200,7 +230,8 @@ def test_the_adaptive_policy_prices_draft_steps_by_timing_the_fused_step(target,
     assert isinstance(llm.engine.proposer.draft_steps, FusedDraftSteps)
     assert cost.draft_table is not None and cost.draft_table.rows == [1, 2]
     steps = [cost.draft_table.estimate(rows, 1) for rows in (1, 2)]
-    assert all(0 < seconds < cost.forward(rows, 1) for seconds, rows in zip(steps, (1, 2)))
+    assert cost.draft_table.key == {"drafting": "timed"} and all(seconds > 0 for seconds in steps)
+    assert all(seconds < 2 * cost.forward(rows, 1) for seconds, rows in zip(steps, (1, 2)))  # a step, not a loop
     assert cost.drafting(2, 3) == pytest.approx(3 * steps[1])  # before any live timing
     outputs = llm.generate(CODE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference

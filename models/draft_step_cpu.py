@@ -132,12 +132,9 @@ class FusedDraftSteps:
         probabilities through step first - 1; `limits`: each row's most drafts, None where all draft every
         step) -> the draft steps run in all."""
         base, slots, key_starts, weights, _ = self._loop
-        norms, panels, biases, widths = weights
-        parts, head = self.parts, self.head
         return torch.ops.draftsmith_cpu.recurrent_draft_loop.default(
-            ids, state, base, first, steps, slots, key_starts, parts.embedding, norms, panels, biases, widths,
-            self.cache.k[0], self.cache.v[0], head.rope_cos, head.rope_sin, parts.heads, parts.kv_heads, self.eps,
-            self.flags, d2t, drafted, probs, product, limits, stop_below, batch_rows)
+            ids, state, base, first, steps, slots, key_starts, *self._head_args(weights), d2t, drafted, probs,
+            product, limits, stop_below, batch_rows)
 
     def catch_up(self, ids: torch.Tensor, features: torch.Tensor, first: list[int], held: list[int],
                  slots: list[int], key_starts: list[int], window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,12 +153,15 @@ class FusedDraftSteps:
         return weights
 
     def _run(self, ids, state, base, step, held, slots, key_starts, window, weights):
+        return torch.ops.draftsmith_cpu.recurrent_draft_step.default(
+            ids, state, base, step, held, slots, key_starts, window, *self._head_args(weights))
+
+    def _head_args(self, weights: tuple) -> tuple:
+        """The head's part of both ops' arguments, from the embedding to the flags, in their schemas' order."""
         norms, panels, biases, widths = weights
         parts, head = self.parts, self.head
-        return torch.ops.draftsmith_cpu.recurrent_draft_step.default(
-            ids, state, base, step, held, slots, key_starts, window, parts.embedding, norms, panels, biases, widths,
-            self.cache.k[0], self.cache.v[0], head.rope_cos, head.rope_sin, parts.heads, parts.kv_heads, self.eps,
-            self.flags)
+        return (parts.embedding, norms, panels, biases, widths, self.cache.k[0], self.cache.v[0], head.rope_cos,
+                head.rope_sin, parts.heads, parts.kv_heads, self.eps, self.flags)
 
     def warm_up(self) -> int:
         """Nothing to capture or compile: -> 0 buckets."""

@@ -153,18 +153,21 @@ class EagleFamilyProposer(Proposer):
         """A runner's one-token draft step (`use_static_steps`, where the runner says its state's width: the
         fused CPU op), timed by rows at load into the table that prices a draft forward, on slots 0..rows-1 at
         position `context` over whatever their cache holds. Priced from the first guess instead (a third of a
-        target decode a step), the demo EAGLE-3 head's fused step at 8 rows was priced about 1.3 ms where it
-        took about 0.2, so a batch of 8 held plain decoding where k = 3 ran 1.18x faster, and never drafted
+        target decode a step), the demo EAGLE-3 head's fused step at 8 rows was priced about 1.2 ms where it
+        took about 0.3, so a batch of 8 held plain decoding where k = 3 ran 1.18x faster, and never drafted
         to learn otherwise. None (eager steps, trees, P-EAGLE): drafting is priced from `draft_cost_guess`
         until timed live."""
         width = getattr(self.draft_steps, "state_width", None)
         if width is None or self.tree is not None or self.parallel_slots is not None:
             return None
         position = min(context, self.cache.max_len - 2)
+        opened = [0]  # the rows the runner's loop was opened for: a loop's start is no part of a step's cost
 
         @torch.inference_mode()
         def step(rows: int) -> None:
-            self.draft_steps.begin(list(range(rows)), [position] * rows, [0] * rows)
+            if opened[0] != rows:
+                self.draft_steps.begin(list(range(rows)), [position] * rows, [0] * rows)
+                opened[0] = rows
             self.draft_steps.step(torch.zeros(rows, dtype=torch.long, device=self.device),
                                   torch.zeros(rows, width, device=self.device))
 

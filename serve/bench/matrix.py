@@ -143,12 +143,13 @@ class _Run:
         self.queue = iter(enumerate(prompts))
         self.concurrency = concurrency
         self.seconds = 0.0  # this run's own steps, admissions included
-        # The steps that began with `concurrency` requests in flight, and the tokens they generated: the
-        # level's measurement. Once the queue is empty, finished requests leave fewer behind, and how long
-        # that drain lasts depends on how unevenly requests finish (speculation makes them finish unevenly,
-        # plain decoding of equal max_tokens not at all): 19% of a 3-wave level's tokens at 8 in flight (house
-        # n-gram), at a concurrency the level is not about. A long run at c in flight has no drain to speak of.
-        self.steady_seconds, self.steady_tokens = 0.0, 0
+        self.prefill_seconds = 0.0  # the prefill phases of all of them (`LLMEngine.stats["prefill_s"]`)
+        # The steps that began with `concurrency` requests in flight, the tokens they generated and their
+        # prefill phases' seconds: the level's measurement (`tokens_per_s`). Once the queue is empty,
+        # finished requests leave fewer behind, and how long that drain lasts depends on how unevenly requests
+        # finish (speculation makes them finish unevenly, plain decoding of equal max_tokens not at all): 19%
+        # of a 3-wave level's tokens at 8 in flight (house n-gram), at a concurrency the level is not about.
+        self.steady_seconds, self.steady_tokens, self.steady_prefill_seconds = 0.0, 0, 0.0
         self.last_id: str | None = None  # the last prompt's request, once admitted
         self.ended = False  # the last prompt has its first token: the steady window is closed
         self.total = len(prompts)
@@ -156,16 +157,13 @@ class _Run:
         for _ in range(concurrency):
             self._add_next()
         self.seconds += time.perf_counter() - start
-        # The first c requests until each has its first token. Their prefills open the run and are not
-        # steady state, where a request is admitted as one finishes, so that the steady steps hold one prefill
-        # per request finished; counting the first c's as well gave 3-wave levels 1.5 times the prefill work
-        # per request (prefill is about half of a house step's time at 8 in flight), work that speculation
-        # does not speed. The window closes once the last prompt has its first token: then as many requests
-        # were admitted (and prefilled) in it as finished in it. Up to the drain instead, plain decoding's
-        # requests, finishing in step, ended the window with a whole wave decoded and none prefilled after:
-        # 16 prefills to 24 requests decoded at 8 in flight over 24 prompts, where speculation, its requests
-        # finishing unevenly, ran 16 to about 19, and so was timed on more prefill per token than plain
-        # decoding.
+        # The window opens once the first c requests have their first tokens and closes once the last prompt
+        # has its first token (the drain follows). Its tokens are charged their share of prefill
+        # (`tokens_per_s`), not the prefills that happened to fall inside it: requests finishing unevenly
+        # decode more of the next ones' tokens before the window closes, so a window that kept its own
+        # prefills held 16 prefills to about 19 requests' tokens for house n-gram at 8 in flight (24
+        # prompts), against 16 to 16 for plain decoding, and ran 1.10-1.13x plain decoding's tokens/s where
+        # its decode phases took the same seconds for the same tokens.
         self.starting = set(self.live)
 
     def _add_next(self) -> None:
@@ -181,7 +179,7 @@ class _Run:
 
     def step(self) -> None:
         steady = len(self.live) == self.concurrency and not self.starting and not self.ended
-        generated = self.engine.stats["num_generated_tokens"]
+        generated, prefilled = self.engine.stats["num_generated_tokens"], self.engine.stats["prefill_s"]
         start = time.perf_counter()
         for output in self.collector.add_all(self.engine.step()):
             if output.outputs[0].token_ids:
@@ -191,21 +189,38 @@ class _Run:
                 self.outputs[self.live.pop(output.request_id)] = output.outputs[0].token_ids
                 self._add_next()
         seconds = time.perf_counter() - start
+        prefill = self.engine.stats["prefill_s"] - prefilled
         self.seconds += seconds
+        self.prefill_seconds += prefill
         if steady:
             self.steady_seconds += seconds
+            self.steady_prefill_seconds += prefill
             self.steady_tokens += self.engine.stats["num_generated_tokens"] - generated
 
     @property
     def tokens_per_s(self) -> float:
-        """Generated tokens/s while `concurrency` requests were in flight (the whole run's if never)."""
+        """Generated tokens/s while `concurrency` requests were in flight (the whole run's if never), as a steady
+        stream of requests runs: the window's steps without their prefill phases, plus the prefill its tokens
+        owe at the whole run's prefill seconds per generated token (`steady_rate`)."""
         if self.steady_seconds > 0 and self.steady_tokens > 0:
-            return self.steady_tokens / self.steady_seconds
+            return steady_rate(self.steady_tokens, self.steady_seconds - self.steady_prefill_seconds,
+                               self.prefill_seconds / max(self.generated, 1))
         return self.whole_run_tokens_per_s
 
     @property
     def whole_run_tokens_per_s(self) -> float:
-        return sum(map(len, self.outputs)) / self.seconds
+        return self.generated / self.seconds
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated by the requests finished so far."""
+        return sum(len(ids) for ids in self.outputs if ids is not None)
+
+
+def steady_rate(tokens: int, decode_seconds: float, prefill_per_token: float) -> float:
+    """Tokens/s of a stream in which every request is prefilled once: `tokens` generated in `decode_seconds` of
+    steps (prefill phases left out), each owing `prefill_per_token` seconds of its request's prefill."""
+    return tokens / (decode_seconds + tokens * prefill_per_token)
 
 
 SLICE_S = 0.25  # how long one method steps before the next takes over

@@ -21,7 +21,10 @@ set by the caller), so that a step's time is the step's work, as in draftsmith's
 `--peer-binding own` the caller leaves vLLM's defaults, and `step` collects what the engine core's own
 process decoded meanwhile (its torch_threads are then this process's, not the core's). Tokens/s counts the
 steps that begin with c requests in flight once the first c have their first tokens; the whole run's, drain
-included, is reported beside it.
+included, is reported beside it. Unlike draftsmith's window, this one keeps the prefills inside it: vLLM
+runs prefill chunks inside its decode forwards, so their seconds cannot be taken apart, and a speculating
+row, whose requests finish unevenly, may read high, as draftsmith's house n-gram row did by 7-10% at 8 in
+flight before its window was corrected (docs/benchmarks.md).
 Requests are not detokenized (draftsmith's engine does not detokenize without stop strings either).
 """
 

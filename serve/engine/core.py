@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -101,8 +102,10 @@ class LLMEngine(FaultIsolatingSteps):
         self.groups: dict[str, RequestGroup] = {}  # n > 1: the samples of one request, by its id
         self._ids = itertools.count()
         self._seed_source = torch.Generator().manual_seed(config.seed)
-        # num_forced_tokens: tokens grammar drafts gave beyond one a forward (`forced_tokens`)
-        self.stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0, "num_forward_passes": 0, "num_forced_tokens": 0}
+        # num_forced_tokens: tokens grammar drafts gave beyond one a forward (`forced_tokens`); prefill_s: wall
+        # seconds of the steps' prefill phases (what `draftsmith bench` charges each generated token its share of)
+        self.stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0, "num_forward_passes": 0, "num_forced_tokens": 0,
+                      "prefill_s": 0.0}
         self.faults = RowFaults()  # requests a step failed alone (`row_faults` has the rules)
         self.ledger = StepLedger()
         self.spec_config = spec_config
@@ -225,7 +228,9 @@ class LLMEngine(FaultIsolatingSteps):
         decoding = sorted((r for r in self.running if not r.prefilling), key=lambda r: r.slot)
         prefilling = [r for r in self.running if r.prefilling and r.leader is None]  # followers share theirs
         if prefilling:
+            started = time.perf_counter()
             moved += self._phase("prefill", prefilling, self._prefill)
+            self.stats["prefill_s"] += time.perf_counter() - started
         if decoding:
             moved += self._phase("decode", decoding, self._decode)
         retiring = moved + self.faults.take()

@@ -2,7 +2,8 @@
 have their first tokens, until the last prompt has its first token: the first c prefills are timed apart (in
 steady state a request is admitted as one finishes), and so is the end of the run, the final drain included
 (it runs below c, its length depends on how unevenly requests finish, and up to it a level whose requests
-finish in step would be timed on a whole wave decoded with none prefilled after)."""
+finish in step would be timed on a whole wave decoded with none prefilled after). The window's tokens are
+charged the prefill they owe at the run's prefill seconds per token, not the prefills inside it."""
 
 from dataclasses import dataclass
 
@@ -26,10 +27,11 @@ class _Clock:
 
 class _FakeEngine:
     """Each step takes one second and gives every live request one token, reported that step; a prompt [n]
-    wants n tokens, and a prompt [n, p] first prefills for p steps (no token)."""
+    wants n tokens, and a prompt [n, p] first prefills for p steps (no token): a step where any request
+    prefills takes a second more, booked as prefill (`stats["prefill_s"]`)."""
 
     def __init__(self, clock: _Clock):
-        self.clock, self.live, self.stats = clock, {}, {"num_generated_tokens": 0}
+        self.clock, self.live, self.stats = clock, {}, {"num_generated_tokens": 0, "prefill_s": 0.0}
         self.added = 0
 
     def add_request(self, ids, params):
@@ -41,12 +43,15 @@ class _FakeEngine:
         return bool(self.live)
 
     def step(self):
-        self.clock.now += 1.0
+        prefilling = [request_id for request_id, (_, _, prefill) in self.live.items() if prefill]
+        decoding = [request_id for request_id in self.live if request_id not in prefilling]
+        for request_id in prefilling:
+            self.live[request_id][2] -= 1
+        self.clock.now += self.prefill_seconds(len(prefilling)) + self.decode_seconds(len(decoding))
+        self.stats["prefill_s"] += self.prefill_seconds(len(prefilling))
         outputs = []
-        for request_id, (wanted, tokens, prefill) in list(self.live.items()):
-            if prefill:
-                self.live[request_id][2] -= 1
-                continue
+        for request_id in decoding:
+            wanted, tokens, _ = self.live[request_id]
             tokens.append(7)
             self.stats["num_generated_tokens"] += 1
             header = RequestHeader(None, [wanted], 1, None) if len(tokens) == 1 else None
@@ -56,6 +61,12 @@ class _FakeEngine:
             outputs.append(OutputDelta(request_id, done, [SampleDelta(0, [7], None, "", "length" if done else None,
                                                                       None)], header))
         return outputs
+
+    def prefill_seconds(self, rows: int) -> float:
+        return 1.0 if rows else 0.0
+
+    def decode_seconds(self, rows: int) -> float:
+        return 1.0 if rows else 0.0
 
 
 class _FakeLLM:
@@ -85,12 +96,14 @@ def test_the_first_prefills_are_timed_apart_and_later_ones_in(monkeypatch):
         run.step()
     # steps 1-5: the first two prompts prefill (4 and 2 steps), the first's first token comes at step 5;
     # steps 6-9 begin with 2 in flight (6 tokens, the third prompt's first 2 prefill steps among them:
-    # admitted as the first finished, it is steady state); the fourth (last), admitted as the second
-    # finished at step 8, has its first token at step 9. Counted from step 1, the first prefills would have
-    # added 5 s and 4 tokens.
+    # admitted as the first finished, it is steady state; 2 s of prefill in 6 s); the fourth (last),
+    # admitted as the second finished at step 8, has its first token at step 9. Counted from step 1, the
+    # first prefills would have added 9 s and 4 tokens. The run's 20 tokens owe 8 s of prefill.
     assert [len(out) for out in run.outputs] == [3, 6, 2, 9]
     assert run.steady_seconds > 0 and run.starting == set()
-    assert (run.steady_tokens, run.steady_seconds) == (6, 4.0)
+    assert (run.steady_tokens, run.steady_seconds, run.steady_prefill_seconds) == (6, 6.0, 2.0)
+    assert run.prefill_seconds == 8.0
+    assert run.tokens_per_s == pytest.approx(6 / (4.0 + 6 * 8 / 20))
 
 
 def test_a_run_never_at_full_concurrency_reports_the_whole_run(monkeypatch):
@@ -120,6 +133,34 @@ def test_the_window_holds_as_many_prefills_as_requests_finished(monkeypatch):
                 admitted += engine.added - before[1]
                 finished += sum(out is not None for out in run.outputs) - before[2]
         assert run.ended and admitted == finished == len(wanted) - 2
+
+
+class _CostedEngine(_FakeEngine):
+    """Prefill costs 2 s a request and decoding 0.5 s a row, whatever else the step does: a stream of requests
+    of n tokens each then runs at n / (2 + 0.5 n) tokens/s however they finish."""
+
+    def prefill_seconds(self, rows: int) -> float:
+        return 2.0 * rows
+
+    def decode_seconds(self, rows: int) -> float:
+        return 0.5 * rows
+
+
+@pytest.mark.parametrize("wanted", [[6] * 12, [10, 3, 3, 3, 2, 10, 12, 2, 2, 3, 3, 2]], ids=["in step", "unevenly"])
+def test_the_window_is_charged_the_prefill_its_tokens_owe(monkeypatch, wanted):
+    """Requests finishing unevenly (speculation) decode more of the next ones' tokens before the last prompt's
+    first token closes the window than requests finishing in step: timed with the prefills inside it, the
+    uneven run's window read faster than the stream it stands for; charged what its tokens owe, both read the
+    stream's rate."""
+    clock = _Clock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    run = bench._Run(_FakeLLM(_CostedEngine(clock)), [[n, 1] for n in wanted], None, concurrency=4)
+    while not run.done:
+        run.step()
+    stream = sum(wanted) / (2.0 * len(wanted) + 0.5 * sum(wanted))
+    assert run.tokens_per_s == pytest.approx(stream)
+    window = run.steady_tokens / run.steady_seconds  # the window's own prefills
+    assert window == pytest.approx(stream) if len(set(wanted)) == 1 else window > 1.1 * stream
 
 
 class _NamedEngine(_FakeEngine):

@@ -279,10 +279,11 @@ def paired_ratio(speeds: list[float], reference: list[float]) -> float:
 
 def _row(model: str, method: str, k: int | None, c: int, speeds: list[float], metrics: dict,
          equal: bool | None, level: list[dict], whole_run: list[float] | None = None,
-         grammar_share: float | None = None) -> dict:
+         grammar_share: float | None = None, prefill_share: float | None = None) -> dict:
     """One JSON row; `level` holds the rows already made at this concurrency, no speculation's first;
     `speeds` per round at c in flight, `whole_run` per round over the whole run, drain included;
-    `grammar_share`: of the last round's engine time, the structured-output matchers' (None: no grammar).
+    `grammar_share`: of the last round's engine time, the structured-output matchers' (None: no grammar);
+    `prefill_share`: of the last round's engine time, its prefill phases' (None: not timed).
     A speedup is the median over rounds of the round's ratio to no speculation's (`paired_ratio`)."""
     whole_run = whole_run or speeds
     speed, whole = statistics.median(speeds), statistics.median(whole_run)
@@ -295,7 +296,8 @@ def _row(model: str, method: str, k: int | None, c: int, speeds: list[float], me
             "mean_acceptance_length": metrics.get("mean_acceptance_length"), "greedy_equal": equal,
             "spec_k_histogram": metrics.get("spec_k_histogram"),
             "num_steps_without_speculation": metrics.get("num_steps_without_speculation"),
-            "step_profile": metrics.get("step_profile"), "grammar_share": grammar_share}
+            "step_profile": metrics.get("step_profile"), "grammar_share": grammar_share,
+            "prefill_share": prefill_share}
 
 
 def bench_texts(args, count: int) -> tuple[list[str], str]:
@@ -425,7 +427,8 @@ def _levels(args, name: str, levels: list[int], workload: tuple, llms: dict[str,
             share = metrics["grammar_mask_s"] / last.seconds if metrics.get("grammar_masks") else None
             level.append(_row(name, method, spec and spec.num_speculative_tokens, c,
                               [run.tokens_per_s for run in runs[method]], metrics, equal, level,
-                              [run.whole_run_tokens_per_s for run in runs[method]], share))
+                              [run.whole_run_tokens_per_s for run in runs[method]], share,
+                              last.prefill_seconds / last.seconds))
             _print_row(level[-1], args.profile)
         if c == 1 and not args.no_hf:
             hf = _time_hf(model_dir, tokenizer, texts[: max(1, args.num_prompts)], args.max_tokens)
@@ -452,6 +455,10 @@ def _print_row(row: dict, profile: bool) -> None:
             line += f", {row['num_steps_without_speculation']} steps unspeculated"
     if row.get("grammar_share") is not None:
         line += f", grammar {row['grammar_share']:.1%} of the time"
+    if row.get("prefill_share"):
+        line += f", prefill {row['prefill_share']:.0%} of the run"
+        if row["method"] == NO_SPEC:  # speculation speeds the decode steps only
+            line += f" (speculation's ceiling {1 / row['prefill_share']:.1f}x)"
     if row["greedy_equal"] is not None:
         line += ", greedy equal" if row["greedy_equal"] else ", GREEDY MISMATCH vs no speculation"
     print(line, flush=True)

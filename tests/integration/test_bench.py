@@ -59,11 +59,13 @@ def test_bench_writes_a_row_per_method_and_level_and_a_chart(shared_with_demo, t
         assert row["whole_run_speedup_vs_no_spec"] == pytest.approx(
             bench.paired_ratio(row["whole_run_tokens_per_s_by_round"], reference["whole_run_tokens_per_s_by_round"]))
         assert row["tokens_per_s"] == pytest.approx(statistics.median(row["tokens_per_s_by_round"]))
+        assert 0 < row["prefill_share"] < 1  # every level prefills its prompts, and decodes 8 tokens each
         if row["method"] != "none":
             assert row["k"] >= 1 and row["mean_acceptance_length"] >= 1.0
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     printed = capsys.readouterr().out
     assert "demo-code-7m: tok/s with c requests in flight and speedup" in printed and "c=2" in printed
+    assert "of the run (speculation's ceiling" in printed
 
 
 def test_methods_choose_the_rows_and_repeat_sends_the_prompts_again(shared_with_demo, tmp_path, capsys):

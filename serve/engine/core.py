@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -228,9 +227,9 @@ class LLMEngine(FaultIsolatingSteps):
         decoding = sorted((r for r in self.running if not r.prefilling), key=lambda r: r.slot)
         prefilling = [r for r in self.running if r.prefilling and r.leader is None]  # followers share theirs
         if prefilling:
-            started = time.perf_counter()
+            started = self.clock()
             moved += self._phase("prefill", prefilling, self._prefill)
-            self.stats["prefill_s"] += time.perf_counter() - started
+            self.stats["prefill_s"] += self.clock() - started
         if decoding:
             moved += self._phase("decode", decoding, self._decode)
         retiring = moved + self.faults.take()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from draftsmith.models.tokenizer import load_tokenizer
 from draftsmith.serve.apps.llm import LLM
 from draftsmith.serve.bench.peer import Peer
 from draftsmith.serve.bench.plot import plot_speedups, require_matplotlib
+from draftsmith.serve.bench.turns import TurnOrders
 from draftsmith.serve.engine.outputs import OutputCollector
 from draftsmith.serve.engine.sampling_params import SamplingParams
 from draftsmith.serve.engine.structured_outputs import StructuredOutputsParams
@@ -224,7 +224,6 @@ def steady_rate(tokens: int, decode_seconds: float, prefill_per_token: float) ->
 
 
 SLICE_S = 0.25  # how long one method steps before the next takes over
-TURN_ORDER_SEED = 0  # the rounds' orders of turns (`drive`): the same in every run
 
 
 def drive(llms: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, concurrency: int):
@@ -233,24 +232,16 @@ def drive(llms: dict[str, LLM], prompts: list[list[int]], params: SamplingParams
     steps only, so a change in machine speed (this VM's drifts by up to 30% over minutes) reaches every
     method alike. Turns are that long, not one step, because a method stepping alone keeps its own weights
     and caches warm, as it would serving alone: switching every step cost n-gram a few percent at 8 in flight.
-    Each round of turns goes in a new order (seeded): a turn's first steps run on the caches the turn before
-    left, and in a fixed order the n-gram planner and a fixed k choosing the same widths ran 6-7% apart with
-    the fixed k second and 1% apart with it first (demo, one in flight)."""
+    Each round of turns goes in an order that evens out which method each one follows (`TurnOrders`): a
+    turn's first steps run on the caches the turn before left."""
     runs = {method: _Run(llm, prompts, params, concurrency) for method, llm in llms.items()}
-    orders = turn_orders(list(runs.values()))
-    while not all(run.done for run in runs.values()):
-        for run in next(orders):
+    orders = TurnOrders()
+    while live := [run for run in runs.values() if not run.done]:
+        for run in orders.next_round(live):
             turn_ends = run.seconds + SLICE_S
             while not run.done and run.seconds < turn_ends:
                 run.step()
     return runs
-
-
-def turn_orders(runs: list, seed: int = TURN_ORDER_SEED):
-    """Endless rounds of turns, each `runs` in a new order drawn from `seed`."""
-    rng = random.Random(seed)
-    while True:
-        yield rng.sample(runs, len(runs))
 
 
 def _time_hf(model_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> float:

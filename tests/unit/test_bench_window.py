@@ -5,11 +5,13 @@ steady state a request is admitted as one finishes), and so is the end of the ru
 finish in step would be timed on a whole wave decoded with none prefilled after). The window's tokens are
 charged the prefill they owe at the run's prefill seconds per token, not the prefills inside it."""
 
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 
 from draftsmith.serve.bench import matrix as bench
+from draftsmith.serve.bench.turns import TurnOrders
 from draftsmith.serve.engine.outputs import OutputDelta, RequestHeader, SampleDelta
 
 
@@ -175,27 +177,44 @@ class _NamedEngine(_FakeEngine):
         return super().step()
 
 
-def test_methods_take_turns_in_a_new_order_each_round(monkeypatch):
-    """No method always follows the same one (a turn's first steps run on the caches the turn before left), and
-    a second run takes its turns in the same orders."""
+def test_methods_take_turns_evenly_after_each_other(monkeypatch):
+    """Every method follows every other about equally often and never itself (a turn's first steps run on the
+    caches the turn before left), each round holds every method once, and a second run takes its turns in the
+    same orders."""
     clock = _Clock()
     monkeypatch.setattr(bench.time, "perf_counter", clock)
     monkeypatch.setattr(bench, "SLICE_S", 0.5)  # one fake step (one second) a turn
 
     def turns_of_a_run() -> list[str]:
         turns: list[str] = []
-        llms = {name: _FakeLLM(_NamedEngine(clock, name, turns)) for name in "abcd"}
+        llms = {name: _FakeLLM(_NamedEngine(clock, name, turns)) for name in "abcdefg"}
         bench.drive(llms, [[120]], None, concurrency=1)
         return turns
 
     turns = turns_of_a_run()
-    rounds = [turns[i : i + 4] for i in range(0, len(turns), 4)]
-    assert len(rounds) == 120 and all(sorted(r) == list("abcd") for r in rounds)
-    leads = {name: sum(r[0] == name for r in rounds) for name in "abcd"}
-    assert all(15 <= n <= 45 for n in leads.values()), leads  # 30 each on average
-    follows = {(before, after) for before, after in zip(turns, turns[1:]) if before != after}
-    assert follows == {(x, y) for x in "abcd" for y in "abcd" if x != y}
+    rounds = [turns[i : i + 7] for i in range(0, len(turns), 7)]
+    assert len(rounds) == 120 and all(sorted(r) == list("abcdefg") for r in rounds)
+    follows = Counter(zip(turns, turns[1:]))
+    assert not any(before == after for before, after in follows)
+    counts = [follows[(x, y)] for x in "abcdefg" for y in "abcdefg" if x != y]
+    # 20 each on average; orders drawn at random spread them 11-28, and 15-21 turns followed their own method
+    assert max(counts) - min(counts) <= 2, follows
     assert turns_of_a_run() == turns
+
+
+def test_turn_orders_stay_even_as_methods_finish():
+    """Methods finish at different times: the ones left keep following each other evenly."""
+    orders, turns, live = TurnOrders(), [], list("abcdef")
+    for round_ in range(90):
+        if round_ in (30, 60):
+            live = live[:-1]
+        order = orders.next_round(live)
+        assert sorted(order) == sorted(live)
+        turns += order
+    follows = Counter(zip(turns, turns[1:]))
+    assert not any(before == after for before, after in follows)
+    counts = [follows[(x, y)] for x in "abcd" for y in "abcd" if x != y]
+    assert max(counts) - min(counts) <= 2, follows
 
 
 def test_a_speedup_pairs_each_round_with_the_same_rounds_reference():
